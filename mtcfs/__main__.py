@@ -1,0 +1,3 @@
+from mtcfs.cli import main
+
+main()

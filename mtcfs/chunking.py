@@ -1,0 +1,91 @@
+"""Fixed-size chunking and blake3 hashing of file versions.
+
+A sealed file version is cut into chunks of ``chunk_size`` bytes (the last one may be
+shorter). Each chunk is named by the hex blake3 digest of its bytes; the file as a whole
+also gets the blake3 digest of its full content, so ``user.mtcfs.blake3`` equals what
+``b3sum`` prints for the file.
+
+Fixed-size rather than content-defined chunking: tensor files change in place, they do not
+shift, so fixed offsets give the same dedup at a fraction of the CPU cost (see
+docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import blake3
+
+#: Default chunk size in bytes (4 MiB): large enough to keep per-chunk overhead (an RPC,
+#: an object-store request, an index row) small, small enough that an unchanged tensor of
+#: a few MiB dedups.
+DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
+
+#: Chunk sizes outside this range are rejected by option parsing.
+MIN_CHUNK_SIZE = 64 * 1024
+MAX_CHUNK_SIZE = 256 * 1024 * 1024
+
+#: The digest of the empty input; the file hash of an empty file.
+EMPTY_HASH = blake3.blake3(b"").hexdigest()
+
+
+def chunk_hash(data: bytes | memoryview) -> str:
+    """Return the hex blake3 digest (64 characters) of one chunk's bytes."""
+    return blake3.blake3(data).hexdigest()
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    """Number of chunks a file of ``size`` bytes has (0 for an empty file)."""
+    return (size + chunk_size - 1) // chunk_size
+
+
+def chunk_span(index: int, size: int, chunk_size: int) -> tuple[int, int]:
+    """Return ``(offset, length)`` in bytes of chunk ``index`` of a ``size``-byte file."""
+    off = index * chunk_size
+    return off, max(0, min(chunk_size, size - off))
+
+
+@dataclass(frozen=True)
+class HashResult:
+    """The outcome of hashing one file version.
+
+    Attributes:
+        size: bytes hashed.
+        chunks: hex blake3 digest of each chunk, in file order.
+        file_hash: hex blake3 digest of the whole content.
+    """
+
+    size: int
+    chunks: tuple[str, ...]
+    file_hash: str
+
+
+def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
+    """Hash the first ``size`` bytes of the open file ``fd`` chunk by chunk.
+
+    Blocking and CPU-bound (about 2 GB/s on one core, since every byte is hashed twice:
+    once for its chunk, once for the whole file); call it from a worker thread.
+    The file is mapped, not copied, so memory use stays flat whatever the size.
+
+    Raises:
+        OSError: if the file cannot be mapped or is shorter than ``size``.
+    """
+    whole = blake3.blake3()
+    digests: list[str] = []
+    if size == 0:
+        return HashResult(0, (), EMPTY_HASH)
+    if os.fstat(fd).st_size < size:
+        raise OSError(f"data file is shorter than {size} bytes")
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            for off in range(0, size, chunk_size):
+                piece = view[off:off + chunk_size]
+                digests.append(blake3.blake3(piece).hexdigest())
+                whole.update(piece)
+                piece.release()
+        finally:
+            view.release()
+    return HashResult(size, tuple(digests), whole.hexdigest())

@@ -1,0 +1,392 @@
+"""Command line: ``mtcfs SOURCE MOUNTPOINT [-f] [-o opt=val,...]`` and the subcommands.
+
+The mount form is what ``mount -t fuse.mtcfs SOURCE MOUNTPOINT -o ...`` and fstab run
+through mount.fuse3. It validates every option first (a bad one: a one-line error naming
+it, exit code 2, nothing mounted), then daemonizes and returns once the mount is ready
+(unless ``-f``).
+
+Subcommands talk to the daemon over its control socket:
+``status``, ``checkpoints``, ``restore``, ``seal``, ``gc``, ``verify``, ``backup``, ``umount``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+from mtcfs import control
+from mtcfs.options import OptionError, parse_mount_options
+
+SUBCOMMANDS = ("status", "checkpoints", "restore", "seal", "gc", "verify", "backup", "umount",
+               "mount")
+EXIT_USAGE = 2
+
+
+def _die(msg: str, code: int = 1) -> None:
+    print(f"mtcfs: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------- mount
+
+def _mount_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mtcfs", usage="mtcfs SOURCE MOUNTPOINT [-f] [-o opt=val,...]\n"
+        "       mtcfs {status,checkpoints,restore,seal,gc,verify,backup,umount} ...",
+        description="Mount a multi-tier checkpoint filesystem for job SOURCE at MOUNTPOINT.")
+    p.add_argument("source", metavar="SOURCE", help="job name")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("-o", dest="options", action="append", default=[],
+                   help="comma-separated mount options (see docs/usage.md)")
+    p.add_argument("-f", "--foreground", action="store_true", help="do not daemonize")
+    p.add_argument("-n", dest="no_mtab", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-s", dest="single", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-v", dest="verbose", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _setup_logging(debug: bool, path: str | None) -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = []
+    if path:
+        handlers.append(logging.FileHandler(path))
+    else:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format=fmt,
+                        handlers=handlers, force=True)
+    for noisy in ("urllib3", "google", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_mount(argv: list[str]) -> None:
+    args = _mount_parser().parse_args(argv)
+    try:
+        opts = parse_mount_options(args.source, args.mountpoint, args.options, args.foreground)
+    except OptionError as exc:
+        _die(str(exc), EXIT_USAGE)
+    if not os.path.isdir(opts.mountpoint):
+        _die(f"mount point {opts.mountpoint} is not a directory", EXIT_USAGE)
+    if os.path.ismount(opts.mountpoint):
+        _die(f"{opts.mountpoint} is already a mount point", 1)
+    opts.mountpoint = os.path.abspath(opts.mountpoint)
+
+    from mtcfs.daemon import Daemon
+    from mtcfs.store import StoreError
+    if opts.foreground:
+        _setup_logging(opts.debug, None)
+        daemon = Daemon(opts)
+        try:
+            daemon.build()
+        except (StoreError, ValueError, OSError) as exc:
+            _die(str(exc))
+        import trio
+        trio.run(daemon.run, lambda: None)
+        return
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            msg = r.read().decode(errors="replace")
+        if msg.startswith("OK"):
+            sys.exit(0)
+        _die(msg.strip() or "the daemon exited before the mount was ready")
+    # Child: a daemon in its own session, logging into the store directory.
+    os.close(rfd)
+    os.setsid()
+    status = os.fdopen(wfd, "wb", buffering=0)
+    code = 0
+    try:
+        daemon = Daemon(opts)
+        try:
+            os.makedirs(opts.store, mode=0o700, exist_ok=True)
+            _setup_logging(opts.debug, os.path.join(opts.store, "mtcfs.log"))
+            daemon.build()
+        except (StoreError, ValueError, OSError) as exc:
+            status.write(str(exc).encode())
+            status.close()
+            os._exit(1)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+
+        def ready() -> None:
+            status.write(b"OK")
+            status.close()
+        import trio
+        try:
+            trio.run(daemon.run, ready)
+        except BaseException as exc:
+            logging.getLogger("mtcfs").exception("daemon failed")
+            if not status.closed:
+                status.write(f"mount failed: {exc}".encode())
+            code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------- client side
+
+def control_socket(path: str) -> tuple[str, str]:
+    """Find the daemon serving ``path``: returns (socket path, mount root).
+
+    Raises:
+        SystemExit: ``path`` is not on an mtcfs mount.
+    """
+    cur = os.path.abspath(path)
+    while True:
+        try:
+            sock = os.getxattr(cur, "user.mtcfs.control").decode()
+            return sock, cur
+        except OSError:
+            pass
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            _die(f"{path} is not on an mtcfs mount")
+        cur = parent
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (only when it is a terminal)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self.t0 = time.monotonic()
+        self.shown = False
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        frac = done / total if total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        rate = done / max(1e-6, time.monotonic() - self.t0)
+        sys.stderr.write(f"\r{self.label} [{bar}] {frac * 100:5.1f}% {_human(done)}/"
+                         f"{_human(total)} {_human(rate)}/s ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def _request(sock: str, cmd: str, label: str | None = None, **args: Any) -> Any:
+    bar = ProgressBar(label) if label else None
+    result = None
+    try:
+        for msg in control.request(sock, cmd, **args):
+            if "progress" in msg and bar:
+                bar.update(*msg["progress"])
+            elif "result" in msg:
+                result = msg["result"]
+    except control.ControlError as exc:
+        if bar:
+            bar.close()
+        _die(str(exc))
+    if bar:
+        bar.close()
+    return result
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    st = _request(sock, "status")
+    if a.json:
+        _print_json(st)
+        return
+    ram = st["ram"]
+    print(f"job {st['job']} at {st['mountpoint']} (pid {st['pid']}, store {st['store']})")
+    print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
+          f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
+    b = st.get("backup")
+    if b:
+        last = "never" if not b["last_finished"] else time.strftime(
+            "%H:%M:%S", time.localtime(b["last_finished"]))
+        print(f"  backup:   {b['url']} every {b['interval']}; last {b['last_step'] or '-'} at "
+              f"{last}; uploading {b['uploading'] or '-'}; pending "
+              f"{', '.join(b['pending']) or '-'}; failures {b['failures']}")
+        if b.get("last_error"):
+            print(f"            last error: {b['last_error']}")
+    else:
+        print("  backup:   none configured")
+    r = st.get("restore")
+    if r and (r.get("step") or r["pending_chunks"]):
+        print(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "
+              f"({_human(r['pending_bytes'])}) still to fetch, {r['corrupt_chunks']} corrupt")
+    if st["errors"]:
+        print("  errors:")
+        for e in st["errors"][-10:]:
+            print(f"    {e}")
+
+
+def cmd_checkpoints(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    rows = _request(sock, "checkpoints")
+    if a.json:
+        _print_json(rows)
+        return
+    if not rows:
+        print("no checkpoints")
+        return
+    print(f"{'STEP':<24} {'SIZE':>10} {'FILES':>6}  {'RAM':<9} {'BACKUP':<9} COMMITTED BY")
+    for r in rows:
+        files = "-" if r["files"] is None else str(r["files"])
+        print(f"{r['step']:<24} {_human(r['bytes']):>10} {files:>6}  {r['ram']:<9} "
+              f"{r['backup']:<9} {r['committed_by']}")
+
+
+def cmd_restore(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    t0 = time.monotonic()
+    res = _request(sock, "restore", label="restore", step=a.step, wait=not a.no_wait)
+    res["seconds"] = round(time.monotonic() - t0, 3)
+    if a.json:
+        _print_json(res)
+    elif res.get("imported"):
+        print(f"restored {res['step']} ({_human(res['bytes'])}) in {res['seconds']:.2f}s")
+    else:
+        print(f"{res['step']} is already here")
+
+
+def cmd_seal(a: argparse.Namespace) -> None:
+    sock, root = control_socket(a.path)
+    rel = os.path.relpath(os.path.abspath(a.path), root)
+    res = _request(sock, "seal", path=rel)
+    if a.json:
+        _print_json(res)
+    else:
+        print(f"checkpoint {res['step']} sealed")
+
+
+def cmd_gc(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    res = _request(sock, "gc")
+    if a.json:
+        _print_json(res)
+    else:
+        print(f"evicted from RAM: {', '.join(res['evicted']) or 'nothing'}")
+        if res.get("backup_retention"):
+            print(f"backup retention: {res['backup_retention']}")
+
+
+def cmd_verify(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    res = _request(sock, "verify", label="verify")
+    bad = res["mismatches"]
+    if a.json:
+        _print_json(res)
+    elif bad:
+        for m in bad:
+            print(f"MISMATCH {m}")
+    else:
+        print("all chunks match their hashes")
+    if bad:
+        sys.exit(1)
+
+
+def cmd_backup(a: argparse.Namespace) -> None:
+    sock, _ = control_socket(a.mountpoint)
+    res = _request(sock, "backup", step=a.step)
+    if a.json:
+        _print_json(res)
+    else:
+        print(f"backed up {res['last_step']}: {_human(res['last_bytes_logical'])}, "
+              f"{_human(res['last_bytes_uploaded'])} uploaded in {res['last_seconds']:.2f}s")
+
+
+def cmd_umount(a: argparse.Namespace) -> None:
+    mnt = os.path.abspath(a.mountpoint)
+    pid = None
+    try:
+        sock, _ = control_socket(mnt)
+        pid = control.call(sock, "status", timeout=10)["pid"]
+    except (SystemExit, control.ControlError, OSError):
+        pass
+    tool = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
+    args = [tool, "-u", mnt] if "fusermount" in tool else [tool, mnt]
+    if a.lazy:
+        args.insert(1, "-z")
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        _die(f"cannot unmount {mnt}: {r.stderr.strip() or r.stdout.strip()}")
+    if pid:
+        deadline = time.monotonic() + a.timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            _die(f"unmounted, but daemon {pid} did not exit within {a.timeout}s")
+
+
+def _sub_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtcfs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, fn: Any, help: str, target: str = "mountpoint") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument(target)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("status", cmd_status, "capacity, tiers, pending backup work, errors")
+    add("checkpoints", cmd_checkpoints, "each checkpoint, its size and its state per tier")
+    r = add("restore", cmd_restore, "restore a checkpoint from the backup tier")
+    r.add_argument("--step", type=int, help="step number (default: the newest complete)")
+    r.add_argument("--no-wait", action="store_true", help="return once the files appear")
+    add("seal", cmd_seal, "mark a top-level directory as a complete checkpoint", target="path")
+    add("gc", cmd_gc, "evict old checkpoints from RAM and apply backup retention")
+    add("verify", cmd_verify, "re-hash every chunk in RAM; exit 1 on any mismatch")
+    b = add("backup", cmd_backup, "back up a checkpoint now and wait for it")
+    b.add_argument("--step", help="step directory name (default: the newest committed)")
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("-z", "--lazy", action="store_true")
+    u.add_argument("--timeout", type=float, default=60.0)
+    u.set_defaults(fn=cmd_umount)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "mount":
+        cmd_mount(argv[1:])
+        return
+    if argv and argv[0] in SUBCOMMANDS:
+        a = _sub_parser().parse_args(argv)
+        a.fn(a)
+        return
+    cmd_mount(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The composition root of one mount: build everything, run it, tear it down.
+
+Everything is built here and nowhere else: the store, the filesystem core, the backup tier
+and its policy, restore, the control socket and the pyfuse3 session. One trio run holds
+them all in one nursery; SIGTERM/SIGINT or an unmount ends it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from mtcfs import control
+from mtcfs.errors import FsError
+from mtcfs.fs.core import Filesystem
+from mtcfs.fuse_ops import Operations
+from mtcfs.options import MountOptions
+from mtcfs.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Read-ahead for the mount's backing device info, in KiB: lets the kernel send 1 MiB read
+#: requests instead of 128 KiB ones (library-fs-ops.md: cold reads ~35% faster).
+READ_AHEAD_KB = 4096
+
+
+def default_capacity(store_path: str) -> int:
+    """Half of the filesystem the store lives on (tmpfs under /dev/shm by default)."""
+    st = os.statvfs(store_path)
+    return st.f_blocks * st.f_frsize // 2
+
+
+class Daemon:
+    """One mount: ``mtcfs SOURCE MOUNTPOINT -o ...``.
+
+    Args:
+        opts: validated mount options.
+    """
+
+    def __init__(self, opts: MountOptions) -> None:
+        self.opts = opts
+        self.store: Store | None = None
+        self.fs: Filesystem | None = None
+        self.backup_store: Any = None
+        self.backup: Any = None
+        self.prefetcher: Any = None
+        self.started = time.time()
+        self.restore_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ building
+
+    def build(self) -> None:
+        """Open the store and build the core and backup tier (no mount yet).
+
+        Raises:
+            StoreError, ValueError: the store or backup URL cannot be used.
+        """
+        o = self.opts
+        self.store = Store(o.store, o.job, o.chunk_size)
+        capacity = o.size or default_capacity(self.store.path)
+        self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
+                             chunk_size=o.chunk_size, job=o.job)
+        if o.backup:
+            from replication.backup import (BackupStore, RetryingBackend, RetryPolicy,
+                                            open_backend)
+            from replication.restore import BackupChunkSource, Prefetcher
+            from replication.scheduler import BackupService
+            backend = RetryingBackend(open_backend(o.backup),
+                                      RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
+            self.backup_store = BackupStore(backend)
+            self.fs.chunk_source = BackupChunkSource(self.backup_store)
+            iv = o.backup_interval
+            self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
+                                        every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
+                                        url=o.backup, interval_text=str(iv))
+            self.prefetcher = Prefetcher(self.fs)
+
+    async def restore_at_mount(self) -> None:
+        """On an empty store, bring back the newest (or the requested) backed-up checkpoint."""
+        fs = self.fs
+        assert fs is not None
+        if self.backup_store is None or self.opts.restore == "none" or fs.steps \
+                or fs.inodes[1].children:
+            return
+        want = None if self.opts.restore == "latest" else int(self.opts.restore)
+        try:
+            with trio.fail_after(120):
+                await self.restore_step(want)
+        except (Exception, trio.TooSlowError) as exc:
+            fs._error(f"restore at mount failed: {exc}")
+
+    async def restore_step(self, number: int | None) -> dict[str, Any]:
+        """Import step ``number`` (None: the newest complete) from the backup tier.
+
+        Raises:
+            FsError: ENOENT when the backup has no such complete step, EEXIST when it exists.
+        """
+        fs, bs = self.fs, self.backup_store
+        assert fs is not None
+        if bs is None:
+            raise FsError(errno.EINVAL, "no backup= tier configured")
+        t0 = time.monotonic()
+        steps = await trio.to_thread.run_sync(bs.list_steps)
+        if number is None:
+            if not steps:
+                raise FsError(errno.ENOENT, "the backup tier holds no complete checkpoint")
+            info = steps[-1]
+        else:
+            match = [s for s in steps if s.step_number == number]
+            if not match:
+                raise FsError(errno.ENOENT, f"the backup tier has no complete checkpoint {number}")
+            info = match[-1]
+        if info.step in fs.steps:
+            return {"step": info.step, "imported": False}
+        manifest = await trio.to_thread.run_sync(bs.get_step, info.step)
+        fs.import_step(manifest)
+        self.restore_info = {"step": info.step, "bytes": manifest.total_bytes,
+                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
+        log.info("restored namespace of %s (%d bytes) from %s", info.step,
+                 manifest.total_bytes, self.opts.backup)
+        if self.prefetcher is not None:
+            self.prefetcher.kick()
+        return {"step": info.step, "imported": True, "bytes": manifest.total_bytes}
+
+    # ------------------------------------------------------------------ running
+
+    def fuse_options(self) -> set[str]:
+        o = self.opts
+        opts = set(pyfuse3.default_options)
+        opts.add(f"fsname={o.job}")
+        opts.add("subtype=mtcfs")
+        if o.allow_other:
+            opts.add("allow_other")
+        if o.read_only:
+            opts.add("ro")
+        return opts
+
+    async def run(self, ready: Callable[[], None]) -> None:
+        """Mount, call ``ready()``, and serve until unmounted or signalled."""
+        assert self.fs is not None and self.store is not None
+        await self.restore_at_mount()
+        ops = Operations(self.fs)
+        pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
+        mounted = True
+        try:
+            self._tune_readahead()
+            async with trio.open_nursery() as n:
+                self.fs.start(n)
+                await n.start(control.serve, self.store.control_socket, self.handle)
+                n.start_soon(self._signals, n)
+                if self.backup is not None:
+                    n.start_soon(self.backup.run)
+                if self.prefetcher is not None:
+                    n.start_soon(self.prefetcher.run)
+                ready()
+                await pyfuse3.main()
+                mounted = False
+                n.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=mounted)
+            self.fs.close()
+            self.store.close()
+
+    async def _signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %d: unmounting", sig)
+                pyfuse3.terminate()
+
+    def _tune_readahead(self) -> None:
+        # Not os.stat(mountpoint): that would send GETATTR to this very daemon, whose loop
+        # is not running yet. /proc/self/mountinfo has the device number.
+        try:
+            dev = None
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    fields = line.split()
+                    if fields[4] == self.opts.mountpoint:
+                        dev = fields[2]
+            if dev is None:
+                return
+            path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+            with open(path, "w") as f:
+                f.write(str(READ_AHEAD_KB))
+        except OSError as exc:  # not root, or no sysfs: keep the kernel default
+            log.debug("cannot raise read-ahead: %s", exc)
+
+    # ------------------------------------------------------------------ control requests
+
+    async def handle(self, req: dict[str, Any], progress: control.Progress) -> Any:
+        cmd = req["cmd"]
+        fs = self.fs
+        assert fs is not None
+        if cmd == "status":
+            return self.status()
+        if cmd == "checkpoints":
+            return await self.checkpoints()
+        if cmd == "seal":
+            rec = fs.seal_path(str(req.get("path", "")))
+            return {"step": rec.name, "number": rec.number}
+        if cmd == "gc":
+            evicted = fs.evict()
+            swept = None
+            if self.backup_store is not None:
+                stats = await trio.to_thread.run_sync(self.backup_store.retain,
+                                                      self.opts.backup_keep)
+                swept = getattr(stats, "__dict__", stats)
+            return {"evicted": evicted, "backup_retention": swept}
+        if cmd == "verify":
+            tp = trio.lowlevel.current_trio_token()
+
+            def prog(done: int, total: int) -> None:
+                trio.from_thread.run_sync(progress, done, total, trio_token=tp)
+            bad = await trio.to_thread.run_sync(fs.verify, prog)
+            for msg in bad:
+                fs._error(f"verify: {msg}")
+            return {"mismatches": bad}
+        if cmd == "restore":
+            step = req.get("step")
+            res = await self.restore_step(int(step) if step is not None else None)
+            if req.get("wait", True):
+                await self._wait_restored(progress)
+            return res
+        if cmd == "backup":
+            if self.backup is None:
+                raise FsError(errno.EINVAL, "no backup= tier configured")
+            await self.backup.request(req.get("step"))
+            return self.backup.status.to_json()
+        raise FsError(errno.EINVAL, f"unknown command {cmd!r}")
+
+    async def _wait_restored(self, progress: control.Progress) -> None:
+        assert self.fs is not None and self.prefetcher is not None
+        _, total = self.prefetcher.pending()
+        while True:
+            chunks, left = self.prefetcher.pending()
+            progress(total - left, total)
+            if chunks == 0:
+                return
+            if self.prefetcher.failed:
+                self.prefetcher.failed = 0
+                self.prefetcher.kick()
+            await trio.sleep(0.2)
+
+    def status(self) -> dict[str, Any]:
+        fs = self.fs
+        assert fs is not None
+        o = self.opts
+        s = fs.statfs()
+        out: dict[str, Any] = {
+            "job": o.job, "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
+            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
+            "chunk_size": o.chunk_size, "keep": o.keep,
+            "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
+                    "files": s["files"], "checkpoints": len(fs.steps)},
+            "counters": vars(fs.counters).copy(),
+            "errors": list(fs.errors),
+            "backup": None, "restore": None,
+        }
+        if self.backup is not None:
+            b = self.backup.status.to_json()
+            b["store"] = self.backup_store.stats()
+            out["backup"] = b
+        if self.prefetcher is not None:
+            chunks, nbytes = self.prefetcher.pending()
+            out["restore"] = {**self.restore_info, "pending_chunks": chunks,
+                              "pending_bytes": nbytes,
+                              "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0)}
+        return out
+
+    async def checkpoints(self) -> list[dict[str, Any]]:
+        fs = self.fs
+        assert fs is not None
+        rows: dict[str, dict[str, Any]] = {}
+        for rec in fs.steps.values():
+            files = size = local = 0
+            for _p, ino in fs.walk(fs.inodes[rec.ino]):
+                if ino.is_file:
+                    v = fs.versions[ino.vid]
+                    files += 1
+                    size += v.size
+                    local += v.local_bytes()
+            ram = "complete" if local == size else ("evicted" if local == 0 else "partial")
+            backup = "complete" if rec.backed_up_ns is not None else (
+                "uploading" if rec.backing_up else ("-" if self.backup is None else "pending"))
+            rows[rec.name] = {"step": rec.name, "number": rec.number, "files": files,
+                              "bytes": size, "ram": ram, "backup": backup,
+                              "committed_by": rec.source,
+                              "committed": rec.committed_ns / 1e9}
+        if self.backup_store is not None:
+            try:
+                remote = await trio.to_thread.run_sync(self.backup_store.list_steps)
+            except Exception as exc:
+                log.warning("cannot list the backup tier: %s", exc)
+                remote = []
+            for info in remote:
+                row = rows.get(info.step)
+                if row is None:
+                    rows[info.step] = {"step": info.step, "number": info.step_number,
+                                       "files": None, "bytes": info.total_bytes, "ram": "-",
+                                       "backup": "complete", "committed_by": "backup",
+                                       "committed": info.created_ns / 1e9}
+                else:
+                    row["backup"] = "complete"
+        return sorted(rows.values(), key=lambda r: (r["number"], r["step"]))

@@ -1,0 +1,151 @@
+"""In-memory objects of the filesystem core: inodes, file versions, attributes.
+
+The namespace is small (thousands of entries for even large checkpoints) so the core keeps
+all of it in memory and writes every change through to SQLite (:mod:`mtcfs.store.meta`).
+File *data* is never held here: it lives in the store's data files.
+"""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import dataclass, field
+
+import trio
+
+ROOT_INO = 1
+
+#: st_blksize reported for files: Python's buffered I/O sizes its buffer from it, and a
+#: large buffer means fewer, larger FUSE requests (see library-fs-ops.md).
+BLKSIZE = 1024 * 1024
+
+
+@dataclass(eq=False)
+class Version:
+    """One version of a file's content, stored in data file ``<store>/data/<vid>``.
+
+    A version is open (mutable) until the last writable handle is released, then sealed:
+    hashed into ``chunks`` (hex blake3 per ``chunk_size`` bytes) and ``blake3`` (the whole
+    file). Opening a sealed version for writing makes a new version (copy-on-write).
+
+    Attributes:
+        missing: indices of chunks whose bytes are not yet in the data file (restored from
+            another tier, or evicted); reads of them wait for a fault-in.
+        writers: open writable handles; handles: all open handles.
+        pins: holders other than handles that need the data file to stay (a backup upload).
+        gen: bumped on every modification; a seal whose hash ran while ``gen`` moved is
+            discarded.
+    """
+
+    vid: int
+    ino: int
+    size: int
+    chunk_size: int
+    sealed: bool = False
+    chunks: tuple[str, ...] = ()
+    blake3: str = ""
+    missing: set[int] = field(default_factory=set)
+    backed_up: bool = False
+    writers: int = 0
+    handles: int = 0
+    pins: int = 0
+    gen: int = 0
+    fd: int = -1
+    current: bool = True
+    sealing: trio.Event | None = None
+    seal_error: str = ""
+
+    def missing_bytes(self) -> int:
+        cs = self.chunk_size
+        return sum(max(0, min(cs, self.size - i * cs)) for i in self.missing)
+
+    def local_bytes(self) -> int:
+        """Bytes of this version held in the RAM tier."""
+        return self.size - self.missing_bytes() if self.missing else self.size
+
+
+@dataclass(eq=False)
+class Inode:
+    """A file, directory or symlink.
+
+    Attributes:
+        children: name -> ino, for directories only.
+        parent, name: for directories the one parent entry; for files the latest link
+            (to give a sealed version a path); 0/b"" when unlinked.
+        lookups: the kernel's lookup count (FUSE nlookup); the inode is freed when it,
+            ``nlink`` and its open handles all reach zero.
+    """
+
+    ino: int
+    kind: str
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    target: bytes = b""
+    vid: int | None = None
+    parent: int = 0
+    name: bytes = b""
+    children: dict[bytes, int] | None = None
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    lookups: int = 0
+    opens: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == "dir"
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == "file"
+
+
+def kind_of_mode(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "file"
+
+
+@dataclass(frozen=True)
+class Attr:
+    """Attributes the adapter reports (the fields of struct stat the kernel uses)."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    blksize: int = BLKSIZE
+
+    @property
+    def blocks(self) -> int:
+        return (self.size + 511) // 512
+
+
+@dataclass
+class Handle:
+    """An open file handle (what FUSE calls fh)."""
+
+    fh: int
+    ino: int
+    version: Version
+    writable: bool
+    append: bool = False
+
+
+@dataclass
+class DirHandle:
+    """An open directory: a snapshot of its entries taken at opendir, so that entries added
+    or removed during a listing never make others skip or repeat."""
+
+    fh: int
+    ino: int
+    entries: list[tuple[bytes, int]]

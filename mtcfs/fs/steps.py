@@ -1,0 +1,51 @@
+"""Checkpoint (step) naming and commit detection rules.
+
+A checkpoint is a top-level directory of the job whose name carries a step number:
+``100``, ``step_100``, ``step-100``, ``checkpoint-100``, ``checkpoint_100``, ``ckpt_100``,
+``iter_0000100``, ``global_step100`` (the names DCP scripts, Orbax, NeMo/Megatron and HF
+Trainer use). It is **committed** (complete on this node) when the library commits it:
+
+- Orbax: ``rename(<step>.orbax-checkpoint-tmp-<ts> -> <step>)`` at the job root, or a
+  sealed ``commit_success.txt`` in the step directory;
+- PyTorch DCP: a sealed ``.metadata`` in the step directory (DCP writes it last, after a
+  barrier, by renaming ``.metadata.tmp``);
+- explicitly: ``mtcfs seal PATH``.
+"""
+
+from __future__ import annotations
+
+import re
+
+_STEP_RE = re.compile(
+    r"^(?:(?:step|checkpoint|ckpt|iter|global_step|epoch)[_-]?)?(\d{1,18})$", re.IGNORECASE)
+
+#: Temporary directory names Orbax writes a step into before its commit rename.
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+
+#: File names whose seal inside a step directory commits the step, with the source label.
+COMMIT_FILES = {
+    b"commit_success.txt": "commit_success.txt",
+    b".metadata": ".metadata",
+}
+
+
+def step_number(name: str | bytes) -> int | None:
+    """Return the step number a top-level directory name denotes, or None.
+
+    >>> step_number("step_100"), step_number("100"), step_number("100.orbax-checkpoint-tmp-1")
+    (100, 100, None)
+    """
+    if isinstance(name, bytes):
+        try:
+            name = name.decode()
+        except UnicodeDecodeError:
+            return None
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_orbax_tmp(name: str | bytes) -> bool:
+    """True for Orbax's uncommitted step directory names."""
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    return ORBAX_TMP_MARK in name

@@ -1,0 +1,5 @@
+"""The replicator: peer service, coordinator, peer selection, backup tier and restore.
+
+Subpackages are imported explicitly (``from replication.backup import BackupStore``); this
+package itself imports nothing so that loading one part does not pull in the others.
+"""

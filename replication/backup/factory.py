@@ -1,0 +1,31 @@
+"""One call from a ``backup=`` URL to a ready :class:`BackupStore` with retries."""
+
+from __future__ import annotations
+
+import threading
+
+from replication.backup.backend import open_backend
+from replication.backup.chunk_store import BackupStore
+from replication.backup.codec import DEFAULT_LEVEL
+from replication.backup.retry import RetryingBackend, RetryPolicy
+
+
+def open_store(url: str, *, policy: RetryPolicy | None = None,
+               stop: threading.Event | None = None, level: int = DEFAULT_LEVEL,
+               check_remote: bool = False) -> BackupStore:
+    """Build the backup store a URL names: backend, wrapped in the retry policy.
+
+    Performs no I/O; the first operation contacts the backend.
+
+    Args:
+        url: ``gs://bucket[/prefix]`` or ``file:///absolute/path``.
+        policy: retry policy; default ``RetryPolicy()`` (retry forever, 0.2 s .. 30 s).
+        stop: set it at shutdown to end retry waits early.
+        level: zstd level for chunks.
+        check_remote: see :class:`BackupStore`.
+
+    Raises:
+        ValueError: if the URL is not usable (message names it).
+    """
+    backend = RetryingBackend(open_backend(url), policy, stop=stop)
+    return BackupStore(backend, level=level, check_remote=check_remote)

@@ -1,0 +1,195 @@
+"""The backup policy: when to back up which checkpoint, in the background.
+
+Every ``backup_interval`` (a duration, or a count of committed checkpoints) the newest
+committed checkpoint that is not yet in the backup tier is uploaded: its files' chunks that
+the bucket lacks, then its manifest, then its completion marker. The application never
+waits for any of it: uploads run in worker threads, read from pinned versions in the store,
+and a failing bucket only delays the next attempt (jittered backoff).
+
+This module knows the filesystem core only through the duck-typed methods it calls
+(``steps``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``, ``mark_backed_up``,
+``unpin``, ``evict``, ``subscribe``); it never imports it (imports point down).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+
+from replication.backup import BackupError, BackupStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackupStatus:
+    """What ``mtcfs status`` shows of the backup tier."""
+
+    url: str
+    interval: str
+    uploading: str | None = None
+    last_step: str | None = None
+    last_finished: float | None = None
+    last_seconds: float | None = None
+    last_bytes_logical: int = 0
+    last_bytes_uploaded: int = 0
+    total_bytes_uploaded: int = 0
+    backups: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    pending: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BackupService:
+    """Runs the backup policy for one mount.
+
+    Args:
+        fs: the filesystem core.
+        store: the backup tier.
+        interval_s: back up at most every this many seconds (None: count-based).
+        every_ckpts: back up every this many committed checkpoints (None: time-based).
+        keep_backups: complete checkpoints kept in the backup tier (``backup_keep``).
+        url: for status only.
+    """
+
+    def __init__(self, fs: Any, store: BackupStore, *, interval_s: float | None,
+                 every_ckpts: int | None, keep_backups: int, url: str, interval_text: str) -> None:
+        self.fs = fs
+        self.store = store
+        self.interval_s = interval_s
+        self.every_ckpts = every_ckpts
+        self.keep_backups = keep_backups
+        self.status = BackupStatus(url=url, interval=interval_text)
+        self._commits_since = 0
+        self._last_start = -math.inf
+        self._wake = trio.Event()
+        self._done = trio.Event()
+        self._force: str | None = None
+        fs.subscribe(self._on_event)
+
+    def _on_event(self, event: str, obj: Any) -> None:
+        if event == "committed":
+            self._commits_since += 1
+            self._wake.set()
+
+    def candidate(self) -> Any | None:
+        """The newest committed step, if it is not yet backed up."""
+        if not self.fs.steps:
+            return None
+        newest = max(self.fs.steps.values(), key=lambda s: (s.number, s.committed_ns))
+        return None if newest.backed_up_ns is not None else newest
+
+    def _due(self) -> bool:
+        if self._force is not None:
+            return True
+        if self.every_ckpts is not None:
+            return self._commits_since >= self.every_ckpts
+        return time.monotonic() - self._last_start >= (self.interval_s or 0)
+
+    async def request(self, step: str | None = None) -> None:
+        """Back up ``step`` (default: the newest committed) now and wait until it is done.
+
+        Raises:
+            BackupError: the upload failed.
+        """
+        self._force = step or "__newest__"
+        self._done = trio.Event()
+        self._wake.set()
+        await self._done.wait()
+        if self.status.last_error and self._force_failed:
+            raise BackupError(self.status.last_error)
+
+    async def run(self) -> None:
+        failures = 0
+        self._force_failed = False
+        while True:
+            rec = None
+            if self._force not in (None, "__newest__"):
+                rec = self.fs.steps.get(self._force)
+            elif self._due():
+                rec = self.candidate()
+            if rec is None:
+                if self._force is not None:
+                    self._force = None
+                    self._done.set()
+                self.status.pending = [s.name for s in [self.candidate()] if s is not None]
+                with trio.move_on_after(self._sleep_time()):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            ok = await self._backup(rec)
+            if ok:
+                failures = 0
+                self._force_failed = False
+            else:
+                failures += 1
+                self._force_failed = True
+                delay = min(300.0, random.uniform(0, 2.0 * 2 ** min(failures, 8)))
+                log.warning("backup of %s failed (%d in a row); next try in %.1fs",
+                            rec.name, failures, delay)
+                if self._force is not None:
+                    self._force = None
+                    self._done.set()
+                await trio.sleep(delay)
+                continue
+            if self._force is not None:
+                self._force = None
+                self._done.set()
+
+    def _sleep_time(self) -> float:
+        if self.every_ckpts is None and self.candidate() is not None:
+            return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
+        return 3600.0
+
+    async def _backup(self, rec: Any) -> bool:
+        """Upload one step. Returns False on failure (already logged)."""
+        while not self.fs.step_sealed(rec):
+            await trio.sleep(0.05)
+            if self.fs.steps.get(rec.name) is not rec:
+                return True  # deleted meanwhile: nothing to do
+        self._last_start = time.monotonic()
+        self._commits_since = 0
+        manifest, pinned = self.fs.snapshot_step(rec.name)
+        rec.backing_up = True
+        self.status.uploading = rec.name
+        t0 = time.monotonic()
+        try:
+            stats = await trio.to_thread.run_sync(
+                self.store.put_step, manifest, self.fs.chunk_reader(pinned), abandon_on_cancel=True)
+        except (BackupError, OSError) as exc:
+            self.status.failures += 1
+            self.status.last_error = f"backup of {rec.name}: {exc}"
+            self.fs.unpin(pinned)
+            return False
+        finally:
+            rec.backing_up = False
+            self.status.uploading = None
+        self.fs.mark_backed_up(rec.name, pinned)
+        self.fs.unpin(pinned)
+        st = self.status
+        st.last_step, st.last_finished = rec.name, time.time()
+        st.last_seconds = time.monotonic() - t0
+        st.last_bytes_logical = stats.bytes_logical
+        st.last_bytes_uploaded = stats.bytes_uploaded
+        st.total_bytes_uploaded += stats.bytes_uploaded
+        st.backups += 1
+        st.last_error = None
+        log.info("backed up %s: %d bytes, %d uploaded (%d of %d chunks new) in %.2fs",
+                 rec.name, stats.bytes_logical, stats.bytes_uploaded, stats.chunks_uploaded,
+                 stats.chunks_total, st.last_seconds)
+        try:
+            await trio.to_thread.run_sync(self.store.retain, self.keep_backups,
+                                          abandon_on_cancel=True)
+        except BackupError as exc:
+            log.warning("backup retention failed: %s", exc)
+        self.fs.evict()
+        return True

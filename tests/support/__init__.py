@@ -1,0 +1,1 @@
+"""Helpers shared by the test suites (real services started locally, fault injection)."""
