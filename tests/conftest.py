@@ -1,0 +1,55 @@
+"""Shared fixtures: real mounts of mtcfs in subprocesses, torn down whatever happens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from support.mount import Mount  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.path.exists("/dev/fuse"):
+        skip = pytest.mark.skip(reason="/dev/fuse is missing")
+        for item in items:
+            if "mount" in item.fixturenames or "make_mount" in item.fixturenames:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on tmpfs (/dev/shm): the baseline real filesystem."""
+    d = tempfile.mkdtemp(prefix="mtcfs-test-", dir="/dev/shm")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_mount(shm_dir):
+    """Factory: ``make_mount(name="a", **options) -> Mount`` (started). All are cleaned up."""
+    mounts: list[Mount] = []
+
+    def factory(name: str = "m", start: bool = True, job: str = "testjob", **options) -> Mount:
+        m = Mount(shm_dir / name, job=job, options={k: (None if v is True else str(v))
+                                                    for k, v in options.items()})
+        mounts.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield factory
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def mount(make_mount):
+    """One started mount with default options."""
+    return make_mount()

@@ -1,0 +1,157 @@
+"""Real mounts for tests: start ``mtcfs`` in a subprocess, wait, unmount, kill, remount.
+
+Every mount a test makes is torn down by the fixture, even when the daemon hangs or was
+SIGKILLed (the FUSE connection is aborted through fusectl, then lazily unmounted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+MTCFS = [sys.executable, "-m", "mtcfs"]
+
+
+def fuse_connection_dir(mountpoint: str) -> str | None:
+    """The fusectl directory of the FUSE connection behind ``mountpoint``, if any."""
+    if not os.path.ismount("/sys/fs/fuse/connections"):
+        subprocess.run(["mount", "-t", "fusectl", "none", "/sys/fs/fuse/connections"],
+                       capture_output=True)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == os.path.abspath(mountpoint):
+                minor = fields[2].split(":")[1]
+                path = f"/sys/fs/fuse/connections/{minor}"
+                return path if os.path.isdir(path) else None
+    return None
+
+
+def is_mounted(mountpoint: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == os.path.abspath(mountpoint) for line in f)
+
+
+def force_unmount(mountpoint: str) -> None:
+    """Unmount even if the daemon is dead or stuck (abort the connection, lazy unmount)."""
+    if not is_mounted(mountpoint):
+        return
+    conn = fuse_connection_dir(mountpoint)
+    if conn:
+        try:
+            with open(os.path.join(conn, "abort"), "w") as f:
+                f.write("1")
+        except OSError:
+            pass
+    subprocess.run(["umount", "-l", mountpoint], capture_output=True)
+
+
+class Mount:
+    """One mtcfs mount for a test.
+
+    Args:
+        root: a per-test directory; the store, mount point and log go below it.
+        job: job name.
+        options: extra ``-o`` options (``store=`` is set from ``root`` unless given).
+    """
+
+    def __init__(self, root: Path, job: str = "testjob", options: dict[str, str] | None = None,
+                 store: Path | None = None, mnt: Path | None = None) -> None:
+        self.root = Path(root)
+        self.job = job
+        self.store = Path(store or self.root / "store")
+        self.mnt = Path(mnt or self.root / "mnt")
+        self.options = dict(options or {})
+        self.pid: int | None = None
+
+    def option_string(self) -> str:
+        opts = {"store": str(self.store), "size": "2G", **self.options}
+        return ",".join(k if v is None else f"{k}={v}" for k, v in opts.items())
+
+    def start(self, timeout: float = 60.0) -> "Mount":
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(MTCFS + [self.job, str(self.mnt), "-o", self.option_string()],
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"mount failed ({r.returncode}): {r.stderr.strip()}\n{self.log()}")
+        self.pid = self.status()["pid"]
+        return self
+
+    def path(self, *parts: str) -> Path:
+        return self.mnt.joinpath(*parts)
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        r = subprocess.run(MTCFS + list(args), capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"mtcfs {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+        return r
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", str(self.mnt), "--json").stdout)
+
+    def checkpoints(self) -> list[dict]:
+        return json.loads(self.cli("checkpoints", str(self.mnt), "--json").stdout)
+
+    def wait_for(self, pred, timeout: float = 60.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while True:
+            v = pred()
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+
+    def state(self, rel: str) -> str:
+        return os.getxattr(self.path(rel), "user.mtcfs.state").decode()
+
+    def wait_state(self, rel: str, want: str, timeout: float = 60.0) -> None:
+        self.wait_for(lambda: self.state(rel) == want, timeout, f"{rel} to be {want}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Clean unmount; waits for the daemon to exit."""
+        if is_mounted(str(self.mnt)):
+            self.cli("umount", str(self.mnt), "--timeout", str(timeout), timeout=timeout + 10)
+        self.pid = None
+
+    def kill9(self) -> None:
+        """SIGKILL the daemon (a crash), then clear the dead mount."""
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)
+        force_unmount(str(self.mnt))
+        self.pid = None
+
+    def cleanup(self) -> None:
+        try:
+            if self.pid and is_mounted(str(self.mnt)):
+                self.stop(timeout=20)
+        except Exception:
+            pass
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        force_unmount(str(self.mnt))
+
+    def log(self) -> str:
+        try:
+            return (self.store / "mtcfs.log").read_text()
+        except OSError:
+            return ""
