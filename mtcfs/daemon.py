@@ -94,6 +94,11 @@ class Daemon:
         try:
             with trio.fail_after(120):
                 await self.restore_step(want)
+        except FsError as exc:
+            if exc.errno == errno.ENOENT and want is None:
+                log.info("nothing to restore: %s", exc.strerror)
+            else:
+                fs._error(f"restore at mount failed: {exc.strerror}")
         except (Exception, trio.TooSlowError) as exc:
             fs._error(f"restore at mount failed: {exc}")
 

@@ -84,6 +84,15 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs: Filesystem) -> None:
         super().__init__()
         self.fs = fs
+        fs.subscribe(self._on_event)
+
+    def _on_event(self, event: str, obj: Any) -> None:
+        if event == "invalidate_entry":
+            parent, name, child = obj
+            try:
+                pyfuse3.invalidate_entry_async(parent, name, deleted=child, ignore_enoent=True)
+            except Exception:  # not mounted (in-process use of the core): nothing cached
+                log.debug("invalidate_entry failed", exc_info=True)
 
     @_errno_out
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:

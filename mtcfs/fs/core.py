@@ -218,7 +218,9 @@ class Filesystem:
 
     def subscribe(self, observer: Callable[[str, Any], None]) -> None:
         """Register ``observer(event, obj)``; events: 'sealed' (Version), 'committed'
-        (StepRecord), 'step_removed' (str). Observers must not block."""
+        (StepRecord), 'step_removed' (str), 'invalidate_entry' ((parent ino, name, child
+        ino): a name the core removed on its own, which the kernel may still cache).
+        Observers must not block."""
         self._observers.append(observer)
 
     def _emit(self, event: str, obj: Any) -> None:
@@ -408,7 +410,15 @@ class Filesystem:
             self._release_version(old)
 
     def _maybe_free_inode(self, ino: Inode) -> None:
-        if ino.nlink > 0 or ino.lookups > 0 or ino.opens > 0 or ino.ino == ROOT_INO:
+        if ino.nlink > 0 or ino.ino == ROOT_INO:
+            return
+        if ino.opens == 0 and ino.vid is not None:
+            # No name and no open handle: the data can go now, even while the kernel still
+            # holds a lookup reference (it cannot read without opening).
+            with self.db.transaction():
+                self._set_current(ino, None)
+                self._write_inode(ino)
+        if ino.lookups > 0 or ino.opens > 0:
             return
         if self.inodes.pop(ino.ino, None) is None:
             return
@@ -1063,6 +1073,7 @@ class Filesystem:
                     self._unlink_entry(parent, name)
                     self._drop_link(ino, parent, name)
             self._forget_step(top.name or s.name.encode())
+        self._emit("invalidate_entry", (ROOT_INO, s.name.encode(errors="surrogateescape"), top.ino))
         for _path, ino in items:
             self._maybe_free_inode(ino)
 
