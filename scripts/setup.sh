@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# All set-up mtcfs needs on a fresh Debian 12 machine, as root: apt packages, a virtual
+# environment in .venv with mtcfs and its test dependencies, and the mount helper on PATH
+# (so `mount -t fuse.mtcfs` and fstab work). Idempotent: a second run does nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+need_apt=()
+for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$py" -m venv .venv
+fi
+stamp=.venv/.mtcfs-installed
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing Python packages (first time: a few minutes)"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import mtcfs, pyfuse3, torch, jax, orbax.checkpoint" >/dev/null
+  echo "$want" > "$stamp"
+fi
+
+# The mount helper: mount.fuse3 runs `mtcfs SOURCE MOUNTPOINT -o ...` from PATH.
+if [ -w /usr/local/bin ] && [ "$(readlink /usr/local/bin/mtcfs 2>/dev/null)" != "$root/.venv/bin/mtcfs" ]; then
+  ln -sf "$root/.venv/bin/mtcfs" /usr/local/bin/mtcfs
+fi
+# Kernel FUSE connection control (used to abort a hung mount) is mounted on demand.
+mountpoint -q /sys/fs/fuse/connections 2>/dev/null || mount -t fusectl none /sys/fs/fuse/connections 2>/dev/null || true
+echo "setup: ok"
