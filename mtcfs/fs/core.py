@@ -485,6 +485,8 @@ class Filesystem:
             v = h.version
         else:
             # truncate(2) by path: a short-lived writer of its own.
+            if size:
+                await self._fault_in_all(ino)
             v = self._writable_version(ino, trunc=(size == 0))
             v.writers += 1
             try:
@@ -773,6 +775,8 @@ class Filesystem:
             raise FsError(errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
+        if writable and not trunc:
+            await self._fault_in_all(ino)
         if writable:
             v = self._writable_version(ino, trunc=trunc)
             v.writers += 1
@@ -1083,6 +1087,12 @@ class Filesystem:
                 "free": max(0, self.capacity - self.used), "files": len(self.inodes)}
 
     # ------------------------------------------------------------------ fault-in
+
+    async def _fault_in_all(self, ino: Inode) -> None:
+        """Bring every chunk of the current version here (before a copy-on-write)."""
+        v = self.versions.get(ino.vid) if ino.vid is not None else None
+        if v is not None and v.missing:
+            await self.fault_in(v, 0, v.size)
 
     async def fault_in(self, v: Version, off: int, size: int) -> None:
         """Wait until bytes ``[off, off+size)`` of ``v`` are in the data file.
