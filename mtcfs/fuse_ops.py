@@ -111,18 +111,15 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None,
                       ctx: Any) -> pyfuse3.EntryAttributes:
-        now = None
-        if fields.update_atime or fields.update_mtime:
-            import time
-            now = time.time_ns()
+        # pyfuse3 fills in the time for UTIME_NOW; 0 is a real time (the epoch), kept as is.
         a = await self.fs.setattr(
             inode,
             mode=attr.st_mode if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             size=attr.st_size if fields.update_size else None,
-            atime_ns=(attr.st_atime_ns or now) if fields.update_atime else None,
-            mtime_ns=(attr.st_mtime_ns or now) if fields.update_mtime else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             fh=fh)
         return entry(a)
 
@@ -171,14 +168,21 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh, keep = await self.fs.open(inode, flags)
+        fh, keep = await self.fs.open(inode, self._flags(flags))
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        fh, a = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
+                                     ctx.gid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry(a)
+
+    def _flags(self, flags: int) -> int:
+        # With writeback cache the kernel resolves O_APPEND itself (at its own i_size) and
+        # flushes dirty pages at explicit offsets through any writable handle of the inode,
+        # an O_APPEND one included: the core must write them where they are sent.
+        return flags & ~os.O_APPEND if self.enable_writeback_cache else flags
 
     @_errno_out
     async def read(self, fh: int, off: int, size: int) -> bytes:

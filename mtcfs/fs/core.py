@@ -466,7 +466,7 @@ class Filesystem:
             ino.mtime_ns = now
         with self.db.transaction():
             if mode is not None:
-                ino.mode = (ino.mode & stat.S_IFMT) | (mode & 0o7777)
+                ino.mode = stat.S_IFMT(ino.mode) | (mode & 0o7777)
             if uid is not None:
                 ino.uid = uid
             if gid is not None:
@@ -783,6 +783,11 @@ class Filesystem:
             if trunc:
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
         else:
+            if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
+                # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
+                # dropped its own size to 0 (atomic_o_trunc): follow it.
+                await self._truncate(ino, 0, None)
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
             v = self.versions[ino.vid]  # type: ignore[index]
         v.handles += 1
         ino.opens += 1
@@ -828,12 +833,24 @@ class Filesystem:
     async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handle(fh)
         v = h.version
+        ino = self.inodes.get(h.ino)
+        if not v.current and ino is not None and ino.vid is not None:
+            # Rewritten (copy-on-write) since this handle was opened: one file has one
+            # content, so read the current version, as the kernel's page cache does.
+            v = self.versions[ino.vid]
         if off >= v.size:
             return b""
         size = min(size, v.size - off)
         if v.missing:
-            await self.fault_in(v, off, size)
-        data = os.pread(self._fd(v), size, off)
+            v.pins += 1  # a version this handle does not hold must outlive the await
+            try:
+                await self.fault_in(v, off, size)
+                data = os.pread(self._fd(v), size, off)
+            finally:
+                v.pins -= 1
+                self._release_version(v)  # no-op unless rewritten meanwhile
+        else:
+            data = os.pread(self._fd(v), size, off)
         self.counters.bytes_read += len(data)
         return data
 
@@ -1268,12 +1285,10 @@ class Filesystem:
                             (num, name, value))
 
     async def listxattr(self, num: int) -> list[bytes]:
-        ino = self._inode(num)
-        names = list(ino.xattrs)
-        names.append(XATTR_PREFIX + b"state")
-        if ino.is_file:
-            names.append(XATTR_PREFIX + b"blake3")
-        return names
+        # The virtual user.mtcfs.* attributes are read by name only, not listed: copy tools
+        # (cp -a --preserve=xattr, tar --xattrs, rsync -X) set every listed name on the copy
+        # and fail on read-only ones, and would carry stale hashes to other filesystems.
+        return list(self._inode(num).xattrs)
 
     async def removexattr(self, num: int, name: bytes) -> None:
         ino = self._inode(num)
