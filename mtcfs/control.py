@@ -98,7 +98,8 @@ async def _one(stream: trio.SocketStream, handler: Handler) -> None:
         await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
 
 
-def request(path: str, cmd: str, timeout: float | None = None, **args: Any) -> Iterator[dict[str, Any]]:
+def request(sock_path: str, cmd: str, timeout: float | None = None,
+            **args: Any) -> Iterator[dict[str, Any]]:
     """Send one request (blocking client). Yields progress dicts, then returns the result
     as the generator's final ``{"result": ...}`` item.
 
@@ -108,9 +109,9 @@ def request(path: str, cmd: str, timeout: float | None = None, **args: Any) -> I
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
-        s.connect(path)
+        s.connect(sock_path)
     except OSError as exc:
-        raise ControlError(f"cannot reach the mtcfs daemon at {path}: {exc.strerror}") from None
+        raise ControlError(f"cannot reach the mtcfs daemon at {sock_path}: {exc.strerror}") from None
     with s, s.makefile("rb") as f:
         s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         for line in f:
@@ -125,10 +126,10 @@ def request(path: str, cmd: str, timeout: float | None = None, **args: Any) -> I
     raise ControlError("the mtcfs daemon closed the connection")
 
 
-def call(path: str, cmd: str, timeout: float | None = None, **args: Any) -> Any:
+def call(sock_path: str, cmd: str, timeout: float | None = None, **args: Any) -> Any:
     """Like :func:`request` but ignores progress and returns the result."""
     result = None
-    for msg in request(path, cmd, timeout=timeout, **args):
+    for msg in request(sock_path, cmd, timeout=timeout, **args):
         if "result" in msg:
             result = msg["result"]
     return result

@@ -217,6 +217,8 @@ class Daemon:
             if self.backup_store is not None:
                 stats = await trio.to_thread.run_sync(self.backup_store.retain,
                                                       self.opts.backup_keep)
+                kept = await trio.to_thread.run_sync(self.backup_store.list_steps)
+                evicted += fs.backup_retired({s.step for s in kept})
                 swept = getattr(stats, "__dict__", stats)
             return {"evicted": evicted, "backup_retention": swept}
         if cmd == "verify":

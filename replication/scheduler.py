@@ -75,6 +75,10 @@ class BackupService:
         self._done = trio.Event()
         self._force: str | None = None
         fs.subscribe(self._on_event)
+        if self.candidate() is not None:
+            # A step committed before this daemon started (restart, crash, backup= added
+            # later) and never backed up: it is due now, whatever the count says.
+            self._commits_since = every_ckpts or 1
 
     def _on_event(self, event: str, obj: Any) -> None:
         if event == "committed":
@@ -189,6 +193,8 @@ class BackupService:
         try:
             await trio.to_thread.run_sync(self.store.retain, self.keep_backups,
                                           abandon_on_cancel=True)
+            kept = await trio.to_thread.run_sync(self.store.list_steps, abandon_on_cancel=True)
+            self.fs.backup_retired({s.step for s in kept})
         except BackupError as exc:
             log.warning("backup retention failed: %s", exc)
         self.fs.evict()

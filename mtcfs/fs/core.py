@@ -678,8 +678,16 @@ class Filesystem:
         number = stepnames.step_number(name)
         if number is None and source != "mtcfs seal":
             return None
-        if name in self.steps and self.steps[name].ino == d.ino:
-            return self.steps[name]
+        rec = self.steps.get(name)
+        if rec is not None and rec.ino == d.ino:
+            if rec.backed_up_ns is None and source != "mtcfs seal":
+                # Committed again after a change (DCP re-saving into the same directory):
+                # the backup policy must see it as a new commit.
+                rec.committed_ns = _now_ns()
+                rec.source = source
+                self._write_step(rec)
+                self._emit("committed", rec)
+            return rec
         rec = StepRecord(name=name, number=number if number is not None else 0, ino=d.ino,
                          committed_ns=_now_ns(), source=source)
         self.steps[name] = rec
@@ -697,6 +705,41 @@ class Filesystem:
         d = self.inodes.get(f.parent)
         if d is not None and d.parent == ROOT_INO:
             self._commit_step(d, stepnames.COMMIT_FILES[f.name])
+
+    def _step_changed(self, ino: Inode) -> None:
+        """A file in a committed step changed: its backup copy no longer matches."""
+        rec = self.step_of(ino)
+        if rec is not None and rec.backed_up_ns is not None:
+            rec.backed_up_ns = None
+            with self.db.transaction():
+                self._write_step(rec)
+
+    def backup_retired(self, kept: set[str]) -> list[str]:
+        """The backup tier now holds only the steps in ``kept`` (after ``backup_keep``).
+
+        Local steps that were counted as backed up but were retired lose that status; those
+        of them whose data has left RAM are deleted, since their bytes are now nowhere.
+        Returns the names of the deleted steps.
+        """
+        deleted = []
+        for rec in list(self.steps.values()):
+            if rec.backed_up_ns is None or rec.name in kept or rec.backing_up:
+                continue
+            versions = self._step_versions(rec)
+            if any(v.missing for v in versions):
+                self._delete_tree(rec)
+                deleted.append(rec.name)
+                log.info("deleted checkpoint %s: backup_keep retired its backup copy and its"
+                         " data was no longer in RAM", rec.name)
+                continue
+            rec.backed_up_ns = None
+            with self.db.transaction():
+                self._write_step(rec)
+                for v in versions:
+                    if v.backed_up:
+                        v.backed_up = False
+                        self._write_version(v)
+        return deleted
 
     def _forget_step(self, name: bytes) -> None:
         key = name.decode(errors="surrogateescape")
@@ -946,6 +989,8 @@ class Filesystem:
             self._index_chunks(v)
             self.counters.seals += 1
             v.sealing = None
+            if ino is not None:
+                self._step_changed(ino)
             if ino is not None and ino.vid == v.vid:
                 self._emit("sealed", v)
                 with self.db.transaction():

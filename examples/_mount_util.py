@@ -1,0 +1,151 @@
+"""Mount / unmount mtcfs through its CLI for the examples, with a teardown that always works.
+
+The forced teardown is the same as the test harness's (tests/support/mount.py): if a clean
+``mtcfs umount`` fails (a file still open, a dead or stuck daemon), the FUSE connection is
+aborted through fusectl and the mount point is lazily unmounted, then the daemon is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def mtcfs(*args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run ``python -m mtcfs ARGS`` (the same CLI as ``mtcfs`` / ``mount -t fuse.mtcfs``)."""
+    r = subprocess.run([sys.executable, "-m", "mtcfs", *args], capture_output=True, text=True,
+                       timeout=timeout, env=_env())
+    if check and r.returncode != 0:
+        raise RuntimeError(f"mtcfs {' '.join(args)} failed ({r.returncode}): "
+                           f"{(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def is_mounted(mountpoint: str | os.PathLike) -> bool:
+    mp = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mp for line in f)
+
+
+def fuse_connection_dir(mountpoint: str | os.PathLike) -> str | None:
+    """The fusectl directory of the FUSE connection behind ``mountpoint``, if any."""
+    if not os.path.ismount("/sys/fs/fuse/connections"):
+        subprocess.run(["mount", "-t", "fusectl", "none", "/sys/fs/fuse/connections"],
+                       capture_output=True)
+    mp = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mp:
+                path = f"/sys/fs/fuse/connections/{fields[2].split(':')[1]}"
+                return path if os.path.isdir(path) else None
+    return None
+
+
+def force_unmount(mountpoint: str | os.PathLike) -> None:
+    """Unmount even if the daemon is dead or stuck (abort the connection, lazy unmount)."""
+    if not is_mounted(mountpoint):
+        return
+    conn = fuse_connection_dir(mountpoint)
+    if conn:
+        try:
+            with open(os.path.join(conn, "abort"), "w") as f:
+                f.write("1")
+        except OSError:
+            pass
+    subprocess.run(["umount", "-l", os.path.abspath(mountpoint)], capture_output=True)
+
+
+class MtcfsMount:
+    """One mtcfs mount made with the CLI.
+
+    Args:
+        job: the job name (mount source).
+        mountpoint: an existing empty directory.
+        options: ``-o`` options, e.g. ``{"store": ..., "backup": "file:///..."}``.
+    """
+
+    def __init__(self, job: str, mountpoint: str | os.PathLike, options: dict[str, str]) -> None:
+        self.job = job
+        self.mnt = Path(mountpoint)
+        self.options = dict(options)
+        self.pid: int | None = None
+        self._sock: str | None = None
+
+    def mount(self) -> "MtcfsMount":
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        mtcfs(self.job, str(self.mnt), "-o", opts, timeout=180)
+        self._sock = os.getxattr(self.mnt, "user.mtcfs.control").decode()
+        self.pid = self.status()["pid"]
+        return self
+
+    def call(self, cmd: str, **args):
+        """One control request to the daemon (what ``mtcfs status --json`` etc. send)."""
+        from mtcfs import control
+        assert self._sock is not None
+        return control.call(self._sock, cmd, timeout=60, **args)
+
+    def status(self) -> dict:
+        return self.call("status")
+
+    def checkpoints(self) -> list[dict]:
+        return json.loads(mtcfs("checkpoints", str(self.mnt), "--json").stdout)
+
+    def state(self, rel: str) -> str:
+        return os.getxattr(self.mnt / rel, "user.mtcfs.state").decode()
+
+    def unmount(self, timeout: float = 60.0) -> None:
+        """Clean unmount (waits for the daemon to exit); falls back to a forced one."""
+        try:
+            if is_mounted(self.mnt):
+                mtcfs("umount", str(self.mnt), "--timeout", str(timeout), timeout=timeout + 10)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            force_unmount(self.mnt)
+        finally:
+            self._reap()
+
+    def force(self) -> None:
+        """Tear down whatever state the mount is in (exceptions, Ctrl-C)."""
+        try:
+            if is_mounted(self.mnt):
+                r = subprocess.run([sys.executable, "-m", "mtcfs", "umount", str(self.mnt),
+                                    "--timeout", "10"], capture_output=True, timeout=20,
+                                   env=_env())
+                if r.returncode != 0:
+                    force_unmount(self.mnt)
+        except (OSError, subprocess.TimeoutExpired):
+            force_unmount(self.mnt)
+        force_unmount(self.mnt)
+        self._reap()
+
+    def _reap(self) -> None:
+        pid, self.pid = self.pid, None
+        if not pid:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        force_unmount(self.mnt)
