@@ -14,3 +14,19 @@ def test_write_read_seal(mount):
     assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(data).hexdigest()
     st = os.statvfs(mount.mnt)
     assert st.f_blocks * st.f_frsize == 2 * 1024 ** 3
+
+
+def test_mtcfs_seal_commits_a_directory(mount):
+    """torch.save-style checkpoints: the user seals the step directory explicitly."""
+    os.mkdir(mount.path("ckpt_7"))
+    mount.path("ckpt_7", "model.pt").write_bytes(b"weights")
+    assert mount.state("ckpt_7") == "incomplete"
+    r = mount.cli("seal", str(mount.path("ckpt_7")))
+    assert "ckpt_7" in r.stdout
+    assert mount.state("ckpt_7") == "local"
+    assert [(c["step"], c["number"], c["committed_by"]) for c in mount.checkpoints()] == \
+        [("ckpt_7", 7, "mtcfs seal")]
+    # Sealing something that is not a top-level directory is a clear error.
+    os.mkdir(mount.path("ckpt_7", "sub"))
+    r = mount.cli("seal", str(mount.path("ckpt_7", "sub")), check=False)
+    assert r.returncode == 1 and "not a top-level directory" in r.stderr
