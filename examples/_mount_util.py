@@ -1,8 +1,8 @@
 """Mount / unmount mtcfs through its CLI for the examples, with a teardown that always works.
 
-The forced teardown is the same as the test harness's (tests/support/mount.py): if a clean
-``mtcfs umount`` fails (a file still open, a dead or stuck daemon), the FUSE connection is
-aborted through fusectl and the mount point is lazily unmounted, then the daemon is killed.
+If a clean ``mtcfs umount`` fails (a file still open, a dead or stuck daemon), the teardown
+falls back to :func:`mtcfs.mountinfo.force_unmount` (abort the FUSE connection, lazy unmount)
+and kills the daemon.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 
+from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -34,41 +37,6 @@ def mtcfs(*args: str, check: bool = True, timeout: float = 120.0) -> subprocess.
         raise RuntimeError(f"mtcfs {' '.join(args)} failed ({r.returncode}): "
                            f"{(r.stderr or r.stdout).strip()}")
     return r
-
-
-def is_mounted(mountpoint: str | os.PathLike) -> bool:
-    mp = os.path.abspath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == mp for line in f)
-
-
-def fuse_connection_dir(mountpoint: str | os.PathLike) -> str | None:
-    """The fusectl directory of the FUSE connection behind ``mountpoint``, if any."""
-    if not os.path.ismount("/sys/fs/fuse/connections"):
-        subprocess.run(["mount", "-t", "fusectl", "none", "/sys/fs/fuse/connections"],
-                       capture_output=True)
-    mp = os.path.abspath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mp:
-                path = f"/sys/fs/fuse/connections/{fields[2].split(':')[1]}"
-                return path if os.path.isdir(path) else None
-    return None
-
-
-def force_unmount(mountpoint: str | os.PathLike) -> None:
-    """Unmount even if the daemon is dead or stuck (abort the connection, lazy unmount)."""
-    if not is_mounted(mountpoint):
-        return
-    conn = fuse_connection_dir(mountpoint)
-    if conn:
-        try:
-            with open(os.path.join(conn, "abort"), "w") as f:
-                f.write("1")
-        except OSError:
-            pass
-    subprocess.run(["umount", "-l", os.path.abspath(mountpoint)], capture_output=True)
 
 
 class MtcfsMount:

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from mtcfs import control
+from mtcfs import control, mountinfo
 from mtcfs.options import OptionError, parse_mount_options
 
 SUBCOMMANDS = ("status", "checkpoints", "restore", "seal", "gc", "verify", "backup", "umount",
@@ -323,18 +323,26 @@ def cmd_backup(a: argparse.Namespace) -> None:
 def cmd_umount(a: argparse.Namespace) -> None:
     mnt = os.path.abspath(a.mountpoint)
     pid = None
-    try:
-        sock, _ = control_socket(mnt)
-        pid = control.call(sock, "status", timeout=10)["pid"]
-    except (SystemExit, control.ControlError, OSError):
-        pass
+    if not a.force:  # asking a stuck daemon would hang
+        try:
+            sock, _ = control_socket(mnt)
+            pid = control.call(sock, "status", timeout=10)["pid"]
+        except (SystemExit, control.ControlError, OSError):
+            pass
+    if a.force:
+        # The daemon is dead or stuck: abort its FUSE connection, detach the mount.
+        if not mountinfo.is_mounted(mnt):
+            _die(f"{mnt} is not mounted")
+        mountinfo.force_unmount(mnt)  # a live daemon sees its session end and exits
+        return
     tool = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
     args = [tool, "-u", mnt] if "fusermount" in tool else [tool, mnt]
     if a.lazy:
         args.insert(1, "-z")
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
-        _die(f"cannot unmount {mnt}: {r.stderr.strip() or r.stdout.strip()}")
+        _die(f"cannot unmount {mnt}: {r.stderr.strip() or r.stdout.strip()}"
+             " (files still open? `mtcfs umount --force` aborts a dead or stuck daemon)")
     if pid:
         deadline = time.monotonic() + a.timeout
         while time.monotonic() < deadline:
@@ -370,7 +378,9 @@ def _sub_parser() -> argparse.ArgumentParser:
     b.add_argument("--step", help="step directory name (default: the newest committed)")
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
     u.add_argument("mountpoint")
-    u.add_argument("-z", "--lazy", action="store_true")
+    u.add_argument("-z", "--lazy", action="store_true", help="detach now, finish when unused")
+    u.add_argument("--force", action="store_true",
+                   help="abort the FUSE connection of a dead or stuck daemon (open files fail)")
     u.add_argument("--timeout", type=float, default=60.0)
     u.set_defaults(fn=cmd_umount)
     return p

@@ -22,6 +22,7 @@ from mtcfs import control
 from mtcfs.errors import FsError
 from mtcfs.fs.core import Filesystem
 from mtcfs.fuse_ops import Operations
+from mtcfs.mountinfo import device_of
 from mtcfs.options import MountOptions
 from mtcfs.store import Store
 
@@ -184,12 +185,7 @@ class Daemon:
         # Not os.stat(mountpoint): that would send GETATTR to this very daemon, whose loop
         # is not running yet. /proc/self/mountinfo has the device number.
         try:
-            dev = None
-            with open("/proc/self/mountinfo") as f:
-                for line in f:
-                    fields = line.split()
-                    if fields[4] == self.opts.mountpoint:
-                        dev = fields[2]
+            dev = device_of(self.opts.mountpoint)
             if dev is None:
                 return
             path = f"/sys/class/bdi/{dev}/read_ahead_kb"

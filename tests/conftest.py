@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from support.gcs import gcs_emulator  # noqa: E402,F401 (a fixture for every test file)
 from support.mount import Mount  # noqa: E402
 
 

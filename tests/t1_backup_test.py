@@ -22,7 +22,7 @@ from replication.backup import (
 )
 from replication.backup.codec import encode_chunk
 from replication.backup.layout import chunk_key, complete_key, manifest_key
-from support.gcs import FlakyProxy, GcsEmulator, gcs_emulator  # noqa: F401 (fixture)
+from support.gcs import FlakyProxy, GcsEmulator
 
 CHUNK = 64 * 1024  # the smallest allowed chunk size keeps the suite fast
 FAST = RetryPolicy(max_attempts=50, base_delay=0.001, max_delay=0.02)

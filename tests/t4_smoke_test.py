@@ -30,3 +30,19 @@ def test_mtcfs_seal_commits_a_directory(mount):
     os.mkdir(mount.path("ckpt_7", "sub"))
     r = mount.cli("seal", str(mount.path("ckpt_7", "sub")), check=False)
     assert r.returncode == 1 and "not a top-level directory" in r.stderr
+
+
+def test_umount_force_clears_a_dead_daemon(mount):
+    """After the daemon dies, the mount point is dead (ENOTCONN); --force clears it."""
+    import signal
+
+    from support.mount import is_mounted
+    os.kill(mount.pid, signal.SIGKILL)
+    mount.wait_for(lambda: not os.path.exists(f"/proc/{mount.pid}"), 10, "daemon to die")
+    assert is_mounted(str(mount.mnt))
+    r = mount.cli("umount", "--force", str(mount.mnt))
+    assert r.returncode == 0
+    assert not is_mounted(str(mount.mnt))
+    mount.pid = None
+    mount.start()          # the same store mounts again
+    assert mount.status()["ram"]["files"] >= 1

@@ -31,9 +31,9 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from support.ckpt import (assert_same, chunk_digests, dcp_state,  # noqa: E402
+from support.ckpt import (assert_same, chunk_digests, dcp_load_like, dcp_state,  # noqa: E402
                           tensor_state, torch_train_state, zeros_like_state)
-from support.gcs import FlakyProxy, gcs_emulator  # noqa: E402,F401 (fixture)
+from support.gcs import FlakyProxy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -63,11 +63,7 @@ def _save(mount, step: str, state, threads: int = 1) -> None:
 
 
 def _load(mount, step: str, like):
-    target = zeros_like_state(like)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=str(mount.path(step)))
-    return target
+    return dcp_load_like(mount.path(step), like)
 
 
 def _lose_node(mount) -> float:

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import numpy as np
 import pytest
@@ -23,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from support.ckpt import assert_same, dcp_state, torch_train_state, zeros_like_state  # noqa: E402
-from support.gcs import FlakyProxy, gcs_emulator  # noqa: E402,F401 (fixture)
+from support.ckpt import assert_same, dcp_load_like, dcp_state, torch_train_state  # noqa: E402
+from support.gcs import FlakyProxy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -60,11 +59,7 @@ def _verify(mount) -> None:
 
 
 def _dcp_load(mount, step: str, like):
-    target = zeros_like_state(like)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(target, checkpoint_id=str(mount.path(step)))
-    return target
+    return dcp_load_like(mount.path(step), like)
 
 
 def test_kill9_after_save_keeps_every_sealed_file(make_mount):

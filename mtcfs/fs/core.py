@@ -31,7 +31,7 @@ import trio
 from mtcfs.chunking import chunk_count, chunk_span, hash_fd
 from mtcfs.errors import ENOATTR, FsError
 from mtcfs.fs import steps as stepnames
-from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version, kind_of_mode
+from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.manifest import Entry, StepManifest
 from mtcfs.store import Store
 

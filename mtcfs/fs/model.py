@@ -7,7 +7,6 @@ File *data* is never held here: it lives in the store's data files.
 
 from __future__ import annotations
 
-import stat
 from dataclasses import dataclass, field
 
 import trio
@@ -100,14 +99,6 @@ class Inode:
     @property
     def is_file(self) -> bool:
         return self.kind == "file"
-
-
-def kind_of_mode(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "file"
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,15 @@ def chunk_digests(data: bytes, chunk_size: int) -> list[str]:
     """blake3 hex digest of each fixed-size chunk of ``data`` (as mtcfs cuts files)."""
     return [blake3.blake3(data[i:i + chunk_size]).hexdigest()
             for i in range(0, len(data), chunk_size)]
+
+
+def dcp_load_like(path, like: Any) -> Any:
+    """Load the DCP checkpoint at ``path`` into zeros shaped like ``like``; returns it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    target = zeros_like_state(like)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns it runs single-rank
+        dcp.load(target, checkpoint_id=str(path))
+    return target

@@ -14,42 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: F401 (re-exported to tests)
+
 VENV_BIN = Path(sys.executable).parent
 MTCFS = [sys.executable, "-m", "mtcfs"]
-
-
-def fuse_connection_dir(mountpoint: str) -> str | None:
-    """The fusectl directory of the FUSE connection behind ``mountpoint``, if any."""
-    if not os.path.ismount("/sys/fs/fuse/connections"):
-        subprocess.run(["mount", "-t", "fusectl", "none", "/sys/fs/fuse/connections"],
-                       capture_output=True)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == os.path.abspath(mountpoint):
-                minor = fields[2].split(":")[1]
-                path = f"/sys/fs/fuse/connections/{minor}"
-                return path if os.path.isdir(path) else None
-    return None
-
-
-def is_mounted(mountpoint: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == os.path.abspath(mountpoint) for line in f)
-
-
-def force_unmount(mountpoint: str) -> None:
-    """Unmount even if the daemon is dead or stuck (abort the connection, lazy unmount)."""
-    if not is_mounted(mountpoint):
-        return
-    conn = fuse_connection_dir(mountpoint)
-    if conn:
-        try:
-            with open(os.path.join(conn, "abort"), "w") as f:
-                f.write("1")
-        except OSError:
-            pass
-    subprocess.run(["umount", "-l", mountpoint], capture_output=True)
 
 
 class Mount:

@@ -1,0 +1,65 @@
+"""Facts about mounts from /proc/self/mountinfo, and the forced teardown of a FUSE mount.
+
+A FUSE mount whose daemon died or hangs cannot be unmounted cleanly: every access blocks
+or fails with ENOTCONN. :func:`force_unmount` aborts the kernel's FUSE connection through
+fusectl (so blocked requests fail at once) and detaches the mount lazily. It is what
+``mtcfs umount --force`` runs, and what the tests and examples use in teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def _mount_fields(mountpoint: str | os.PathLike[str]) -> list[str] | None:
+    mp = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mp:
+                found = fields  # the last one is the top of a stack of mounts
+    return found
+
+
+def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
+    """True if something is mounted at ``mountpoint`` (without touching it)."""
+    return _mount_fields(mountpoint) is not None
+
+
+def device_of(mountpoint: str | os.PathLike[str]) -> str | None:
+    """``"major:minor"`` of the mount at ``mountpoint``, read without a stat() of it (which
+    would block on a FUSE mount whose daemon is not serving)."""
+    fields = _mount_fields(mountpoint)
+    return fields[2] if fields else None
+
+
+def fuse_connection_dir(mountpoint: str | os.PathLike[str]) -> str | None:
+    """The fusectl directory of the FUSE connection behind ``mountpoint``, if any.
+
+    Mounts fusectl on /sys/fs/fuse/connections first when it is not (needs root).
+    """
+    dev = device_of(mountpoint)
+    if dev is None:
+        return None
+    if not os.path.ismount(FUSECTL):
+        subprocess.run(["mount", "-t", "fusectl", "none", FUSECTL], capture_output=True)
+    path = f"{FUSECTL}/{dev.split(':')[1]}"
+    return path if os.path.isdir(path) else None
+
+
+def force_unmount(mountpoint: str | os.PathLike[str]) -> None:
+    """Unmount even if the daemon is dead or stuck: abort the connection, lazy unmount."""
+    if not is_mounted(mountpoint):
+        return
+    conn = fuse_connection_dir(mountpoint)
+    if conn:
+        try:
+            with open(os.path.join(conn, "abort"), "w") as f:
+                f.write("1")
+        except OSError:
+            pass
+    subprocess.run(["umount", "-l", os.path.abspath(mountpoint)], capture_output=True)
