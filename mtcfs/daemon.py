@@ -222,7 +222,7 @@ class Daemon:
 
             def prog(done: int, total: int) -> None:
                 trio.from_thread.run_sync(progress, done, total, trio_token=tp)
-            bad = await trio.to_thread.run_sync(fs.verify, prog)
+            bad = await fs.verify(prog)
             for msg in bad:
                 fs._error(f"verify: {msg}")
             return {"mismatches": bad}

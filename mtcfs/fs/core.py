@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import trio
 
-from mtcfs.chunking import chunk_count, chunk_span, hash_fd
+from mtcfs.chunking import chunk_count, chunk_hash, chunk_span, hash_fd
 from mtcfs.errors import ENOATTR, FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -1230,8 +1230,13 @@ class Filesystem:
             src = self.versions.get(loc[0])
             if src is not None and loc[1] not in src.missing:
                 off, _ = chunk_span(loc[1], src.size, src.chunk_size)
-                data = await trio.to_thread.run_sync(self.read_chunk_at, src, off, length,
-                                                     digest, limiter=self.cpu_limiter)
+                self._fd(src)
+                src.pins += 1  # its descriptor must stay open while the thread reads
+                try:
+                    data = await trio.to_thread.run_sync(self.read_chunk_at, src, off, length,
+                                                         digest, limiter=self.cpu_limiter)
+                finally:
+                    self.unpin([src])
                 if data is not None:
                     return data
         if self.chunk_source is None:
@@ -1252,11 +1257,11 @@ class Filesystem:
     def read_chunk_at(self, v: Version, off: int, length: int, digest: str | None) -> bytes | None:
         """Read ``length`` bytes at ``off`` of ``v`` and verify them against ``digest``.
 
-        Thread-safe (pread on a descriptor that stays open while ``v`` is pinned). Returns
-        None on a mismatch: a chunk whose hash does not match is never served.
+        Thread-safe: the caller opens ``v``'s descriptor on the loop and pins ``v`` so that it
+        stays open. Returns None on a mismatch: a chunk whose hash does not match is never
+        served.
         """
-        from mtcfs.chunking import chunk_hash
-        data = os.pread(self._fd(v), length, off)
+        data = os.pread(v.fd, length, off)
         if digest is not None and chunk_hash(data) != digest:
             log.error("local chunk %s of version %d does not match its hash", digest[:16], v.vid)
             return None
@@ -1428,6 +1433,7 @@ class Filesystem:
         """
         where: dict[str, tuple[Version, int]] = {}
         for v in versions:
+            self._fd(v)  # opened here, on the loop: the reader runs in worker threads
             for i, d in enumerate(v.chunks):
                 if i not in v.missing:
                     where.setdefault(d, (v, i))
@@ -1502,25 +1508,46 @@ class Filesystem:
             self._index_chunks(v)
         return rec
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
-        """Re-hash every local chunk of every sealed version (``mtcfs verify``). Blocking:
-        run in a thread. Returns one message per mismatch."""
-        from mtcfs.chunking import chunk_hash
-        work = [(v, i) for v in list(self.versions.values()) if v.sealed
-                for i in range(len(v.chunks)) if i not in v.missing]
+    async def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Re-hash every chunk of every sealed version held in RAM (``mtcfs verify``).
+
+        The versions are pinned on the loop, hashed in a worker thread, and unpinned.
+
+        Args:
+            progress: called from the worker thread with (bytes done, bytes total).
+
+        Returns:
+            one message per chunk whose bytes do not match its digest.
+        """
+        versions = [v for v in self.versions.values() if v.sealed]
+        for v in versions:
+            v.pins += 1
+            self._fd(v)
+        try:
+            work = [(v, i) for v in versions for i in range(len(v.chunks)) if i not in v.missing]
+            bad = await trio.to_thread.run_sync(self._rehash, work, progress,
+                                                limiter=self.cpu_limiter)
+        finally:
+            self.unpin(versions)
+        out = []
+        for v, i in bad:
+            off, length = chunk_span(i, v.size, v.chunk_size)
+            ino = self.inodes.get(v.ino)
+            path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None
+            out.append(f"{path or f'version {v.vid}'}: chunk {i} (bytes {off}..{off + length})"
+                       f" does not match {v.chunks[i][:16]}")
+        return out
+
+    @staticmethod
+    def _rehash(work: list[tuple[Version, int]],
+                progress: Callable[[int, int], None] | None) -> list[tuple[Version, int]]:
+        """Worker-thread half of :meth:`verify`: the (version, chunk) pairs that mismatch."""
         total = sum(chunk_span(i, v.size, v.chunk_size)[1] for v, i in work)
         done, bad = 0, []
         for v, i in work:
             off, length = chunk_span(i, v.size, v.chunk_size)
-            try:
-                data = os.pread(self._fd(v), length, off)
-            except OSError:
-                continue  # freed meanwhile
-            if chunk_hash(data) != v.chunks[i]:
-                ino = self.inodes.get(v.ino)
-                path = self.path_of(ino) if ino else None
-                bad.append(f"{path or f'version {v.vid}'}: chunk {i} (bytes {off}..{off + length})"
-                           f" does not match {v.chunks[i][:16]}")
+            if chunk_hash(os.pread(v.fd, length, off)) != v.chunks[i]:
+                bad.append((v, i))
             done += length
             if progress:
                 progress(done, total)
