@@ -157,8 +157,8 @@ class Daemon:
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
         mounted = True
         try:
-            self._tune_readahead()
             async with trio.open_nursery() as n:
+                n.start_soon(self._tune_readahead, ops)
                 self.fs.start(n)
                 await n.start(control.serve, self.store.control_socket, self.handle)
                 n.start_soon(self._signals, n)
@@ -181,9 +181,14 @@ class Daemon:
                 log.info("signal %d: unmounting", sig)
                 pyfuse3.terminate()
 
-    def _tune_readahead(self) -> None:
-        # Not os.stat(mountpoint): that would send GETATTR to this very daemon, whose loop
-        # is not running yet. /proc/self/mountinfo has the device number.
+    async def _tune_readahead(self, ops: Operations) -> None:
+        # The kernel sets the mount's read-ahead when it processes the INIT reply (capped
+        # at the value then in force), so raise it only after INIT. Not via
+        # os.stat(mountpoint), which would send a request to this very daemon:
+        # /proc/self/mountinfo has the device number.
+        while not ops.initialized:
+            await trio.sleep(0.01)
+        await trio.sleep(0.05)
         try:
             dev = device_of(self.opts.mountpoint)
             if dev is None:

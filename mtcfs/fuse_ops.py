@@ -84,7 +84,12 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs: Filesystem) -> None:
         super().__init__()
         self.fs = fs
+        self.initialized = False
         fs.subscribe(self._on_event)
+
+    def init(self) -> None:
+        """FUSE INIT arrived: the kernel has negotiated the connection."""
+        self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
         if event == "invalidate_entry":

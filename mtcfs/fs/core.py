@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import stat
 import time
@@ -212,6 +213,7 @@ class Filesystem:
     def close(self) -> None:
         """Close data file descriptors (the store itself is closed by its owner)."""
         for v in self.versions.values():
+            self._unmap(v)
             if v.fd >= 0:
                 os.close(v.fd)
                 v.fd = -1
@@ -391,6 +393,7 @@ class Filesystem:
             return
         if self.versions.pop(v.vid, None) is None:
             return
+        self._unmap(v)
         if v.fd >= 0:
             os.close(v.fd)
             v.fd = -1
@@ -873,7 +876,13 @@ class Filesystem:
             raise FsError(errno.EBADF)
         return h
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        """Read up to ``size`` bytes at ``off``; waits for missing chunks (fault-in).
+
+        A sealed, complete version is served as a view of its read-only mapping: the only
+        copy is the kernel's into the FUSE reply (pyfuse3 takes any buffer, and consumes
+        it before the next request runs). Other versions are read with ``pread``.
+        """
         h = self._handle(fh)
         v = h.version
         ino = self.inodes.get(h.ino)
@@ -892,10 +901,28 @@ class Filesystem:
             finally:
                 v.pins -= 1
                 self._release_version(v)  # no-op unless rewritten meanwhile
+        elif v.sealed:
+            self.counters.bytes_read += size
+            return memoryview(self._map(v))[off:off + size]
         else:
             data = os.pread(self._fd(v), size, off)
         self.counters.bytes_read += len(data)
         return data
+
+    def _map(self, v: Version) -> mmap.mmap:
+        if v.mm is None:
+            v.mm = mmap.mmap(self._fd(v), v.size, prot=mmap.PROT_READ)
+        return v.mm
+
+    @staticmethod
+    def _unmap(v: Version) -> None:
+        """Drop ``v``'s mapping; must precede any truncation of its data file."""
+        if v.mm is not None:
+            try:
+                v.mm.close()
+            except BufferError:  # a view is still exported: the GC unmaps it later
+                pass
+            v.mm = None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)
@@ -1112,6 +1139,7 @@ class Filesystem:
                 if not v.sealed or v.pins:
                     continue
                 before = v.local_bytes()
+                self._unmap(v)
                 fd = self._fd(v)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)
