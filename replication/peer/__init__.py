@@ -1,0 +1,43 @@
+"""The peer tier: replicas of other ranks' data in this node's RAM tier, served over gRPC.
+
+* :mod:`~replication.peer.replica_store` — chunks and manifests held for other ranks, verified
+  on the way in and out, capacity-limited, reference-counted.
+* :mod:`~replication.peer.service` — the Peer gRPC service (grpcio's synchronous server in its
+  own thread pool) and :func:`serve`.
+* :mod:`~replication.peer.client` — :class:`PeerClient`, one per peer address.
+* :mod:`~replication.peer.placement` — which ranks hold whose data (ring, Gemini groups,
+  data-parallel pairs, topology).
+* :mod:`~replication.peer.membership` — the soft heartbeat table behind the coordinator.
+
+The wire protocol is ``proto/mtcfs_peer.proto`` (package ``mtcfs.peer.v1``), generated into
+``_pb/`` by ``scripts/gen_proto.sh``; docs/peer-protocol.md describes it. Everything here
+blocks: call it from worker threads, never from the trio loop.
+
+Typical use::
+
+    store = ReplicaStore("/dev/shm/mtcfs/job/replicas", capacity=64 << 30)
+    server = serve(store, "0.0.0.0:7070", job="llama", nodes=16, rank=3)
+    with PeerClient("node4:7070", job="llama", rank=3) as peer:
+        peer.put_chunks((h, read_chunk_fn(h)) for h in manifest.chunk_set())
+        result = peer.publish_manifest(manifest)   # result.complete: replicated
+"""
+
+from replication.peer.client import PeerClient
+from replication.peer.errors import (
+    ChunkMismatch, ChunkNotFound, PeerChunkCorrupt, PeerError, PeerUnavailable,
+    ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
+)
+from replication.peer.membership import Membership
+from replication.peer.records import (
+    GcStats, HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
+)
+from replication.peer.replica_store import ChunkWriter, LocalChunks, ReplicaStore
+from replication.peer.service import PeerServer, PeerService, serve
+
+__all__ = [
+    "ChunkMismatch", "ChunkNotFound", "ChunkWriter", "GcStats", "HeartbeatResult",
+    "LocalChunks", "ManifestInfo", "MemberInfo", "Membership", "PeerChunkCorrupt",
+    "PeerClient", "PeerError", "PeerServer", "PeerService", "PeerUnavailable",
+    "PublishResult", "PutResult", "ReplicaChunkCorrupt", "ReplicaError", "ReplicaFull",
+    "ReplicaStore", "StepRef", "serve",
+]

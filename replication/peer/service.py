@@ -1,0 +1,345 @@
+"""The Peer gRPC service over a :class:`~replication.peer.replica_store.ReplicaStore`.
+
+It runs grpcio's *synchronous* server: each call is served in a thread of the server's own
+pool, and touches only thread-safe objects (the replica store, the membership table, the
+counters). It never runs on, or waits for, the trio loop that serves FUSE. Later calls into
+the filesystem core (which is trio-side) go through ``trio.from_thread.run``; see
+docs/peer-protocol.md for why grpcio's asyncio API is not used.
+
+Input is checked before anything is stored; every refusal is a gRPC status the sender can act
+on, and the server keeps serving:
+
+=========================================  ===========================================
+request                                    status
+=========================================  ===========================================
+another job                                FAILED_PRECONDITION (whole call)
+rank (or of_rank) outside [0, nodes)       INVALID_ARGUMENT (whole call)
+malformed digest, too many digests,        INVALID_ARGUMENT (whole call)
+pieces out of order, chunk > 256 MiB
+message above the size limit               RESOURCE_EXHAUSTED (grpc itself)
+bytes that do not hash to their digest     DATA_LOSS in PutChunksReply.rejected (chunk)
+replica store full                         RESOURCE_EXHAUSTED in .rejected (chunk), or
+                                           for a manifest, of the whole call
+bad manifest, path escaping the job or     INVALID_ARGUMENT (whole call)
+step, manifest of another job/rank/step
+chunk not held / corrupt on disk           NOT_FOUND / DATA_LOSS in GetChunksReply
+=========================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from mtcfs.manifest import ManifestError, StepManifest
+from replication.backup.counters import Counters
+from replication.backup.layout import check_hash, check_step
+from replication.peer._pb import mtcfs_peer_pb2 as pb
+from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+from replication.peer.errors import ChunkNotFound, ReplicaChunkCorrupt, ReplicaFull
+from replication.peer.limits import MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES
+from replication.peer.membership import Membership
+from replication.peer.put_stream import PutStream, Refused
+from replication.peer.records import StepRef
+from replication.peer.replica_store import ReplicaStore
+from replication.peer.wire import encode_bitmap, pieces, status
+
+log = logging.getLogger(__name__)
+
+#: Default threads of the server's pool (concurrent calls; more wait in line).
+DEFAULT_WORKERS = 8
+
+
+class PeerService(pb_grpc.PeerServicer):
+    """Serves the Peer RPCs of one job from one replica store.
+
+    Args:
+        store: where replicas live.
+        job: the job served; requests for any other are FAILED_PRECONDITION.
+        nodes: ranks in the job; a rank outside [0, nodes) is INVALID_ARGUMENT.
+        membership: the heartbeat table; a fresh one (no own rank) if None.
+
+    Raises:
+        ValueError: if ``job`` is empty or ``nodes < 1``.
+    """
+
+    def __init__(self, store: ReplicaStore, job: str, nodes: int,
+                 membership: Membership | None = None) -> None:
+        if not job:
+            raise ValueError("job must not be empty")
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        self._store = store
+        self._job = job
+        self._nodes = nodes
+        self._membership = membership or Membership(nodes)
+        if self._membership.nodes != nodes:
+            raise ValueError(f"membership is for {self._membership.nodes} nodes, not {nodes}")
+        self._counters = Counters((
+            "calls", "calls_refused", "bytes_received", "bytes_sent", "chunks_received",
+            "chunks_already_present", "chunks_rejected", "chunks_sent", "chunks_unavailable",
+            "manifests_published", "heartbeats",
+        ))
+
+    @property
+    def store(self) -> ReplicaStore:
+        return self._store
+
+    @property
+    def membership(self) -> Membership:
+        return self._membership
+
+    def stats(self) -> dict[str, int]:
+        """Return counters.
+
+        ``calls``, ``calls_refused`` (whole calls refused with a status), ``bytes_received``
+        and ``bytes_sent`` (chunk payload bytes), ``chunks_received`` (stored now),
+        ``chunks_already_present`` (sent although held), ``chunks_rejected`` (refused in a
+        PutChunks reply), ``chunks_sent``, ``chunks_unavailable`` (asked for, not served),
+        ``manifests_published``, ``heartbeats``.
+        """
+        return self._counters.snapshot()
+
+    # -- common checks ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call(self, context: grpc.ServicerContext, what: str) -> Iterator[None]:
+        """Count the call; turn refusals and store errors into a status for the caller."""
+        self._counters.add("calls")
+        try:
+            yield
+        except Refused as exc:
+            code, message = exc.code, str(exc)
+        except ReplicaFull as exc:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except OSError as exc:
+            log.exception("%s from %s failed", what, context.peer())
+            code, message = grpc.StatusCode.INTERNAL, f"{what} failed on the server: {exc}"
+        else:
+            return
+        self._counters.add("calls_refused")
+        log.warning("refused %s from %s: %s %s", what, context.peer(), code.name, message)
+        context.abort(code, message)
+
+    def _check(self, job: str, rank: int) -> None:
+        if job != self._job:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"this peer serves job {self._job!r}, not {job!r}")
+        self._check_rank(rank, "rank")
+
+    def _check_rank(self, rank: int, field: str) -> None:
+        if not 0 <= rank < self._nodes:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{field} {rank} is outside 0..{self._nodes - 1} "
+                           f"(job {self._job!r} has {self._nodes} nodes)")
+
+    @staticmethod
+    def _check_digests(digests: list[str]) -> None:
+        if len(digests) > MAX_DIGESTS_PER_CALL:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{len(digests)} digests in one call; at most "
+                           f"{MAX_DIGESTS_PER_CALL}")
+        for h in digests:
+            try:
+                check_hash(h)
+            except ValueError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    def HasChunks(self, request: pb.HasChunksRequest,
+                  context: grpc.ServicerContext) -> pb.HasChunksReply:
+        with self._call(context, "HasChunks"):
+            self._check(request.job, request.rank)
+            digests = list(request.digests)
+            self._check_digests(digests)
+            flags = self._store.has_many(digests)
+            return pb.HasChunksReply(present=encode_bitmap(flags), count=len(flags))
+
+    def PutChunks(self, request_iterator: Iterator[pb.PutChunksRequest],
+                  context: grpc.ServicerContext) -> pb.PutChunksReply:
+        with self._call(context, "PutChunks"):
+            return PutStream(self._store, self._counters, self._check,
+                             context.peer()).run(request_iterator)
+
+    def GetChunks(self, request: pb.GetChunksRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.GetChunksReply]:
+        with self._call(context, "GetChunks"):
+            self._check(request.job, request.rank)
+            digests = list(request.digests)
+            self._check_digests(digests)
+            for h in digests:
+                if not context.is_active():
+                    return
+                try:
+                    data = self._store.get_chunk(h)
+                except ChunkNotFound as exc:
+                    self._counters.add("chunks_unavailable")
+                    yield pb.GetChunksReply(
+                        unavailable=status(h, grpc.StatusCode.NOT_FOUND, str(exc)))
+                    continue
+                except ReplicaChunkCorrupt as exc:
+                    self._counters.add("chunks_unavailable")
+                    yield pb.GetChunksReply(
+                        unavailable=status(h, grpc.StatusCode.DATA_LOSS, str(exc)))
+                    continue
+                for p in pieces(h, data):
+                    yield pb.GetChunksReply(piece=p)
+                self._counters.add("chunks_sent")
+                self._counters.add("bytes_sent", len(data))
+
+    def PublishManifest(self, request: pb.PublishManifestRequest,
+                        context: grpc.ServicerContext) -> pb.PublishManifestReply:
+        with self._call(context, "PublishManifest"):
+            self._check(request.job, request.rank)
+            raw = request.manifest
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"manifest of {len(raw)} bytes; at most {MAX_MANIFEST_BYTES}")
+            try:
+                check_step(request.step)
+                m = StepManifest.from_bytes(raw)
+            except (ValueError, ManifestError) as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            fields = {"job": (m.job, self._job), "rank": (m.rank, request.rank),
+                      "step": (m.step, request.step),
+                      "step_number": (m.step_number, request.step_number)}
+            for name, (have, want) in fields.items():
+                if have != want:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"manifest has {name} {have!r} but the request says "
+                                   f"{want!r}")
+            try:
+                result = self._store.put_manifest(m, raw)
+            except ValueError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            self._counters.add("manifests_published")
+            return pb.PublishManifestReply(chunks_total=result.chunks_total,
+                                           missing=list(result.missing),
+                                           replaced=result.replaced)
+
+    def ListManifests(self, request: pb.ListManifestsRequest,
+                      context: grpc.ServicerContext) -> Iterator[pb.StoredManifest]:
+        with self._call(context, "ListManifests"):
+            self._check(request.job, request.rank)
+            self._check_rank(request.of_rank, "of_rank")
+            infos = self._store.list_manifests(request.of_rank, step=request.step or None)
+            for info in infos:
+                raw = b""
+                if not request.without_manifest:
+                    try:
+                        raw = self._store.get_manifest(info.rank, info.step)
+                    except KeyError:
+                        continue  # dropped by a gc meanwhile
+                yield pb.StoredManifest(
+                    rank=info.rank, step=info.step, step_number=info.step_number,
+                    created_ns=info.created_ns, total_bytes=info.total_bytes,
+                    chunks_total=info.chunks_total, chunks_missing=info.chunks_missing,
+                    manifest=raw)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        with self._call(context, "Heartbeat"):
+            self._check(request.job, request.rank)
+            self._membership.report(
+                request.rank, address=request.address, labels=dict(request.labels),
+                steps_complete=[StepRef(s.step, s.step_number) for s in request.steps_complete],
+                capacity_bytes=request.capacity_bytes, used_bytes=request.used_bytes)
+            self._counters.add("heartbeats")
+            view = self._membership.view(request.known_version)
+            reply = pb.HeartbeatReply(membership_version=view.membership_version,
+                                      coordinator_rank=view.coordinator_rank,
+                                      nodes=view.nodes)
+            for m in view.members or ():
+                reply.members.add(rank=m.rank, address=m.address, labels=m.labels,
+                                  alive=m.alive, age_ms=int(m.age_s * 1000),
+                                  capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes)
+            if view.latest_complete is not None:
+                reply.has_latest_complete = True
+                reply.latest_complete.step = view.latest_complete.step
+                reply.latest_complete.step_number = view.latest_complete.step_number
+            return reply
+
+
+@dataclass
+class PeerServer:
+    """A running Peer service.
+
+    Attributes:
+        server: the grpc server.
+        service: the servicer (for ``stats()``, ``membership``).
+        address: the address it listens on, with the real port when 0 was asked for.
+        port: the bound TCP port.
+    """
+
+    server: grpc.Server
+    service: PeerService
+    address: str
+    port: int
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop serving; calls in progress get ``grace`` seconds (None: cancelled now).
+        Returns an event set when the server has stopped."""
+        return self.server.stop(grace)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self.server.wait_for_termination(timeout)
+
+
+def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
+          rank: int | None = None, labels: Mapping[str, str] | None = None,
+          membership: Membership | None = None, workers: int = DEFAULT_WORKERS,
+          max_message_bytes: int = MAX_MESSAGE_BYTES) -> PeerServer:
+    """Start the Peer service on ``listen`` (plaintext gRPC) and return at once.
+
+    Args:
+        store: the replica store to serve.
+        listen: ``host:port``; port 0 picks a free one (see :attr:`PeerServer.port`).
+        job: the job served.
+        nodes: ranks in the job.
+        rank: this node's rank (always alive in the membership table); None if unknown.
+        labels: this node's topology labels, for the membership table.
+        membership: a table to use instead of a fresh one (``rank``/``labels`` then unused).
+        workers: threads serving calls concurrently.
+        max_message_bytes: grpc's send and receive limit per message; larger messages are
+            refused with RESOURCE_EXHAUSTED. Keep the default except in tests: clients use it
+            too.
+
+    Returns:
+        The running server; call ``stop()`` to end it.
+
+    Raises:
+        ValueError: on a bad ``job``, ``nodes`` or ``rank``.
+        OSError: if the address cannot be bound (in use, bad host).
+    """
+    if membership is None:
+        membership = Membership(nodes, self_rank=rank, self_address=listen,
+                                self_labels=labels)
+    service = PeerService(store, job, nodes, membership)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtcfs-peer"),
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on the same port must fail, loudly
+        ])
+    pb_grpc.add_PeerServicer_to_server(service, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:  # grpcio raises when binding fails
+        server.stop(None)
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        server.stop(None)
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    host = listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    log.info("peer service of job %r (%d nodes) listening on %s", job, nodes, address)
+    return PeerServer(server=server, service=service, address=address, port=port)

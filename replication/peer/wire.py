@@ -1,0 +1,66 @@
+"""Encoding rules of the peer protocol that both sides apply: chunk pieces, the presence
+bitmap, status codes carried in messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from replication.peer._pb import mtcfs_peer_pb2 as pb
+from replication.peer.limits import PIECE_BYTES
+
+#: grpc.StatusCode by its number (the ``code`` field of ChunkStatus).
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def pieces(digest: str, data: bytes | memoryview,
+           piece_bytes: int = PIECE_BYTES) -> Iterator[pb.ChunkPiece]:
+    """Cut one chunk into ChunkPiece messages of at most ``piece_bytes`` bytes each.
+
+    A chunk of at most ``piece_bytes`` (the default 4 MiB chunk, for one) is one piece; an
+    empty chunk is one empty piece.
+    """
+    if isinstance(data, bytes) and len(data) <= piece_bytes:  # the common case: no copy
+        yield pb.ChunkPiece(digest=digest, offset=0, total_size=len(data), data=data)
+        return
+    view = memoryview(data).cast("B")
+    total = len(view)
+    off = 0
+    while True:
+        n = min(piece_bytes, total - off)
+        yield pb.ChunkPiece(digest=digest, offset=off, total_size=total,
+                            data=bytes(view[off:off + n]))
+        off += n
+        if off >= total:
+            return
+
+
+def encode_bitmap(flags: Sequence[bool]) -> bytes:
+    """Pack flags into bytes, flag i at bit i % 8 (least significant first) of byte i // 8."""
+    out = bytearray((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        if f:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def decode_bitmap(bitmap: bytes, count: int) -> list[bool]:
+    """Unpack :func:`encode_bitmap`'s output into ``count`` flags.
+
+    Raises:
+        ValueError: if the bitmap is too short for ``count`` flags.
+    """
+    if len(bitmap) < (count + 7) // 8:
+        raise ValueError(f"presence bitmap of {len(bitmap)} bytes cannot hold {count} flags")
+    return [bool(bitmap[i >> 3] >> (i & 7) & 1) for i in range(count)]
+
+
+def status(digest: str, code: grpc.StatusCode, message: str) -> pb.ChunkStatus:
+    """A ChunkStatus message for ``digest``."""
+    return pb.ChunkStatus(digest=digest, code=code.value[0], message=message)
+
+
+def code_of(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode with this number (UNKNOWN for numbers grpc does not define)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
