@@ -1,0 +1,142 @@
+"""Capacity of the RAM tier: reservations, eviction of old checkpoints, statfs.
+
+A part of :class:`mtcfs.fs.core.Filesystem` (mixed in); see that module for the
+concurrency protocol every method follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from mtcfs.chunking import chunk_count
+from mtcfs.errors import FsError
+from mtcfs.fs.model import ROOT_INO, Version
+from mtcfs.fs.records import StepRecord
+
+log = logging.getLogger("mtcfs.fs.core")
+
+
+class CapacityOps:
+    """Capacity of the RAM tier: reservations, eviction of old checkpoints, statfs."""
+
+    # ------------------------------------------------------------------ capacity
+
+    async def _reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
+
+        Raises:
+            FsError: ENOSPC when eviction cannot free enough.
+        """
+        if self.used + nbytes <= self.capacity:
+            return
+        self.evict(need=self.used + nbytes - self.capacity)
+        if self.used + nbytes > self.capacity:
+            self.counters.enospc += 1
+            raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} of {self.capacity} bytes)")
+
+    def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
+        """Committed steps that may leave RAM, oldest first.
+
+        Never the newest committed step, never one being backed up; without memory pressure
+        also never one of the newest ``keep`` steps, and only steps already backed up.
+        """
+        ordered = sorted(self.steps.values(), key=lambda s: (s.number, s.committed_ns))
+        if not ordered:
+            return []
+        protected = {ordered[-1].name}
+        if not pressure:
+            protected.update(s.name for s in ordered[-self.keep:] if self.keep > 0)
+        out = []
+        for s in ordered:
+            if s.name in protected or s.backing_up:
+                continue
+            if not pressure and s.backed_up_ns is None:
+                continue
+            if self._step_local_bytes(s) == 0 and s.backed_up_ns is not None:
+                continue
+            out.append(s)
+        return out
+
+    def _step_local_bytes(self, s: StepRecord) -> int:
+        total = 0
+        for _p, ino in self.walk(self.inodes[s.ino]):
+            if ino.is_file:
+                total += self.versions[ino.vid].local_bytes()  # type: ignore[index]
+        return total
+
+    def evict(self, need: int | None = None) -> list[str]:
+        """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure).
+
+        A step that is in the backup keeps its namespace and drops its data (read again, it
+        is faulted back in); a step that is not is deleted. With ``need`` (bytes) stops once
+        enough is free; without, applies the keep= policy.
+
+        Returns:
+            names of the evicted steps.
+        """
+        pressure = need is not None
+        freed_names = []
+        start_used = self.used
+        for s in self.evictable_steps(pressure=pressure):
+            if pressure and start_used - self.used >= need:  # type: ignore[operator]
+                break
+            if any(v.handles for v in self._step_versions(s)):
+                continue
+            if s.backed_up_ns is not None:
+                self._drop_step_data(s)
+            else:
+                self._delete_tree(s)
+            freed_names.append(s.name)
+            self.counters.evicted_steps += 1
+            log.info("evicted checkpoint %s from RAM (%s)", s.name,
+                     "memory pressure" if pressure else f"keep={self.keep}")
+        return freed_names
+
+    def _step_versions(self, s: StepRecord) -> list[Version]:
+        return [self.versions[i.vid] for _p, i in self.walk(self.inodes[s.ino])
+                if i.is_file and i.vid is not None]
+
+    def _drop_step_data(self, s: StepRecord) -> None:
+        with self.db.transaction():
+            for v in self._step_versions(s):
+                if not v.sealed or v.pins:
+                    continue
+                before = v.local_bytes()
+                self._unmap(v)
+                fd = self._fd(v)
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, v.size)
+                v.missing = set(range(chunk_count(v.size, v.chunk_size)))
+                self.used -= before
+                self._write_version(v)
+                for d in v.chunks:
+                    if self._chunk_locations.get(d, (None,))[0] == v.vid:
+                        del self._chunk_locations[d]
+
+    def _delete_tree(self, s: StepRecord) -> None:
+        top = self.inodes[s.ino]
+        items = list(self.walk(top))
+        with self.db.transaction():
+            for _path, ino in reversed(items):
+                parent = self.inodes[ino.parent]
+                if ino.is_dir:
+                    self._unlink_entry(parent, ino.name)
+                    ino.nlink = 0
+                    ino.parent, ino.name = 0, b""
+                    parent.nlink -= 1
+                    self._write_inode(ino)
+                else:
+                    name = ino.name
+                    self._unlink_entry(parent, name)
+                    self._drop_link(ino, parent, name)
+            self._forget_step(top.name or s.name.encode())
+        self._emit("invalidate_entry", (ROOT_INO, s.name.encode(errors="surrogateescape"), top.ino))
+        for _path, ino in items:
+            self._maybe_free_inode(ino)
+
+    def statfs(self) -> dict[str, int]:
+        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's)."""
+        return {"capacity": self.capacity, "used": self.used,
+                "free": max(0, self.capacity - self.used), "files": len(self.inodes)}

@@ -1,0 +1,295 @@
+"""File handles and versions: open, create, read, write, fsync, release, and seal on last close.
+
+A part of :class:`mtcfs.fs.core.Filesystem` (mixed in); see that module for the
+concurrency protocol every method follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import stat
+
+import trio
+
+from mtcfs.chunking import hash_fd
+from mtcfs.errors import FsError
+from mtcfs.fs.model import Attr, Handle, Inode, Version
+from mtcfs.fs.records import now_ns as _now_ns
+
+log = logging.getLogger("mtcfs.fs.core")
+
+
+class FileOps:
+    """File handles and versions: open, create, read, write, fsync, release, and seal on last close."""
+
+    # ------------------------------------------------------------------ files
+
+    def _writable_version(self, ino: Inode, *, trunc: bool) -> Version:
+        """The version a new writer writes to: the open one, or a new copy-on-write one."""
+        cur = self.versions[ino.vid] if ino.vid is not None else None
+        if cur is not None and not cur.sealed and cur.sealing is None:
+            if trunc and cur.size:
+                os.ftruncate(self._fd(cur), 0)
+                self.used -= cur.local_bytes()
+                cur.size = 0
+                cur.missing.clear()
+                cur.gen += 1
+            return cur
+        if cur is not None and not trunc and cur.missing:
+            raise FsError(errno.EAGAIN, "file is still being restored")
+        with self.db.transaction():
+            v = self._new_version(ino, copy_from=None if trunc else cur)
+            self._set_current(ino, v)
+            self._write_inode(ino)
+        return v
+
+    async def open(self, num: int, flags: int) -> tuple[int, bool]:
+        """Open a file. Returns ``(fh, keep_cache)``.
+
+        Raises:
+            FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
+        """
+        ino = self._inode(num)
+        if ino.is_dir:
+            raise FsError(errno.EISDIR)
+        if not ino.is_file:
+            raise FsError(errno.EINVAL)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        if writable and not trunc:
+            await self._fault_in_all(ino)
+        if writable:
+            v = self._writable_version(ino, trunc=trunc)
+            v.writers += 1
+            if trunc:
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
+        else:
+            if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
+                # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
+                # dropped its own size to 0 (atomic_o_trunc): follow it.
+                await self._truncate(ino, 0, None)
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
+            v = self.versions[ino.vid]  # type: ignore[index]
+        v.handles += 1
+        ino.opens += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND))
+        return fh, True
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Attr]:
+        d = self._dir(parent)
+        self._check_name(name)
+        existing = d.children.get(name)  # type: ignore[union-attr]
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            fh, _ = await self.open(existing, flags)
+            ino = self.inodes[existing]
+            ino.lookups += 1
+            return fh, self.attr(ino)
+        with self.db.transaction():
+            ino = self._new_inode("file", stat.S_IFREG | (mode & 0o7777), uid, gid)
+            v = self._new_version(ino)
+            ino.vid = v.vid
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            self._touch_dir(d)
+        v.writers += 1
+        v.handles += 1
+        ino.opens += 1
+        ino.lookups += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND))
+        return fh, self.attr(ino)
+
+    def _handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if not isinstance(h, Handle):
+            raise FsError(errno.EBADF)
+        return h
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        """Read up to ``size`` bytes at ``off``; waits for missing chunks (fault-in).
+
+        A sealed, complete version is served as a view of its read-only mapping: the only
+        copy is the kernel's into the FUSE reply (pyfuse3 takes any buffer, and consumes
+        it before the next request runs). Other versions are read with ``pread``.
+        """
+        h = self._handle(fh)
+        v = h.version
+        ino = self.inodes.get(h.ino)
+        if not v.current and ino is not None and ino.vid is not None:
+            # Rewritten (copy-on-write) since this handle was opened: one file has one
+            # content, so read the current version, as the kernel's page cache does.
+            v = self.versions[ino.vid]
+        if off >= v.size:
+            return b""
+        size = min(size, v.size - off)
+        if v.missing:
+            v.pins += 1  # a version this handle does not hold must outlive the await
+            try:
+                await self.fault_in(v, off, size)
+                data = os.pread(self._fd(v), size, off)
+            finally:
+                v.pins -= 1
+                self._release_version(v)  # no-op unless rewritten meanwhile
+        elif v.sealed:
+            self.counters.bytes_read += size
+            return memoryview(self._map(v))[off:off + size]
+        else:
+            data = os.pread(self._fd(v), size, off)
+        self.counters.bytes_read += len(data)
+        return data
+
+    def _map(self, v: Version) -> mmap.mmap:
+        if v.mm is None:
+            v.mm = mmap.mmap(self._fd(v), v.size, prot=mmap.PROT_READ)
+        return v.mm
+
+    @staticmethod
+    def _unmap(v: Version) -> None:
+        """Drop ``v``'s mapping; must precede any truncation of its data file."""
+        if v.mm is not None:
+            try:
+                v.mm.close()
+            except BufferError:  # a view is still exported: the GC unmaps it later
+                pass
+            v.mm = None
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        v = h.version
+        if h.append:
+            off = v.size
+        end = off + len(buf)
+        if end > v.size:
+            await self._reserve(end - v.size)
+        try:
+            n = os.pwrite(self._fd(v), buf, off)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.counters.enospc += 1
+                raise FsError(errno.ENOSPC, "store directory is full") from None
+            raise
+        if end > v.size:
+            self.used += end - v.size
+            v.size = end
+        v.gen += 1
+        self.counters.bytes_written += n
+        return n
+
+    async def flush(self, fh: int) -> None:
+        """close(2) of one descriptor. Seal happens at release of the last writer."""
+        self._handle(fh)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handle(fh)
+        if h.writable and not h.version.sealed:
+            # Record the length reached so far; the bytes are already in the data file.
+            with self.db.transaction():
+                self._write_version(h.version)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if not isinstance(h, Handle):
+            return
+        v = h.version
+        v.handles -= 1
+        ino = self.inodes.get(h.ino)
+        if h.writable:
+            v.writers -= 1
+            self._after_write_close(v)
+        if ino is not None:
+            ino.opens -= 1
+            self._maybe_free_inode(ino)
+        self._release_version(v)
+
+    def _after_write_close(self, v: Version) -> None:
+        if v.writers == 0 and not v.sealed and v.sealing is None and self._nursery is not None:
+            v.sealing = trio.Event()
+            self._nursery.start_soon(self._seal, v)
+
+    # ------------------------------------------------------------------ seal
+
+    async def _seal(self, v: Version) -> None:
+        """Hash a closed version into chunks off the FUSE loop and record its manifest."""
+        if v.sealing is None:
+            v.sealing = trio.Event()
+        done = v.sealing
+        try:
+            while True:
+                gen, size = v.gen, v.size
+                fd = self._fd(v)
+                try:
+                    res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
+                                                        limiter=self.cpu_limiter)
+                except OSError as exc:
+                    v.seal_error = str(exc)
+                    self._error(f"seal of version {v.vid} failed: {exc}")
+                    return
+                if v.vid not in self.versions:
+                    return
+                if v.writers:
+                    return  # reopened for writing; the next close seals again
+                if v.gen != gen or v.size != size:
+                    continue
+                break
+            v.sealed = True
+            v.chunks = res.chunks
+            v.blake3 = res.file_hash
+            v.backed_up = False
+            ino = self.inodes.get(v.ino)
+            with self.db.transaction():
+                self._write_version(v)
+                if ino is not None:
+                    self._write_inode(ino)
+            self._index_chunks(v)
+            self.counters.seals += 1
+            v.sealing = None
+            if ino is not None:
+                self._step_changed(ino)
+            if ino is not None and ino.vid == v.vid:
+                self._emit("sealed", v)
+                with self.db.transaction():
+                    self._maybe_commit_by_file(ino)
+        finally:
+            v.sealing = None
+            done.set()
+            if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current:
+                self._after_write_close(v)
+            self._release_version(v)
+
+    async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:
+        """Wait until the current version of file ``ino`` is sealed.
+
+        The kernel sends RELEASE shortly after close(2) returns, so a version that still has
+        writers gets ``grace`` seconds to lose them. Returns None if it is still open then.
+        """
+        deadline = trio.current_time() + grace
+        while True:
+            if ino.vid is None:
+                return None
+            v = self.versions[ino.vid]
+            if v.sealed:
+                return v
+            if v.sealing is not None:
+                await v.sealing.wait()
+                continue
+            if trio.current_time() >= deadline:
+                return None
+            await trio.sleep(0.01)
+
+    def _index_chunks(self, v: Version) -> None:
+        if not v.sealed:
+            return
+        for i, d in enumerate(v.chunks):
+            if i not in v.missing:
+                self._chunk_locations.setdefault(d, (v.vid, i))

@@ -1,0 +1,298 @@
+"""Namespace operations: lookup, attributes, mkdir, links, unlink, rmdir, rename, directory listing.
+
+A part of :class:`mtcfs.fs.core.Filesystem` (mixed in); see that module for the
+concurrency protocol every method follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections.abc import Iterable
+
+from mtcfs.errors import FsError
+from mtcfs.fs import steps as stepnames
+from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
+from mtcfs.fs.records import now_ns as _now_ns
+
+log = logging.getLogger("mtcfs.fs.core")
+
+
+class NamespaceOps:
+    """Namespace operations: lookup, attributes, mkdir, links, unlink, rmdir, rename, directory listing."""
+
+    # ------------------------------------------------------------------ namespace
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        d = self._dir(parent)
+        if name == b".":
+            child = d
+        elif name == b"..":
+            child = self.inodes.get(d.parent or ROOT_INO, d)
+        else:
+            num = d.children.get(name)  # type: ignore[union-attr]
+            if num is None:
+                raise FsError(errno.ENOENT)
+            child = self.inodes[num]
+        child.lookups += 1
+        return self.attr(child)
+
+    def forget(self, items: Iterable[tuple[int, int]]) -> None:
+        for num, n in items:
+            ino = self.inodes.get(num)
+            if ino is None:
+                continue
+            ino.lookups = max(0, ino.lookups - n)
+            self._maybe_free_inode(ino)
+
+    async def getattr(self, ino: int) -> Attr:
+        return self.attr(self._inode(ino))
+
+    async def setattr(self, num: int, *, mode: int | None = None, uid: int | None = None,
+                      gid: int | None = None, size: int | None = None,
+                      atime_ns: int | None = None, mtime_ns: int | None = None,
+                      fh: int | None = None) -> Attr:
+        ino = self._inode(num)
+        now = _now_ns()
+        if size is not None:
+            if not ino.is_file:
+                raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)
+            await self._truncate(ino, size, fh)
+            ino.mtime_ns = now
+        with self.db.transaction():
+            if mode is not None:
+                ino.mode = stat.S_IFMT(ino.mode) | (mode & 0o7777)
+            if uid is not None:
+                ino.uid = uid
+            if gid is not None:
+                ino.gid = gid
+            if atime_ns is not None:
+                ino.atime_ns = atime_ns
+            if mtime_ns is not None:
+                ino.mtime_ns = mtime_ns
+            ino.ctime_ns = now
+            self._write_inode(ino)
+        return self.attr(ino)
+
+    async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None:
+        h = self.handles.get(fh) if fh is not None else None
+        if isinstance(h, Handle) and h.writable and h.version.vid == ino.vid:
+            v = h.version
+        else:
+            # truncate(2) by path: a short-lived writer of its own.
+            if size:
+                await self._fault_in_all(ino)
+            v = self._writable_version(ino, trunc=(size == 0))
+            v.writers += 1
+            try:
+                await self._resize(v, size)
+            finally:
+                v.writers -= 1
+            self._after_write_close(v)
+            return
+        await self._resize(v, size)
+
+    async def _resize(self, v: Version, size: int) -> None:
+        if size > v.size:
+            await self._reserve(size - v.size)
+        if v.missing:
+            await self.fault_in(v, 0, v.size)
+        old_local = v.local_bytes()
+        os.ftruncate(self._fd(v), size)
+        v.size = size
+        v.gen += 1
+        self.used += v.local_bytes() - old_local
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        d = self._dir(parent)
+        self._check_name(name)
+        if name in d.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        with self.db.transaction():
+            ino = self._new_inode("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
+            self._write_inode(ino)
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            d.nlink += 1
+            self._touch_dir(d)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        d = self._dir(parent)
+        self._check_name(name)
+        if name in d.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        with self.db.transaction():
+            ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
+            ino.target = target
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            self._touch_dir(d)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    async def readlink(self, num: int) -> bytes:
+        ino = self._inode(num)
+        if ino.kind != "symlink":
+            raise FsError(errno.EINVAL)
+        return ino.target
+
+    async def link(self, num: int, new_parent: int, new_name: bytes) -> Attr:
+        ino = self._inode(num)
+        if ino.is_dir:
+            raise FsError(errno.EPERM)
+        d = self._dir(new_parent)
+        self._check_name(new_name)
+        if new_name in d.children:  # type: ignore[operator]
+            raise FsError(errno.EEXIST)
+        with self.db.transaction():
+            self._link(d, new_name, ino)
+            ino.nlink += 1
+            ino.ctime_ns = _now_ns()
+            self._write_inode(ino)
+            self._touch_dir(d)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        num = d.children.get(name)  # type: ignore[union-attr]
+        if num is None:
+            raise FsError(errno.ENOENT)
+        ino = self.inodes[num]
+        if ino.is_dir:
+            raise FsError(errno.EISDIR)
+        with self.db.transaction():
+            self._unlink_entry(d, name)
+            self._drop_link(ino, d, name)
+            self._touch_dir(d)
+        self._maybe_free_inode(ino)
+
+    def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None:
+        ino.nlink -= 1
+        ino.ctime_ns = _now_ns()
+        if ino.parent == d.ino and ino.name == name:
+            # Re-point the file's path at another remaining link, if any.
+            row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
+                                  (ino.ino,)).fetchone()
+            ino.parent, ino.name = (row[0], bytes(row[1])) if row else (0, b"")
+        self._write_inode(ino)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        num = d.children.get(name)  # type: ignore[union-attr]
+        if num is None:
+            raise FsError(errno.ENOENT)
+        ino = self.inodes[num]
+        if not ino.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if ino.children:
+            raise FsError(errno.ENOTEMPTY)
+        with self.db.transaction():
+            self._unlink_entry(d, name)
+            ino.nlink = 0
+            ino.parent, ino.name = 0, b""
+            self._write_inode(ino)
+            d.nlink -= 1
+            self._touch_dir(d)
+            if d.ino == ROOT_INO:
+                self._forget_step(name)
+        self._maybe_free_inode(ino)
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                     flags: int = 0) -> None:
+        """Atomic rename; ``flags`` may hold RENAME_NOREPLACE (1). RENAME_EXCHANGE (2) is
+        refused with EINVAL."""
+        if flags & ~1:
+            raise FsError(errno.EINVAL)
+        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        self._check_name(new_name)
+        num = src_dir.children.get(old_name)  # type: ignore[union-attr]
+        if num is None:
+            raise FsError(errno.ENOENT)
+        ino = self.inodes[num]
+        if ino.is_dir:
+            # A directory may not move below itself.
+            cur: Inode | None = dst_dir
+            while cur is not None and cur.ino != ROOT_INO:
+                if cur.ino == ino.ino:
+                    raise FsError(errno.EINVAL)
+                cur = self.inodes.get(cur.parent)
+        victim_num = dst_dir.children.get(new_name)  # type: ignore[union-attr]
+        victim = self.inodes[victim_num] if victim_num is not None else None
+        if victim is ino:
+            return
+        if victim is not None:
+            if flags & 1:
+                raise FsError(errno.EEXIST)
+            if ino.is_dir and not victim.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not ino.is_dir and victim.is_dir:
+                raise FsError(errno.EISDIR)
+            if victim.is_dir and victim.children:
+                raise FsError(errno.ENOTEMPTY)
+        with self.db.transaction():
+            if victim is not None:
+                self._unlink_entry(dst_dir, new_name)
+                if victim.is_dir:
+                    victim.nlink = 0
+                    victim.parent, victim.name = 0, b""
+                    self._write_inode(victim)
+                    dst_dir.nlink -= 1
+                    if dst_dir.ino == ROOT_INO:
+                        self._forget_step(new_name)
+                else:
+                    self._drop_link(victim, dst_dir, new_name)
+            self._unlink_entry(src_dir, old_name)
+            if src_dir.ino == ROOT_INO and ino.is_dir:
+                self._forget_step(old_name)
+            self._link(dst_dir, new_name, ino)
+            if ino.is_dir and src_dir is not dst_dir:
+                src_dir.nlink -= 1
+                dst_dir.nlink += 1
+            ino.ctime_ns = _now_ns()
+            self._write_inode(ino)
+            self._touch_dir(src_dir)
+            if dst_dir is not src_dir:
+                self._touch_dir(dst_dir)
+            # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
+            if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
+                self._commit_step(ino, "orbax-rename")
+            elif ino.is_file and new_name in stepnames.COMMIT_FILES:
+                self._maybe_commit_by_file(ino)
+        if victim is not None:
+            self._maybe_free_inode(victim)
+
+    # ------------------------------------------------------------------ directories
+
+    async def opendir(self, num: int) -> int:
+        d = self._dir(num)
+        fh = self._next_fh
+        self._next_fh += 1
+        entries = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
+        entries.extend(sorted(d.children.items()))  # type: ignore[union-attr]
+        self.handles[fh] = DirHandle(fh, d.ino, entries)
+        return fh
+
+    def readdir(self, fh: int, start: int) -> Iterable[tuple[bytes, Attr, int, bool]]:
+        """Yield ``(name, attr, next_offset, counts_lookup)`` from offset ``start``."""
+        h = self.handles.get(fh)
+        if not isinstance(h, DirHandle):
+            raise FsError(errno.EBADF)
+        for i in range(start, len(h.entries)):
+            name, num = h.entries[i]
+            ino = self.inodes.get(num)
+            if ino is None:
+                continue
+            yield name, self.attr(ino), i + 1, name not in (b".", b"..")
+
+    def count_lookup(self, num: int) -> None:
+        ino = self.inodes.get(num)
+        if ino is not None:
+            ino.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        self.handles.pop(fh, None)

@@ -1,0 +1,50 @@
+"""Records the filesystem core keeps besides inodes and versions: committed checkpoints,
+counters, and the protocol of chunk sources it faults data in from."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+class ChunkSource(Protocol):
+    """Where missing chunks come from (backup tier, later peers). Wired by the daemon."""
+
+    async def fetch(self, digest: str) -> bytes:
+        """Return the chunk's bytes, already verified against ``digest``.
+
+        Raises:
+            FsError: EIO when no source has a valid copy.
+        """
+        ...
+
+
+@dataclass
+class StepRecord:
+    """A committed checkpoint on this node."""
+
+    name: str
+    number: int
+    ino: int
+    committed_ns: int
+    source: str
+    backed_up_ns: int | None = None
+    backing_up: bool = False
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for status and metrics."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seals: int = 0
+    chunks_faulted: int = 0
+    bytes_faulted: int = 0
+    fault_errors: int = 0
+    enospc: int = 0
+    evicted_steps: int = 0
+
+
+def now_ns() -> int:
+    return time.time_ns()
