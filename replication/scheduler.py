@@ -74,6 +74,8 @@ class BackupService:
         self._wake = trio.Event()
         self._done = trio.Event()
         self._force: str | None = None
+        self._force_failed = False
+        self._request_lock = trio.Lock()  # one explicit request at a time
         fs.subscribe(self._on_event)
         if self.candidate() is not None:
             # A step committed before this daemon started (restart, crash, backup= added
@@ -105,16 +107,16 @@ class BackupService:
         Raises:
             BackupError: the upload failed.
         """
-        self._force = step or "__newest__"
-        self._done = trio.Event()
-        self._wake.set()
-        await self._done.wait()
-        if self.status.last_error and self._force_failed:
-            raise BackupError(self.status.last_error)
+        async with self._request_lock:
+            self._force = step or "__newest__"
+            self._done = trio.Event()
+            self._wake.set()
+            await self._done.wait()
+            if self.status.last_error and self._force_failed:
+                raise BackupError(self.status.last_error)
 
     async def run(self) -> None:
         failures = 0
-        self._force_failed = False
         while True:
             rec = None
             if self._force not in (None, "__newest__"):
