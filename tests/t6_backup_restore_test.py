@@ -287,3 +287,20 @@ def test_every_visible_checkpoint_stays_readable(make_mount, tmp_path):
         for name in os.listdir(m.path(step)):
             _drop_page_cache(m.path(step, name))
         assert_same(states[n], _load(m, step, states[n]))
+
+
+def test_mtcfs_backup_now_and_status(make_mount, tmp_path):
+    """With a count-based interval not yet reached, `mtcfs backup` uploads the newest
+    checkpoint at once and reports what it sent; status then shows nothing pending."""
+    m = make_mount("node", backup=f"file://{tmp_path}/backup", backup_interval="5ckpt")
+    state = tensor_state(4, 64 * 1024, seed=3)
+    _save(m, "step_1", state)
+    m.wait_state("step_1", "local")
+    assert m.status()["backup"]["pending"] == ["step_1"]
+    r = m.cli("backup", str(m.mnt), "--json")
+    res = json.loads(r.stdout)
+    assert res["last_step"] == "step_1" and res["last_bytes_uploaded"] > 0
+    assert m.state("step_1") == "backed-up"
+    assert m.status()["backup"]["pending"] == []
+    _lose_node(m)
+    assert_same(state, _load(m, "step_1", state))
