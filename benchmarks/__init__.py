@@ -1,0 +1,1 @@
+"""Benchmarks of one mtcfs mount against its baselines; run with ``make bench``."""

@@ -1,0 +1,461 @@
+"""Shared plumbing of the benchmarks: sizes, timing, data, mounts, results.
+
+Every mount made here is torn down in a ``finally`` (clean unmount, then the forced one of
+the test suite if the daemon hangs), and every scratch directory is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.support.mount import Mount, force_unmount, is_mounted  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+IO_SIZE = 16 * MiB  # one os.write / readinto
+SCRATCH_SHM = "/dev/shm"  # tmpfs: the stores and the tmpfs baseline
+SCRATCH_DISK = "/var/tmp"  # a real disk: file:// backup targets
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def gbps(nbytes: int, seconds: float | None) -> float | None:
+    """Decimal GB/s (10^9 bytes per second), as the reference figures are given."""
+    if not seconds:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs: list[float | None]) -> float | None:
+    """(max - min) / median: how noisy the repeats were."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    m = statistics.median(xs)
+    return (max(xs) - min(xs)) / m if m else None
+
+
+def log(msg: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- results
+
+@dataclass
+class Check:
+    """One target: ``value`` (a ratio or a size) against ``threshold``."""
+
+    name: str
+    value: float | None
+    threshold: float
+    op: str = ">="  # ">=" or "<"
+    detail: str = ""
+    info: bool = False  # shown, but not a target: not counted as PASS/MISS
+
+    @property
+    def ok(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.threshold if self.op == ">=" else self.value < self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "threshold": self.threshold,
+                "op": self.op, "pass": None if self.info else self.ok,
+                "within": self.ok, "info": self.info, "detail": self.detail}
+
+
+@dataclass
+class BenchResult:
+    """What one benchmark reports: a table (columns, rows of strings), raw samples, checks."""
+
+    key: str
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    samples: dict[str, Any] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": self.columns, "rows": self.rows,
+                "samples": self.samples, "checks": [c.to_json() for c in self.checks],
+                "notes": self.notes, "seconds": round(self.seconds, 1)}
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_noise(xs: list[float | None], digits: int = 2) -> str:
+    """``median ±half-range%`` of the repeats."""
+    m = median(xs)
+    if m is None:
+        return "-"
+    s = spread(xs)
+    return f"{m:.{digits}f}" + ("" if s is None else f" ±{s * 50:.0f}%")
+
+
+# ---------------------------------------------------------------------- data and I/O
+
+class UniqueData:
+    """Incompressible bytes in which every 1 MiB piece is distinct.
+
+    A 16 MiB random buffer is reused; each piece handed out gets a (seed, counter) stamp at
+    every 1 MiB boundary, so no two 4 MiB chunks hash alike (no dedup, no compression),
+    and two generators with the same seed produce the same byte stream.
+    """
+
+    def __init__(self, seed: int, size: int = IO_SIZE) -> None:
+        import random
+        self.seed = seed
+        self.buf = bytearray(random.Random(seed).randbytes(size))
+        self.counter = 0
+
+    def next(self, n: int) -> memoryview:
+        assert n <= len(self.buf)
+        for off in range(0, n, MiB):
+            struct.pack_into("<QQ", self.buf, off, self.seed, self.counter)
+            self.counter += 1
+        return memoryview(self.buf)[:n]
+
+
+def write_file(path: str | os.PathLike[str], size: int, data: UniqueData,
+               io_size: int = IO_SIZE) -> float:
+    """Create/truncate ``path``, write ``size`` bytes in ``io_size`` os.write calls, fsync,
+    close. Returns the seconds all of that took."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = size
+        while left:
+            view = data.next(min(io_size, left))
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+                left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+_READ_BUF = None
+
+
+def read_file(path: str | os.PathLike[str], io_size: int = IO_SIZE) -> tuple[float, int]:
+    """Read ``path`` front to back with ``readinto`` of ``io_size`` into one reused buffer.
+    Returns (seconds, bytes read)."""
+    global _READ_BUF
+    if _READ_BUF is None or len(_READ_BUF) != io_size:
+        _READ_BUF = bytearray(io_size)
+    mv = memoryview(_READ_BUF)
+    total = 0
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            n = os.readv(fd, [mv])
+            if n == 0:
+                break
+            total += n
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0, total
+
+
+def drop_caches() -> bool:
+    """Drop clean page cache, dentries and inodes (root only). False if not allowed.
+
+    tmpfs pages are the storage itself and stay; FUSE files lose their cached pages.
+    """
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def prefault(nbytes: int) -> float:
+    """Touch ``nbytes`` of free RAM (map them populated, then unmap them).
+
+    On this kind of VM (Firecracker, nested, free page reporting on: see
+    docs/benchmarks.md) guest memory that was handed back to the host costs a host-side
+    fault on its next first touch: writing into long-unused memory runs ~4x slower once
+    the warm free pool (a few GiB) is used up. A RAM-tier filesystem needs twice the memory
+    of the data written (page cache + store) and would pay that more than tmpfs or a no-op
+    FUSE fs. Calling this right before each timed write, for every path alike, takes the
+    host out of the comparison. Returns the seconds it took.
+    """
+    t0 = time.perf_counter()
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                       | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError:
+        return 0.0  # not that much free memory: skip
+    mm.close()
+    return time.perf_counter() - t0
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str,
+               interval: float = 0.01) -> float:
+    """Poll ``pred`` until true; returns the seconds it took. Raises TimeoutError."""
+    t0 = time.perf_counter()
+    deadline = t0 + timeout
+    while not pred():
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+    return time.perf_counter() - t0
+
+
+def mtcfs_state(path: str | os.PathLike[str]) -> str:
+    return os.getxattr(path, "user.mtcfs.state").decode()
+
+
+# ---------------------------------------------------------------------- scratch space
+
+@contextlib.contextmanager
+def scratch_dir(base: str, prefix: str) -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix=f"mtcfs-bench-{prefix}-", dir=base))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def clear_dir(d: Path) -> None:
+    """Remove everything inside ``d`` (not ``d`` itself)."""
+    for p in d.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+# ---------------------------------------------------------------------- mounts
+
+@contextlib.contextmanager
+def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
+                env: dict[str, str] | None = None) -> Iterator[Mount]:
+    """Mount mtcfs with its store in ``root/store`` and mount point ``root/mnt``.
+
+    ``env`` is added to the environment of the daemon (e.g. STORAGE_EMULATOR_HOST).
+    Unmounted (and the store removed) on exit, whatever happened.
+    """
+    m = Mount(root, job=job, options=options)
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        try:
+            m.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        yield m
+    except BaseException:
+        tail = m.log()[-3000:]
+        if tail:
+            print(f"--- mtcfs log tail ({m.store}/mtcfs.log) ---\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        try:
+            m.cleanup()
+        finally:
+            force_unmount(str(m.mnt))
+            shutil.rmtree(m.store, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
+    """Mount :mod:`benchmarks.noop_fs` at ``mnt`` in a subprocess; unmount on exit."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.noop_fs", str(mnt),
+                             "--size", str(size)], cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if line.strip() != "ready":
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"noop_fs did not mount: {line!r} {err}")
+        yield mnt
+    finally:
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        force_unmount(str(mnt))
+
+
+def read_ahead_kb(mountpoint: Path) -> int | None:
+    """The read-ahead (KiB) of the mount at ``mountpoint``, from its backing device info."""
+    mnt = os.path.abspath(mountpoint)
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mnt:
+                dev = fields[2]
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def daemon_pid(m: Mount) -> int:
+    return int(m.status()["pid"])
+
+
+# ---------------------------------------------------------------------- memory
+
+class RssSampler:
+    """Samples VmRSS, RssAnon and RssShmem of one process in a thread; peaks per phase."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.phase = "idle"
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def read(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in self.FIELDS:
+                    out[key] = int(rest.split()[0]) * KiB
+        return out
+
+    def _record(self) -> None:
+        try:
+            cur = self.read()
+        except OSError:
+            return
+        peak = self.peaks.setdefault(self.phase, {})
+        for k, v in cur.items():
+            if v > peak.get(k, 0):
+                peak[k] = v
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._record()
+            self._stop.wait(self.interval)
+
+    def set_phase(self, phase: str) -> None:
+        self._record()
+        self.phase = phase
+        self._record()
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+# ---------------------------------------------------------------------- machine
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "kernel": os.uname().release,
+                            "hostname": os.uname().nodename}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    try:
+        st = os.statvfs("/dev/shm")
+        info["dev_shm_gib"] = round(st.f_blocks * st.f_frsize / GiB, 1)
+    except OSError:
+        pass
+    info["loadavg"] = os.getloadavg()
+    info["git"] = git_state()
+    info["python"] = sys.version.split()[0]
+    try:
+        import pyfuse3
+        import torch
+        info["torch"] = torch.__version__
+        info["pyfuse3"] = pyfuse3.__version__
+    except Exception:
+        pass
+    return info
+
+
+def git_state() -> dict[str, Any]:
+    """HEAD and the uncommitted changes under mtcfs/ and replication/ (read-only git)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    dirty = git("status", "--porcelain", "--", "mtcfs", "replication")
+    return {"head": git("rev-parse", "--short", "HEAD") or None,
+            "uncommitted_in_mtcfs_replication": len(dirty.splitlines()) if dirty else 0}
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
