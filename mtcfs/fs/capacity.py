@@ -104,7 +104,6 @@ class CapacityOps:
                 if not v.sealed or v.pins:
                     continue
                 before = v.local_bytes()
-                self._unmap(v)
                 fd = self._fd(v)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)

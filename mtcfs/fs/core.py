@@ -180,7 +180,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def close(self) -> None:
         """Close data file descriptors (the store itself is closed by its owner)."""
         for v in self.versions.values():
-            self._unmap(v)
             if v.fd >= 0:
                 os.close(v.fd)
                 v.fd = -1
@@ -360,7 +359,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             return
         if self.versions.pop(v.vid, None) is None:
             return
-        self._unmap(v)
         if v.fd >= 0:
             os.close(v.fd)
             v.fd = -1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import stat
 
@@ -114,12 +113,12 @@ class FileOps:
             raise FsError(errno.EBADF)
         return h
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         """Read up to ``size`` bytes at ``off``; waits for missing chunks (fault-in).
 
-        A sealed, complete version is served as a view of its read-only mapping: the only
-        copy is the kernel's into the FUSE reply (pyfuse3 takes any buffer, and consumes
-        it before the next request runs). Other versions are read with ``pread``.
+        Served with ``pread``: a read-only mapping would skip one copy but costs a page
+        fault per page on first touch (slower on the measured VM, docs/benchmarks.md) and
+        makes the store's pages count in the daemon's RSS, the OOM killer's measure.
         """
         h = self._handle(fh)
         v = h.version
@@ -139,28 +138,10 @@ class FileOps:
             finally:
                 v.pins -= 1
                 self._release_version(v)  # no-op unless rewritten meanwhile
-        elif v.sealed:
-            self.counters.bytes_read += size
-            return memoryview(self._map(v))[off:off + size]
         else:
             data = os.pread(self._fd(v), size, off)
         self.counters.bytes_read += len(data)
         return data
-
-    def _map(self, v: Version) -> mmap.mmap:
-        if v.mm is None:
-            v.mm = mmap.mmap(self._fd(v), v.size, prot=mmap.PROT_READ)
-        return v.mm
-
-    @staticmethod
-    def _unmap(v: Version) -> None:
-        """Drop ``v``'s mapping; must precede any truncation of its data file."""
-        if v.mm is not None:
-            try:
-                v.mm.close()
-            except BufferError:  # a view is still exported: the GC unmaps it later
-                pass
-            v.mm = None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)

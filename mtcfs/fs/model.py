@@ -8,7 +8,6 @@ File *data* is never held here: it lives in the store's data files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
@@ -50,7 +49,6 @@ class Version:
     pins: int = 0
     gen: int = 0
     fd: int = -1
-    mm: Any = None  # read-only mmap of a sealed, complete version (zero-copy reads)
     current: bool = True
     sealing: trio.Event | None = None
     seal_error: str = ""
