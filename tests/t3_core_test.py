@@ -133,7 +133,7 @@ def test_crash_recovery_keeps_sealed_and_prefix_of_unsealed(tmp_path):
 def test_store_refuses_second_daemon_and_other_job(tmp_path):
     s = Store(str(tmp_path / "s"), "job", CS)
     with pytest.raises(StoreError, match="in use"):
-        Store(str(tmp_path / "s"), "job", CS)
+        Store(str(tmp_path / "s"), "job", CS, lock_wait=0.2)
     s.close()
     with pytest.raises(StoreError, match="belongs to job"):
         Store(str(tmp_path / "s"), "other", CS)

@@ -46,3 +46,40 @@ def test_umount_force_clears_a_dead_daemon(mount):
     mount.pid = None
     mount.start()          # the same store mounts again
     assert mount.status()["ram"]["files"] >= 1
+
+
+def test_mount_t_fuse_mtcfs_and_fstab_style_options(shm_dir):
+    """`mount -t fuse.mtcfs` goes through mount.fuse3, which runs `mtcfs` from PATH with
+    the generic options fstab adds; `umount` ends the daemon."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from support.mount import is_mounted
+    if not shutil.which("mount.fuse3") or not shutil.which("mtcfs"):
+        pytest.skip("mount.fuse3 or the mtcfs helper is not on PATH (run scripts/setup.sh)")
+    mnt, store = shm_dir / "mnt", shm_dir / "store"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "fuse.mtcfs", "fstabjob", str(mnt), "-o",
+                        f"store={store},size=64M,noatime,nodev,_netdev"],
+                       capture_output=True, text=True, timeout=60)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert is_mounted(str(mnt))
+        with open("/proc/self/mountinfo") as f:
+            line = next(ln for ln in f if ln.split()[4] == str(mnt))
+        assert " - fuse.mtcfs fstabjob " in line
+        (mnt / "x").write_bytes(b"hello")
+        assert os.statvfs(mnt).f_blocks * os.statvfs(mnt).f_frsize == 64 * 1024 * 1024
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)
+    assert not is_mounted(str(mnt))
+    # The daemon is gone: the store can be served again at once.
+    r = subprocess.run(["mount", "-t", "fuse.mtcfs", "fstabjob", str(mnt), "-o",
+                        f"store={store},size=64M"], capture_output=True, text=True, timeout=60)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert (mnt / "x").read_bytes() == b"hello"
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)

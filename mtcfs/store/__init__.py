@@ -37,21 +37,30 @@ class Store:
         path: the store directory; created (mode 0700) if missing.
         job: the job name; a store created for one job refuses to serve another.
         chunk_size: chunk size in bytes for new versions.
+        lock_wait: seconds to wait for a previous daemon to release the store.
 
     Raises:
         StoreError: another daemon holds the store, or it belongs to another job/format.
     """
 
-    def __init__(self, path: str, job: str, chunk_size: int) -> None:
+    def __init__(self, path: str, job: str, chunk_size: int, *, lock_wait: float = 5.0) -> None:
         self.path = os.path.abspath(path)
         self.data_dir = os.path.join(self.path, "data")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise StoreError(f"store {self.path} is in use by another mtcfs daemon") from None
+        # A daemon that was just unmounted may still be closing the store: give it a moment
+        # (`umount` returns before the daemon exits), then refuse.
+        deadline = time.monotonic() + lock_wait
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._lock_fd)
+                    raise StoreError(f"store {self.path} is in use by another mtcfs daemon"
+                                     ) from None
+                time.sleep(0.05)
         marker = os.path.join(self.path, "STORE")
         if os.path.exists(marker):
             with open(marker) as f:
