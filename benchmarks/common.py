@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from mtcfs.mountinfo import device_of  # noqa: E402
 from tests.support.mount import Mount, force_unmount, is_mounted  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -330,13 +331,7 @@ def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
 
 def read_ahead_kb(mountpoint: Path) -> int | None:
     """The read-ahead (KiB) of the mount at ``mountpoint``, from its backing device info."""
-    mnt = os.path.abspath(mountpoint)
-    dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mnt:
-                dev = fields[2]
+    dev = device_of(mountpoint)
     try:
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
             return int(f.read())

@@ -27,6 +27,8 @@ import time
 import pyfuse3
 import trio
 
+from mtcfs.mountinfo import device_of
+
 FILE_INO = pyfuse3.ROOT_INODE + 1
 FILE_NAME = b"data"
 READ_AHEAD_KB = 4096
@@ -154,13 +156,7 @@ _signalled = False
 
 
 def _read_ahead_path(mountpoint: str) -> str | None:
-    mnt = os.path.abspath(mountpoint)
-    dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mnt:
-                dev = fields[2]
+    dev = device_of(mountpoint)
     return None if dev is None else f"/sys/class/bdi/{dev}/read_ahead_kb"
 
 

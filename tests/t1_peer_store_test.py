@@ -14,7 +14,7 @@ from mtcfs.manifest import Entry, ManifestError, StepManifest
 from replication.peer import (
     ChunkMismatch, ChunkNotFound, ReplicaChunkCorrupt, ReplicaFull, ReplicaStore,
 )
-from support.peer import CHUNK, blob, chunks_of, make_step
+from support.peer import CHUNK, LocalTier, blob, chunks_of, make_step
 
 JOB = "job"
 
@@ -27,19 +27,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class LocalTier:
-    """A node's own RAM tier, as a dict (the real one reads data files)."""
-
-    def __init__(self, chunks: dict[str, bytes]) -> None:
-        self.chunks = dict(chunks)
-
-    def has_chunk(self, digest: str) -> bool:
-        return digest in self.chunks
-
-    def read_chunk(self, digest: str) -> bytes | None:
-        return self.chunks.get(digest)
 
 
 def chunk_file(store: ReplicaStore, h: str) -> str:

@@ -26,24 +26,11 @@ from replication.peer import (
 from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.limits import MAX_MESSAGE_BYTES, PIECE_BYTES
-from support.peer import CHUNK, blob, chunks_of, make_step
+from support.peer import CHUNK, LocalTier, blob, chunks_of, make_step
 
 JOB = "job"
 NODES = 4
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05)
-
-
-class LocalTier:
-    """A node's own RAM tier, as a dict (the real one reads data files)."""
-
-    def __init__(self, chunks: dict[str, bytes]) -> None:
-        self.chunks = dict(chunks)
-
-    def has_chunk(self, digest: str) -> bool:
-        return digest in self.chunks
-
-    def read_chunk(self, digest: str) -> bytes | None:
-        return self.chunks.get(digest)
 
 
 @pytest.fixture

@@ -38,3 +38,16 @@ def make_step(job: str, rank: int, step_number: int, files: dict[str, bytes], *,
                              blake3=chunk_hash(data)))
     return StepManifest(job=job, step=name, step_number=step_number, created_ns=step_number,
                         entries=entries, rank=rank)
+
+
+class LocalTier:
+    """A node's own RAM tier, as a dict (the real one reads data files)."""
+
+    def __init__(self, chunks: dict[str, bytes]) -> None:
+        self.chunks = dict(chunks)
+
+    def has_chunk(self, digest: str) -> bool:
+        return digest in self.chunks
+
+    def read_chunk(self, digest: str) -> bytes | None:
+        return self.chunks.get(digest)
