@@ -114,6 +114,11 @@ def cmd_mount(argv: list[str]) -> None:
             status.write(str(exc).encode())
             status.close()
             os._exit(1)
+        except Exception as exc:  # a bug: say so rather than exit silently
+            logging.getLogger("mtcfs").exception("daemon failed to start")
+            status.write(f"mount failed: {type(exc).__name__}: {exc}".encode())
+            status.close()
+            os._exit(1)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)

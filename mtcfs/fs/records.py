@@ -46,5 +46,16 @@ class Counters:
     evicted_steps: int = 0
 
 
+#: Linux's CLOCK_REALTIME_COARSE (the time module does not name it).
+_CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+
+
 def now_ns() -> int:
-    return time.time_ns()
+    """Wall-clock time in ns from the kernel's coarse clock, the one it stamps inodes with.
+
+    Under the writeback cache the kernel keeps the c/mtime of regular files itself and
+    stamps them with this clock; times the core assigns (an O_TRUNC open, mkdir, ...) must
+    come from the same clock, or a time stored here can be a few ms after the one the kernel
+    showed for the same event.
+    """
+    return time.clock_gettime_ns(_CLOCK_REALTIME_COARSE)
