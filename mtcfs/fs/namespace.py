@@ -105,14 +105,22 @@ class NamespaceOps:
         v.gen += 1
         self.used += v.local_bytes() - old_local
 
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+    def _dir_for_new_name(self, parent: int, name: bytes) -> Inode:
+        """The directory ``parent``, once ``name`` is checked valid and free in it.
+
+        Raises:
+            FsError: ENOENT/ENOTDIR (parent), EINVAL/ENAMETOOLONG (name), EEXIST.
+        """
         d = self._dir(parent)
         self._check_name(name)
         if name in d.children:  # type: ignore[operator]
             raise FsError(errno.EEXIST)
+        return d
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        d = self._dir_for_new_name(parent, name)
         with self.db.transaction():
             ino = self._new_inode("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
-            self._write_inode(ino)
             self._link(d, name, ino)
             self._write_inode(ino)
             d.nlink += 1
@@ -121,10 +129,7 @@ class NamespaceOps:
         return self.attr(ino)
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
-        d = self._dir(parent)
-        self._check_name(name)
-        if name in d.children:  # type: ignore[operator]
-            raise FsError(errno.EEXIST)
+        d = self._dir_for_new_name(parent, name)
         with self.db.transaction():
             ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
             ino.target = target
@@ -144,10 +149,7 @@ class NamespaceOps:
         ino = self._inode(num)
         if ino.is_dir:
             raise FsError(errno.EPERM)
-        d = self._dir(new_parent)
-        self._check_name(new_name)
-        if new_name in d.children:  # type: ignore[operator]
-            raise FsError(errno.EEXIST)
+        d = self._dir_for_new_name(new_parent, new_name)
         with self.db.transaction():
             self._link(d, new_name, ino)
             ino.nlink += 1
