@@ -119,18 +119,13 @@ class CapacityOps:
         items = list(self.walk(top))
         with self.db.transaction():
             for _path, ino in reversed(items):
-                parent = self.inodes[ino.parent]
+                parent, name = self.inodes[ino.parent], ino.name
                 if ino.is_dir:
-                    self._unlink_entry(parent, ino.name)
-                    ino.nlink = 0
-                    ino.parent, ino.name = 0, b""
-                    parent.nlink -= 1
-                    self._write_inode(ino)
+                    self._remove_dir_entry(parent, name, ino)  # forgets the step at the top
                 else:
-                    name = ino.name
                     self._unlink_entry(parent, name)
                     self._drop_link(ino, parent, name)
-            self._forget_step(top.name or s.name.encode())
+            self._touch_dir(self.inodes[ROOT_INO])
         self._emit("invalidate_entry", (ROOT_INO, s.name.encode(errors="surrogateescape"), top.ino))
         for _path, ino in items:
             self._maybe_free_inode(ino)

@@ -319,6 +319,29 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         del parent.children[name]  # type: ignore[union-attr]
         self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent.ino, name))
 
+    def _child(self, d: Inode, name: bytes) -> Inode:
+        """The inode ``name`` names in directory ``d``.
+
+        Raises:
+            FsError: ENOENT.
+        """
+        num = d.children.get(name)  # type: ignore[union-attr]
+        if num is None:
+            raise FsError(errno.ENOENT)
+        return self.inodes[num]
+
+    def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
+        """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
+        eviction); a step directory at the root stops being a checkpoint. The caller
+        writes ``parent``."""
+        self._unlink_entry(parent, name)
+        d.nlink = 0
+        d.parent, d.name = 0, b""
+        self._write_inode(d)
+        parent.nlink -= 1
+        if parent.ino == ROOT_INO:
+            self._forget_step(name)
+
     def _new_inode(self, kind: str, mode: int, uid: int, gid: int) -> Inode:
         now = _now_ns()
         ino = Inode(self._alloc_ino(), kind, mode, uid, gid, 2 if kind == "dir" else 1,

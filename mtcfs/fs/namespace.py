@@ -161,10 +161,7 @@ class NamespaceOps:
 
     async def unlink(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
-        num = d.children.get(name)  # type: ignore[union-attr]
-        if num is None:
-            raise FsError(errno.ENOENT)
-        ino = self.inodes[num]
+        ino = self._child(d, name)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
         with self.db.transaction():
@@ -185,23 +182,14 @@ class NamespaceOps:
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
-        num = d.children.get(name)  # type: ignore[union-attr]
-        if num is None:
-            raise FsError(errno.ENOENT)
-        ino = self.inodes[num]
+        ino = self._child(d, name)
         if not ino.is_dir:
             raise FsError(errno.ENOTDIR)
         if ino.children:
             raise FsError(errno.ENOTEMPTY)
         with self.db.transaction():
-            self._unlink_entry(d, name)
-            ino.nlink = 0
-            ino.parent, ino.name = 0, b""
-            self._write_inode(ino)
-            d.nlink -= 1
+            self._remove_dir_entry(d, name, ino)
             self._touch_dir(d)
-            if d.ino == ROOT_INO:
-                self._forget_step(name)
         self._maybe_free_inode(ino)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
@@ -212,10 +200,7 @@ class NamespaceOps:
             raise FsError(errno.EINVAL)
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
         self._check_name(new_name)
-        num = src_dir.children.get(old_name)  # type: ignore[union-attr]
-        if num is None:
-            raise FsError(errno.ENOENT)
-        ino = self.inodes[num]
+        ino = self._child(src_dir, old_name)
         if ino.is_dir:
             # A directory may not move below itself.
             cur: Inode | None = dst_dir
@@ -238,15 +223,10 @@ class NamespaceOps:
                 raise FsError(errno.ENOTEMPTY)
         with self.db.transaction():
             if victim is not None:
-                self._unlink_entry(dst_dir, new_name)
                 if victim.is_dir:
-                    victim.nlink = 0
-                    victim.parent, victim.name = 0, b""
-                    self._write_inode(victim)
-                    dst_dir.nlink -= 1
-                    if dst_dir.ino == ROOT_INO:
-                        self._forget_step(new_name)
+                    self._remove_dir_entry(dst_dir, new_name, victim)
                 else:
+                    self._unlink_entry(dst_dir, new_name)
                     self._drop_link(victim, dst_dir, new_name)
             self._unlink_entry(src_dir, old_name)
             if src_dir.ino == ROOT_INO and ino.is_dir:
