@@ -21,6 +21,7 @@ import trio
 from mtcfs import control
 from mtcfs.errors import FsError
 from mtcfs.fs.core import Filesystem
+from mtcfs.fs.model import ROOT_INO
 from mtcfs.fuse_ops import Operations
 from mtcfs.mountinfo import device_of
 from mtcfs.options import MountOptions
@@ -89,7 +90,7 @@ class Daemon:
         fs = self.fs
         assert fs is not None
         if self.backup_store is None or self.opts.restore == "none" or fs.steps \
-                or fs.inodes[1].children:
+                or fs.inodes[ROOT_INO].children:
             return
         want = None if self.opts.restore == "latest" else int(self.opts.restore)
         try:
@@ -246,15 +247,24 @@ class Daemon:
 
     async def _wait_restored(self, progress: control.Progress) -> None:
         assert self.fs is not None and self.prefetcher is not None
-        _, total = self.prefetcher.pending()
+        pf = self.prefetcher
+        total = None
+        retried = False
         while True:
-            chunks, left = self.prefetcher.pending()
+            chunks, left = pf.pending()
+            total = left if total is None else total
             progress(total - left, total)
             if chunks == 0:
                 return
-            if self.prefetcher.failed:
-                self.prefetcher.failed = 0
-                self.prefetcher.kick()
+            if pf.failed and pf.idle:
+                # A pass ended with failures: try once more, then report rather than wait
+                # forever on chunks no tier can serve (corrupt or missing everywhere).
+                if retried:
+                    raise FsError(errno.EIO, f"{chunks} chunks could not be restored (corrupt"
+                                  " or missing in every tier); see mtcfs status")
+                retried = True
+                pf.failed = 0
+                pf.kick()
             await trio.sleep(0.2)
 
     def status(self) -> dict[str, Any]:

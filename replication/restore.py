@@ -61,6 +61,7 @@ class Prefetcher:
         self._wake = trio.Event()
         self.passes = 0
         self.failed = 0
+        self.idle = False  # True between passes
 
     def kick(self) -> None:
         self._wake.set()
@@ -76,7 +77,9 @@ class Prefetcher:
 
     async def run(self) -> None:
         while True:
+            self.idle = False
             await self._one_pass()
+            self.idle = True
             await self._wake.wait()
             self._wake = trio.Event()
 

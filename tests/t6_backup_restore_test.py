@@ -198,6 +198,9 @@ def test_corrupt_chunk_object_gives_eio_and_is_reported(make_mount, tmp_path):
     assert bad1[:16] in errors and bad2[:16] in errors, errors
     assert st["restore"]["corrupt_chunks"] >= 2
     assert st["backup"]["store"]["corrupt_chunks"] >= 2
+    # Waiting for the restore to finish ends with a clear error, not a hang.
+    r = m.cli("restore", str(m.mnt), check=False, timeout=60)
+    assert r.returncode == 1 and "could not be restored" in r.stderr, r.stderr
     # The bad chunks are never served: the files stay unreadable, not silently wrong.
     # (DCP wraps the rank's OSError into a CheckpointException carrying its traceback.)
     with pytest.raises(CheckpointException) as ei:
