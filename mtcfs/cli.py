@@ -219,6 +219,90 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+_INDENT = " " * 12  # continuation lines of a status section, under its text
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows)]
+    return [_INDENT + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+            for row in [headers, *rows]]
+
+
+def _plural(n: Any, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ranks(ranks: Any) -> str:
+    """``[1]`` -> "rank 1", ``[1, 2]`` -> "ranks 1, 2", empty or missing -> "no rank"."""
+    if not ranks:
+        return "no rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def format_peer_status(p: dict[str, Any] | None) -> list[str]:
+    """The peer tier section of ``mtcfs status``: lines to print, from the status dict's
+    ``"peers"`` entry (None on a single node). Missing keys show as ``-``, never fail."""
+    if not p:
+        return ["  peer tier: none (single node)"]
+    coord_addr = p.get("coordinator_address")
+    lines = [f"  peer tier: rank {p.get('rank', '-')} of {p.get('nodes', '-')}, listening on "
+             f"{p.get('listen') or '-'}, coordinator rank {p.get('coordinator', '-')}"
+             + (f" ({coord_addr})" if coord_addr else "")]
+    lines.append(f"{_INDENT}{p.get('placement', '-')} placement, "
+                 f"{_plural(p.get('replicas', '-'), 'replica')}: sends to "
+                 f"{_ranks(p.get('peers'))}; holds replicas of {_ranks(p.get('holds_for'))}")
+    latest = p.get("latest_complete")
+    step = latest.get("step") if isinstance(latest, dict) else latest
+    lines.append(f"{_INDENT}newest step complete on every rank: {step or 'none yet'}")
+    members = p.get("members") or []
+    if members:
+        rows = []
+        for m in members:
+            age = m.get("age_s")
+            rows.append([str(m.get("rank", "-")), str(m.get("address") or "-"),
+                         "alive" if m.get("alive") else "DEAD",
+                         "-" if age is None else f"{age:.1f}s ago",
+                         f"{_human(m.get('used_bytes'))} / {_human(m.get('capacity_bytes'))}"])
+        lines += _table(["RANK", "ADDRESS", "STATE", "HEARTBEAT", "USED / CAPACITY"], rows)
+    repl = p.get("replication") or []
+    if repl:
+        lines.append(f"{_INDENT}replication:")
+        rows, errors = [], []
+        for r in repl:
+            lag = r.get("lag_steps")
+            rows.append([str(r.get("peer", "-")), str(r.get("address") or "-"),
+                         str(r.get("state") or "-"),
+                         (f"{_plural('-' if lag is None else lag, 'step')}, "
+                          f"{_human(r.get('lag_bytes'))}"),
+                         str(r.get("last_replicated") or "-"),
+                         (f"{_human(r.get('bytes_sent'))} sent, "
+                          f"{r.get('chunks_skipped', '-')} chunks skipped")])
+            if r.get("last_error"):
+                errors.append(f"{_INDENT}  rank {r.get('peer', '-')} last error: "
+                              f"{r['last_error']}")
+        lines += _table(["PEER", "ADDRESS", "STATE", "LAG", "LAST REPLICATED", "TRAFFIC"],
+                        rows)
+        lines += errors
+    store = p.get("replica_store")
+    if isinstance(store, dict):
+        extra = ", ".join(f"{k} {v}" for k, v in sorted(store.items())
+                          if k not in ("chunks", "bytes") and isinstance(v, (int, float))
+                          and not isinstance(v, bool) and v)
+        lines.append(f"{_INDENT}replica store: {store.get('chunks', '-')} chunks, "
+                     f"{_human(store.get('bytes'))}" + (f" ({extra})" if extra else ""))
+    bad = p.get("bad_peers")
+    if bad:
+        lines.append(f"{_INDENT}bad peers (chunks that failed verification): "
+                     + ", ".join(f"rank {r}: {n}" for r, n in sorted(
+                         bad.items(), key=lambda kv: str(kv[0]).zfill(12))))
+    restore = p.get("restore")
+    if isinstance(restore, dict) and restore:
+        lines.append(f"{_INDENT}restore from peers: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(restore.items()) if not isinstance(v, (dict, list))))
+    return lines
+
+
 def cmd_status(a: argparse.Namespace) -> None:
     sock, _ = control_socket(a.mountpoint)
     st = _request(sock, "status")
@@ -244,6 +328,9 @@ def cmd_status(a: argparse.Namespace) -> None:
     if r and (r.get("step") or r["pending_chunks"]):
         print(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "
               f"({_human(r['pending_bytes'])}) still to fetch, {r['corrupt_chunks']} corrupt")
+    if "peers" in st:
+        for line in format_peer_status(st["peers"]):
+            print(line)
     if st["errors"]:
         print("  errors:")
         for e in st["errors"][-10:]:
@@ -371,7 +458,7 @@ def _sub_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    add("status", cmd_status, "capacity, tiers, pending backup work, errors")
+    add("status", cmd_status, "capacity, tiers, peer replication, pending backup work, errors")
     add("checkpoints", cmd_checkpoints, "each checkpoint, its size and its state per tier")
     r = add("restore", cmd_restore, "restore a checkpoint from the backup tier")
     r.add_argument("--step", type=int, help="step number (default: the newest complete)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mtcfs.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
@@ -28,6 +28,15 @@ _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)$", re.IGNORECASE)
 _DUR_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|)$", re.IGNORECASE)
 _CKPT_RE = re.compile(r"^(\d+)\s*ckpts?$", re.IGNORECASE)
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})$")
+_IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._-]+)?$")
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+#: Separators accepted inside ``peers=`` and ``topology=`` besides the comma (which mount(8)
+#: also uses between options): ``peers=a:1;b:2`` and ``peers=a:1+b:2`` need no guessing.
+_LIST_SEP_RE = re.compile(r"[;+]")
+#: Where the Peer service listens when ``nodes`` > 1 and neither listen= nor peers= says.
+DEFAULT_PEER_LISTEN = "0.0.0.0:7470"
+PLACEMENTS = ("ring", "group")
 
 
 def parse_size(text: str) -> int:
@@ -64,6 +73,58 @@ class BackupInterval:
         return f"{self.seconds:g}s"
 
 
+def parse_address(text: str) -> str:
+    """Check ``host:port`` (``[ipv6]:port`` for IPv6) and return it stripped.
+
+    Raises:
+        ValueError: no port, a port that is not an integer in 0..65535, an empty or
+            malformed host, or an IPv6 address without brackets.
+    """
+    text = text.strip()
+    if text.startswith("["):
+        host, close, rest = text[1:].partition("]")
+        if not close or not rest.startswith(":") or not _IPV6_RE.match(host) \
+                or ":" not in host:
+            raise ValueError(f"expected [ipv6]:port, got {text!r}")
+        port = rest[1:]
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon:
+            raise ValueError(f"expected host:port, got {text!r}")
+        if ":" in host:
+            raise ValueError(f"put an IPv6 address in brackets ([::1]:7470), got {text!r}")
+        if not _HOST_RE.match(host):
+            raise ValueError(f"expected host:port with a host name or address, got {text!r}")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"port must be an integer in 0..65535, got {text!r}")
+    return text
+
+
+def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str]:
+    """Parse ``"zone=a;block=3"`` (the ``topology=`` option; ``,`` ``;`` ``+`` separate)
+    into a dict, adding to ``into`` if given.
+
+    The same rules as :func:`replication.peer.placement.parse_labels` (not imported: the
+    ``replication.peer`` package pulls in grpc), plus a non-empty value.
+
+    Raises:
+        ValueError: an item without ``=``, an empty or malformed key, an empty value, or a
+            key given twice.
+    """
+    out = {} if into is None else into
+    for item in filter(None, (s.strip() for s in _LIST_SEP_RE.split(text.replace(",", ";")))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _LABEL_KEY_RE.match(key):
+            raise ValueError(f"bad topology label {item!r}: want key=value")
+        if not value:
+            raise ValueError(f"topology label {key!r} has no value")
+        if key in out:
+            raise ValueError(f"topology label {key!r} given twice")
+        out[key] = value
+    return out
+
+
 def parse_backup_interval(text: str) -> BackupInterval:
     m = _CKPT_RE.match(text.strip())
     if m:
@@ -92,10 +153,41 @@ class MountOptions:
     debug: bool = False
     read_only: bool = False
     foreground: bool = False
+    # The peer tier (several nodes of one job replicating each other's RAM tier).
+    rank: int = 0
+    nodes: int = 1
+    #: This daemon's Peer gRPC service; after parsing: peers[rank] when peers= is given,
+    #: else DEFAULT_PEER_LISTEN when nodes > 1, else None.
+    listen: str | None = None
+    #: Every rank's Peer service address, in rank order (len == nodes), or None.
+    peers: list[str] | None = None
+    #: The coordinator's address; after parsing: peers[0] when peers= is given.
+    coordinator: str | None = None
+    replicas: int = 1
+    topology: dict[str, str] = field(default_factory=dict)
+    placement: str = "ring"
+    assume_data_parallelism: int | None = None
+    huge_model: bool = False
 
     def __post_init__(self) -> None:
         if self.backup_interval is None:
             self.backup_interval = BackupInterval()
+
+    @property
+    def multi_node(self) -> bool:
+        """True when this mount is one of several nodes (nodes > 1): the peer tier runs."""
+        return self.nodes > 1
+
+    def peer_address(self, rank: int) -> str | None:
+        """The Peer service address of ``rank`` from ``peers=``, or None when peers= was not
+        given (the addresses are then learned from the coordinator's heartbeats).
+
+        Raises:
+            ValueError: ``rank`` is outside 0..nodes-1.
+        """
+        if not 0 <= rank < self.nodes:
+            raise ValueError(f"rank {rank} is outside 0..{self.nodes - 1}")
+        return self.peers[rank] if self.peers else None
 
 
 def default_store(job: str) -> str:
@@ -119,13 +211,22 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
     Args:
         opts: the comma-separated strings given with ``-o`` (may repeat).
 
+    ``peers=`` and ``topology=`` hold lists, and mount(8) splits options at commas too: a
+    token that is no option continues the list option just before it, an address without
+    ``=`` for peers (``peers=a:1,b:2``), an unknown ``key=value`` for topology
+    (``topology=zone=a,block=3``). Inside those two values ``;`` and ``+`` also separate
+    items (``peers=a:1;b:2``), which leaves nothing to guess.
+
     Raises:
-        OptionError: unknown option, malformed value, bad job name.
+        OptionError: unknown option, malformed value, bad job name, or peer tier options
+            that do not fit together (see :func:`_check_peer_tier`).
     """
     if not _JOB_RE.match(job):
         raise OptionError(f"bad job name {job!r}: use letters, digits, '.', '_' and '-'")
     o = MountOptions(job=job, mountpoint=mountpoint, store=default_store(job),
                      foreground=foreground)
+    given: dict[str, str] = {}  # option name -> its text as given, for later error messages
+    extending: str | None = None  # "peers" or "topology": the list option a token may continue
     for group in opts:
         for item in group.split(","):
             item = item.strip()
@@ -134,9 +235,15 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
             name, has_value, value = item.partition("=")
             name = name.strip()
             flag = not has_value
+            if extending and _continues(extending, name, has_value):
+                _extend(o, given, extending, item)
+                continue
+            extending = None
             try:
-                if name in _GENERIC or name.startswith("x-") or name.startswith("comment="):
+                if name in _GENERIC or name.startswith("x-") or name == "comment":
                     continue
+                if name in _KNOWN and has_value:
+                    given[name] = value
                 if name == "ro" and flag:
                     o.read_only = True
                 elif name == "store" and value:
@@ -168,6 +275,32 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.allow_other = True
                 elif name == "debug" and flag:
                     o.debug = True
+                elif name == "rank" and value:
+                    o.rank = _int(name, value, 0)
+                elif name == "nodes" and value:
+                    o.nodes = _int(name, value, 1)
+                elif name == "listen" and value:
+                    o.listen = parse_address(value)
+                elif name == "coordinator" and value:
+                    o.coordinator = parse_address(value)
+                elif name == "peers" and value:
+                    o.peers = []
+                    _extend(o, given, "peers", value, first=True)
+                    extending = "peers"
+                elif name == "topology" and value:
+                    o.topology = {}
+                    _extend(o, given, "topology", value, first=True)
+                    extending = "topology"
+                elif name == "replicas" and value:
+                    o.replicas = _int(name, value, 0)
+                elif name == "placement" and value:
+                    if value not in PLACEMENTS:
+                        raise ValueError(f"expected {' or '.join(PLACEMENTS)}")
+                    o.placement = value
+                elif name == "assume_data_parallelism" and value:
+                    o.assume_data_parallelism = _int(name, value, 1)
+                elif name == "huge_model" and flag:
+                    o.huge_model = True
                 else:
                     raise OptionError(f"unknown option {item!r}" if name not in _KNOWN
                                       else f"bad option {item!r}: "
@@ -181,8 +314,85 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
         if not path.startswith("/"):
             raise OptionError(f"bad option backup={o.backup}: file:// needs an absolute path"
                               " (file:///path)")
+    _check_peer_tier(o, given)
     return o
 
 
+def _continues(list_name: str, name: str, has_value: bool) -> bool:
+    """Whether a comma-separated token continues the list option before it: it is not an
+    option itself, and looks like a peers address (no ``=``) or a topology label (``k=v``)."""
+    if name in _KNOWN or name in _GENERIC or name.startswith("x-") or name == "comment":
+        return False
+    return has_value if list_name == "topology" else not has_value
+
+
+def _extend(o: MountOptions, given: dict[str, str], list_name: str, text: str,
+            first: bool = False) -> None:
+    """Add ``text`` (one or more ``;``/``+``-separated items) to ``peers`` or ``topology``.
+
+    Raises:
+        OptionError: a malformed address or label, naming the option as given so far.
+    """
+    given[list_name] = text if first else f"{given[list_name]},{text}"
+    try:
+        if list_name == "topology":
+            parse_labels(text, into=o.topology)
+        else:
+            assert o.peers is not None
+            o.peers.extend(parse_address(a) for a in _LIST_SEP_RE.split(text) if a.strip())
+    except ValueError as exc:
+        raise OptionError(f"bad option {list_name}={given[list_name]}: {exc}") from None
+
+
+def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
+    """Cross-option checks of the peer tier, once every option is read; fills the defaults
+    of ``listen`` and ``coordinator``.
+
+    Raises:
+        OptionError: rank outside 0..nodes-1; peers= not one address per rank, or an
+            address twice; nodes > 1 with neither peers= nor coordinator=; replicas >
+            nodes-1; assume_data_parallelism not dividing nodes; huge_model without
+            assume_data_parallelism >= 2 or with more replicas than data-parallel twins.
+    """
+    def bad(name: str, why: str) -> OptionError:
+        return OptionError(f"bad option {name}={given.get(name, getattr(o, name))}: {why}")
+
+    if not 0 <= o.rank < o.nodes:
+        raise bad("rank", f"must be in 0..{o.nodes - 1} (nodes={o.nodes})")
+    if o.peers is not None:
+        if len(o.peers) != o.nodes:
+            raise bad("peers", f"{len(o.peers)} addresses for nodes={o.nodes}: give every "
+                               "rank's address, in rank order")
+        first_rank: dict[str, int] = {}
+        for r, addr in enumerate(o.peers):
+            if addr in first_rank:
+                raise bad("peers", f"{addr} is given for rank {first_rank[addr]} and rank {r}")
+            first_rank[addr] = r
+        if o.coordinator is None:
+            o.coordinator = o.peers[0]
+        if o.listen is None:
+            o.listen = o.peers[o.rank]
+    elif o.multi_node:
+        if o.coordinator is None:
+            raise OptionError(f"nodes={o.nodes} needs peers=HOST:PORT,... (every rank's "
+                              "address) or coordinator=HOST:PORT")
+        if o.listen is None:
+            o.listen = DEFAULT_PEER_LISTEN
+    if o.multi_node and o.replicas > o.nodes - 1:
+        raise bad("replicas", f"at most nodes-1 = {o.nodes - 1} with nodes={o.nodes}")
+    dp = o.assume_data_parallelism
+    if dp is not None and o.nodes % dp:
+        raise bad("assume_data_parallelism", f"must divide nodes={o.nodes}")
+    if o.huge_model:
+        if dp is None or dp < 2:
+            raise OptionError("option huge_model needs assume_data_parallelism=D with D >= 2"
+                              " (it replicates only to data-parallel twins)")
+        if o.replicas > dp - 1:
+            raise bad("replicas", f"huge_model replicates only to the {dp - 1} data-parallel "
+                                  f"twin(s) of assume_data_parallelism={dp}: at most {dp - 1}")
+
+
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
-          "restore", "allow_other", "debug", "ro"}
+          "restore", "allow_other", "debug", "ro",
+          "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
+          "assume_data_parallelism", "huge_model"}

@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
-from mtcfs.options import OptionError, parse_mount_options, parse_size
+from mtcfs.cli import format_peer_status
+from mtcfs.options import (
+    DEFAULT_PEER_LISTEN, OptionError, parse_address, parse_mount_options, parse_size,
+)
 from support.mount import is_mounted
 
 
@@ -41,6 +44,167 @@ def test_bad_option_names_the_option(opt, word):
     with pytest.raises(OptionError) as ei:
         parse_mount_options("j", "/m", [opt])
     assert word in str(ei.value)
+
+
+# ---------------------------------------------------------------------- peer tier options
+
+PEERS3 = "10.0.0.1:7470,10.0.0.2:7470,10.0.0.3:7470"
+
+
+def parse(*opts: str):
+    return parse_mount_options("j", "/m", list(opts))
+
+
+def test_single_node_defaults():
+    o = parse("")
+    assert (o.rank, o.nodes, o.replicas, o.placement) == (0, 1, 1, "ring")
+    assert o.listen is None and o.peers is None and o.coordinator is None
+    assert o.topology == {} and o.assume_data_parallelism is None and not o.huge_model
+    assert not o.multi_node
+    assert o.peer_address(0) is None
+
+
+def test_three_nodes_with_peers():
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},replicas=1")
+    assert o.multi_node and o.rank == 1 and o.nodes == 3 and o.replicas == 1
+    assert o.peers == ["10.0.0.1:7470", "10.0.0.2:7470", "10.0.0.3:7470"]
+    assert o.listen == "10.0.0.2:7470"  # peers[rank]
+    assert o.coordinator == "10.0.0.1:7470"  # peers[0]
+    assert [o.peer_address(r) for r in range(3)] == o.peers
+    with pytest.raises(ValueError):
+        o.peer_address(3)
+
+
+@pytest.mark.parametrize("sep", [";", "+"])
+def test_peers_other_separators(sep):
+    o = parse(f"nodes=3,peers={PEERS3.replace(',', sep)},rank=2")
+    assert o.peers == PEERS3.split(",") and o.listen == "10.0.0.3:7470"
+
+
+def test_peers_continue_across_commas_and_mixed_separators():
+    # the way fstab and mount.fuse3 hand them over: one comma-separated list of options
+    o = parse("nodes=4,peers=a:1,b:2;c:3,d:4,debug,rank=3")
+    assert o.peers == ["a:1", "b:2", "c:3", "d:4"] and o.debug and o.rank == 3
+    o = parse("peers=a:1", "b:2", "nodes=2")  # several -o groups read as one list
+    assert o.peers == ["a:1", "b:2"]
+
+
+def test_explicit_listen_and_coordinator():
+    o = parse("nodes=2,rank=1,coordinator=head:7470,listen=0.0.0.0:0")
+    assert o.coordinator == "head:7470" and o.listen == "0.0.0.0:0" and o.peers is None
+    assert o.peer_address(0) is None
+    o = parse("nodes=2,coordinator=head:7470")
+    assert o.listen == DEFAULT_PEER_LISTEN == "0.0.0.0:7470"
+    o = parse("nodes=2,peers=a:1,b:2,listen=[::]:7470,coordinator=b:2")
+    assert o.listen == "[::]:7470" and o.coordinator == "b:2"
+
+
+@pytest.mark.parametrize("addr", ["host:7470", "10.0.0.1:0", "a.b-c_d:65535", "[::1]:7470",
+                                  "[fe80::1%eth0]:1"])
+def test_good_addresses(addr):
+    assert parse_address(addr) == addr
+
+
+@pytest.mark.parametrize("addr", ["host", "host:", ":7470", "host:65536", "host:-1", "host:x",
+                                  "::1:7470", "[::1]", "[::1]7470", "[]:1", "a b:1", "a/b:1"])
+def test_bad_addresses(addr):
+    with pytest.raises(ValueError):
+        parse_address(addr)
+
+
+def test_topology_labels_continue_across_commas():
+    o = parse("topology=zone=a,block=3,host=17,debug")
+    assert o.topology == {"zone": "a", "block": "3", "host": "17"} and o.debug
+    assert parse("topology=zone=a;block=3+host=17").topology == \
+        {"zone": "a", "block": "3", "host": "17"}
+    # a known option ends the list; a later topology= starts it afresh
+    o = parse("topology=zone=a,keep=5,topology=zone=b")
+    assert o.topology == {"zone": "b"} and o.keep == 5
+
+
+def test_replicas_placement_data_parallelism():
+    o = parse("nodes=4,coordinator=h:1,replicas=3,placement=group")
+    assert o.replicas == 3 and o.placement == "group"
+    o = parse("nodes=8,coordinator=h:1,assume_data_parallelism=2,huge_model")
+    assert o.assume_data_parallelism == 2 and o.huge_model and o.replicas == 1
+    assert parse("replicas=0").replicas == 0
+    assert parse("replicas=5").replicas == 5  # one node: replicas is ignored, not checked
+
+
+@pytest.mark.parametrize("opts,words", [
+    ("rank=3,nodes=3,coordinator=h:1", ["rank=3", "0..2"]),
+    ("rank=1", ["rank=1", "0..0"]),
+    ("rank=-1", ["rank=-1"]),
+    ("nodes=0", ["nodes=0"]),
+    ("nodes=two", ["nodes=two"]),
+    (f"nodes=2,peers={PEERS3}", ["peers=", "3 addresses", "nodes=2"]),
+    ("nodes=3,peers=a:1;b:2", ["peers=a:1;b:2", "nodes=3"]),
+    ("nodes=2,peers=a:1,a:1", ["peers=a:1,a:1", "a:1"]),
+    ("nodes=3", ["nodes=3", "peers=", "coordinator="]),
+    ("nodes=3,rank=1,listen=h:1", ["peers=", "coordinator="]),
+    ("nodes=3,coordinator=h:1,replicas=3", ["replicas=3", "2"]),
+    ("replicas=-1", ["replicas=-1"]),
+    ("listen=h", ["listen=h"]),
+    ("listen=h:99999", ["listen=h:99999"]),
+    ("listen=::1:7470", ["listen=::1:7470", "brackets"]),
+    ("coordinator=:7470", ["coordinator=:7470"]),
+    ("peers=a:1,b:x", ["peers=a:1,b:x"]),
+    ("peers=a:1,zone=b", ["zone=b"]),
+    ("topology=zone", ["topology=zone"]),
+    ("topology=zone=a,zone=b", ["topology=zone=a,zone=b", "twice"]),
+    ("topology=zone=", ["topology=zone="]),
+    ("topology=zone=a,bogus", ["bogus"]),
+    ("placement=star", ["placement=star"]),
+    ("nodes=6,coordinator=h:1,assume_data_parallelism=4", ["assume_data_parallelism=4", "6"]),
+    ("assume_data_parallelism=0", ["assume_data_parallelism=0"]),
+    ("nodes=4,coordinator=h:1,huge_model", ["huge_model", "assume_data_parallelism"]),
+    ("nodes=4,coordinator=h:1,assume_data_parallelism=1,huge_model", ["huge_model"]),
+    ("nodes=4,coordinator=h:1,assume_data_parallelism=2,huge_model,replicas=2",
+     ["replicas=2", "huge_model"]),
+    ("huge_model=1", ["huge_model=1"]),
+    ("peers", ["peers"]),
+])
+def test_peer_option_errors_name_the_option(opts, words):
+    with pytest.raises(OptionError) as ei:
+        parse(opts)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+# ---------------------------------------------------------------------- status output
+
+STATUS_PEERS = {
+    "rank": 0, "nodes": 3, "listen": "127.0.0.1:7471", "coordinator": 0,
+    "coordinator_address": "127.0.0.1:7471", "replicas": 1, "placement": "ring",
+    "peers": [1], "holds_for": [2], "latest_complete": {"step": "step_20", "number": 20},
+    "members": [
+        {"rank": 0, "address": "127.0.0.1:7471", "alive": True, "age_s": 0.1, "labels": {},
+         "capacity_bytes": 1 << 30, "used_bytes": 5 << 20},
+        {"rank": 2, "address": "127.0.0.1:7473", "alive": False, "age_s": 31.0,
+         "labels": {}, "capacity_bytes": None, "used_bytes": None}],
+    "replication": [
+        {"peer": 1, "address": "127.0.0.1:7472", "state": "lagging", "lag_steps": 1,
+         "lag_bytes": 12 << 20, "last_replicated": "step_10",
+         "last_error": "RESOURCE_EXHAUSTED: replica store full", "bytes_sent": 0,
+         "chunks_skipped": 3}],
+    "replica_store": {"chunks": 3, "bytes": 123}, "bad_peers": {"2": 1}, "restore": None}
+
+
+def test_status_peer_section():
+    text = "\n".join(format_peer_status(STATUS_PEERS))
+    for want in ["rank 0 of 3", "listening on 127.0.0.1:7471",
+                 "coordinator rank 0 (127.0.0.1:7471)", "step_20", "DEAD", "31.0s ago", "5.0 MiB / 1.0 GiB", "lagging", "1 step,",
+                 "12.0 MiB", "step_10", "replica store full", "3 chunks, 123 B", "rank 2: 1"]:
+        assert want in text, want
+
+
+def test_status_peer_section_tolerates_missing_keys():
+    assert format_peer_status(None) == ["  peer tier: none (single node)"]
+    assert format_peer_status({"rank": 1})[0].startswith("  peer tier: rank 1 of -")
+    assert format_peer_status({"members": [{}], "replication": [{}], "replica_store": {},
+                               "latest_complete": None, "bad_peers": {}, "restore": {}})
 
 
 def test_cli_bad_option_exit_2_nothing_mounted(shm_dir):
