@@ -54,6 +54,7 @@ class Daemon:
         self.backup_store: Any = None
         self.backup: Any = None
         self.prefetcher: Any = None
+        self.peer: Any = None
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
 
@@ -70,32 +71,65 @@ class Daemon:
         capacity = o.size or default_capacity(self.store.path)
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job)
+        sources: list[tuple[str, Any]] = []
+        if o.multi_node:
+            from replication.peer.sources import PeerChunkSource
+            from replication.peer.tier import PeerTier, TierConfig
+            addresses = {r: a for r, a in enumerate(o.peers or [])}
+            if not o.peers and o.coordinator and o.rank != 0:
+                addresses[0] = o.coordinator  # rank 0's daemon serves the coordinator
+            cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
+                             addresses=addresses, replicas=o.replicas, placement=o.placement,
+                             labels=dict(o.topology),
+                             data_parallelism=o.assume_data_parallelism or 1,
+                             huge_model=o.huge_model, keep=o.keep)
+            self.peer = PeerTier(self.fs, cfg, self.store.path)
+            sources.append(("peers", PeerChunkSource(
+                lambda: self.peer.restore_holders or self.peer.peer_ranks(),
+                self.peer.client, self.peer.report_bad)))
         if o.backup:
             from replication.backup import (BackupStore, RetryingBackend, RetryPolicy,
                                             open_backend)
-            from replication.restore import BackupChunkSource, Prefetcher
+            from replication.restore import BackupChunkSource
             from replication.scheduler import BackupService
             backend = RetryingBackend(open_backend(o.backup),
                                       RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
-            self.backup_store = BackupStore(backend)
-            self.fs.chunk_source = BackupChunkSource(self.backup_store)
+            if o.multi_node:
+                self.backup_store = BackupStore(backend, rank=o.rank)
+            else:
+                self.backup_store = BackupStore(backend)
+            sources.append(("backup", BackupChunkSource(self.backup_store)))
             iv = o.backup_interval
+            share = self.peer.upload_share() if self.peer is not None else None
+            extra = {"share": share} if share is not None else {}
             self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
                                         every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
-                                        url=o.backup, interval_text=str(iv))
+                                        url=o.backup, interval_text=str(iv), **extra)
+            if self.peer is not None:
+                self.peer.backup_store = self.backup_store
+        if sources:
+            from replication.peer.sources import TieredChunkSource
+            from replication.restore import Prefetcher
+            self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
+                else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
 
     async def restore_at_mount(self) -> None:
-        """On an empty store, bring back the newest (or the requested) backed-up checkpoint."""
+        """On an empty store, bring back the newest (or the requested) checkpoint: the one
+        the job names, from peers or the backup tier (several nodes), or the newest
+        backed-up one (one node)."""
         fs = self.fs
         assert fs is not None
-        if self.backup_store is None or self.opts.restore == "none" or fs.steps \
-                or fs.inodes[ROOT_INO].children:
+        if (self.backup_store is None and self.peer is None) or self.opts.restore == "none" \
+                or fs.steps or fs.inodes[ROOT_INO].children:
             return
         want = None if self.opts.restore == "latest" else int(self.opts.restore)
         try:
             with trio.fail_after(120):
-                await self.restore_step(want)
+                if self.peer is not None:
+                    await self.restore_from_job(want)
+                else:
+                    await self.restore_step(want)
         except FsError as exc:
             if exc.errno == errno.ENOENT and want is None:
                 log.info("nothing to restore: %s", exc.strerror)
@@ -103,6 +137,33 @@ class Daemon:
                 fs._error(f"restore at mount failed: {exc.strerror}")
         except (Exception, trio.TooSlowError) as exc:
             fs._error(f"restore at mount failed: {exc}")
+
+    async def restore_from_job(self, want: int | None) -> dict[str, Any]:
+        """Several nodes: import the step the job names for this rank (peers, then backup).
+
+        Raises:
+            FsError: ENOENT when no tier holds a step to restore.
+        """
+        from replication.peer.recovery import choose_and_fetch
+        fs = self.fs
+        assert fs is not None and self.peer is not None
+        t0 = time.monotonic()
+        got = await choose_and_fetch(self.peer, want)
+        if got is None:
+            raise FsError(errno.ENOENT, "no peer and no backup holds a checkpoint of rank "
+                          f"{self.opts.rank}")
+        manifest, source, backed_up = got
+        if manifest.step in fs.steps:
+            return {"step": manifest.step, "imported": False}
+        fs.import_step(manifest, backed_up=backed_up)
+        self.restore_info = {"step": manifest.step, "bytes": manifest.total_bytes,
+                             "manifest_from": source,
+                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
+        log.info("restored namespace of %s (%d bytes) of rank %d; manifest from %s",
+                 manifest.step, manifest.total_bytes, self.opts.rank, source)
+        if self.prefetcher is not None:
+            self.prefetcher.kick()
+        return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes}
 
     async def restore_step(self, number: int | None) -> dict[str, Any]:
         """Import step ``number`` (None: the newest complete) from the backup tier.
@@ -153,6 +214,16 @@ class Daemon:
     async def run(self, ready: Callable[[], None]) -> None:
         """Mount, call ``ready()``, and serve until unmounted or signalled."""
         assert self.fs is not None and self.store is not None
+        if self.peer is not None:
+            self.peer.start_server(trio.lowlevel.current_trio_token())
+        try:
+            await self._run(ready)
+        finally:
+            if self.peer is not None:
+                self.peer.stop()
+
+    async def _run(self, ready: Callable[[], None]) -> None:
+        assert self.fs is not None and self.store is not None
         await self.restore_at_mount()
         ops = Operations(self.fs)
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
@@ -167,6 +238,8 @@ class Daemon:
                     n.start_soon(self.backup.run)
                 if self.prefetcher is not None:
                     n.start_soon(self.prefetcher.run)
+                if self.peer is not None:
+                    n.start_soon(self.peer.run)
                 ready()
                 await pyfuse3.main()
                 mounted = False
@@ -234,10 +307,20 @@ class Daemon:
             return {"mismatches": bad}
         if cmd == "restore":
             step = req.get("step")
-            res = await self.restore_step(int(step) if step is not None else None)
+            number = int(step) if step is not None else None
+            res = await (self.restore_from_job(number) if self.peer is not None
+                         else self.restore_step(number))
             if req.get("wait", True):
                 await self._wait_restored(progress)
             return res
+        if cmd == "fault":
+            # Test hook: cut this node off from the given ranks, both ways, as a network
+            # partition would (``partition=[]`` heals it).
+            if self.peer is None:
+                raise FsError(errno.EINVAL, "not a multi-node mount")
+            self.peer.partitioned.clear()
+            self.peer.partitioned.update(int(r) for r in req.get("partition", []))
+            return {"partitioned": sorted(self.peer.partitioned)}
         if cmd == "backup":
             if self.backup is None:
                 raise FsError(errno.EINVAL, "no backup= tier configured")
@@ -290,7 +373,9 @@ class Daemon:
             chunks, nbytes = self.prefetcher.pending()
             out["restore"] = {**self.restore_info, "pending_chunks": chunks,
                               "pending_bytes": nbytes,
-                              "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0)}
+                              "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0),
+                              "chunks_from": dict(getattr(fs.chunk_source, "served", {}))}
+        out["peers"] = self.peer.status() if self.peer is not None else None
         return out
 
     async def checkpoints(self) -> list[dict[str, Any]]:

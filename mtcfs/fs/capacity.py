@@ -29,12 +29,14 @@ class CapacityOps:
         Raises:
             FsError: ENOSPC when eviction cannot free enough.
         """
-        if self.used + nbytes <= self.capacity:
+        shared = self.shared_used()
+        if self.used + shared + nbytes <= self.capacity:
             return
-        self.evict(need=self.used + nbytes - self.capacity)
-        if self.used + nbytes > self.capacity:
+        self.evict(need=self.used + shared + nbytes - self.capacity)
+        if self.used + shared + nbytes > self.capacity:
             self.counters.enospc += 1
-            raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} of {self.capacity} bytes)")
+            raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} bytes of files and {shared}"
+                          f" of peer replicas, of {self.capacity} bytes)")
 
     def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
         """Committed steps that may leave RAM, oldest first.
@@ -132,5 +134,6 @@ class CapacityOps:
 
     def statfs(self) -> dict[str, int]:
         """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's)."""
-        return {"capacity": self.capacity, "used": self.used,
-                "free": max(0, self.capacity - self.used), "files": len(self.inodes)}
+        shared = self.shared_used()
+        return {"capacity": self.capacity, "used": self.used + shared, "replicas": shared,
+                "free": max(0, self.capacity - self.used - shared), "files": len(self.inodes)}

@@ -67,6 +67,8 @@ class CheckpointOps:
     def _step_changed(self, ino: Inode) -> None:
         """A file in a committed step changed: its backup copy no longer matches."""
         rec = self.step_of(ino)
+        if rec is not None:
+            rec.replicated = 0
         if rec is not None and rec.backed_up_ns is not None:
             rec.backed_up_ns = None
             with self.db.transaction():
@@ -202,6 +204,32 @@ class CheckpointOps:
             return data
         return read_chunk
 
+    def has_local_chunk(self, digest: str) -> bool:
+        """Whether this node's own files hold chunk ``digest`` in RAM now.
+
+        Safe to call from other threads (a dict lookup and a set membership test, each
+        atomic under the GIL); the answer may be stale by the time it is used.
+        """
+        loc = self._chunk_locations.get(digest)
+        if loc is None:
+            return False
+        v = self.versions.get(loc[0])
+        return v is not None and loc[1] not in v.missing
+
+    def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None:
+        """Pin a version holding chunk ``digest``: (version, offset, length), or None.
+
+        Call on the loop; read with :meth:`read_chunk_at` in any thread, then :meth:`unpin`.
+        """
+        loc = self._chunk_locations.get(digest)
+        v = self.versions.get(loc[0]) if loc is not None else None
+        if v is None or loc[1] in v.missing:  # type: ignore[index]
+            return None
+        v.pins += 1
+        self._fd(v)
+        off, length = chunk_span(loc[1], v.size, v.chunk_size)  # type: ignore[index]
+        return v, off, length
+
     def mark_backed_up(self, name: str, versions: list[Version]) -> None:
         """Record that step ``name`` (with these versions) is complete in the backup tier."""
         with self.db.transaction():
@@ -214,11 +242,16 @@ class CheckpointOps:
                 rec.backed_up_ns = _now_ns()
                 self._write_step(rec)
 
-    def import_step(self, m: StepManifest) -> StepRecord:
-        """Create the namespace of a backed-up step with no data yet (restore).
+    def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
+        """Create the namespace of a step with no data yet (restore).
 
         Files appear at once with their sizes; their chunks are missing and are faulted in
         on read or by the background prefetcher.
+
+        Args:
+            m: the step's manifest (from the backup tier or a peer).
+            backed_up: the backup tier holds the step complete (then its data may leave RAM
+                again under the keep= policy); False for a step restored from peers only.
 
         Raises:
             FsError: EEXIST if the step's directory already exists.
@@ -243,7 +276,7 @@ class CheckpointOps:
                     v = Version(vid=self._alloc_vid(), ino=ino.ino, size=e.size,
                                 chunk_size=e.chunk_size or self.chunk_size, sealed=True,
                                 chunks=e.chunks, blake3=e.blake3,
-                                missing=set(range(len(e.chunks))), backed_up=True)
+                                missing=set(range(len(e.chunks))), backed_up=backed_up)
                     fd = self.store.open_data(v.vid, create=True)
                     os.ftruncate(fd, v.size)
                     v.fd = fd
@@ -256,7 +289,8 @@ class CheckpointOps:
                 self._write_inode(parent)
             top = self.resolve(m.step)
             rec = StepRecord(name=m.step, number=m.step_number, ino=top.ino,
-                             committed_ns=_now_ns(), source="restore", backed_up_ns=_now_ns())
+                             committed_ns=_now_ns(), source="restore",
+                             backed_up_ns=_now_ns() if backed_up else None)
             self.steps[m.step] = rec
             self._write_step(rec)
         for v in [self.versions[i.vid] for _p, i in self.walk(top) if i.is_file]:

@@ -30,6 +30,10 @@ class StepRecord:
     source: str
     backed_up_ns: int | None = None
     backing_up: bool = False
+    #: Peers that confirmed holding this step as it is now, of ``replicas`` wanted (runtime
+    #: state of the peer tier; recomputed after a restart by replicating again).
+    replicated: int = 0
+    replicas: int = 0
 
 
 @dataclass

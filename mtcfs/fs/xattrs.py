@@ -13,6 +13,7 @@ from mtcfs.chunking import chunk_count
 from mtcfs.errors import ENOATTR, FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Inode
+from mtcfs.fs.records import StepRecord
 
 log = logging.getLogger("mtcfs.fs.core")
 
@@ -75,10 +76,11 @@ class XattrOps:
         """The durability state shown in ``user.mtcfs.state``.
 
         Files: ``writing`` (open for writing or being hashed), ``local`` (sealed, RAM only),
+        ``replicated k/R`` (sealed, in a checkpoint that k of its R peers confirmed holding),
         ``backed-up`` (sealed, and in the backup tier), ``restoring`` (some chunks still
         arriving), ``remote`` (evicted from RAM, in the backup tier).
-        Directories: a step dir is ``incomplete`` until committed, then ``local`` or
-        ``backed-up``; other dirs report ``local``.
+        Directories: a step dir is ``incomplete`` until committed, then ``local``,
+        ``replicated k/R`` or ``backed-up``; other dirs report ``local``.
         """
         if ino.is_file and ino.vid is not None:
             v = self.versions[ino.vid]
@@ -87,7 +89,10 @@ class XattrOps:
             if v.missing:
                 full = len(v.missing) == chunk_count(v.size, v.chunk_size)
                 return "remote" if full and v.backed_up else "restoring"
-            return "backed-up" if v.backed_up else "local"
+            if v.backed_up:
+                return "backed-up"
+            rec = self.step_of(ino)
+            return self._replicated(rec) if rec is not None else "local"
         if ino.is_dir and ino.parent == ROOT_INO:
             rec = self.steps.get(ino.name.decode(errors="surrogateescape"))
             if rec is None:
@@ -95,5 +100,12 @@ class XattrOps:
                     stepnames.is_orbax_tmp(ino.name) else "local"
             if rec.backed_up_ns is not None:
                 return "backed-up"
-            return "local"
+            return self._replicated(rec)
+        return "local"
+
+    @staticmethod
+    def _replicated(rec: StepRecord) -> str:
+        """``replicated k/R`` once k of the R peers confirmed the step, else ``local``."""
+        if rec.replicas and rec.replicated:
+            return f"replicated {rec.replicated}/{rec.replicas}"
         return "local"

@@ -99,7 +99,9 @@ class ReplicaStore:
 
     Args:
         root: directory of the store (created if missing); on tmpfs in production.
-        capacity: bytes the store may use (chunks + manifests + writes in progress).
+        capacity: bytes the store may use (chunks + manifests + writes in progress), or a
+            function returning it, read at every check: the daemon passes "the node's RAM
+            budget minus what its own files use", so replicas and own files share one budget.
         local: the node's own RAM tier, consulted by :meth:`has` and :meth:`get_chunk` for
             chunks the node wrote itself; None for none.
         clock: monotonic seconds, for the gc grace period (injectable for tests).
@@ -109,12 +111,14 @@ class ReplicaStore:
         OSError: if the directory cannot be created or read.
     """
 
-    def __init__(self, root: str, capacity: int, *, local: LocalChunks | None = None,
+    def __init__(self, root: str, capacity: int | Callable[[], int], *,
+                 local: LocalChunks | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if capacity < 0:
+        if not callable(capacity) and capacity < 0:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity}")
         self._root = os.path.abspath(root)
-        self._capacity = capacity
+        self._capacity_fn: Callable[[], int] = (
+            capacity if callable(capacity) else (lambda: capacity))
         self._local = local
         self._clock = clock
         self._lock = threading.Lock()
@@ -203,14 +207,14 @@ class ReplicaStore:
                 self._add_manifest_locked((m.rank, m.step), m, len(raw))
         log.info("replica store %s: %d chunks (%d bytes), %d manifests, capacity %d bytes",
                  self._root, len(self._chunks), self._chunk_bytes, len(self._manifests),
-                 self._capacity)
+                 self.capacity)
 
     # -- accounting -------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        """Bytes the store may use."""
-        return self._capacity
+        """Bytes the store may use now."""
+        return max(0, self._capacity_fn())
 
     @property
     def used(self) -> int:
@@ -222,10 +226,11 @@ class ReplicaStore:
         return self._chunk_bytes + self._manifest_bytes + self._reserved
 
     def _check_fits_locked(self, n: int) -> None:
-        free = self._capacity - self._used_locked()
+        cap = self.capacity
+        free = cap - self._used_locked()
         if n > free:
             self._counters.add("full_refusals")
-            raise ReplicaFull(n, max(free, 0), self._capacity)
+            raise ReplicaFull(n, max(free, 0), cap)
 
     def stats(self) -> dict[str, int]:
         """Return counters and gauges.
@@ -240,7 +245,7 @@ class ReplicaStore:
         out = self._counters.snapshot()
         with self._lock:
             out.update(chunks=len(self._chunks), manifests=len(self._manifests),
-                       used_bytes=self._used_locked(), capacity_bytes=self._capacity)
+                       used_bytes=self._used_locked(), capacity_bytes=self.capacity)
         return out
 
     # -- chunks -----------------------------------------------------------------------------

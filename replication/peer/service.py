@@ -81,6 +81,9 @@ class PeerService(pb_grpc.PeerServicer):
         self._membership = membership or Membership(nodes)
         if self._membership.nodes != nodes:
             raise ValueError(f"membership is for {self._membership.nodes} nodes, not {nodes}")
+        #: Fault injection for tests (``mtcfs`` control ``fault``): calls from these ranks are
+        #: refused with UNAVAILABLE, as if the network between them were cut.
+        self.partitioned: set[int] = set()
         self._counters = Counters((
             "calls", "calls_refused", "bytes_received", "bytes_sent", "chunks_received",
             "chunks_already_present", "chunks_rejected", "chunks_sent", "chunks_unavailable",
@@ -132,6 +135,9 @@ class PeerService(pb_grpc.PeerServicer):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this peer serves job {self._job!r}, not {job!r}")
         self._check_rank(rank, "rank")
+        if rank in self.partitioned:
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"rank {rank} is cut off from this node (injected fault)")
 
     def _check_rank(self, rank: int, field: str) -> None:
         if not 0 <= rank < self._nodes:
