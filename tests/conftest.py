@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
     if not os.path.exists("/dev/fuse"):
         skip = pytest.mark.skip(reason="/dev/fuse is missing")
         for item in items:
-            if "mount" in item.fixturenames or "make_mount" in item.fixturenames:
+            if {"mount", "make_mount", "make_cluster"} & set(item.fixturenames):
                 item.add_marker(skip)
 
 
@@ -54,3 +54,22 @@ def make_mount(shm_dir):
 def mount(make_mount):
     """One started mount with default options."""
     return make_mount()
+
+
+@pytest.fixture
+def make_cluster(shm_dir):
+    """Factory: ``make_cluster(nodes, start=True, **Cluster kwargs) -> Cluster``: one mount
+    per rank on loopback (tests/support/cluster.py). All are cleaned up."""
+    from support.cluster import Cluster
+    made: list[Cluster] = []
+
+    def factory(nodes: int = 2, start: bool = True, **kw) -> Cluster:
+        c = Cluster(shm_dir / f"c{len(made)}", nodes, **kw)
+        made.append(c)
+        if start:
+            c.start()
+        return c
+
+    yield factory
+    for c in made:
+        c.cleanup()
