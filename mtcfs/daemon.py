@@ -98,7 +98,12 @@ class Daemon:
                 self.backup_store = BackupStore(backend, rank=o.rank)
             else:
                 self.backup_store = BackupStore(backend)
-            sources.append(("backup", BackupChunkSource(self.backup_store)))
+            backup_source: Any = BackupChunkSource(self.backup_store)
+            if self.peer is not None and self.peer.twins():
+                from replication.peer.sources import TwinFirstBackup
+                backup_source = TwinFirstBackup(backup_source, self.peer.lower_live_twins,
+                                                self.peer.client)
+            sources.append(("backup", backup_source))
             iv = o.backup_interval
             share = self.peer.upload_share() if self.peer is not None else None
             extra = {"share": share} if share is not None else {}

@@ -146,3 +146,59 @@ class TieredChunkSource:
             self.served[name] += 1
             return data
         raise FsError(errno.EIO, "; ".join(errors) or "no source")
+
+
+class TwinFirstBackup:
+    """The backup tier, asked once per chunk per group of data-parallel twins.
+
+    When the whole job restarts, twins need the same chunks. The lowest live twin fetches a
+    chunk from the backup tier; a higher twin first waits for it to arrive there and takes it
+    from that twin over the peer network (its ``GetChunks`` serves chunks from its own
+    files), so the bucket serves each chunk once. A higher twin waits at most ``wait_s`` for
+    one chunk; once a wait fails (the twin is gone, or its data is not identical after all)
+    it stops waiting and reads the backup tier directly.
+
+    Args:
+        backup: the backup tier's chunk source.
+        lower_twins: returns the live twins with a lower rank, lowest first.
+        client: returns the PeerClient of a rank.
+        wait_s: seconds to wait for one chunk at a twin.
+    """
+
+    def __init__(self, backup: Any, lower_twins: Callable[[], Sequence[int]],
+                 client: Callable[[int], Any], wait_s: float = 20.0) -> None:
+        self.backup = backup
+        self.lower_twins = lower_twins
+        self.client = client
+        self.wait_s = wait_s
+        self.waiting = True
+        self.from_twins = 0
+
+    @property
+    def corrupt(self) -> int:
+        return getattr(self.backup, "corrupt", 0)
+
+    async def fetch(self, digest: str) -> bytes:
+        twins = list(self.lower_twins()) if self.waiting else []
+        if twins:
+            with trio.move_on_after(self.wait_s):
+                while True:
+                    data = await trio.to_thread.run_sync(self._ask, twins[0], digest,
+                                                         abandon_on_cancel=True)
+                    if data is not None:
+                        self.from_twins += 1
+                        return data
+                    await trio.sleep(0.2)
+            log.info("twin rank %d did not get chunk %s within %.0f s; reading the backup"
+                     " tier directly from now on", twins[0], digest[:16], self.wait_s)
+            self.waiting = False
+        return await self.backup.fetch(digest)
+
+    def _ask(self, rank: int, digest: str) -> bytes | None:
+        try:
+            for h, data in self.client(rank).get_chunks([digest]):
+                if h == digest:
+                    return data
+        except PeerError:
+            return None
+        return None

@@ -183,8 +183,12 @@ class PeerTier:
 
     # ------------------------------------------------------------------ clients
 
-    def client(self, rank: int) -> PeerClient:
+    def client(self, rank: int, *, quick: bool = False) -> PeerClient:
         """The client for ``rank``'s Peer service.
+
+        Args:
+            quick: for heartbeats: a 2 s deadline and no retry, so that a peer behind a
+                partition (packets dropped, no refusal) costs one short wait per round.
 
         Raises:
             PeerUnavailable: no address is known for it, or it is cut off (injected fault).
@@ -194,11 +198,16 @@ class PeerTier:
             raise PeerUnavailable(f"rank {rank}", "no address known yet")
         if rank in self.partitioned:
             raise PeerUnavailable(addr, f"rank {rank} is cut off from this node (injected fault)")
-        c = self.clients.get(addr)
+        key = f"{addr}#quick" if quick else addr
+        c = self.clients.get(key)
         if c is None:
-            c = self.clients[addr] = PeerClient(
-                addr, self.cfg.job, self.rank, timeout=10.0, stop=self._stop,
-                retry=RetryPolicy(max_attempts=3, base_delay=0.1, max_delay=1.0))
+            if quick:
+                c = PeerClient(addr, self.cfg.job, self.rank, timeout=2.0, stop=self._stop,
+                               retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
+            else:
+                c = PeerClient(addr, self.cfg.job, self.rank, timeout=10.0, stop=self._stop,
+                               retry=RetryPolicy(max_attempts=3, base_delay=0.1, max_delay=1.0))
+            self.clients[key] = c
         return c
 
     def report_bad(self, rank: int, message: str) -> None:
@@ -237,6 +246,15 @@ class PeerTier:
             return set()
         stride = c.nodes // c.data_parallelism
         return {(self.rank + k * stride) % c.nodes for k in range(1, c.data_parallelism)}
+
+    def lower_live_twins(self) -> list[int]:
+        """Twins with a lower rank that the coordinator sees alive, lowest first."""
+        out = []
+        for r in sorted(self.twins()):
+            m = self.members.get(r)
+            if r < self.rank and r not in self.partitioned and (m is None or m.alive):
+                out.append(r)
+        return out
 
     def upload_share(self) -> Any:
         """Which chunks of a step this rank uploads to the backup tier, or None for all.
@@ -287,13 +305,14 @@ class PeerTier:
                 continue
             if self.coordinator != cand:
                 log.info("rank %d coordinates the job", cand)
+                self._known_version = 0  # another table: its versions are not comparable
             self.coordinator = cand
             self._learn(res, own=False)
             return
 
     def _heartbeat_call(self, rank: int, steps: list[StepRef],
                         s: Mapping[str, int]) -> HeartbeatResult:
-        return self.client(rank).heartbeat(
+        return self.client(rank, quick=True).heartbeat(
             address=self.advertise, labels=self.cfg.labels, steps_complete=steps,
             capacity_bytes=s["capacity"], used_bytes=s["used"],
             known_version=self._known_version)
