@@ -286,11 +286,14 @@ def format_peer_status(p: dict[str, Any] | None) -> list[str]:
         lines += errors
     store = p.get("replica_store")
     if isinstance(store, dict):
+        shown = ("chunks", "bytes", "used_bytes", "capacity_bytes", "manifests")
         extra = ", ".join(f"{k} {v}" for k, v in sorted(store.items())
-                          if k not in ("chunks", "bytes") and isinstance(v, (int, float))
-                          and not isinstance(v, bool) and v)
+                          if k not in shown and k.startswith(("corrupt", "full"))
+                          and isinstance(v, int) and v)
         lines.append(f"{_INDENT}replica store: {store.get('chunks', '-')} chunks, "
-                     f"{_human(store.get('bytes'))}" + (f" ({extra})" if extra else ""))
+                     f"{store.get('manifests', '-')} manifests, "
+                     f"{_human(store.get('used_bytes', store.get('bytes')))}"
+                     + (f" ({extra})" if extra else ""))
     bad = p.get("bad_peers")
     if bad:
         lines.append(f"{_INDENT}bad peers (chunks that failed verification): "

@@ -189,14 +189,14 @@ STATUS_PEERS = {
          "lag_bytes": 12 << 20, "last_replicated": "step_10",
          "last_error": "RESOURCE_EXHAUSTED: replica store full", "bytes_sent": 0,
          "chunks_skipped": 3}],
-    "replica_store": {"chunks": 3, "bytes": 123}, "bad_peers": {"2": 1}, "restore": None}
+    "replica_store": {"chunks": 3, "manifests": 2, "used_bytes": 123, "corrupt_deleted": 1}, "bad_peers": {"2": 1}, "restore": None}
 
 
 def test_status_peer_section():
     text = "\n".join(format_peer_status(STATUS_PEERS))
     for want in ["rank 0 of 3", "listening on 127.0.0.1:7471",
                  "coordinator rank 0 (127.0.0.1:7471)", "step_20", "DEAD", "31.0s ago", "5.0 MiB / 1.0 GiB", "lagging", "1 step,",
-                 "12.0 MiB", "step_10", "replica store full", "3 chunks, 123 B", "rank 2: 1"]:
+                 "12.0 MiB", "step_10", "replica store full", "3 chunks, 2 manifests, 123 B", "corrupt_deleted 1", "rank 2: 1"]:
         assert want in text, want
 
 
