@@ -109,10 +109,14 @@ class PeerChunkSource:
         raise FsError(errno.EIO, f"chunk {digest[:16]} from peers: {last}")
 
     def _get(self, rank: int, digest: str) -> bytes | None:
+        # Read the stream to its end rather than returning at the chunk: leaving early
+        # cancels the call, and the server, cut off right after its last piece, may never
+        # count the chunk as sent.
+        got = None
         for h, data in self.client(rank).get_chunks([digest]):
             if h == digest:
-                return data
-        return None
+                got = data
+        return got
 
 
 class TieredChunkSource:
