@@ -1,0 +1,267 @@
+"""Several mtcfs mounts on one machine, one per rank of a job, peering over loopback TCP.
+
+Each rank gets its own directory ``root/n<rank>`` (``store/``, ``mnt/``), its own Peer port on
+127.0.0.1, and the options ``rank=R,nodes=N,peers=<every rank's address>,listen=<its own>``
+on top of the shared ``options`` and its ``per_rank_options``. A rank can be crashed
+(``kill9``), lose its RAM tier (``wipe``) and come back (``restart``) on the same address.
+
+Use it from a test with a local fixture (``tests/conftest.py`` has none for it)::
+
+    import pytest
+    from tests.support.cluster import Cluster      # or: from support.cluster import Cluster
+
+    @pytest.fixture
+    def make_cluster(shm_dir):
+        made = []
+
+        def factory(nodes=2, start=True, **kw):
+            c = Cluster(shm_dir / f"c{len(made)}", nodes, **kw)
+            made.append(c)
+            if start:
+                c.start()
+            return c
+
+        yield factory
+        for c in made:
+            c.cleanup()
+
+    def test_replica_survives_a_crash(make_cluster):
+        c = make_cluster(2, options={"replicas": 1})
+        d = c.node(0).path("step_10")
+        d.mkdir()
+        (d / "w.bin").write_bytes(b"x" * 100_000)
+        (d / "commit_success.txt").write_bytes(b"ok")      # commits step_10
+        c.wait_replicated(0, "step_10")                     # "replicated 1/1"
+        c.kill9(0)
+        c.restart(0, wipe=True)                             # restores from rank 1
+
+or without a fixture: ``c = Cluster(tmp, 2); try: c.start(); ... finally: c.cleanup()``.
+
+Ports are found by binding 127.0.0.1:0 and closing the socket again, so another process
+could take one before the daemon binds it; on a test machine that is rare enough.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Self
+
+from .mount import Mount, force_unmount
+
+_REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago (all bound at once, then freed)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _opt(v: object) -> str | None:
+    """Option values as Mount takes them: True -> a bare flag, anything else -> str."""
+    return None if v is True else str(v)
+
+
+class Cluster:
+    """``nodes`` mtcfs mounts of one job, ranks 0..nodes-1, each a :class:`Mount`.
+
+    Args:
+        root: a per-test directory (on tmpfs: the stores live below it).
+        nodes: number of ranks.
+        job: job name, the same for every rank.
+        options: ``-o`` options for every rank (``replicas``, ``placement``, ``backup``, ...).
+        per_rank_options: rank -> options that override ``options`` for that rank
+            (``topology``, a different ``size``, ...).
+
+    Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
+    """
+
+    def __init__(self, root: Path, nodes: int, job: str = "testjob",
+                 options: dict | None = None,
+                 per_rank_options: dict[int, dict] | None = None) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        self.root = Path(root)
+        self.nodes = nodes
+        self.job = job
+        self.host = "127.0.0.1"
+        self.ports = free_ports(nodes, self.host)
+        self.addresses = [f"{self.host}:{p}" for p in self.ports]
+        self._options = {k: _opt(v) for k, v in (options or {}).items()}
+        self._per_rank = {r: {k: _opt(v) for k, v in o.items()}
+                          for r, o in (per_rank_options or {}).items()}
+        self._mounts = [self._new_mount(r) for r in range(nodes)]
+        self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def options(self, rank: int) -> dict[str, str | None]:
+        """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
+        return {**self._options,
+                "rank": str(rank), "nodes": str(self.nodes),
+                "peers": ",".join(self.addresses), "listen": self.addresses[rank],
+                **self._per_rank.get(rank, {})}
+
+    def _new_mount(self, rank: int) -> Mount:
+        return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
+
+    def _ranks(self, ranks: Iterable[int] | None) -> list[int]:
+        out = list(range(self.nodes)) if ranks is None else list(ranks)
+        for r in out:
+            if not 0 <= r < self.nodes:
+                raise ValueError(f"rank {r} is outside 0..{self.nodes - 1}")
+        return out
+
+    def node(self, rank: int) -> Mount:
+        """The current :class:`Mount` of ``rank``."""
+        return self._mounts[self._ranks([rank])[0]]
+
+    def __getitem__(self, rank: int) -> Mount:
+        return self.node(rank)
+
+    def __len__(self) -> int:
+        return self.nodes
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self, ranks: Iterable[int] | None = None, timeout: float = 60.0) -> Cluster:
+        """Mount every rank (or ``ranks``) at once, one thread each; return when all are up.
+
+        Raises:
+            RuntimeError: naming every rank that failed to mount, with its log tail.
+        """
+        todo = self._ranks(ranks)
+        errors: dict[int, BaseException] = {}
+
+        def one(r: int) -> None:
+            try:
+                self._mounts[r].start(timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 (reported below, per rank)
+                errors[r] = exc
+
+        threads = [threading.Thread(target=one, args=(r,), name=f"mount-n{r}") for r in todo]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError("; ".join(
+                f"rank {r}: {exc}\n--- log of rank {r} ---\n{self._mounts[r].log()[-3000:]}"
+                for r, exc in sorted(errors.items())))
+        return self
+
+    def kill9(self, rank: int) -> None:
+        """SIGKILL the daemon of ``rank`` (a node crash) and clear its dead mount."""
+        self.node(rank).kill9()
+
+    def stop(self, rank: int, timeout: float = 60.0) -> None:
+        """Unmount ``rank`` cleanly (the daemon exits)."""
+        self.node(rank).stop(timeout=timeout)
+
+    def wipe(self, rank: int) -> None:
+        """Delete everything in the store directory of ``rank`` (its RAM tier is lost). The
+        rank must be down (:meth:`kill9` or :meth:`stop` first). The log of the run is kept
+        beside the store as ``mtcfs.log.<n>``."""
+        m = self.node(rank)
+        if m.pid is not None:
+            raise RuntimeError(f"rank {rank} is still running (pid {m.pid}); kill9 it first")
+        log = m.store / "mtcfs.log"
+        if log.exists():
+            n = sum(1 for _ in m.root.glob("mtcfs.log.*"))
+            shutil.copyfile(log, m.root / f"mtcfs.log.{n}")
+        if m.store.is_dir():
+            for p in m.store.iterdir():
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+
+    def restart(self, rank: int, wipe: bool = False, timeout: float = 60.0) -> Mount:
+        """Start a fresh Mount for ``rank`` with the same directories, address and options.
+
+        A rank still running is unmounted cleanly first; ``wipe=True`` empties its store
+        before the start (a replacement node). Returns the new mount.
+        """
+        old = self.node(rank)
+        if old.pid is not None:
+            old.stop(timeout=timeout)
+        if wipe:
+            self.wipe(rank)
+        self._retired.append(old)
+        self._mounts[rank] = m = self._new_mount(rank)
+        m.start(timeout=timeout)
+        return m
+
+    def cleanup(self) -> None:
+        """Unmount every rank, whatever state it is in (never raises)."""
+        for m in [*self._mounts, *self._retired]:
+            try:
+                m.cleanup()
+            except BaseException:  # noqa: BLE001 (cleanup of one must not stop the rest)
+                try:
+                    force_unmount(str(m.mnt))
+                except BaseException:  # noqa: BLE001, S110
+                    pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    # -- observing --------------------------------------------------------------------------
+
+    def status(self, rank: int) -> dict:
+        """``mtcfs status --json`` of ``rank`` (the peer tier is under ``"peers"``)."""
+        return self.node(rank).status()
+
+    def state(self, rank: int, rel_path: str) -> str:
+        """``user.mtcfs.state`` of ``rel_path`` in the mount of ``rank``."""
+        return self.node(rank).state(rel_path)
+
+    def wait_replicated(self, rank: int, rel_path: str, k: int | None = None,
+                        timeout: float = 60.0) -> str:
+        """Wait until ``rel_path`` on ``rank`` reads ``replicated k/R`` (at least ``k``
+        replicas; ``k=None``: all R of them). Returns the state.
+
+        Raises:
+            TimeoutError: with the last state seen and the log tail of ``rank``.
+        """
+        m = self.node(rank)
+        last = [""]
+
+        def done() -> str | None:
+            try:
+                last[0] = s = m.state(rel_path)
+            except OSError as exc:
+                last[0] = f"<{exc}>"
+                return None
+            hit = _REPLICATED.match(s)
+            if hit and int(hit.group(1)) >= (int(hit.group(2)) if k is None else k):
+                return s
+            return None
+
+        deadline = time.monotonic() + timeout
+        while True:
+            s = done()
+            if s:
+                return s
+            if time.monotonic() > deadline:
+                want = "replicated R/R" if k is None else f"replicated >={k}/R"
+                raise TimeoutError(f"rank {rank}: {rel_path} is {last[0]!r} after {timeout:.0f}s, "
+                                   f"waiting for {want}\n{m.log()[-4000:]}")
+            time.sleep(0.02)
