@@ -10,3 +10,9 @@ bench:
 # Small sizes, no 8 GiB run (under 2 minutes).
 bench-quick:
 	$(PYTHON) -m benchmarks.run --quick
+
+# The peer tier (benchmarks/bench_peer.py): bare grpc stream, PeerClient, two daemons.
+# make bench-peer ARGS="--size 256M --only baseline,client"
+.PHONY: bench-peer
+bench-peer:
+	$(PYTHON) -m benchmarks.bench_peer $(ARGS)
