@@ -43,7 +43,7 @@ from replication.peer.limits import MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MA
 from replication.peer.records import (
     HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
 )
-from replication.peer.wire import code_of, decode_bitmap, pieces
+from replication.peer.wire import code_of, decode_bitmap, put_requests
 
 log = logging.getLogger(__name__)
 
@@ -458,9 +458,8 @@ class _PutBatch:
                     self._rejected[h] = f"LOCAL_READ_ERROR: {exc}"
                     continue
             self._rejected.pop(h, None)
-            for p in pieces(h, data):
-                yield pb.PutChunksRequest(job=c.job, rank=c.rank, piece=p)
-                n = len(p.data)
+            for req, n in put_requests(c.job, c.rank, h, data):
+                yield req
                 sent += n
                 self.bytes += n
                 c._counters.add("bytes_sent", n)

@@ -48,7 +48,7 @@ from replication.peer.membership import Membership
 from replication.peer.put_stream import PutStream, Refused
 from replication.peer.records import StepRef
 from replication.peer.replica_store import ReplicaStore
-from replication.peer.wire import encode_bitmap, pieces, status
+from replication.peer.wire import encode_bitmap, get_replies, status
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class PeerService(pb_grpc.PeerServicer):
                     yield pb.GetChunksReply(
                         unavailable=status(h, grpc.StatusCode.DATA_LOSS, str(exc)))
                     continue
-                for p in pieces(h, data):
-                    yield pb.GetChunksReply(piece=p)
+                for reply, _n in get_replies(h, data):
+                    yield reply
                 self._counters.add("chunks_sent")
                 self._counters.add("bytes_sent", len(data))
 

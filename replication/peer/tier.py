@@ -54,6 +54,11 @@ from replication.backup.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
+#: Seconds a coordinator candidate that did not answer is skipped before it is asked again:
+#: short, so that a restarted lower rank (its store empty, waiting for the job to name the
+#: step to restore) becomes coordinator again within a few rounds.
+SUSPECT_S = 2.0
+
 #: Steps per rank a node keeps as replicas beyond ``keep`` (a step being replicated while
 #: the previous ones are still the newest complete).
 _REPLICA_SLACK = 1
@@ -142,6 +147,7 @@ class PeerTier:
         self._known_version = 0
         self._stop = threading.Event()
         self._wake: dict[int, trio.Event] = {}
+        self._replicating: set[int] = set()   # peers with a running replication task
         self._bulk = trio.CapacityLimiter(4)
         fs.subscribe(self._on_event)
 
@@ -301,7 +307,7 @@ class PeerTier:
             except PeerError as exc:
                 if self.suspect.get(cand, 0) <= time.monotonic():
                     log.warning("coordinator candidate rank %d does not answer: %s", cand, exc)
-                self.suspect[cand] = time.monotonic() + self.cfg.liveness_s
+                self.suspect[cand] = time.monotonic() + min(self.cfg.liveness_s, SUSPECT_S)
                 continue
             if self.coordinator != cand:
                 log.info("rank %d coordinates the job", cand)
@@ -319,7 +325,14 @@ class PeerTier:
 
     def _learn(self, res: HeartbeatResult, *, own: bool) -> None:
         if res.members is not None:
-            self.members = {m.rank: m for m in res.members}
+            members = {m.rank: m for m in res.members}
+            # A new coordinator's table lacks the ranks that never reported to it (the old
+            # coordinator above all): keep what was learned of them, as dead, so status
+            # lists them and topology placement still knows their labels.
+            for r, m in self.members.items():
+                if r not in members:
+                    members[r] = dataclasses.replace(m, alive=False)
+            self.members = members
             for m in res.members:
                 if m.rank != self.rank and m.address:
                     self.addresses[m.rank] = m.address
@@ -372,9 +385,10 @@ class PeerTier:
         """Start a replication task for each peer placement names (topology may change)."""
         while True:
             for p in self.peer_ranks():
-                if p not in self.links:
-                    self.links[p] = PeerLink(p)
+                if p not in self._replicating:  # new, or its task ended (placement changed)
+                    self.links.setdefault(p, PeerLink(p))
                     self._wake[p] = trio.Event()
+                    self._replicating.add(p)
                     nursery.start_soon(self._replicate_to, p)
             await trio.sleep(self.cfg.heartbeat_s)
 
@@ -403,6 +417,12 @@ class PeerTier:
                    if i.is_file and i.vid is not None)
 
     async def _replicate_to(self, peer: int) -> None:
+        try:
+            await self._replicate_loop(peer)
+        finally:
+            self._replicating.discard(peer)
+
+    async def _replicate_loop(self, peer: int) -> None:
         link = self.links[peer]
         rng = random.Random()
         while peer in self.peer_ranks():
@@ -514,7 +534,9 @@ class PeerTier:
     def status(self) -> dict[str, Any]:
         now_members = []
         view = self.membership.view(0) if self.coordinator == self.rank else None
-        source = {m.rank: m for m in view.members} if view and view.members else self.members
+        source = dict(self.members)
+        if view and view.members:
+            source.update({m.rank: m for m in view.members})
         for r in sorted(source):
             m = source[r]
             now_members.append({"rank": m.rank, "address": m.address, "alive": m.alive,

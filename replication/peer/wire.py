@@ -36,6 +36,49 @@ def pieces(digest: str, data: bytes | memoryview,
             return
 
 
+def _spans(data: bytes | memoryview, piece_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    """(offset, total size, bytes) of each piece of one chunk; no copy for a one-piece
+    chunk given as bytes."""
+    if isinstance(data, bytes) and len(data) <= piece_bytes:
+        yield 0, len(data), data
+        return
+    view = memoryview(data).cast("B")
+    total = len(view)
+    off = 0
+    while True:
+        n = min(piece_bytes, total - off)
+        yield off, total, bytes(view[off:off + n])
+        off += n
+        if off >= total:
+            return
+
+
+def put_requests(job: str, rank: int, digest: str, data: bytes | memoryview,
+                 piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[pb.PutChunksRequest, int]]:
+    """The PutChunks messages of one chunk, with each one's payload length.
+
+    The piece is filled in place in the outer message: building a ChunkPiece first and
+    passing it as a field copies it again (measured: 0.54 ms per 4 MiB, more than the
+    serialization itself), and reading ``len(msg.piece.data)`` back copies the bytes too.
+    """
+    for off, total, part in _spans(data, piece_bytes):
+        req = pb.PutChunksRequest(job=job, rank=rank)
+        p = req.piece
+        p.digest, p.offset, p.total_size, p.data = digest, off, total, part
+        yield req, len(part)
+
+
+def get_replies(digest: str, data: bytes | memoryview,
+                piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[pb.GetChunksReply, int]]:
+    """The GetChunks messages of one chunk, with each one's payload length (see
+    :func:`put_requests` for why the piece is filled in place)."""
+    for off, total, part in _spans(data, piece_bytes):
+        reply = pb.GetChunksReply()
+        p = reply.piece
+        p.digest, p.offset, p.total_size, p.data = digest, off, total, part
+        yield reply, len(part)
+
+
 def encode_bitmap(flags: Sequence[bool]) -> bytes:
     """Pack flags into bytes, flag i at bit i % 8 (least significant first) of byte i // 8."""
     out = bytearray((len(flags) + 7) // 8)
