@@ -178,6 +178,11 @@ class CheckpointOps:
                          created_ns=_now_ns(), entries=entries)
         return m, pinned
 
+    def step_in_ram(self, rec: StepRecord) -> bool:
+        """True when every chunk of every file of the step is in RAM (nothing to fault in)."""
+        return all(not self.versions[i.vid].missing  # type: ignore[index]
+                   for _p, i in self.walk(self.inodes[rec.ino]) if i.is_file)
+
     def unpin(self, versions: Iterable[Version]) -> None:
         for v in versions:
             v.pins -= 1
@@ -186,7 +191,8 @@ class CheckpointOps:
     def chunk_reader(self, versions: list[Version]) -> Callable[[str], bytes]:
         """A thread-safe ``read_chunk(digest) -> bytes`` over pinned versions (for uploads).
 
-        The returned function raises FsError(EIO) for a chunk whose bytes no longer match.
+        The returned function raises FsError(EIO) for a chunk whose bytes no longer match,
+        or that is not in RAM.
         """
         where: dict[str, tuple[Version, int]] = {}
         for v in versions:
@@ -196,7 +202,11 @@ class CheckpointOps:
                     where.setdefault(d, (v, i))
 
         def read_chunk(digest: str) -> bytes:
-            v, i = where[digest]
+            loc = where.get(digest)
+            if loc is None:
+                raise FsError(errno.EIO, f"chunk {digest[:16]} is not in RAM (still being"
+                              " restored, or evicted)")
+            v, i = loc
             off, length = chunk_span(i, v.size, v.chunk_size)
             data = self.read_chunk_at(v, off, length, digest)
             if data is None:
