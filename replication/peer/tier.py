@@ -62,6 +62,8 @@ SUSPECT_S = 2.0
 #: Steps per rank a node keeps as replicas beyond ``keep`` (a step being replicated while
 #: the previous ones are still the newest complete).
 _REPLICA_SLACK = 1
+#: Seconds between checks that an idle peer still holds the steps it confirmed.
+_AUDIT_S = 5.0
 
 
 @dataclass
@@ -98,6 +100,7 @@ class PeerLink:
     chunks_skipped: int = 0
     steps_replicated: int = 0
     confirmed: dict[str, int] = field(default_factory=dict)  # step -> committed_ns confirmed
+    audited: float = 0.0                  # monotonic time of the last audit
 
 
 class TwinNotReady(Exception):
@@ -392,12 +395,14 @@ class PeerTier:
                     nursery.start_soon(self._replicate_to, p)
             await trio.sleep(self.cfg.heartbeat_s)
 
+    def _recent(self) -> list[Any]:
+        """The steps replicated: the ``keep`` newest, newest first."""
+        return sorted(self.fs.steps.values(), key=lambda r: (r.number, r.committed_ns),
+                      reverse=True)[:max(1, self.cfg.keep)]
+
     def _wanted(self, link: PeerLink) -> list[Any]:
         """Steps still to replicate to ``link.peer``, newest first (the ``keep`` newest)."""
-        fs = self.fs
-        recs = sorted(fs.steps.values(), key=lambda r: (r.number, r.committed_ns),
-                      reverse=True)[:max(1, self.cfg.keep)]
-        return [r for r in recs if link.confirmed.get(r.name) != r.committed_ns]
+        return [r for r in self._recent() if link.confirmed.get(r.name) != r.committed_ns]
 
     def lag(self, link: PeerLink) -> tuple[int, int]:
         """(steps, bytes) not yet confirmed by the peer."""
@@ -430,6 +435,8 @@ class PeerTier:
             if not todo:
                 if not self._wanted(link):
                     link.state = "ok"
+                    if time.monotonic() - link.audited >= _AUDIT_S and await self._audit(link):
+                        continue  # the peer lost steps (it restarted empty): send them again
                 with trio.move_on_after(2.0):
                     await self._wake[peer].wait()
                 self._wake[peer] = trio.Event()
@@ -473,12 +480,46 @@ class PeerTier:
         link.confirmed[rec.name] = committed
         link.last_replicated = rec.name
         link.steps_replicated += 1
+        self._count(rec)
+        log.info("%s replicated to rank %d (%d/%d; %d payload bytes)", rec.name, link.peer,
+                 rec.replicated, rec.replicas, stats["bytes_sent"])
+
+    def _count(self, rec: Any) -> None:
+        """Set the step's ``replicated k/R`` from the links' confirmations."""
         rec.replicas = len(self.peer_ranks())
         rec.replicated = sum(1 for lk in self.links.values()
                              if lk.peer in self.peer_ranks()
-                             and lk.confirmed.get(rec.name) == committed)
-        log.info("%s replicated to rank %d (%d/%d; %d payload bytes)", rec.name, link.peer,
-                 rec.replicated, rec.replicas, stats["bytes_sent"])
+                             and lk.confirmed.get(rec.name) == rec.committed_ns)
+
+    async def _audit(self, link: PeerLink) -> bool:
+        """Ask the peer which of this rank's steps it holds complete; drop confirmations of
+        steps it no longer holds (it restarted with an empty store, or lost them), so they
+        count again as not replicated and are sent again. Returns True if any was dropped.
+        An unreachable peer changes nothing (the next audit asks again)."""
+        link.audited = time.monotonic()
+        window = {r.name: r for r in self._recent()}
+        before = {name: ns for name, ns in link.confirmed.items() if name in window}
+        if not before:
+            return False
+        try:
+            infos = await trio.to_thread.run_sync(
+                partial(self._list_held, link.peer), abandon_on_cancel=True)
+        except (PeerError, OSError) as exc:
+            log.debug("audit of rank %d: %s", link.peer, exc)
+            return False
+        held = {i.step for i in infos if i.chunks_missing == 0}
+        lost = [name for name, ns in before.items()
+                if name not in held and link.confirmed.get(name) == ns]
+        for name in lost:
+            del link.confirmed[name]
+            self._count(window[name])
+        if lost:
+            log.warning("rank %d no longer holds %s of this rank (restarted?): replicating "
+                        "again", link.peer, ", ".join(sorted(lost)))
+        return bool(lost)
+
+    def _list_held(self, peer: int) -> list[Any]:
+        return self.client(peer).list_manifests(self.rank, with_manifest=False)
 
     def _push(self, peer: int, manifest: StepManifest, reader: Any,
               hashes_only: bool) -> dict[str, int]:
