@@ -17,14 +17,20 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
 
 from replication.backup import BackupError, BackupStore
+from replication.backup.chunk_store import DEFAULT_SHARE_WAIT_S
 
 log = logging.getLogger(__name__)
+
+#: Seconds between checks whether a step restored from a peer has all its chunks in RAM.
+NOT_READY_POLL_S = 1.0
 
 
 @dataclass
@@ -39,6 +45,7 @@ class BackupStatus:
     last_seconds: float | None = None
     last_bytes_logical: int = 0
     last_bytes_uploaded: int = 0
+    last_chunks_by_others: int = 0
     total_bytes_uploaded: int = 0
     backups: int = 0
     failures: int = 0
@@ -59,12 +66,23 @@ class BackupService:
         every_ckpts: back up every this many committed checkpoints (None: time-based).
         keep_backups: complete checkpoints kept in the backup tier (``backup_keep``).
         url: for status only.
+        share: ``share(digest) -> bool``: which missing chunks this node uploads itself
+            (data-parallel twins split the upload); None: all of them. Passed to
+            :meth:`BackupStore.put_step`.
+        share_wait_s: seconds to wait for the other nodes' shares before uploading them
+            here (>= 0).
     """
 
     def __init__(self, fs: Any, store: BackupStore, *, interval_s: float | None,
-                 every_ckpts: int | None, keep_backups: int, url: str, interval_text: str) -> None:
+                 every_ckpts: int | None, keep_backups: int, url: str, interval_text: str,
+                 share: Callable[[str], bool] | None = None,
+                 share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> None:
+        if not share_wait_s >= 0:
+            raise ValueError(f"share_wait_s must be >= 0, got {share_wait_s}")
         self.fs = fs
         self.store = store
+        self.share = share
+        self.share_wait_s = share_wait_s
         self.interval_s = interval_s
         self.every_ckpts = every_ckpts
         self.keep_backups = keep_backups
@@ -133,6 +151,17 @@ class BackupService:
                 self._wake = trio.Event()
                 continue
             ok = await self._backup(rec)
+            if ok is None:  # chunks still being restored: not an error, try again soon
+                if self._force is not None:
+                    self.status.last_error = (f"backup of {rec.name}: some of its chunks are "
+                                              "not in RAM yet (restore in progress)")
+                    self._force_failed = True
+                    self._force = None
+                    self._done.set()
+                with trio.move_on_after(NOT_READY_POLL_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                continue
             if ok:
                 failures = 0
                 self._force_failed = False
@@ -156,24 +185,39 @@ class BackupService:
             return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
         return 3600.0
 
-    async def _backup(self, rec: Any) -> bool:
-        """Upload one step. Returns False on failure (already logged)."""
+    async def _backup(self, rec: Any) -> bool | None:
+        """Upload one step. Returns False on failure (already logged), None if some of its
+        chunks are not in RAM (a step restored from a peer, still being fetched)."""
         while not self.fs.step_sealed(rec):
             await trio.sleep(0.05)
             if self.fs.steps.get(rec.name) is not rec:
                 return True  # deleted meanwhile: nothing to do
+        manifest, pinned = self.fs.snapshot_step(rec.name)
+        if any(getattr(v, "missing", None) for v in pinned):
+            self.fs.unpin(pinned)
+            if self.status.pending != [rec.name]:
+                log.info("backup of %s waits until all its chunks are in RAM again", rec.name)
+            self.status.pending = [rec.name]
+            return None
         self._last_start = time.monotonic()
         self._commits_since = 0
-        manifest, pinned = self.fs.snapshot_step(rec.name)
         rec.backing_up = True
         self.status.uploading = rec.name
         t0 = time.monotonic()
         try:
             stats = await trio.to_thread.run_sync(
-                self.store.put_step, manifest, self.fs.chunk_reader(pinned), abandon_on_cancel=True)
+                partial(self.store.put_step, manifest, self.fs.chunk_reader(pinned),
+                        share=self.share, share_wait_s=self.share_wait_s),
+                abandon_on_cancel=True)
         except (BackupError, OSError) as exc:
             self.status.failures += 1
             self.status.last_error = f"backup of {rec.name}: {exc}"
+            self.fs.unpin(pinned)
+            return False
+        except Exception as exc:  # a bug in a reader must not take the mount down
+            log.exception("backup of %s failed unexpectedly", rec.name)
+            self.status.failures += 1
+            self.status.last_error = f"backup of {rec.name}: {type(exc).__name__}: {exc}"
             self.fs.unpin(pinned)
             return False
         finally:
@@ -186,12 +230,14 @@ class BackupService:
         st.last_seconds = time.monotonic() - t0
         st.last_bytes_logical = stats.bytes_logical
         st.last_bytes_uploaded = stats.bytes_uploaded
+        st.last_chunks_by_others = stats.chunks_by_others
         st.total_bytes_uploaded += stats.bytes_uploaded
         st.backups += 1
         st.last_error = None
-        log.info("backed up %s: %d bytes, %d uploaded (%d of %d chunks new) in %.2fs",
-                 rec.name, stats.bytes_logical, stats.bytes_uploaded, stats.chunks_uploaded,
-                 stats.chunks_total, st.last_seconds)
+        log.info("backed up %s: %d bytes, %d uploaded (%d of %d chunks uploaded here, %d by "
+                 "other nodes) in %.2fs", rec.name, stats.bytes_logical, stats.bytes_uploaded,
+                 stats.chunks_uploaded, stats.chunks_total, stats.chunks_by_others,
+                 st.last_seconds)
         try:
             await trio.to_thread.run_sync(self.store.retain, self.keep_backups,
                                           abandon_on_cancel=True)

@@ -1,9 +1,9 @@
 """The backup tier: checkpoints in object storage (GCS) or on a shared POSIX file system.
 
-Content-addressed, zstd-compressed chunks plus per-step manifests and a completion marker
-written last; each unique chunk uploaded once per bucket; transient errors retried with
-jittered backoff; retention by mark-and-sweep. Everything here is synchronous and meant to
-run in the daemon's worker threads.
+Content-addressed, zstd-compressed chunks plus per-step manifests (per rank in a multi-node
+job) and a completion marker written last; each unique chunk uploaded once per bucket, also
+across ranks; transient errors retried with jittered backoff; retention by mark-and-sweep.
+Everything here is synchronous and meant to run in the daemon's worker threads.
 
 Typical use::
 
@@ -12,6 +12,12 @@ Typical use::
     store.retain(keep=2)
     latest = store.latest_step()
     data = store.get_chunk(h)
+
+In a multi-node job each rank opens its own store on the same bucket::
+
+    store = open_store(url, rank=3, world_size=8)
+    store.put_step(manifest, read, share=lambda d: int(d[:8], 16) % 2 == 1)
+    job = store.complete_ranks()      # {step: (step_number, {ranks that completed it})}
 """
 
 from replication.backup.backend import Backend, open_backend

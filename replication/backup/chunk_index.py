@@ -7,8 +7,9 @@ chunks, i.e. 4 TiB of unique data at 4 MiB per chunk, cost about 80 MiB).
 
 It can be stale in one direction only, harmlessly: a chunk another node uploaded after the
 listing is believed absent and uploaded again. The other direction (a chunk believed present
-but deleted by a sweep elsewhere) is what retention's ordering rules prevent; see
-:mod:`replication.backup.retention`.
+but deleted by a sweep elsewhere) is what retention's ordering rules prevent on a
+single-node store (see :mod:`replication.backup.retention`) and what the sweep journal
+corrects on multi-node stores (see :mod:`replication.backup.sweeps`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ class ChunkIndex:
     def load(self) -> None:
         """List ``chunks/`` now unless already done. Raises BackupError if listing fails."""
         self._set()
+
+    def reset(self) -> None:
+        """Forget everything known; the next use lists ``chunks/`` again.
+
+        Uploads in flight are unaffected (their claims stay); a chunk one of them stores
+        after the new listing was taken is believed absent and, at worst, uploaded again.
+        """
+        with self._load_lock, self._lock:
+            self._known = None
 
     def size(self) -> int:
         """Number of chunks known, or -1 before the index is loaded."""

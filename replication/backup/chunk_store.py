@@ -17,6 +17,20 @@ trustworthy:
   progress relies on; see :mod:`replication.backup.retention`.)
 * Retention never overlaps this store's uploads: uploads hold a shared lock, retention the
   exclusive one.
+
+Multi-node jobs (``rank`` set): every rank has its own store on the same bucket. Its step
+manifests and markers live in ``steps/<step>/rank-<rank>/``; chunks are shared, so a chunk
+two ranks hold is stored once. Listing, reading and writing steps act on the store's own
+rank; :meth:`BackupStore.list_steps` and :meth:`BackupStore.get_step` read another rank's
+when asked, and :meth:`BackupStore.complete_ranks` tells which ranks completed which step.
+Retention counts steps complete on every rank (:func:`~replication.backup.retention.
+run_job_retention`), and uploads follow the sweep journal protocol
+(:mod:`replication.backup.sweeps`) so that any rank may sweep while others upload.
+
+Upload shares: data-parallel twins hold the same chunks. With ``share``, :meth:`put_step`
+uploads only the missing chunks that are this node's share, waits (polling the bucket) for
+the twins to upload theirs, and uploads itself only what is still missing after
+``share_wait_s``, so a dead twin costs time, not data.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mtcfs.chunking import chunk_hash, chunk_span
 from mtcfs.manifest import StepManifest
@@ -35,11 +49,12 @@ from replication.backup.chunk_index import ChunkIndex
 from replication.backup.codec import DEFAULT_LEVEL, decode_chunk, encode_chunk
 from replication.backup.counters import Counters
 from replication.backup.errors import BackupError, ChunkCorrupt, NotFound
-from replication.backup.layout import check_hash, check_step, chunk_key
+from replication.backup.layout import check_hash, check_rank, check_step, chunk_key
 from replication.backup.records import BackupStats, RetentionStats, StepInfo
-from replication.backup.retention import run_retention
+from replication.backup.retention import run_job_retention, run_retention
 from replication.backup.rwlock import SharedExclusiveLock
-from replication.backup.steps import StepCatalog
+from replication.backup.steps import StepCatalog, complete_ranks, scan_layouts
+from replication.backup.sweeps import SweepJournal, SweepTracker
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +62,18 @@ log = logging.getLogger(__name__)
 MAX_WORKERS = 4
 #: Default grace period of :meth:`BackupStore.retain`, seconds.
 DEFAULT_GRACE_S = 6 * 3600.0
+#: Default of ``share_wait_s`` in :meth:`BackupStore.put_step`, seconds.
+DEFAULT_SHARE_WAIT_S = 60.0
+#: First pause between two polls for other nodes' shares, seconds; it doubles up to
+#: ``min(SHARE_POLL_MAX_S, share_wait_s / 8)``.
+SHARE_POLL_FIRST_S = 0.05
+SHARE_POLL_MAX_S = 5.0
+#: A poll round stops after this many chunks not yet there (checked in upload order), so
+#: waiting for a dead twin costs a few requests per round, not one per chunk.
+SHARE_POLL_MISSES = 16
+#: Pauses while waiting for a sweep on another node to finish, seconds (doubling).
+SWEEP_POLL_FIRST_S = 0.1
+SWEEP_POLL_MAX_S = 5.0
 
 
 def unique_chunks(manifest: StepManifest) -> dict[str, int]:
@@ -65,8 +92,21 @@ def unique_chunks(manifest: StepManifest) -> dict[str, int]:
     return sizes
 
 
+@dataclass
+class _Tally:
+    """What one put_step sent, as it goes."""
+
+    uploaded: int = 0
+    sent: int = 0
+    new: int = 0
+    by_others: int = 0
+    taken_over: int = 0
+    resent: int = 0
+    waiting: float = 0.0
+
+
 class BackupStore:
-    """Chunks and step manifests of one job in one backend.
+    """Chunks and step manifests of one job (of one rank of it) in one backend.
 
     Thread-safe. All methods block; call them from worker threads.
 
@@ -79,24 +119,59 @@ class BackupStore:
             whether another node uploaded it meanwhile (one extra metadata request per new
             chunk; saves the upload when nodes share data).
         clock_ns: wall clock in ns since the epoch (injectable for tests of ``grace_s``).
+        rank: None for a single-node mount (layout ``steps/<step>/``, exactly as before);
+            the node's rank (>= 0) in a multi-node job: its steps live in
+            ``steps/<step>/rank-<rank>/`` and it follows the sweep journal protocol.
+        world_size: ranks in the job (ranks 0..world_size-1), for retention's "complete on
+            every rank"; None: every rank that has a manifest or marker in the bucket. Only
+            with ``rank``.
+
+    Raises:
+        ValueError: on a bad ``rank`` (not None or an int >= 0), a ``world_size`` < 1 or not
+            above ``rank``, or a ``world_size`` without ``rank``.
     """
 
     def __init__(self, backend: Backend, *, level: int = DEFAULT_LEVEL,
                  workers: int = MAX_WORKERS, check_remote: bool = False,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        check_rank(rank)
+        if world_size is not None:
+            if rank is None:
+                raise ValueError("world_size needs a rank")
+            if isinstance(world_size, bool) or not isinstance(world_size, int) \
+                    or world_size <= rank:
+                raise ValueError(f"world_size must be an int above rank {rank}, "
+                                 f"got {world_size!r}")
         self._backend = backend
         self._level = level
         self._workers = max(1, min(MAX_WORKERS, workers))
         self._check_remote = check_remote
         self._clock_ns = clock_ns
+        self._rank = rank
+        self._world_size = world_size
         self._index = ChunkIndex(backend)
-        self._steps = StepCatalog(backend, self._workers)
+        self._steps = StepCatalog(backend, self._workers, rank)
+        self._journal = SweepJournal(backend) if rank is not None else None
+        self._tracker = SweepTracker(self._journal, self._index, clock_ns=clock_ns) \
+            if self._journal is not None else None
         self._gc = SharedExclusiveLock()
         self._counters = Counters((
             "chunks_uploaded", "chunks_deduped", "chunks_downloaded", "bytes_uploaded",
             "bytes_downloaded", "steps_uploaded", "steps_deleted", "chunks_deleted",
-            "corrupt_chunks", "errors",
+            "corrupt_chunks", "errors", "chunks_by_others", "chunks_taken_over",
+            "chunks_resent", "sweep_waits",
         ))
+
+    @property
+    def rank(self) -> int | None:
+        """This store's rank in the job, or None for a single-node store."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int | None:
+        """The job's rank count given at construction, or None."""
+        return self._world_size
 
     @property
     def backend(self) -> Backend:
@@ -114,11 +189,16 @@ class BackupStore:
         ``chunks_downloaded``, ``bytes_uploaded`` (compressed chunks plus metadata),
         ``bytes_downloaded``, ``steps_uploaded``, ``steps_deleted``, ``chunks_deleted``,
         ``corrupt_chunks``, ``errors`` (backup errors raised to callers), ``known_chunks``
-        (-1 before the index is loaded), plus the backend's own counters when it has a
-        ``stats()`` (``retries``, ``retry_wait_ms``, ``gave_up`` for a RetryingBackend).
+        (-1 before the index is loaded), ``chunks_by_others`` / ``chunks_taken_over`` /
+        ``chunks_resent`` (totals of the :class:`BackupStats` fields), ``sweep_waits`` (times
+        an upload waited for another node's sweep), ``index_reloads`` (full listings of
+        ``chunks/`` a multi-node store made to resynchronise), plus the backend's own
+        counters when it has a ``stats()`` (``retries``, ``retry_wait_ms``, ``gave_up`` for
+        a RetryingBackend).
         """
         out = self._counters.snapshot()
         out["known_chunks"] = self._index.size()
+        out["index_reloads"] = self._tracker.reloads if self._tracker is not None else 0
         backend_stats = getattr(self._backend, "stats", None)
         if callable(backend_stats):
             out.update(backend_stats())
@@ -132,7 +212,9 @@ class BackupStore:
     def has_chunk(self, h: str) -> bool:
         """Return whether chunk ``h`` is in the bucket, as far as this store knows.
 
-        The first call lists ``chunks/``; later calls are answered from memory.
+        The first call lists ``chunks/``; later calls are answered from memory (on a
+        multi-node store, as of the last upload's look at the sweep journal: a sweep on
+        another node since may have deleted it; uploads correct for that themselves).
 
         Raises:
             ValueError: if ``h`` is not a hex blake3 digest.
@@ -213,8 +295,14 @@ class BackupStore:
     # -- steps -----------------------------------------------------------------------------
 
     def put_step(self, manifest: StepManifest, read_chunk: Callable[[str], bytes],
-                 progress: Callable[[int, int], None] | None = None) -> BackupStats:
+                 progress: Callable[[int, int], None] | None = None, *,
+                 share: Callable[[str], bool] | None = None,
+                 share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> BackupStats:
         """Back up one step: intent manifest, missing chunks, then the COMPLETE marker.
+
+        On a multi-node store the step is this rank's (``steps/<step>/rank-<rank>/``), and
+        before the marker the call waits for sweeps running on other nodes and uploads again
+        any chunk of the step they deleted (:mod:`replication.backup.sweeps`).
 
         Args:
             manifest: the step to back up.
@@ -223,51 +311,170 @@ class BackupStore:
                 An exception it raises aborts the upload and propagates.
             progress: called in the calling thread as ``progress(done, total)`` in logical
                 bytes of the step's unique chunks, once at the start and after each chunk.
+            share: ``share(digest) -> bool``, True for the chunks this node uploads itself
+                (e.g. ``lambda d: int(d[:8], 16) % D == i`` for the i-th of D data-parallel
+                twins); None: this node uploads every missing chunk. Called in the calling
+                thread, once per missing chunk; an exception it raises aborts the upload.
+            share_wait_s: with ``share``, seconds (>= 0) to wait after uploading this node's
+                share for the other nodes to upload theirs (the bucket is polled with a
+                backoff); chunks still missing then are uploaded by this node.
 
         Returns:
-            What was uploaded (:class:`BackupStats`).
+            What was uploaded (:class:`BackupStats`), including how many chunks other nodes
+            uploaded (``chunks_by_others``) and how many of their share this node took over.
 
         Raises:
-            ValueError: if the manifest has a bad step name or chunk digest, or
-                ``read_chunk`` returned bytes that do not hash to the digest asked for.
+            ValueError: if the manifest has a bad step name or chunk digest,
+                ``share_wait_s < 0``, or ``read_chunk`` returned bytes that do not hash to
+                the digest asked for.
             BackupError: if an upload fails; the step is then not complete in the backup.
-            Exception: whatever ``read_chunk`` or ``progress`` raised.
+            Exception: whatever ``read_chunk``, ``progress`` or ``share`` raised.
         """
         t0 = time.monotonic()
         check_step(manifest.step)
+        if not share_wait_s >= 0:
+            raise ValueError(f"share_wait_s must be >= 0, got {share_wait_s}")
         sizes = unique_chunks(manifest)
+        tally = _Tally()
         with self._gc.shared():
             with self._counting_errors():
                 meta = self._steps.write_intent(manifest)
                 self._counters.add("bytes_uploaded", meta)
+                if self._tracker is not None:
+                    self._tracker.sync()  # after the intent, before trusting the index
                 missing = self._index.missing(sizes)
             total = sum(sizes.values())
             done = total - sum(sizes[h] for h in missing)
             if progress is not None:
                 progress(done, total)
-            uploaded = sent = new = 0
-            for h, n in self._upload_all(missing, read_chunk):
-                if n:
-                    uploaded += 1
-                    sent += n
-                    new += sizes[h]
+            mine, theirs = missing, []
+            if share is not None:
+                mine = [h for h in missing if share(h)]
+                theirs = [h for h in missing if not share(h)]
+            for h, n in self._upload_all(mine, read_chunk):
+                tally.uploaded += n > 0
+                tally.sent += n
+                tally.new += sizes[h] if n else 0
                 done += sizes[h]
                 if progress is not None:
                     progress(done, total)
+            if theirs:
+                w0 = time.monotonic()
+                found, still = self._await_others(theirs, share_wait_s)
+                tally.waiting += time.monotonic() - w0
+                tally.by_others += len(found)
+                for h in found:
+                    done += sizes[h]
+                    if progress is not None:
+                        progress(done, total)
+                if still:
+                    log.warning("step %s: %d chunks of other nodes' shares are still not in "
+                                "%s after %.0f s; uploading them here", manifest.step,
+                                len(still), self.describe(), share_wait_s)
+                for h, n in self._upload_all(still, read_chunk, remote_check=True):
+                    if n:
+                        tally.uploaded += 1
+                        tally.taken_over += 1
+                        tally.sent += n
+                        tally.new += sizes[h]
+                    else:
+                        tally.by_others += 1
+                    done += sizes[h]
+                    if progress is not None:
+                        progress(done, total)
+            if self._tracker is not None:
+                self._settle(manifest, sizes, read_chunk, tally)
             meta += self._commit(manifest, sizes)
+        self._counters.add("chunks_by_others", tally.by_others)
+        self._counters.add("chunks_taken_over", tally.taken_over)
+        self._counters.add("chunks_resent", tally.resent)
         stats = BackupStats(
-            step=manifest.step, chunks_total=len(sizes), chunks_uploaded=uploaded,
-            bytes_logical=manifest.total_bytes, bytes_new=new, bytes_uploaded=sent,
-            bytes_metadata=meta, seconds=time.monotonic() - t0)
-        log.info("backed up step %s to %s: %d of %d chunks uploaded, %d bytes sent in %.1f s",
-                 manifest.step, self.describe(), uploaded, len(sizes), sent + meta,
-                 stats.seconds)
+            step=manifest.step, chunks_total=len(sizes), chunks_uploaded=tally.uploaded,
+            bytes_logical=manifest.total_bytes, bytes_new=tally.new, bytes_uploaded=tally.sent,
+            bytes_metadata=meta, seconds=time.monotonic() - t0,
+            chunks_by_others=tally.by_others, chunks_taken_over=tally.taken_over,
+            chunks_resent=tally.resent, seconds_waiting=tally.waiting)
+        log.info("backed up step %s%s to %s: %d of %d chunks uploaded here, %d by other "
+                 "nodes, %d bytes sent in %.1f s", manifest.step,
+                 "" if self._rank is None else f" of rank {self._rank}", self.describe(),
+                 tally.uploaded, len(sizes), tally.by_others, tally.sent + meta, stats.seconds)
         return stats
 
-    def _upload_all(self, missing: list[str], read_chunk: Callable[[str], bytes]
-                    ) -> Iterator[tuple[str, int]]:
+    def _await_others(self, pending: list[str], wait_s: float) -> tuple[list[str], list[str]]:
+        """Poll the bucket for chunks other nodes upload, up to ``wait_s`` seconds.
+
+        Returns (found, still missing), each in the order given. Found chunks are added to
+        the index. Each round checks the chunks in order and stops after
+        :data:`SHARE_POLL_MISSES` absent ones.
+        """
+        deadline = time.monotonic() + wait_s
+        delay, cap = SHARE_POLL_FIRST_S, min(SHARE_POLL_MAX_S, max(SHARE_POLL_FIRST_S, wait_s / 8))
+        found: list[str] = []
+        with ThreadPoolExecutor(max_workers=self._workers,
+                                thread_name_prefix="mtcfs-backup") as pool:
+            while pending:
+                hits: set[str] = set()
+                misses = i = 0
+                with self._counting_errors():
+                    while i < len(pending) and misses < SHARE_POLL_MISSES:
+                        batch = pending[i:i + self._workers]
+                        i += len(batch)
+                        for h, there in zip(batch, pool.map(
+                                lambda x: self._backend.exists(chunk_key(x)), batch)):
+                            if there:
+                                hits.add(h)
+                                self._index.add(h)
+                            else:
+                                misses += 1
+                found.extend(h for h in pending if h in hits)
+                pending = [h for h in pending if h not in hits]
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                time.sleep(min(delay, left))
+                delay = min(cap, delay * 2)
+        return found, pending
+
+    def _settle(self, manifest: StepManifest, sizes: dict[str, int],
+                read_chunk: Callable[[str], bytes] | None, tally: _Tally) -> None:
+        """Multi-node stores, before the marker: wait until no sweep runs elsewhere, apply
+        what sweeps deleted, and upload again the step's chunks they deleted (without
+        ``read_chunk``, leave them missing for :meth:`_commit` to report)."""
+        assert self._tracker is not None
+        delay = SWEEP_POLL_FIRST_S
+        while True:
+            with self._counting_errors():
+                running = self._tracker.sync()
+            if running:
+                if delay == SWEEP_POLL_FIRST_S:
+                    self._counters.add("sweep_waits")
+                    log.info("step %s: waiting for %d sweep(s) of %s on other nodes before "
+                             "marking it complete", manifest.step, len(running), self.describe())
+                w0 = time.monotonic()
+                time.sleep(delay)
+                tally.waiting += time.monotonic() - w0
+                delay = min(SWEEP_POLL_MAX_S, delay * 2)
+                continue
+            delay = SWEEP_POLL_FIRST_S
+            missing = self._index.missing(sizes)
+            if not missing or read_chunk is None:
+                return
+            log.warning("step %s: %d of its chunks were deleted by a sweep on another node "
+                        "while it was uploaded; uploading them again", manifest.step,
+                        len(missing))
+            for h, n in self._upload_all(missing, read_chunk):
+                if n:
+                    tally.uploaded += 1
+                    tally.resent += 1
+                    tally.sent += n
+                    tally.new += sizes[h]
+
+    def _upload_all(self, missing: list[str], read_chunk: Callable[[str], bytes], *,
+                    remote_check: bool = False) -> Iterator[tuple[str, int]]:
         """Upload ``missing`` chunks on up to ``workers`` threads; yield (digest, bytes sent)
-        as each finishes. On the first failure, cancel the rest and raise it."""
+        as each finishes (0: it was there already). With ``remote_check``, ask the backend
+        first and skip (without reading) chunks another node stored. On the first failure,
+        cancel the rest and raise it."""
         if not missing:
             return
         abort = threading.Event()
@@ -275,6 +482,11 @@ class BackupStore:
         def one(h: str) -> int:
             if abort.is_set():
                 return 0
+            if remote_check:
+                with self._counting_errors():
+                    if self._backend.exists(chunk_key(h)):
+                        self._index.add(h)
+                        return 0
             return self._put_chunk(h, read_chunk(h))
 
         with ThreadPoolExecutor(max_workers=min(self._workers, len(missing)),
@@ -293,7 +505,8 @@ class BackupStore:
                         fut.cancel()
 
     def begin_step(self, manifest: StepManifest) -> None:
-        """Write a step's manifest as an intent, before its chunks.
+        """Write a step's manifest (this rank's, on a multi-node store) as an intent,
+        before its chunks.
 
         For uploads split across nodes: ``begin_step`` on one node, ``put_chunk`` on many,
         ``commit_step`` once all are done. :meth:`put_step` does all three.
@@ -310,7 +523,8 @@ class BackupStore:
         """Write a step's COMPLETE marker after checking all its chunks are in the bucket.
 
         Chunks this store has not seen are looked up in the backend (other nodes may have
-        uploaded them).
+        uploaded them). A multi-node store first waits for sweeps running on other nodes
+        and applies what they deleted.
 
         Raises:
             ValueError: on a bad step name or chunk digest.
@@ -318,8 +532,11 @@ class BackupStore:
                 fails.
         """
         check_step(manifest.step)
+        sizes = unique_chunks(manifest)
         with self._gc.shared():
-            self._commit(manifest, unique_chunks(manifest))
+            if self._tracker is not None:
+                self._settle(manifest, sizes, None, _Tally())
+            self._commit(manifest, sizes)
 
     def _commit(self, manifest: StepManifest, sizes: dict[str, int]) -> int:
         with self._counting_errors():
@@ -333,50 +550,101 @@ class BackupStore:
         self._counters.add("steps_uploaded")
         return n
 
-    def list_steps(self) -> list[StepInfo]:
+    def _catalog(self, rank: int | None) -> StepCatalog:
+        if rank is None or rank == self._rank:
+            return self._steps
+        return StepCatalog(self._backend, self._workers, check_rank(rank))
+
+    def list_steps(self, rank: int | None = None) -> list[StepInfo]:
         """Return the complete steps in the backup, lowest step number first.
 
+        Args:
+            rank: whose steps: None for this store's own (its rank's, or the single-node
+                layout's for a store without rank); an int for that rank's.
+
         Raises:
+            ValueError: on a bad rank.
             BackupError: if the backend fails.
         """
+        cat = self._catalog(rank)
         with self._counting_errors():
-            return self._steps.complete_steps(self._steps.scan())
+            return cat.complete_steps(cat.scan())
 
-    def latest_step(self) -> StepInfo | None:
+    def latest_step(self, rank: int | None = None) -> StepInfo | None:
         """Return the complete step with the highest step number, or None if there is none.
 
+        Args:
+            rank: as in :meth:`list_steps`.
+
         Raises:
+            ValueError: on a bad rank.
             BackupError: if the backend fails.
         """
-        steps = self.list_steps()
+        steps = self.list_steps(rank)
         return steps[-1] if steps else None
 
-    def get_step(self, step: str) -> StepManifest:
+    def get_step(self, step: str, rank: int | None = None) -> StepManifest:
         """Return the manifest of a complete step.
 
+        Args:
+            step: the step's directory name.
+            rank: as in :meth:`list_steps`.
+
         Raises:
-            ValueError: on a bad step name.
-            NotFound: if the step is absent or not complete.
+            ValueError: on a bad step name or rank.
+            NotFound: if the step is absent or not complete (for that rank).
             BackupError: if the manifest is unreadable or the backend fails.
         """
         check_step(step)
+        cat = self._catalog(rank)
         with self._counting_errors():
-            if not self._steps.is_complete(step):
-                raise NotFound(f"step {step!r} is not complete in {self.describe()}")
-            return self._steps.read_manifest(step)
+            if not cat.is_complete(step):
+                who = "" if cat.rank is None else f" on rank {cat.rank}"
+                raise NotFound(f"step {step!r} is not complete{who} in {self.describe()}")
+            return cat.read_manifest(step)
+
+    def complete_ranks(self) -> dict[str, tuple[int, set[int]]]:
+        """Which ranks of a multi-node job completed which step.
+
+        One listing of ``steps/`` plus one marker read per step (any store may call it;
+        the single-node layout is not included).
+
+        Returns:
+            ``{step name: (step number, {ranks whose COMPLETE marker exists})}`` for every
+            step at least one rank completed. The newest step complete in the whole job is
+            ``max((num, step) for step, (num, ranks) in result.items() if ranks >=
+            set(range(world_size)))``.
+
+        Raises:
+            BackupError: if the backend fails.
+        """
+        with self._counting_errors():
+            _, ranked = scan_layouts(self._backend)
+            return complete_ranks(self._backend, ranked, self._workers)
 
     # -- retention -------------------------------------------------------------------------
 
-    def retain(self, keep: int, *, grace_s: float = DEFAULT_GRACE_S) -> RetentionStats:
+    def retain(self, keep: int, *, grace_s: float = DEFAULT_GRACE_S,
+               sweep: bool | None = None) -> RetentionStats:
         """Keep the newest ``keep`` complete steps, delete the rest, sweep unused chunks.
 
         Waits for this store's uploads to finish and holds new ones back while it runs. See
         :mod:`replication.backup.retention` for the procedure and for uploads on other nodes.
 
+        A single-node store keeps its own ``keep`` newest complete steps. A multi-node store
+        keeps the ``keep`` newest steps complete on every rank (all ranks' manifests of
+        them) and every newer step, deletes all ranks' manifests of older steps, and never
+        deletes a chunk any remaining manifest of any rank references; any rank may call it,
+        also several at once.
+
         Args:
             keep: complete steps to keep (>= 1), by step number.
-            grace_s: seconds; an incomplete step is deleted only if it is older than every
-                kept step and its manifest was taken more than this long ago.
+            grace_s: seconds; an incomplete step (rank manifest) is deleted only if it is
+                older than every kept step and its manifest was taken more than this long
+                ago.
+            sweep: whether to sweep chunks: None (default): a single-node store always does,
+                a multi-node store only when this call deleted a manifest (so a job sweeps
+                about once per retired step, not once per rank); True: always; False: never.
 
         Returns:
             What was kept and deleted (:class:`RetentionStats`).
@@ -391,16 +659,25 @@ class BackupStore:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         t0 = time.monotonic()
         with self._gc.exclusive(), self._counting_errors():
-            stats = run_retention(self._steps, self._backend, keep=keep,
-                                  grace_ns=int(grace_s * 1e9), now_ns=self._clock_ns(),
-                                  forget=self._index.forget, workers=self._workers)
+            if self._rank is None:
+                stats = run_retention(self._steps, self._backend, keep=keep,
+                                      grace_ns=int(grace_s * 1e9), now_ns=self._clock_ns(),
+                                      forget=self._index.forget, workers=self._workers,
+                                      sweep=sweep is not False)
+            else:
+                assert self._journal is not None and self._tracker is not None
+                stats = run_job_retention(
+                    self._backend, self._journal, rank=self._rank, keep=keep,
+                    grace_ns=int(grace_s * 1e9), clock_ns=self._clock_ns,
+                    world_size=self._world_size, sweep=sweep, forget=self._index.forget,
+                    applied=self._tracker.applied, workers=self._workers)
         stats = replace(stats, seconds=time.monotonic() - t0)
         self._counters.add("steps_deleted",
                            len(stats.steps_deleted) + len(stats.incomplete_deleted))
         self._counters.add("chunks_deleted", stats.chunks_deleted)
-        log.info("retention on %s: kept steps %s, deleted %d steps and %d chunks",
-                 self.describe(), stats.steps_kept,
-                 len(stats.steps_deleted) + len(stats.incomplete_deleted),
+        log.info("retention on %s%s: kept steps %s, deleted %d steps and %d chunks",
+                 self.describe(), "" if self._rank is None else f" (rank {self._rank})",
+                 stats.steps_kept, len(stats.steps_deleted) + len(stats.incomplete_deleted),
                  stats.chunks_deleted)
         return stats
 

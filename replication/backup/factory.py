@@ -12,7 +12,8 @@ from replication.backup.retry import RetryingBackend, RetryPolicy
 
 def open_store(url: str, *, policy: RetryPolicy | None = None,
                stop: threading.Event | None = None, level: int = DEFAULT_LEVEL,
-               check_remote: bool = False) -> BackupStore:
+               check_remote: bool = False, rank: int | None = None,
+               world_size: int | None = None) -> BackupStore:
     """Build the backup store a URL names: backend, wrapped in the retry policy.
 
     Performs no I/O; the first operation contacts the backend.
@@ -23,9 +24,14 @@ def open_store(url: str, *, policy: RetryPolicy | None = None,
         stop: set it at shutdown to end retry waits early.
         level: zstd level for chunks.
         check_remote: see :class:`BackupStore`.
+        rank: None for a single-node mount, else this node's rank in the job (see
+            :class:`BackupStore`).
+        world_size: ranks in the job, with ``rank`` (see :class:`BackupStore`).
 
     Raises:
-        ValueError: if the URL is not usable (message names it).
+        ValueError: if the URL is not usable (message names it), or on a bad rank or
+            world_size.
     """
     backend = RetryingBackend(open_backend(url), policy, stop=stop)
-    return BackupStore(backend, level=level, check_remote=check_remote)
+    return BackupStore(backend, level=level, check_remote=check_remote, rank=rank,
+                       world_size=world_size)

@@ -2,11 +2,26 @@
 
 Below the backend root::
 
-    chunks/<h[0:2]>/<h>.zst       one chunk, zstd-compressed, named by the blake3 of its
-                                  uncompressed bytes (the 2-character fan-out keeps file-system
-                                  directories small and spreads GCS keys)
-    steps/<step>/manifest.json    StepManifest.to_bytes() of one checkpoint
-    steps/<step>/COMPLETE         written last: the step is restorable (small JSON summary)
+    chunks/<h[0:2]>/<h>.zst                one chunk, zstd-compressed, named by the blake3 of
+                                           its uncompressed bytes (the 2-character fan-out
+                                           keeps file-system directories small and spreads
+                                           GCS keys); shared by every rank of the job, so a
+                                           chunk identical on two ranks is stored once
+    steps/<step>/manifest.json             a single-node store's (rank None) checkpoint:
+                                           StepManifest.to_bytes()
+    steps/<step>/COMPLETE                  written last: the step is restorable (small JSON
+                                           summary)
+    steps/<step>/rank-<r>/manifest.json    rank ``r``'s files of the step in a multi-node job
+    steps/<step>/rank-<r>/COMPLETE         written last: rank ``r``'s part is restorable
+    sweeps/<started_ns>-<r>-<hex>.json     the sweep journal of multi-node stores: one record
+                                           per chunk sweep, written before it reads any
+                                           manifest, rewritten with the deleted digests when
+                                           it ends (see :mod:`replication.backup.sweeps`)
+
+``<r>`` is the rank in decimal without leading zeros (``rank-0``, ``rank-12``). A step is
+complete *on rank r* when ``rank-<r>/COMPLETE`` exists, and complete *in the job* when every
+rank completed it. The two step layouts do not collide: a single-node key has two segments
+below ``steps/``, a rank key three, and a step name never holds a '/'.
 """
 
 from __future__ import annotations
@@ -15,11 +30,15 @@ import re
 
 CHUNKS_PREFIX = "chunks/"
 STEPS_PREFIX = "steps/"
+SWEEPS_PREFIX = "sweeps/"
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
+RANK_DIR_PREFIX = "rank-"
 
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})\.zst$")
+_RANK_DIR_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})$")
+_SWEEP_KEY_RE = re.compile(r"^sweeps/([0-9]{1,20})-(0|[1-9][0-9]{0,8})-([0-9a-f]{8,32})\.json$")
 
 
 def check_hash(h: str) -> str:
@@ -59,14 +78,45 @@ def parse_chunk_key(key: str) -> str | None:
     return m.group(2)
 
 
-def manifest_key(step: str) -> str:
-    """Object name of a step's manifest. Raises ValueError on a bad step name."""
-    return f"{STEPS_PREFIX}{check_step(step)}/{MANIFEST}"
+def check_rank(rank: int | None) -> int | None:
+    """Return ``rank`` if it is None (a single-node store) or an int in 0..999,999,999.
+
+    Raises:
+        ValueError: otherwise (bools are refused too).
+    """
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 10**9:
+        raise ValueError(f"bad rank {rank!r}: expected None or an int in 0..999999999")
+    return rank
 
 
-def complete_key(step: str) -> str:
-    """Object name of a step's completion marker. Raises ValueError on a bad step name."""
-    return f"{STEPS_PREFIX}{check_step(step)}/{COMPLETE}"
+def step_dir(step: str, rank: int | None = None) -> str:
+    """Folder (ending in '/') holding the manifest and marker of ``step`` for ``rank``.
+
+    ``steps/<step>/`` for rank None, ``steps/<step>/rank-<r>/`` otherwise.
+
+    Raises:
+        ValueError: on a bad step name or rank.
+    """
+    check_step(step)
+    if check_rank(rank) is None:
+        return f"{STEPS_PREFIX}{step}/"
+    return f"{STEPS_PREFIX}{step}/{RANK_DIR_PREFIX}{rank}/"
+
+
+def manifest_key(step: str, rank: int | None = None) -> str:
+    """Object name of a step's manifest (of ``rank``; None: the single-node layout).
+
+    Raises ValueError on a bad step name or rank."""
+    return step_dir(step, rank) + MANIFEST
+
+
+def complete_key(step: str, rank: int | None = None) -> str:
+    """Object name of a step's completion marker (of ``rank``; None: single-node layout).
+
+    Raises ValueError on a bad step name or rank."""
+    return step_dir(step, rank) + COMPLETE
 
 
 def parse_step_key(key: str) -> tuple[str, str] | None:
@@ -77,3 +127,41 @@ def parse_step_key(key: str) -> tuple[str, str] | None:
     if len(parts) != 2 or not parts[0] or not parts[1]:
         return None
     return parts[0], parts[1]
+
+
+def parse_rank_step_key(key: str) -> tuple[str, int, str] | None:
+    """Split ``steps/<step>/rank-<r>/<name>`` into ``(step, r, name)``; None for anything
+    else (single-node keys included)."""
+    if not key.startswith(STEPS_PREFIX):
+        return None
+    parts = key[len(STEPS_PREFIX):].split("/")
+    if len(parts) != 3 or not parts[0] or not parts[2]:
+        return None
+    m = _RANK_DIR_RE.match(parts[1])
+    if m is None:
+        return None
+    return parts[0], int(m.group(1)), parts[2]
+
+
+def sweep_key(started_ns: int, rank: int, token: str) -> str:
+    """Object name of a sweep journal record.
+
+    Args:
+        started_ns: when the sweep began, ns since the epoch (>= 0).
+        rank: the sweeping rank.
+        token: 8 to 32 lowercase hex characters making the name unique.
+
+    Raises:
+        ValueError: if the parts do not form a valid name.
+    """
+    key = f"{SWEEPS_PREFIX}{int(started_ns)}-{check_rank(rank)}-{token}.json"
+    if _SWEEP_KEY_RE.match(key) is None:
+        raise ValueError(f"bad sweep record name {key!r}")
+    return key
+
+
+def parse_sweep_key(key: str) -> int | None:
+    """Return the start time (ns since the epoch) a sweep record's name carries, or None if
+    ``key`` is not a sweep record name."""
+    m = _SWEEP_KEY_RE.match(key)
+    return None if m is None else int(m.group(1))

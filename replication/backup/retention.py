@@ -1,36 +1,65 @@
 """Backup retention: keep the newest K complete steps, then mark-and-sweep the chunks.
 
-Procedure (:func:`run_retention`):
-
+Single-node stores (:func:`run_retention`)
+-----------------------------------------
 1. List ``steps/``; read the COMPLETE markers; keep the ``keep`` complete steps with the
    highest step numbers; delete the older ones, marker first (a step is never listed without
    its manifest), then manifest.
 2. Incomplete steps (a manifest, no marker: an upload in progress, or one that died) are
    deleted only if their step number is below every kept step's *and* their manifest was
    taken more than ``grace`` ago.
-3. Mark: the chunk set of every ``manifest.json`` that remains, complete or not.
+3. Mark: the chunk set of every ``manifest.json`` that remains, complete or not, and of
+   every rank manifest (``steps/<step>/rank-<r>/``) should the bucket hold any.
 4. List ``steps/`` again and mark manifests that appeared meanwhile.
 5. Sweep: list ``chunks/`` and delete every chunk not marked.
 
 If any remaining manifest is unreadable (or a kept step has none), its chunks cannot be known
 and the sweep is skipped (``swept=False``); steps are still rotated.
 
+Multi-node stores (:func:`run_job_retention`)
+---------------------------------------------
+``keep`` counts step numbers job-wide, and only steps complete on every rank count, so the
+newest restorable checkpoint of the whole job is never retired:
+
+1. List ``steps/`` once; read one COMPLETE marker per step (its step number); the job's
+   ranks are ``0..world_size-1``, or, without ``world_size``, every rank that has a
+   manifest or marker anywhere in the bucket.
+2. Keep the ``keep`` newest steps complete on all those ranks, and every step newer than
+   the oldest of them (in progress, or complete on some ranks only).
+3. Older steps: delete every rank's complete manifest (marker first); an incomplete one only
+   once its manifest was taken more than ``grace`` ago (a slow re-upload after a rollback).
+4. Sweep, only if this call deleted a manifest (or ``sweep=True``): write the sweep's
+   journal record, read every manifest of every rank (and of the single-node layout), list
+   ``chunks/``, delete the chunks no manifest references, record what was deleted (see
+   :mod:`replication.backup.sweeps`). A manifest that cannot be read, or a complete one that
+   vanished, skips the sweep.
+
+Any rank may run it, and several at once: each keeps every chunk that any manifest it reads
+references, and a manifest deleted under it by another sweeper makes it skip its own sweep.
+Sweeping only after a deletion keeps the cost to about one full sweep per retired step in
+the job, not one per rank. Chunks orphaned by failed uploads go with the next sweep.
+
 The concurrent-uploader race
 ----------------------------
 The danger is an uploader that skips chunk X because X already exists (dedup) while a sweep
 that did not see the uploader's manifest deletes X: the uploader then writes ``COMPLETE``
-for a step that cannot be restored. Defences, strongest first:
+for a step that cannot be restored. The grace period above protects only *manifests*
+(incomplete steps), not unreferenced chunks, so it does not help here. Defences:
 
-1. **Ordering (required across nodes).** Run retention on one node only (the coordinator),
-   and only while no upload of the job is in flight; the coordinator knows both. Within one
-   process it is enforced: :class:`~replication.backup.chunk_store.BackupStore` uploads hold
-   a shared lock and retention the exclusive one, so a sweep never overlaps that store's
-   uploads.
-2. **Intent manifest first.** An uploader writes ``manifest.json`` *before* it decides which
-   chunks to skip, so a sweep that lists manifests after that moment keeps X. Step 4 lists
-   them again right before the sweep, leaving only an uploader that writes its manifest
-   after that second listing *and* sees X before the delete reaches it.
-3. **Grace period.** An incomplete step survives, pinning its chunks, while it is newer than
+1. **Sweep journal (multi-node stores).** Sweepers announce themselves before reading
+   manifests and publish what they deleted; uploaders wait for running sweeps and re-upload
+   what was deleted before writing ``COMPLETE``. This closes the race, and also keeps an
+   uploader's chunk index true when another node's sweep deleted a chunk it uploaded long
+   ago. See :mod:`replication.backup.sweeps`.
+2. **Ordering (single-node stores).** Within one process it is enforced:
+   :class:`~replication.backup.chunk_store.BackupStore` uploads hold a shared lock and
+   retention the exclusive one, so a sweep never overlaps that store's uploads. A bucket
+   shared by several single-node stores must have retention run on one of them, while no
+   other uploads.
+3. **Intent manifest first.** An uploader writes ``manifest.json`` *before* it decides which
+   chunks to skip, so a sweep that lists manifests after that moment keeps X. Step 4 of the
+   single-node procedure lists them again right before the sweep.
+4. **Grace period.** An incomplete step survives, pinning its chunks, while it is newer than
    the oldest kept step or younger than ``grace``. Choose ``grace`` above the longest backup
    you expect, so that a slow upload of an old step number (a rollback, then a re-save) is
    not mistaken for an abandoned one.
@@ -39,22 +68,28 @@ for a step that cannot be restored. Defences, strongest first:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from mtcfs.manifest import StepManifest
 from replication.backup.backend import Backend
-from replication.backup.errors import NotFound
+from replication.backup.errors import BackupError, NotFound
 from replication.backup.layout import CHUNKS_PREFIX, COMPLETE, MANIFEST, parse_chunk_key
 from replication.backup.records import RetentionStats
-from replication.backup.steps import BadManifest, StepCatalog
+from replication.backup.steps import BadManifest, StepCatalog, complete_ranks, scan_layouts
+from replication.backup.sweeps import SWEEP_DEADLINE_S, SweepJournal
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
 
 def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns: int,
                   now_ns: int, forget: Callable[[bytes], None],
-                  workers: int) -> RetentionStats:
+                  workers: int, sweep: bool = True) -> RetentionStats:
     """Rotate steps and sweep unreferenced chunks; see the module notes.
 
     The caller must hold whatever excludes its own uploads.
@@ -67,6 +102,7 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
         now_ns: the current time, ns since the epoch.
         forget: called with the 32-byte digest of each deleted chunk (to update an index).
         workers: threads for deleting chunks (>= 1).
+        sweep: False to rotate steps only (then ``swept`` is False).
 
     Returns:
         The outcome; ``seconds`` is left 0.
@@ -78,7 +114,7 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
     """
     if keep < 1:
         raise ValueError(f"retention must keep at least 1 complete step, got {keep}")
-    steps = catalog.scan()
+    steps, ranked = scan_layouts(backend)
     complete = catalog.complete_steps(steps)
     kept, old = complete[-keep:], complete[:-keep]
     kept_names = {i.step for i in kept}
@@ -124,16 +160,26 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
         mark(m)
 
     # Manifests that appeared while we were marking pin their chunks too.
-    for step, objs in sorted(catalog.scan().items()):
+    again, ranked_again = scan_layouts(backend)
+    for step, objs in sorted(again.items()):
         if step not in steps and step not in deleted and MANIFEST in objs:
             m = load(step)
             if m is not None:
                 mark(m)
+    # Rank manifests (a multi-node job writing to the same bucket) are never rotated here,
+    # but their chunks are kept.
+    for step, ranks in sorted(_merge(ranked, ranked_again).items()):
+        for r, objs in sorted(ranks.items()):
+            got = _read_for_marking(backend, step, r, objs)
+            if got is False:
+                sweepable = False
+            elif got is not None:
+                mark(got)
 
     stats = RetentionStats(steps_kept=[i.step for i in kept],
                            steps_deleted=[i.step for i in old],
-                           incomplete_deleted=incomplete_deleted, swept=sweepable)
-    if not sweepable:
+                           incomplete_deleted=incomplete_deleted, swept=sweepable and sweep)
+    if not (sweepable and sweep):
         return stats
     garbage: list[tuple[str, bytes]] = []
     chunks_kept = 0
@@ -159,3 +205,206 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
     return RetentionStats(steps_kept=stats.steps_kept, steps_deleted=stats.steps_deleted,
                           incomplete_deleted=incomplete_deleted, chunks_kept=chunks_kept,
                           chunks_deleted=len(garbage), swept=True)
+
+
+def _merge(a: dict[str, dict[int, set[str]]], b: dict[str, dict[int, set[str]]]
+           ) -> dict[str, dict[int, set[str]]]:
+    out: dict[str, dict[int, set[str]]] = {}
+    for src in (a, b):
+        for step, ranks in src.items():
+            for r, objs in ranks.items():
+                out.setdefault(step, {}).setdefault(r, set()).update(objs)
+    return out
+
+
+def _read_for_marking(backend: Backend, step: str, rank: int | None, objs: set[str]
+                        ) -> StepManifest | None | bool:
+    """Read a manifest for marking: the manifest, None if there is none to mark (absent,
+    or gone while not complete), False if the sweep must not run (unreadable, or a complete
+    one is gone)."""
+    if MANIFEST not in objs and COMPLETE not in objs:
+        return None
+    where = "" if rank is None else f" rank {rank}"
+    try:
+        return StepCatalog(backend, 1, rank).read_manifest(step)
+    except NotFound:
+        if COMPLETE in objs:
+            log.error("not sweeping chunks: complete step %s%s in %s has no manifest",
+                      step, where, backend.describe())
+            return False
+        return None
+    except BadManifest as exc:
+        log.error("not sweeping chunks: %s", exc)
+        return False
+
+
+def _parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    items = list(items)
+    if len(items) <= 1 or workers <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)),
+                            thread_name_prefix="mtcfs-backup") as pool:
+        return list(pool.map(fn, items))
+
+
+def run_job_retention(backend: Backend, journal: SweepJournal, *, rank: int, keep: int,
+                      grace_ns: int, clock_ns: Callable[[], int], world_size: int | None,
+                      sweep: bool | None, forget: Callable[[bytes], None],
+                      applied: Callable[[str], None], workers: int,
+                      deadline_s: float = SWEEP_DEADLINE_S) -> RetentionStats:
+    """Rotate the steps of a multi-node job and sweep unreferenced chunks; see the module
+    notes.
+
+    The caller must hold whatever excludes its own uploads.
+
+    Args:
+        backend: the bucket.
+        journal: its sweep journal.
+        rank: the calling rank (named in the sweep record).
+        keep: steps complete on every rank to keep, >= 1.
+        grace_ns: minimum age in ns of an incomplete manifest before it is deleted.
+        clock_ns: wall clock, ns since the epoch.
+        world_size: ranks in the job (0..world_size-1); None: every rank seen in the bucket.
+        sweep: True: always sweep; False: never; None: only if this call deleted a manifest.
+        forget: called with the 32-byte digest of each deleted chunk (to update an index).
+        applied: called with the key of this call's sweep record once it is finished.
+        workers: threads for reads and deletes (>= 1).
+        deadline_s: seconds after its start the sweep stops deleting.
+
+    Returns:
+        The outcome; ``seconds`` is left 0.
+
+    Raises:
+        ValueError: if ``keep < 1`` or ``world_size < 1``.
+        BackupError: if the backend fails; what was deleted stays deleted (and is recorded
+            in the journal when possible), the rest is intact, and running it again finishes
+            the job.
+    """
+    if keep < 1:
+        raise ValueError(f"retention must keep at least 1 complete step, got {keep}")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    now_ns = clock_ns()
+    _, ranked = scan_layouts(backend)
+    done = complete_ranks(backend, ranked, workers)
+    if world_size is not None:
+        world = set(range(world_size))
+    else:
+        world = {r for ranks in ranked.values() for r in ranks}
+    job_complete = sorted((num, step) for step, (num, rs) in done.items() if world <= rs)
+    kept = job_complete[-keep:]
+    kept_names = {step for _, step in kept}
+    deleted_complete: set[str] = set()
+    deleted_incomplete: set[str] = set()
+    if kept:
+        oldest = kept[0]
+
+        def first_manifest(step: str) -> StepManifest | None:
+            for r, objs in sorted(ranked[step].items()):
+                if MANIFEST in objs:
+                    got = _read_for_marking(backend, step, r, objs)
+                    if isinstance(got, StepManifest):
+                        return got
+            return None
+
+        unknown = sorted(s for s in ranked if s not in done and s not in kept_names)
+        numbers = {s: n for s, (n, _) in done.items()}
+        for step, m in zip(unknown, _parallel(first_manifest, unknown, workers)):
+            if m is not None:
+                numbers[step] = m.step_number
+        old = [s for s in ranked if s not in kept_names and s in numbers
+               and (numbers[s], s) < oldest]
+
+        def retire(item: tuple[str, int, set[str]]) -> str | None:
+            step, r, objs = item
+            cat = StepCatalog(backend, 1, r)
+            if COMPLETE in objs:
+                cat.delete_step(step, objs)
+                return "complete"
+            if MANIFEST not in objs:
+                return None  # stray objects without a manifest: not ours to judge
+            got = _read_for_marking(backend, step, r, objs)
+            if isinstance(got, StepManifest) and now_ns - got.created_ns > grace_ns:
+                cat.delete_step(step, objs)  # an abandoned upload, older than all kept
+                return "incomplete"
+            return None
+
+        items = [(s, r, objs) for s in sorted(old) for r, objs in sorted(ranked[s].items())]
+        for (step, _, _), what in zip(items, _parallel(retire, items, workers)):
+            if what == "complete":
+                deleted_complete.add(step)
+            elif what == "incomplete":
+                deleted_incomplete.add(step)
+    stats = RetentionStats(steps_kept=[s for _, s in kept],
+                           steps_deleted=sorted(deleted_complete),
+                           incomplete_deleted=sorted(deleted_incomplete), swept=False)
+    if sweep is False or (sweep is None and not (deleted_complete or deleted_incomplete)):
+        return stats
+    swept, chunks_kept, gone = _journaled_sweep(backend, journal, rank=rank, clock_ns=clock_ns,
+                                                forget=forget, applied=applied,
+                                                workers=workers, deadline_s=deadline_s)
+    return RetentionStats(steps_kept=stats.steps_kept, steps_deleted=stats.steps_deleted,
+                          incomplete_deleted=stats.incomplete_deleted, chunks_kept=chunks_kept,
+                          chunks_deleted=gone, swept=swept)
+
+
+def _journaled_sweep(backend: Backend, journal: SweepJournal, *, rank: int,
+                     clock_ns: Callable[[], int], forget: Callable[[bytes], None],
+                     applied: Callable[[str], None], workers: int, deadline_s: float
+                     ) -> tuple[bool, int, int]:
+    """Mark every manifest in the bucket and delete the chunks none references, between a
+    journal record's start and finish. Returns (swept, chunks kept, chunks deleted)."""
+    rec = journal.begin(rank, clock_ns(), deadline_s)
+    deleted: list[str] = []
+    lock = threading.Lock()
+    swept = False
+    chunks_kept = 0
+    try:
+        single, ranked = scan_layouts(backend)
+        entries: list[tuple[str, int | None, set[str]]] = [
+            (step, None, objs) for step, objs in single.items()]
+        entries += [(step, r, objs) for step, ranks in ranked.items()
+                    for r, objs in ranks.items()]
+        got = _parallel(lambda e: _read_for_marking(backend, *e), entries, workers)
+        if all(g is not False for g in got):
+            live: set[bytes] = set()
+            for m in got:
+                if isinstance(m, StepManifest):
+                    live.update(bytes.fromhex(h) for h in m.chunk_set())
+            garbage: list[tuple[str, str]] = []
+            for key in backend.list(CHUNKS_PREFIX):
+                h = parse_chunk_key(key)
+                if h is None:
+                    continue  # not ours: leave it
+                if bytes.fromhex(h) in live:
+                    chunks_kept += 1
+                else:
+                    garbage.append((key, h))
+
+            def drop(item: tuple[str, str]) -> None:
+                if clock_ns() >= rec.deadline_ns:
+                    return  # past the deadline: uploaders may take us for dead; next time
+                # Recorded before the request: a delete that fails may still have happened,
+                # and naming a chunk that is still there only costs an uploader a check.
+                with lock:
+                    deleted.append(item[1])
+                forget(bytes.fromhex(item[1]))
+                backend.delete(item[0])
+
+            _parallel(drop, garbage, workers)
+            if len(deleted) < len(garbage):
+                log.warning("sweep of %s stopped at its deadline: %d unreferenced chunks left "
+                            "for the next one", backend.describe(), len(garbage) - len(deleted))
+            swept = True
+    finally:
+        applied(rec.key)  # this store's index already forgot what it deleted
+        try:
+            journal.finish(rec, sorted(deleted), clock_ns())
+        except BackupError as exc:  # the sweep's own error, if any, is the one to raise
+            log.error("cannot record the end of sweep %s in %s: %s (other nodes will list "
+                      "chunks again after its deadline)", rec.key, backend.describe(), exc)
+    try:
+        journal.prune(clock_ns())
+    except BackupError as exc:
+        log.warning("cannot prune the sweep journal of %s: %s", backend.describe(), exc)
+    return swept, chunks_kept, len(deleted)

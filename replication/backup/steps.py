@@ -1,9 +1,12 @@
 """The ``steps/`` half of the backup layout: manifests and COMPLETE markers.
 
-A step directory holds ``manifest.json`` (``StepManifest.to_bytes()``) and, once every chunk
-it references is stored, ``COMPLETE``: a small JSON summary (format, job, step, step_number,
-rank, created_ns, completed_ns, total_bytes, chunks) that lets a listing show steps without
-reading their manifests.
+A step directory (``steps/<step>/`` of a single-node store, ``steps/<step>/rank-<r>/`` of
+rank ``r``; see :mod:`replication.backup.layout`) holds ``manifest.json``
+(``StepManifest.to_bytes()``) and, once every chunk it references is stored, ``COMPLETE``: a
+small JSON summary (format, job, step, step_number, rank, created_ns, completed_ns,
+total_bytes, chunks) that lets a listing show steps without reading their manifests. In the
+rank layout the marker's ``rank`` is the directory's rank, and a marker naming another rank
+is ignored as unreadable.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from mtcfs.manifest import ManifestError, StepManifest
 from replication.backup.backend import Backend
 from replication.backup.errors import BackupError, NotFound
 from replication.backup.layout import (
-    COMPLETE, MANIFEST, STEPS_PREFIX, complete_key, manifest_key, parse_step_key,
+    COMPLETE, MANIFEST, STEPS_PREFIX, check_rank, complete_key, manifest_key,
+    parse_rank_step_key, parse_step_key, step_dir,
 )
 from replication.backup.records import StepInfo
 
@@ -31,29 +35,110 @@ class BadManifest(BackupError):
     """A stored manifest does not parse, or names another step than its directory."""
 
 
+def scan_layouts(backend: Backend) -> tuple[dict[str, set[str]], dict[str, dict[int, set[str]]]]:
+    """One listing of ``steps/``, split by layout.
+
+    Returns:
+        ``(single, ranked)``: ``single`` maps each step of the single-node layout to the
+        object names in its directory; ``ranked`` maps each step to ``{rank: object names in
+        steps/<step>/rank-<rank>/}``. Keys of neither layout are left out.
+
+    Raises:
+        BackupError: if the listing fails.
+    """
+    single: dict[str, set[str]] = {}
+    ranked: dict[str, dict[int, set[str]]] = {}
+    for key in backend.list(STEPS_PREFIX):
+        parsed = parse_step_key(key)
+        if parsed is not None:
+            single.setdefault(parsed[0], set()).add(parsed[1])
+            continue
+        pr = parse_rank_step_key(key)
+        if pr is not None:
+            ranked.setdefault(pr[0], {}).setdefault(pr[1], set()).add(pr[2])
+    return single, ranked
+
+
+def complete_ranks(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int
+                   ) -> dict[str, tuple[int, set[int]]]:
+    """Which ranks completed each step of the rank layout.
+
+    Args:
+        backend: where the objects are.
+        ranked: the second half of :func:`scan_layouts`.
+        workers: threads for reading markers (>= 1).
+
+    Returns:
+        ``{step: (step_number, ranks)}`` for every step at least one rank completed.
+        ``ranks`` are the ranks whose ``COMPLETE`` object the listing shows; the step number
+        comes from the lowest such rank's marker that is readable (one read per step). A
+        step none of whose markers is readable is left out.
+
+    Raises:
+        BackupError: if the backend fails.
+    """
+    done = {step: sorted(r for r, objs in ranks.items() if COMPLETE in objs)
+            for step, ranks in ranked.items()}
+    done = {step: rs for step, rs in done.items() if rs}
+
+    def number(step: str) -> int | None:
+        for r in done[step]:
+            info = StepCatalog(backend, 1, r).read_marker(step)
+            if info is not None:
+                return info.step_number
+        return None
+
+    names = sorted(done)
+    if len(names) <= 1 or workers <= 1:
+        nums = [number(s) for s in names]
+    else:
+        with ThreadPoolExecutor(max_workers=min(workers, len(names)),
+                                thread_name_prefix="mtcfs-backup") as pool:
+            nums = list(pool.map(number, names))
+    return {s: (n, set(done[s])) for s, n in zip(names, nums) if n is not None}
+
+
 class StepCatalog:
-    """Reads and writes step manifests and markers in a backend.
+    """Reads and writes step manifests and markers of one rank (or of a single-node store)
+    in a backend.
 
     Args:
         backend: where the objects are.
         workers: threads for reading many markers at once (>= 1).
+        rank: whose steps: None for the single-node layout ``steps/<step>/``, else the rank
+            layout ``steps/<step>/rank-<rank>/``.
+
+    Raises:
+        ValueError: on a bad rank.
     """
 
-    def __init__(self, backend: Backend, workers: int) -> None:
+    def __init__(self, backend: Backend, workers: int, rank: int | None = None) -> None:
         self._backend = backend
         self._workers = max(1, workers)
+        self._rank = check_rank(rank)
+
+    @property
+    def rank(self) -> int | None:
+        """The rank whose steps this catalog reads and writes (None: single-node layout)."""
+        return self._rank
 
     def scan(self) -> dict[str, set[str]]:
-        """Map each step directory to the object names in it (one listing of ``steps/``).
+        """Map each of this rank's step directories to the object names in it (one listing
+        of ``steps/``).
 
         Raises:
             BackupError: if the listing fails.
         """
         steps: dict[str, set[str]] = {}
         for key in self._backend.list(STEPS_PREFIX):
-            parsed = parse_step_key(key)
-            if parsed is not None:
-                steps.setdefault(parsed[0], set()).add(parsed[1])
+            if self._rank is None:
+                parsed = parse_step_key(key)
+                if parsed is not None:
+                    steps.setdefault(parsed[0], set()).add(parsed[1])
+            else:
+                pr = parse_rank_step_key(key)
+                if pr is not None and pr[1] == self._rank:
+                    steps.setdefault(pr[0], set()).add(pr[2])
         return steps
 
     def read_marker(self, step: str) -> StepInfo | None:
@@ -63,20 +148,24 @@ class StepCatalog:
             BackupError: if the backend fails.
         """
         try:
-            raw = self._backend.get(complete_key(step))
+            raw = self._backend.get(complete_key(step, self._rank))
         except NotFound:
             return None
         try:
             d = json.loads(raw)
             if d.get("format") != MARKER_FORMAT or d.get("step") != step:
                 raise ValueError(f"format {d.get('format')!r}, step {d.get('step')!r}")
+            if self._rank is not None and d.get("rank") != self._rank:
+                raise ValueError(f"marker of rank {d.get('rank')!r} in rank {self._rank}'s "
+                                 "directory")
             return StepInfo(step=step, step_number=int(d["step_number"]),
                             created_ns=int(d["created_ns"]),
                             completed_ns=int(d.get("completed_ns", 0)),
                             total_bytes=int(d["total_bytes"]), chunks=int(d["chunks"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("ignoring unreadable COMPLETE marker of step %s in %s: %s",
-                        step, self._backend.describe(), exc)
+            log.warning("ignoring unreadable COMPLETE marker of step %s%s in %s: %s", step,
+                        "" if self._rank is None else f" rank {self._rank}",
+                        self._backend.describe(), exc)
             return None
 
     def complete_steps(self, scan: dict[str, set[str]]) -> list[StepInfo]:
@@ -98,7 +187,7 @@ class StepCatalog:
 
     def is_complete(self, step: str) -> bool:
         """Whether the step's COMPLETE marker exists. Raises BackupError on failure."""
-        return self._backend.exists(complete_key(step))
+        return self._backend.exists(complete_key(step, self._rank))
 
     def read_manifest(self, step: str) -> StepManifest:
         """Read and parse a step's manifest, complete or not.
@@ -108,8 +197,10 @@ class StepCatalog:
             BadManifest: if it does not parse or is for another step.
             BackupError: if the backend fails.
         """
-        raw = self._backend.get(manifest_key(step))
+        raw = self._backend.get(manifest_key(step, self._rank))
         where = self._backend.describe()
+        if self._rank is not None:
+            where = f"{where} (rank {self._rank})"
         try:
             m = StepManifest.from_bytes(raw)
         except ManifestError as exc:
@@ -132,7 +223,8 @@ class StepCatalog:
             BackupError: if the backend fails.
         """
         raw = manifest.to_bytes()
-        mkey, ckey = manifest_key(manifest.step), complete_key(manifest.step)
+        mkey = manifest_key(manifest.step, self._rank)
+        ckey = complete_key(manifest.step, self._rank)
         if self._backend.exists(ckey):
             try:
                 if self._backend.get(mkey) == raw:
@@ -158,21 +250,22 @@ class StepCatalog:
         """
         marker = json.dumps({
             "format": MARKER_FORMAT, "job": manifest.job, "step": manifest.step,
-            "step_number": manifest.step_number, "rank": manifest.rank,
+            "step_number": manifest.step_number,
+            "rank": manifest.rank if self._rank is None else self._rank,
             "created_ns": manifest.created_ns, "completed_ns": completed_ns,
             "total_bytes": manifest.total_bytes, "chunks": chunks,
         }, separators=(",", ":")).encode()
-        self._backend.put(complete_key(manifest.step), marker)
+        self._backend.put(complete_key(manifest.step, self._rank), marker)
         return len(marker)
 
     def delete_step(self, step: str, objs: Iterable[str] = ()) -> None:
-        """Delete a step: its marker first (it stops being restorable), then its manifest,
-        then the other ``objs`` named in its directory.
+        """Delete a step (this rank's part of it): its marker first (it stops being
+        restorable), then its manifest, then the other ``objs`` named in its directory.
 
         Raises:
             BackupError: if the backend fails (the step is then at worst incomplete).
         """
-        self._backend.delete(complete_key(step))
-        self._backend.delete(manifest_key(step))
+        self._backend.delete(complete_key(step, self._rank))
+        self._backend.delete(manifest_key(step, self._rank))
         for name in sorted(set(objs) - {COMPLETE, MANIFEST}):
-            self._backend.delete(f"{STEPS_PREFIX}{step}/{name}")
+            self._backend.delete(step_dir(step, self._rank) + name)

@@ -1,0 +1,607 @@
+"""Tier-1 tests of the backup tier in a multi-node job: per-rank manifests on one bucket.
+
+Every rank has its own :class:`BackupStore` (``rank=r``) on the same :class:`FileBackend`,
+as nodes of a job share one bucket. Covered: the rank layout and chunks shared across ranks,
+listing and restoring each rank's own manifest, ``complete_ranks``, job-wide retention (also
+two ranks at once, and a sweep on one node while another uploads, through the sweep
+journal), upload shares between data-parallel twins (alive and dead), and the scheduler
+passing a share to ``put_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from mtcfs.chunking import chunk_hash
+from mtcfs.manifest import Entry, StepManifest
+from replication.backup import Backend, BackupError, BackupStore, FileBackend, NotFound
+from replication.backup.layout import (
+    check_rank, chunk_key, complete_key, manifest_key, parse_rank_step_key, parse_step_key,
+    parse_sweep_key, step_dir, sweep_key,
+)
+from replication.backup.sweeps import SweepJournal, SweepRecord
+from replication.scheduler import BackupService
+
+CHUNK = 64 * 1024
+JOB = "job"
+NOW = 10**18
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def blob(seed: int, size: int) -> bytes:
+    import random
+    return random.Random(seed).randbytes(size)
+
+
+def make_step(step_number: int, files: dict[str, bytes], *, rank: int = 0,
+              created_ns: int | None = None, chunks: dict[str, bytes] | None = None,
+              name: str | None = None) -> StepManifest:
+    """A StepManifest of ``files`` below ``step_<n>/``; their chunks go into ``chunks``."""
+    step = name or f"step_{step_number}"
+    entries = [Entry(path=step, kind="dir", mode=0o755, mtime_ns=1)]
+    for fname, data in sorted(files.items()):
+        hashes = []
+        for off in range(0, len(data), CHUNK):
+            piece = data[off:off + CHUNK]
+            hashes.append(chunk_hash(piece))
+            if chunks is not None:
+                chunks[hashes[-1]] = piece
+        entries.append(Entry(path=f"{step}/{fname}", kind="file", mode=0o644, mtime_ns=2,
+                             size=len(data), chunk_size=CHUNK, chunks=tuple(hashes),
+                             blake3=chunk_hash(data)))
+    return StepManifest(job=JOB, step=step, step_number=step_number,
+                        created_ns=NOW if created_ns is None else created_ns,
+                        entries=entries, rank=rank)
+
+
+def restore_files(store: BackupStore, step: str, rank: int | None = None) -> dict[str, bytes]:
+    m = store.get_step(step, rank)
+    return {e.path.split("/", 1)[1]: b"".join(store.get_chunk(h) for h in e.chunks)
+            for e in m.entries if e.kind == "file"}
+
+
+def chunk_keys(backend: Backend) -> set[str]:
+    return set(backend.list("chunks/"))
+
+
+class Counting(Backend):
+    """Wraps a backend, counts puts per key, and can hold chunk deletes at a gate."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.puts: Counter[str] = Counter()
+        self.deletes: list[str] = []
+        self._lock = threading.Lock()
+        self.hold_chunk_deletes: threading.Event | None = None  # set() it to let them pass
+        self.deleting = threading.Event()  # set when a held chunk delete arrived
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+        with self._lock:
+            self.puts[key] += 1
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        gate = self.hold_chunk_deletes
+        if gate is not None and key.startswith("chunks/"):
+            self.deleting.set()
+            assert gate.wait(30)
+        self.inner.delete(key)
+        with self._lock:
+            self.deletes.append(key)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def chunk_puts(self) -> Counter[str]:
+        with self._lock:
+            return Counter({k: n for k, n in self.puts.items() if k.startswith("chunks/")})
+
+
+def stores(backend: Backend, n: int, **kw) -> list[BackupStore]:
+    return [BackupStore(backend, rank=r, clock_ns=lambda: NOW, **kw) for r in range(n)]
+
+
+# -- layout --------------------------------------------------------------------------------
+
+def test_rank_layout_names() -> None:
+    assert manifest_key("step_20") == "steps/step_20/manifest.json"  # single node unchanged
+    assert complete_key("step_20") == "steps/step_20/COMPLETE"
+    assert manifest_key("step_20", 3) == "steps/step_20/rank-3/manifest.json"
+    assert complete_key("step_20", 0) == "steps/step_20/rank-0/COMPLETE"
+    assert step_dir("7", 12) == "steps/7/rank-12/"
+    assert parse_rank_step_key("steps/step_20/rank-3/COMPLETE") == ("step_20", 3, "COMPLETE")
+    assert parse_step_key("steps/step_20/rank-3/COMPLETE") is None
+    assert parse_rank_step_key("steps/step_20/COMPLETE") is None
+    for bad in ("steps/s/rank-03/COMPLETE", "steps/s/rank-/x", "steps/s/rank-x/x",
+                "steps/s/rank-1/", "chunks/ab/x"):
+        assert parse_rank_step_key(bad) is None, bad
+    for bad in (-1, True, 1.0, "1", 10**9):
+        with pytest.raises(ValueError):
+            check_rank(bad)  # type: ignore[arg-type]
+    key = sweep_key(123, 4, "abcdef01")
+    assert key == "sweeps/123-4-abcdef01.json" and parse_sweep_key(key) == 123
+    assert parse_sweep_key("sweeps/x.json") is None
+    with pytest.raises(ValueError):
+        sweep_key(1, 0, "XYZ")
+
+
+def test_store_arguments(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    with pytest.raises(ValueError):
+        BackupStore(be, rank=-1)
+    with pytest.raises(ValueError):
+        BackupStore(be, world_size=2)  # needs a rank
+    with pytest.raises(ValueError):
+        BackupStore(be, rank=2, world_size=2)
+    s = BackupStore(be, rank=1, world_size=2)
+    assert (s.rank, s.world_size) == (1, 2)
+    assert BackupStore(be).rank is None
+    with pytest.raises(ValueError):
+        s.put_step(make_step(1, {}), lambda h: b"", share_wait_s=-1)
+
+
+# -- ranks on one bucket -------------------------------------------------------------------
+
+def test_three_ranks_share_chunks_and_keep_their_own_manifests(tmp_path) -> None:
+    be = Counting(FileBackend(tmp_path))
+    common = blob(1, 4 * CHUNK)  # identical on every rank (e.g. replicated embeddings)
+    half = blob(2, 2 * CHUNK)    # identical on ranks 0 and 1
+    chunks: dict[str, bytes] = {}
+    files = {
+        0: {"common.bin": common, "half.bin": half, "own.bin": blob(10, 3 * CHUNK + 17)},
+        1: {"common.bin": common, "half.bin": half, "own.bin": blob(11, 2 * CHUNK)},
+        2: {"common.bin": common, "own.bin": blob(12, CHUNK), "empty": b""},
+    }
+    ms = {r: make_step(20, files[r], rank=r, chunks=chunks) for r in files}
+    ss = stores(be, 3)
+    results = {r: ss[r].put_step(ms[r], chunks.__getitem__) for r in (0, 1, 2)}
+
+    # Each chunk object is stored, and uploaded, once.
+    assert chunk_keys(be) == {chunk_key(h) for h in chunks}
+    assert set(be.chunk_puts().values()) == {1}
+    assert sum(r.chunks_uploaded for r in results.values()) == len(chunks)
+    assert results[1].chunks_uploaded == 2 and results[2].chunks_uploaded == 1
+    # The rank layout, and nothing in the single-node one.
+    for r in (0, 1, 2):
+        assert be.exists(manifest_key("step_20", r)) and be.exists(complete_key("step_20", r))
+    assert not be.exists(manifest_key("step_20")) and not be.exists(complete_key("step_20"))
+    marker = json.loads(be.get(complete_key("step_20", 2)))
+    assert marker["rank"] == 2 and marker["step_number"] == 20
+
+    # Each rank lists and restores its own manifest bit-exactly; others' on request.
+    fresh = stores(be, 3)  # new processes: nothing cached
+    for r in (0, 1, 2):
+        steps = fresh[r].list_steps()
+        assert [(s.step, s.step_number, s.total_bytes) for s in steps] == [
+            ("step_20", 20, sum(map(len, files[r].values())))]
+        assert fresh[r].latest_step() == steps[0]
+        assert fresh[r].get_step("step_20").to_bytes() == ms[r].to_bytes()
+        assert restore_files(fresh[r], "step_20") == files[r]
+        other = (r + 1) % 3
+        assert fresh[r].list_steps(rank=other)[0].total_bytes == \
+            sum(map(len, files[other].values()))
+        assert fresh[r].get_step("step_20", rank=other).to_bytes() == ms[other].to_bytes()
+    assert fresh[0].list_steps(rank=7) == [] and fresh[0].latest_step(rank=7) is None
+    with pytest.raises(NotFound, match="rank 7"):
+        fresh[0].get_step("step_20", rank=7)
+    single = BackupStore(be)
+    assert single.list_steps() == [] and single.latest_step() is None
+    assert single.list_steps(rank=1)[0].step == "step_20"
+
+
+def test_complete_ranks(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    ss = stores(be, 3)
+    chunks: dict[str, bytes] = {}
+    assert ss[0].complete_ranks() == {}
+    ms = {r: make_step(20, {"f": blob(r, CHUNK)}, rank=r, chunks=chunks) for r in range(3)}
+    ss[0].put_step(ms[0], chunks.__getitem__)
+    ss[1].put_step(ms[1], chunks.__getitem__)
+    ss[2].begin_step(ms[2])  # rank 2 is still uploading
+    m10 = make_step(10, {"f": blob(5, CHUNK)}, rank=1, chunks=chunks)
+    ss[1].put_step(m10, chunks.__getitem__)
+    BackupStore(be).put_step(make_step(30, {"g": blob(6, CHUNK)}, chunks=chunks),
+                             chunks.__getitem__)  # single-node layout: not a rank's
+    assert ss[2].complete_ranks() == {"step_20": (20, {0, 1}), "step_10": (10, {1})}
+    with pytest.raises(BackupError):
+        ss[2].commit_step(ms[2])  # its chunk is not there yet
+    for h in ms[2].chunk_set():
+        ss[2].put_chunk(h, chunks[h])
+    ss[2].commit_step(ms[2])
+    by_step = BackupStore(be).complete_ranks()
+    assert by_step["step_20"] == (20, {0, 1, 2})
+    newest_all = max((n, s) for s, (n, rs) in by_step.items() if rs >= {0, 1, 2})
+    assert newest_all == (20, "step_20")
+    assert ss[2].list_steps() == [ss[2].latest_step()] and ss[2].latest_step().step == "step_20"
+
+
+# -- job-wide retention --------------------------------------------------------------------
+
+def test_job_retention_keeps_chunks_other_ranks_need(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    r0, r1 = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    base = blob(1, 2 * CHUNK)           # in every step of both ranks
+    only10 = blob(2, CHUNK)             # rank 0, step 10 only: dies with step 10
+    cross = blob(3, CHUNK)              # rank 0 step 10 and rank 1 step 20 (kept)
+    revived = blob(4, CHUNK)            # rank 1 step 10 and rank 1's upload of step 40
+    files = {
+        (0, 10): {"b": base, "x": only10, "c": cross},
+        (1, 10): {"b": base, "r": revived},
+        (0, 20): {"b": base, "o": blob(20, CHUNK)},
+        (1, 20): {"b": base, "c": cross},
+        (0, 30): {"b": base, "o": blob(30, CHUNK)},
+        (1, 30): {"b": base, "o": blob(31, CHUNK)},
+        (0, 40): {"b": base, "o": blob(40, CHUNK)},
+    }
+    ms = {k: make_step(k[1], f, rank=k[0], chunks=chunks) for k, f in files.items()}
+    for (rank, _), m in sorted(ms.items(), key=lambda kv: kv[0][1]):
+        (r0, r1)[rank].put_step(m, chunks.__getitem__)
+    # Rank 1 is uploading step 40 (fresh intent); an abandoned upload of an old step.
+    up40 = make_step(40, {"b": base, "r": revived}, rank=1, chunks=chunks)
+    r1.begin_step(up40)
+    stale = make_step(5, {"s": blob(50, CHUNK)}, rank=1, chunks=chunks, created_ns=0)
+    r1.begin_step(stale)
+    r1.put_chunk(*next((h, chunks[h]) for h in stale.chunk_set()))
+    orphan = blob(60, 1000)
+    r1.put_chunk(chunk_hash(orphan), orphan)
+
+    stats = r1.retain(keep=2, grace_s=60)
+    assert stats.steps_kept == ["step_20", "step_30"]  # complete on both ranks
+    assert stats.steps_deleted == ["step_10"] and stats.incomplete_deleted == ["step_5"]
+    assert stats.swept
+    live = set().union(*(m.chunk_set() for k, m in ms.items() if k[1] >= 20),
+                       up40.chunk_set())
+    assert chunk_keys(be) == {chunk_key(h) for h in live}
+    assert stats.chunks_deleted == 3 and stats.chunks_kept == len(live)  # only10, stale, orphan
+    assert be.exists(chunk_key(chunk_hash(cross))) and be.exists(chunk_key(chunk_hash(revived)))
+    assert not be.exists(chunk_key(chunk_hash(only10)))
+    for r in (0, 1):
+        assert not be.exists(manifest_key("step_10", r))
+    assert [s.step for s in r0.list_steps()] == ["step_20", "step_30", "step_40"]
+    assert [s.step for s in r1.list_steps()] == ["step_20", "step_30"]
+    assert len(list(be.list("sweeps/"))) == 1  # the sweep's journal record
+
+    # Nothing to retire: no sweep, no journal record.
+    again = r0.retain(keep=2, grace_s=60)
+    assert again.steps_deleted == [] and not again.swept and again.chunks_deleted == 0
+    assert len(list(be.list("sweeps/"))) == 1
+
+    # Rank 0's index still believes `only10` is stored (it uploaded it); the journal tells
+    # it that rank 1's sweep deleted it, so a new step needing it uploads it again.
+    m50 = make_step(50, {"b": base, "x": only10}, rank=0, chunks=chunks)
+    st50 = r0.put_step(m50, chunks.__getitem__)
+    assert st50.chunks_uploaded == 1
+    assert restore_files(BackupStore(be, rank=0), "step_50") == {"b": base, "x": only10}
+    r1.commit_step(up40)  # rank 1's chunks survived: it completes
+    assert restore_files(r1, "step_40") == {"b": base, "r": revived}
+
+    # With world_size=3 nothing is complete in the job (rank 2 never saved): keep all.
+    r2 = BackupStore(be, rank=2, world_size=3, clock_ns=lambda: NOW)
+    kept = r2.retain(keep=1, grace_s=60)
+    assert kept.steps_kept == [] and kept.steps_deleted == [] and not kept.swept
+    # world_size=2: step 50 is complete on rank 0 only, 40 on both: keep 40 (and 50).
+    rk = BackupStore(be, rank=0, world_size=2, clock_ns=lambda: NOW).retain(keep=1, grace_s=60)
+    assert rk.steps_kept == ["step_40"] and rk.steps_deleted == ["step_20", "step_30"]
+    assert [s.step for s in r0.list_steps()] == ["step_40", "step_50"]
+    assert restore_files(BackupStore(be, rank=0), "step_50") == {"b": base, "x": only10}
+    with pytest.raises(ValueError):
+        r0.retain(keep=0)
+
+
+def test_single_node_retention_keeps_rank_chunks(tmp_path) -> None:
+    """A single-node store sharing the bucket never sweeps chunks a rank manifest needs."""
+    be = FileBackend(tmp_path)
+    single, ranked = BackupStore(be), BackupStore(be, rank=0)
+    chunks: dict[str, bytes] = {}
+    for n in (1, 2):
+        single.put_step(make_step(n, {"f": blob(n, CHUNK)}, name=str(n), chunks=chunks),
+                        chunks.__getitem__)
+    rm = make_step(1, {"f": blob(1, CHUNK), "g": blob(9, CHUNK)}, name="1", chunks=chunks)
+    ranked.put_step(rm, chunks.__getitem__)
+    stats = single.retain(keep=1, grace_s=0)
+    assert stats.steps_deleted == ["1"] and stats.swept
+    assert all(be.exists(chunk_key(h)) for h in rm.chunk_set())
+    assert restore_files(ranked, "1") == {"f": blob(1, CHUNK), "g": blob(9, CHUNK)}
+    assert single.retain(keep=1, sweep=False).swept is False
+
+
+def test_two_ranks_retain_at_once(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    ss = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    ms = {}
+    for n in range(1, 7):
+        for r in (0, 1):
+            ms[r, n] = make_step(n, {"s": blob(n, 2 * CHUNK), "o": blob(100 * r + n, CHUNK)},
+                                 rank=r, chunks=chunks)
+            ss[r].put_step(ms[r, n], chunks.__getitem__)
+    for keep in (4, 2):
+        out: list[object] = []
+        threads = [threading.Thread(target=lambda s=s, o=out, k=keep: o.append(
+            s.retain(k, sweep=True))) for s in ss]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(out) == 2 and all(not isinstance(o, Exception) for o in out)
+    live = set().union(*(m.chunk_set() for (r, n), m in ms.items() if n >= 5))
+    assert chunk_keys(be) == {chunk_key(h) for h in live}
+    for r in (0, 1):
+        assert [s.step for s in ss[r].list_steps()] == ["step_5", "step_6"]
+        assert restore_files(BackupStore(be, rank=r), "step_5") == {
+            "s": blob(5, 2 * CHUNK), "o": blob(100 * r + 5, CHUNK)}
+
+
+def test_upload_waits_for_a_sweep_on_another_node(tmp_path) -> None:
+    """Rank 0 sweeps; rank 1, whose index says chunk X is stored, uploads a step with X
+    right after rank 0 read the manifests and before it deletes X. Rank 1 must wait for the
+    sweep and upload X again, not mark a step complete whose chunk is gone."""
+    be = Counting(FileBackend(tmp_path))
+    sweeper, uploader = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    x = blob(7, CHUNK)
+    for r, st in ((0, sweeper), (1, uploader)):
+        st.put_step(make_step(10, {"x": x} if r == 0 else {"a": blob(8, CHUNK)}, rank=r,
+                              chunks=chunks), chunks.__getitem__)
+        st.put_step(make_step(20, {"b": blob(20 + r, CHUNK)}, rank=r, chunks=chunks),
+                    chunks.__getitem__)
+    assert uploader.has_chunk(chunk_hash(x))  # loaded, as a long-running daemon's would be
+
+    be.hold_chunk_deletes = threading.Event()
+    sweep_out: list[object] = []
+    t_sweep = threading.Thread(target=lambda: sweep_out.append(sweeper.retain(1, grace_s=0)))
+    t_sweep.start()
+    assert be.deleting.wait(10)  # the sweep has marked, and is about to delete X
+    m30 = make_step(30, {"x": x, "c": blob(30, CHUNK)}, rank=1, chunks=chunks)
+    up_out: list[object] = []
+    t_up = threading.Thread(target=lambda: up_out.append(
+        uploader.put_step(m30, chunks.__getitem__)))
+    t_up.start()
+    t_up.join(0.6)
+    assert t_up.is_alive() and not be.exists(complete_key("step_30", 1))  # waiting
+    assert be.exists(chunk_key(chunk_hash(x)))
+    be.hold_chunk_deletes.set()
+    t_sweep.join(20)
+    t_up.join(20)
+    assert sweep_out[0].chunks_deleted >= 1  # type: ignore[union-attr]
+    stats = up_out[0]
+    assert stats.chunks_resent == 1 and stats.seconds_waiting > 0  # type: ignore[union-attr]
+    assert uploader.stats()["sweep_waits"] == 1
+    assert restore_files(BackupStore(be, rank=1), "step_30") == {"x": x, "c": blob(30, CHUNK)}
+
+
+def test_crashed_sweeper_makes_uploaders_list_again(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    (st,) = stores(be, 1)
+    chunks: dict[str, bytes] = {}
+    x = blob(1, CHUNK)
+    st.put_step(make_step(10, {"x": x}, chunks=chunks), chunks.__getitem__)
+    reloads = st.stats()["index_reloads"]
+    # A sweeper on another node deleted X and died before finishing its record.
+    journal = SweepJournal(be)
+    rec = SweepRecord(key=sweep_key(NOW - 10**13, 5, "deadbeef"), rank=5,
+                      started_ns=NOW - 10**13, deadline_ns=NOW - 10**12)
+    be.put(rec.key, rec.to_bytes())
+    be.delete(chunk_key(chunk_hash(x)))
+    assert journal.keys() == {rec.key}
+    stats = st.put_step(make_step(20, {"x": x}, chunks=chunks), chunks.__getitem__)
+    assert stats.chunks_uploaded == 1 and st.stats()["index_reloads"] == reloads + 1
+    assert restore_files(st, "step_20") == {"x": x}
+    # A finished record of another node: its deletions are applied without a listing.
+    y = blob(2, CHUNK)
+    st.put_step(make_step(30, {"y": y}, chunks=chunks), chunks.__getitem__)
+    be.delete(chunk_key(chunk_hash(y)))
+    journal.finish(SweepRecord(key=sweep_key(NOW, 6, "00c0ffee"), rank=6, started_ns=NOW,
+                               deadline_ns=NOW + 10**12), [chunk_hash(y)], NOW)
+    stats = st.put_step(make_step(40, {"y": y}, chunks=chunks), chunks.__getitem__)
+    assert stats.chunks_uploaded == 1 and st.stats()["index_reloads"] == reloads + 1
+    assert journal.prune(NOW + 10**15) == 2 and journal.keys() == set()
+
+
+def test_commit_step_reports_a_chunk_a_sweep_deleted(tmp_path) -> None:
+    be = FileBackend(tmp_path)
+    (st,) = stores(be, 1)
+    chunks: dict[str, bytes] = {}
+    x = blob(1, CHUNK)
+    st.put_step(make_step(10, {"x": x}, chunks=chunks), chunks.__getitem__)
+    m = make_step(20, {"x": x}, chunks=chunks)
+    st.begin_step(m)
+    be.delete(chunk_key(chunk_hash(x)))
+    SweepJournal(be).finish(SweepRecord(key=sweep_key(NOW, 3, "0badf00d"), rank=3,
+                                        started_ns=NOW, deadline_ns=NOW + 1),
+                            [chunk_hash(x)], NOW)
+    with pytest.raises(BackupError, match=chunk_hash(x)):
+        st.commit_step(m)
+    assert st.list_steps()[-1].step == "step_10"
+
+
+# -- upload shares -------------------------------------------------------------------------
+
+def share_of(index: int, parts: int) -> Callable[[str], bool]:
+    return lambda d: int(d[:8], 16) % parts == index
+
+
+def test_twins_upload_each_chunk_once(tmp_path) -> None:
+    be = Counting(FileBackend(tmp_path))
+    twins = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    files = {"w.bin": blob(1, 24 * CHUNK), "o.bin": blob(2, 9 * CHUNK + 5)}
+    ms = [make_step(20, files, rank=r, chunks=chunks) for r in (0, 1)]
+    ours = [sum(share_of(r, 2)(h) for h in chunks) for r in (0, 1)]
+    assert min(ours) > 0  # both have a share
+    barrier = threading.Barrier(2)  # both decide what to upload before either uploads
+
+    def run(r: int, out: dict[int, object]) -> None:
+        started, lock = [False], threading.Lock()
+
+        def read(h: str) -> bytes:  # called from several upload threads
+            with lock:
+                if not started[0]:
+                    barrier.wait(10)
+                    started[0] = True
+            return chunks[h]
+
+        out[r] = twins[r].put_step(ms[r], read, share=share_of(r, 2), share_wait_s=20)
+
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=run, args=(r, out)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    puts = be.chunk_puts()
+    assert set(puts) == {chunk_key(h) for h in chunks} and set(puts.values()) == {1}
+    a, b = out[0], out[1]
+    assert (a.chunks_uploaded, b.chunks_uploaded) == tuple(ours)  # type: ignore[union-attr]
+    assert a.chunks_by_others == b.chunks_uploaded  # type: ignore[union-attr]
+    assert b.chunks_by_others == a.chunks_uploaded  # type: ignore[union-attr]
+    assert a.chunks_taken_over == b.chunks_taken_over == 0  # type: ignore[union-attr]
+    for r in (0, 1):
+        assert restore_files(BackupStore(be, rank=r), "step_20") == files
+    assert twins[0].stats()["chunks_by_others"] == ours[1]
+
+
+def test_share_with_a_dead_twin_uploads_everything(tmp_path) -> None:
+    be = Counting(FileBackend(tmp_path))
+    (st,) = stores(be, 1)
+    chunks: dict[str, bytes] = {}
+    files = {"w.bin": blob(3, 12 * CHUNK)}
+    m = make_step(20, files, chunks=chunks)
+    theirs = sum(not share_of(0, 2)(h) for h in chunks)
+    assert 0 < theirs < len(chunks)
+    seen: list[tuple[int, int]] = []
+    t0 = time.monotonic()
+    stats = st.put_step(m, chunks.__getitem__, progress=lambda d, t: seen.append((d, t)),
+                        share=share_of(0, 2), share_wait_s=0.3)
+    assert time.monotonic() - t0 >= 0.3 and stats.seconds_waiting >= 0.3
+    assert stats.chunks_uploaded == len(chunks) and stats.chunks_taken_over == theirs
+    assert stats.chunks_by_others == 0
+    assert seen[-1] == (12 * CHUNK, 12 * CHUNK)
+    assert set(be.chunk_puts().values()) == {1} and len(be.chunk_puts()) == len(chunks)
+    assert restore_files(BackupStore(be, rank=0), "step_20") == files
+
+
+def test_share_finds_a_slow_twins_chunks(tmp_path) -> None:
+    """The twin uploads its share while this node waits: nothing is uploaded twice."""
+    be = Counting(FileBackend(tmp_path))
+    me, twin = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    files = {"w.bin": blob(4, 10 * CHUNK)}
+    m = make_step(20, files, chunks=chunks)
+    theirs = [h for h in chunks if not share_of(0, 2)(h)]
+    me.has_chunk(theirs[0])
+
+    def late_twin() -> None:
+        time.sleep(0.3)
+        for h in theirs:
+            twin.put_chunk(h, chunks[h])
+
+    t = threading.Thread(target=late_twin)
+    t.start()
+    stats = me.put_step(m, chunks.__getitem__, share=share_of(0, 2), share_wait_s=20)
+    t.join(10)
+    assert stats.chunks_by_others == len(theirs) and stats.chunks_taken_over == 0
+    assert stats.chunks_uploaded == len(chunks) - len(theirs)
+    assert set(be.chunk_puts().values()) == {1}
+
+
+# -- the scheduler passes the share ----------------------------------------------------------
+
+def test_backup_service_passes_share(tmp_path) -> None:
+    chunks: dict[str, bytes] = {}
+    m = make_step(20, {"w.bin": blob(5, 6 * CHUNK)}, chunks=chunks)
+    store = BackupStore(FileBackend(tmp_path), rank=0)
+    rec = SimpleNamespace(name=m.step, number=20, committed_ns=1, backed_up_ns=None,
+                          backing_up=False)
+    calls: list[str] = []
+    fs = SimpleNamespace(
+        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True,
+        snapshot_step=lambda name: (m, []), chunk_reader=lambda pinned: chunks.__getitem__,
+        unpin=lambda pinned: None, evict=list,
+        mark_backed_up=lambda name, pinned: calls.append(name),
+        backup_retired=lambda kept: [])
+    with pytest.raises(ValueError):
+        BackupService(fs, store, interval_s=None, every_ckpts=1, keep_backups=2, url="u",
+                      interval_text="1", share_wait_s=-1)
+    svc = BackupService(fs, store, interval_s=None, every_ckpts=1, keep_backups=2, url="u",
+                        interval_text="1", share=share_of(1, 2), share_wait_s=0.05)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run)
+            await svc.request()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert calls == [m.step] and svc.status.backups == 1
+    theirs = sum(not share_of(1, 2)(h) for h in chunks)
+    assert store.stats()["chunks_taken_over"] == theirs > 0
+    assert svc.status.last_chunks_by_others == 0
+
+
+def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
+    """A step restored from a peer is backed up only once all its chunks are in RAM; a
+    reader that fails in an unexpected way is a failed attempt, not a dead daemon."""
+    chunks: dict[str, bytes] = {}
+    m = make_step(20, {"w.bin": blob(6, 3 * CHUNK)}, chunks=chunks)
+    store = BackupStore(FileBackend(tmp_path), rank=1)
+    rec = SimpleNamespace(name=m.step, number=20, committed_ns=1, backed_up_ns=None,
+                          backing_up=False)
+    version = SimpleNamespace(missing={2})  # chunk 2 is still being fetched
+    calls: list[str] = []
+    broken = [True]
+
+    def reader(pinned: list[object]) -> Callable[[str], bytes]:
+        def read(h: str) -> bytes:
+            if broken[0]:
+                raise KeyError(h)
+            return chunks[h]
+        return read
+
+    fs = SimpleNamespace(
+        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True,
+        snapshot_step=lambda name: (m, [version]), chunk_reader=reader,
+        unpin=lambda pinned: None, evict=list,
+        mark_backed_up=lambda name, pinned: calls.append(name),
+        backup_retired=lambda kept: [])
+    svc = BackupService(fs, store, interval_s=None, every_ckpts=1, keep_backups=2, url="u",
+                        interval_text="1")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run)
+            await trio.sleep(0.3)
+            assert calls == [] and svc.status.pending == [m.step]
+            assert svc.status.failures == 0
+            with pytest.raises(BackupError, match="not in RAM yet"):
+                await svc.request()
+            version.missing.clear()
+            with pytest.raises(BackupError, match="KeyError"):
+                await svc.request()
+            assert svc.status.failures == 1
+            broken[0] = False
+            await svc.request()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert calls == [m.step] and svc.status.backups == 1
+    assert restore_files(store, m.step) == {"w.bin": blob(6, 3 * CHUNK)}
