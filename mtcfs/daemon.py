@@ -70,7 +70,7 @@ class Daemon:
         self.store = Store(o.store, o.job, o.chunk_size)
         capacity = o.size or default_capacity(self.store.path)
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
-                             chunk_size=o.chunk_size, job=o.job)
+                             chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
             from replication.peer.sources import PeerChunkSource
@@ -95,7 +95,7 @@ class Daemon:
             backend = RetryingBackend(open_backend(o.backup),
                                       RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
             if o.multi_node:
-                self.backup_store = BackupStore(backend, rank=o.rank)
+                self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
             else:
                 self.backup_store = BackupStore(backend)
             backup_source: Any = BackupChunkSource(self.backup_store)

@@ -175,7 +175,7 @@ class CheckpointOps:
                 entries.append(Entry(path, "file", perm, ino.mtime_ns, size=v.size,
                                      chunk_size=v.chunk_size, chunks=v.chunks, blake3=v.blake3))
         m = StepManifest(job=self.job, step=name, step_number=rec.number,
-                         created_ns=_now_ns(), entries=entries)
+                         created_ns=_now_ns(), entries=entries, rank=self.rank)
         return m, pinned
 
     def step_in_ram(self, rec: StepRecord) -> bool:

@@ -61,16 +61,18 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         keep: complete checkpoints always kept in RAM (``keep=`` option).
         chunk_size: chunk size in bytes for new versions.
         job: the job name, recorded in manifests.
+        rank: this node's rank in the job, recorded in manifests (0 on a single node).
     """
 
     def __init__(self, store: Store, *, capacity: int, keep: int = 2,
-                 chunk_size: int | None = None, job: str = "job") -> None:
+                 chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
         self.store = store
         self.db = store.db
         self.capacity = capacity
         self.keep = keep
         self.chunk_size = chunk_size or store.chunk_size
         self.job = job
+        self.rank = rank
         self.inodes: dict[int, Inode] = {}
         self.versions: dict[int, Version] = {}
         self.handles: dict[int, Handle | DirHandle] = {}
