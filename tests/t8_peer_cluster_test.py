@@ -10,7 +10,6 @@ input sent straight to a daemon's Peer port.
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import grpc
@@ -31,33 +30,6 @@ FAST = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-@pytest.fixture
-def make_cluster(make_cluster):
-    """conftest's ``make_cluster``, whose ranks are unmounted in parallel at the end (one
-    by one each takes seconds; make_cluster's own cleanup then mops up whatever is left)."""
-    made = []
-
-    def factory(*args, **kw):
-        c = make_cluster(*args, **kw)
-        made.append(c)
-        return c
-
-    yield factory
-
-    def stop(m) -> None:
-        try:
-            m.stop(timeout=20)
-        except Exception:  # noqa: BLE001, S110 (make_cluster's cleanup deals with it)
-            pass
-
-    threads = [threading.Thread(target=stop, args=(c.node(r),))
-               for c in made for r in range(c.nodes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
 
 def blob(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
