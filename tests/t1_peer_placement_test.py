@@ -172,3 +172,18 @@ def test_membership_coordinator_takes_over_when_rank_0_dies():
     assert table.view().coordinator_rank == 0
     with pytest.raises(ValueError):
         table.report(3, address="x", labels={})
+
+
+def test_new_coordinator_keeps_the_job_complete_step_it_is_told():
+    # Rank 1 takes over after rank 0 died; rank 0 never reported to rank 1's table, so the
+    # table alone cannot name a step complete on all ranks. The survivors pass on what the
+    # old coordinator told them, and the newest such step wins.
+    table = Membership(3, self_rank=1, self_address="n1:1")
+    table.report(1, address="n1:1", labels={}, steps_complete=[StepRef("step_20", 20)],
+                 job_complete=StepRef("step_10", 10))
+    table.report(2, address="n2:1", labels={}, steps_complete=[StepRef("step_20", 20)])
+    assert table.view().latest_complete == StepRef("step_10", 10)
+    table.report(2, address="n2:1", labels={}, job_complete=StepRef("step_20", 20))
+    assert table.view().latest_complete == StepRef("step_20", 20)
+    table.report(1, address="n1:1", labels={}, job_complete=StepRef("step_10", 10))
+    assert table.view().latest_complete == StepRef("step_20", 20)   # never goes back

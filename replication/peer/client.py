@@ -390,7 +390,8 @@ class PeerClient:
 
     def heartbeat(self, *, address: str, labels: Mapping[str, str] | None = None,
                   steps_complete: Iterable[StepRef] = (), capacity_bytes: int = 0,
-                  used_bytes: int = 0, known_version: int = 0) -> HeartbeatResult:
+                  used_bytes: int = 0, known_version: int = 0,
+                  job_complete: StepRef | None = None) -> HeartbeatResult:
         """Report this rank to the peer (normally the coordinator) and read its view.
 
         Args:
@@ -401,6 +402,7 @@ class PeerClient:
             used_bytes: of which in use.
             known_version: the ``membership_version`` last seen; the member list comes back
                 only if it changed.
+            job_complete: the newest step this node was told is complete on all ranks.
 
         Raises:
             PeerUnavailable: if the peer cannot be reached after the retries.
@@ -411,6 +413,10 @@ class PeerClient:
             steps_complete=[pb.StepRef(step=s.step, step_number=s.step_number)
                             for s in steps_complete],
             capacity_bytes=capacity_bytes, used_bytes=used_bytes, known_version=known_version)
+        if job_complete is not None:
+            req.has_job_complete = True
+            req.job_complete.step = job_complete.step
+            req.job_complete.step_number = job_complete.step_number
         reply = self._call(lambda: self._stub.Heartbeat(req, timeout=self._timeout),
                            "Heartbeat")
         members = None

@@ -10,7 +10,10 @@ coordinator. Rules:
 * The **coordinator** is the lowest live rank (rank 0 while it lives; when it dies, the next
   lowest takes over without anyone deciding it).
 * A step is **complete in the job** when every rank 0..nodes-1 reported it complete; the
-  newest such step is what a restore brings back. Reports accumulate (a rank that evicted a
+  newest such step is what a restore brings back. A reporter may also pass on the newest
+  job-complete step an earlier coordinator told it (``job_complete``): a step once complete
+  on all ranks stays so, and a new coordinator, whose table lacks the reports of the rank
+  that died with the old one, keeps the fact. Reports accumulate (a rank that evicted a
   step from its RAM still completed it), bounded to the newest :data:`STEPS_REMEMBERED` per
   rank.
 * ``membership_version`` changes when a member joins, changes address or labels, dies or
@@ -42,6 +45,7 @@ class _Member:
     used_bytes: int = 0
     steps: dict[int, str] = field(default_factory=dict)  # step_number -> step name
     alive: bool = True
+    job_complete: StepRef | None = None  # newest step it was told is complete on all ranks
 
 
 class Membership:
@@ -85,8 +89,10 @@ class Membership:
 
     def report(self, rank: int, *, address: str, labels: Mapping[str, str],
                steps_complete: Iterable[StepRef] = (), capacity_bytes: int = 0,
-               used_bytes: int = 0) -> None:
+               used_bytes: int = 0, job_complete: StepRef | None = None) -> None:
         """Record one heartbeat of ``rank``.
+
+        ``job_complete``: the newest step the reporter knows to be complete on all ranks.
 
         Raises:
             ValueError: if ``rank`` is outside 0..nodes-1.
@@ -104,6 +110,9 @@ class Membership:
                 self._version += 1
             m.last_seen = now
             m.capacity_bytes, m.used_bytes = capacity_bytes, used_bytes
+            if job_complete is not None and (m.job_complete is None or
+                                             job_complete.step_number > m.job_complete.step_number):
+                m.job_complete = job_complete
             for s in steps_complete:
                 m.steps[s.step_number] = s.step
             if len(m.steps) > STEPS_REMEMBERED:
@@ -139,6 +148,14 @@ class Membership:
                                    nodes=self._nodes)
 
     def _latest_complete_locked(self) -> StepRef | None:
+        told = [m.job_complete for m in self._members.values() if m.job_complete is not None]
+        best_told = max(told, key=lambda s: s.step_number) if told else None
+        seen = self._latest_reported_locked()
+        if seen is None or (best_told is not None and best_told.step_number > seen.step_number):
+            return best_told
+        return seen
+
+    def _latest_reported_locked(self) -> StepRef | None:
         if len(self._members) < self._nodes:
             return None
         common: set[int] | None = None

@@ -256,7 +256,9 @@ class PeerService(pb_grpc.PeerServicer):
             self._membership.report(
                 request.rank, address=request.address, labels=dict(request.labels),
                 steps_complete=[StepRef(s.step, s.step_number) for s in request.steps_complete],
-                capacity_bytes=request.capacity_bytes, used_bytes=request.used_bytes)
+                capacity_bytes=request.capacity_bytes, used_bytes=request.used_bytes,
+                job_complete=StepRef(request.job_complete.step, request.job_complete.step_number)
+                if request.has_job_complete else None)
             self._counters.add("heartbeats")
             view = self._membership.view(request.known_version)
             reply = pb.HeartbeatReply(membership_version=view.membership_version,

@@ -296,7 +296,7 @@ class PeerTier:
         steps = self._steps_report()
         self.membership.report(self.rank, address=self.advertise, labels=self.cfg.labels,
                                steps_complete=steps, capacity_bytes=s["capacity"],
-                               used_bytes=s["used"])
+                               used_bytes=s["used"], job_complete=self.latest_complete)
         for cand in self._candidates():
             if cand == self.rank:
                 if self.coordinator != self.rank:
@@ -324,7 +324,7 @@ class PeerTier:
         return self.client(rank, quick=True).heartbeat(
             address=self.advertise, labels=self.cfg.labels, steps_complete=steps,
             capacity_bytes=s["capacity"], used_bytes=s["used"],
-            known_version=self._known_version)
+            known_version=self._known_version, job_complete=self.latest_complete)
 
     def _learn(self, res: HeartbeatResult, *, own: bool) -> None:
         if res.members is not None:
@@ -341,11 +341,12 @@ class PeerTier:
                     self.addresses[m.rank] = m.address
             if not own:
                 self._known_version = res.membership_version
-        latest = res.latest_complete
-        if own and self._backup_latest is not None and (
-                latest is None or self._backup_latest.step_number > latest.step_number):
-            latest = self._backup_latest
-        self.latest_complete = latest
+        # A step complete on all ranks stays so: keep the newest this node has been told,
+        # whichever coordinator (or the backup tier) told it.
+        for cand in (res.latest_complete, self._backup_latest if own else None):
+            if cand is not None and (self.latest_complete is None or
+                                     cand.step_number > self.latest_complete.step_number):
+                self.latest_complete = cand
 
     async def _heartbeat_loop(self) -> None:
         last_backup_check = -1e9

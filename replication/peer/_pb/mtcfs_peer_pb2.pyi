@@ -153,7 +153,7 @@ class StepRef(_message.Message):
     def __init__(self, step: _Optional[str] = ..., step_number: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job", "rank", "address", "labels", "steps_complete", "capacity_bytes", "used_bytes", "known_version")
+    __slots__ = ("job", "rank", "address", "labels", "steps_complete", "capacity_bytes", "used_bytes", "known_version", "has_job_complete", "job_complete")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class HeartbeatRequest(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_JOB_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    JOB_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     address: str
@@ -177,7 +179,9 @@ class HeartbeatRequest(_message.Message):
     capacity_bytes: int
     used_bytes: int
     known_version: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., steps_complete: _Optional[_Iterable[_Union[StepRef, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., known_version: _Optional[int] = ...) -> None: ...
+    has_job_complete: bool
+    job_complete: StepRef
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., steps_complete: _Optional[_Iterable[_Union[StepRef, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., known_version: _Optional[int] = ..., has_job_complete: _Optional[bool] = ..., job_complete: _Optional[_Union[StepRef, _Mapping]] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("rank", "address", "labels", "alive", "age_ms", "capacity_bytes", "used_bytes")
