@@ -55,6 +55,7 @@ class Daemon:
         self.backup: Any = None
         self.prefetcher: Any = None
         self.peer: Any = None
+        self._bulk_restore = False
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
 
@@ -166,7 +167,12 @@ class Daemon:
                              "namespace_seconds": time.monotonic() - t0, "started": time.time()}
         log.info("restored namespace of %s (%d bytes) of rank %d; manifest from %s",
                  manifest.step, manifest.total_bytes, self.opts.rank, source)
-        if self.prefetcher is not None:
+        if source.startswith("peer") and self.prefetcher is not None:
+            # The data follows in long streams from the holders; the prefetcher (which
+            # goes chunk by chunk, backup tier included) takes over what they leave.
+            self._bulk_restore = True
+            self.prefetcher.wait_for_kick = True
+        elif self.prefetcher is not None:
             self.prefetcher.kick()
         return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes}
 
@@ -245,6 +251,8 @@ class Daemon:
                     n.start_soon(self.prefetcher.run)
                 if self.peer is not None:
                     n.start_soon(self.peer.run)
+                if self._bulk_restore:
+                    n.start_soon(self._restore_bulk)
                 ready()
                 await pyfuse3.main()
                 mounted = False
@@ -253,6 +261,25 @@ class Daemon:
             pyfuse3.close(unmount=mounted)
             self.fs.close()
             self.store.close()
+
+    async def _restore_bulk(self) -> None:
+        """Stream the restored step's chunks from the peers, then let the prefetcher (and
+        so the backup tier) fetch whatever they did not serve."""
+        from replication.peer.bulk import restore_from_peers
+        served = getattr(self.fs.chunk_source, "served", None)
+
+        def count() -> None:
+            if served is not None:
+                served["peers"] = served.get("peers", 0) + 1
+        try:
+            stats = await restore_from_peers(self.fs, self.peer, on_chunk=count)
+            self.restore_info["bulk_from_peers"] = stats
+        except Exception as exc:  # the prefetcher still brings everything back
+            log.exception("bulk restore from peers failed")
+            self.fs._error(f"bulk restore from peers failed: {exc}")
+        finally:
+            self._bulk_restore = False
+            self.prefetcher.kick()
 
     async def _signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

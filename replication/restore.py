@@ -62,6 +62,9 @@ class Prefetcher:
         self.passes = 0
         self.failed = 0
         self.idle = False  # True between passes
+        #: Set before run() to skip the first pass until kick() (a bulk restore from peers
+        #: runs first and kicks the prefetcher for whatever it leaves).
+        self.wait_for_kick = False
 
     def kick(self) -> None:
         self._wake.set()
@@ -76,6 +79,10 @@ class Prefetcher:
         return len(items), total
 
     async def run(self) -> None:
+        if self.wait_for_kick:
+            self.idle = True
+            await self._wake.wait()
+            self._wake = trio.Event()
         while True:
             self.idle = False
             await self._one_pass()

@@ -76,26 +76,62 @@ class FaultInOps:
 
     async def _fetch_chunk_once(self, v: Version, idx: int) -> None:
         digest = v.chunks[idx]
-        off, length = chunk_span(idx, v.size, v.chunk_size)
+        _off, length = chunk_span(idx, v.size, v.chunk_size)
         v.pins += 1
         try:
             async with self._fetch_limiter:
                 data = await self._chunk_bytes(digest, length)
-            if idx not in v.missing or v.vid not in self.versions:
-                return
-            await trio.to_thread.run_sync(os.pwrite, self._fd(v), data, off,
-                                          limiter=self.cpu_limiter)
-            if idx in v.missing:
-                v.missing.discard(idx)
-                self.used += length
-                self.counters.chunks_faulted += 1
-                self.counters.bytes_faulted += length
-                self._chunk_locations.setdefault(digest, (v.vid, idx))
-                with self.db.transaction():
-                    self._write_version(v)
+            await self._store_chunk(v, idx, data)
         finally:
             v.pins -= 1
             self._release_version(v)
+
+    async def _store_chunk(self, v: Version, idx: int, data: bytes) -> None:
+        """Write verified bytes of chunk ``idx`` of ``v`` into its data file, if still missing.
+
+        The caller pins ``v``.
+        """
+        if idx not in v.missing or v.vid not in self.versions:
+            return
+        off, length = chunk_span(idx, v.size, v.chunk_size)
+        await trio.to_thread.run_sync(os.pwrite, self._fd(v), data, off,
+                                      limiter=self.cpu_limiter)
+        if idx in v.missing:
+            v.missing.discard(idx)
+            self.used += length
+            self.counters.chunks_faulted += 1
+            self.counters.bytes_faulted += length
+            self._chunk_locations.setdefault(v.chunks[idx], (v.vid, idx))
+            with self.db.transaction():
+                self._write_version(v)
+
+    async def deliver_chunk(self, digest: str, data: bytes,
+                            where: list[tuple[Version, int]]) -> int:
+        """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
+
+        Args:
+            digest: the chunk's blake3; ``data`` must already be verified against it.
+            where: the (version, chunk index) pairs that need it.
+
+        Returns:
+            how many places were filled (0 if all were filled meanwhile, by reads).
+        """
+        filled = 0
+        for v, idx in where:
+            if v.vid not in self.versions or idx not in v.missing or v.chunks[idx] != digest:
+                continue
+            if len(data) != chunk_span(idx, v.size, v.chunk_size)[1]:
+                self._error(f"chunk {digest[:16]} has {len(data)} bytes, expected "
+                            f"{chunk_span(idx, v.size, v.chunk_size)[1]}")
+                continue
+            v.pins += 1
+            try:
+                await self._store_chunk(v, idx, data)
+                filled += 1
+            finally:
+                v.pins -= 1
+                self._release_version(v)
+        return filled
 
     async def _chunk_bytes(self, digest: str, length: int) -> bytes:
         """Bytes of chunk ``digest``: a local copy if one exists, else the chunk source."""

@@ -126,9 +126,15 @@ async def _job_latest(tier: Any, restorable: dict[str, int], wait_s: float) -> S
     deadline = time.monotonic() + wait_s
     while True:
         await tier.heartbeat_once()
-        lc = tier.latest_complete
-        if lc is not None and lc.step in restorable:
-            return lc
+        # The coordinator may have just restarted (this very node, when it is rank 0) and
+        # not heard from everyone yet; any live node can say what it was told.
+        told = [tier.latest_complete, *await trio.to_thread.run_sync(tier.ask_all_latest)]
+        known = [s for s in told if s is not None and s.step in restorable]
+        if known:
+            best = max(known, key=lambda s: s.step_number)
+            tier.latest_complete = max((s for s in told if s is not None),
+                                       key=lambda s: s.step_number)
+            return best
         if time.monotonic() > deadline:
             break
         await trio.sleep(tier.cfg.heartbeat_s / 2)

@@ -42,13 +42,18 @@ from replication.backup.counters import Counters
 from replication.backup.layout import check_hash, check_step
 from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
-from replication.peer.errors import ChunkNotFound, ReplicaChunkCorrupt, ReplicaFull
-from replication.peer.limits import MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES
+from replication.peer.errors import ReplicaFull
+from replication.peer.get_stream import encode_reply, stream_chunks
+from replication.peer.limits import (
+    MAX_DIGESTS_PER_CALL,
+    MAX_MANIFEST_BYTES,
+    MAX_MESSAGE_BYTES,
+)
 from replication.peer.membership import Membership
 from replication.peer.put_stream import PutStream, Refused
 from replication.peer.records import StepRef
 from replication.peer.replica_store import ReplicaStore
-from replication.peer.wire import encode_bitmap, get_replies, status
+from replication.peer.wire import encode_bitmap
 
 log = logging.getLogger(__name__)
 
@@ -180,25 +185,7 @@ class PeerService(pb_grpc.PeerServicer):
             self._check(request.job, request.rank)
             digests = list(request.digests)
             self._check_digests(digests)
-            for h in digests:
-                if not context.is_active():
-                    return
-                try:
-                    data = self._store.get_chunk(h)
-                except ChunkNotFound as exc:
-                    self._counters.add("chunks_unavailable")
-                    yield pb.GetChunksReply(
-                        unavailable=status(h, grpc.StatusCode.NOT_FOUND, str(exc)))
-                    continue
-                except ReplicaChunkCorrupt as exc:
-                    self._counters.add("chunks_unavailable")
-                    yield pb.GetChunksReply(
-                        unavailable=status(h, grpc.StatusCode.DATA_LOSS, str(exc)))
-                    continue
-                for reply, _n in get_replies(h, data):
-                    yield reply
-                self._counters.add("chunks_sent")
-                self._counters.add("bytes_sent", len(data))
+            yield from stream_chunks(self._store, digests, context, self._counters)
 
     def PublishManifest(self, request: pb.PublishManifestRequest,
                         context: grpc.ServicerContext) -> pb.PublishManifestReply:
@@ -300,6 +287,35 @@ class PeerServer:
         return self.server.wait_for_termination(timeout)
 
 
+def _register(service: PeerService, server: grpc.Server) -> None:
+    """Register the Peer methods as the generated ``add_PeerServicer_to_server`` does, except
+    that GetChunks replies arrive already serialized (see get_stream.py)."""
+    m = pb_grpc.grpc
+    handlers = {
+        "HasChunks": m.unary_unary_rpc_method_handler(
+            service.HasChunks, request_deserializer=pb.HasChunksRequest.FromString,
+            response_serializer=pb.HasChunksReply.SerializeToString),
+        "PutChunks": m.stream_unary_rpc_method_handler(
+            service.PutChunks, request_deserializer=pb.PutChunksRequest.FromString,
+            response_serializer=pb.PutChunksReply.SerializeToString),
+        "GetChunks": m.unary_stream_rpc_method_handler(
+            service.GetChunks, request_deserializer=pb.GetChunksRequest.FromString,
+            response_serializer=encode_reply),
+        "PublishManifest": m.unary_unary_rpc_method_handler(
+            service.PublishManifest, request_deserializer=pb.PublishManifestRequest.FromString,
+            response_serializer=pb.PublishManifestReply.SerializeToString),
+        "ListManifests": m.unary_stream_rpc_method_handler(
+            service.ListManifests, request_deserializer=pb.ListManifestsRequest.FromString,
+            response_serializer=pb.StoredManifest.SerializeToString),
+        "Heartbeat": m.unary_unary_rpc_method_handler(
+            service.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=pb.HeartbeatReply.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Peer"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
           rank: int | None = None, labels: Mapping[str, str] | None = None,
           membership: Membership | None = None, workers: int = DEFAULT_WORKERS,
@@ -337,7 +353,7 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, loudly
         ])
-    pb_grpc.add_PeerServicer_to_server(service, server)
+    _register(service, server)
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as exc:  # grpcio raises when binding fails

@@ -319,6 +319,21 @@ class PeerTier:
             self._learn(res, own=False)
             return
 
+    def ask_all_latest(self) -> list[StepRef | None]:
+        """Worker thread: every other known node's newest step complete on all ranks (one
+        short heartbeat each; nodes that do not answer are left out)."""
+        s = self.fs.statfs()
+        steps = self._steps_report()
+        out: list[StepRef | None] = []
+        for rank in sorted(self.addresses):
+            if rank == self.rank:
+                continue
+            try:
+                out.append(self._heartbeat_call(rank, steps, s).latest_complete)
+            except PeerError:
+                continue
+        return out
+
     def _heartbeat_call(self, rank: int, steps: list[StepRef],
                         s: Mapping[str, int]) -> HeartbeatResult:
         return self.client(rank, quick=True).heartbeat(
