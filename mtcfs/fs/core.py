@@ -84,6 +84,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: Bytes of the same RAM budget used outside the core (the replicas this node holds
         #: for its peers), read on every reservation; wired by the daemon.
         self.shared_used: Callable[[], int] = lambda: 0
+        #: time.monotonic() of the last write() by the application (background tiers yield
+        #: to it).
+        self.last_write = 0.0
         self.cpu_limiter = trio.CapacityLimiter(2)
         self._fetch_limiter = trio.CapacityLimiter(8)
         self._observers: list[Callable[[str, Any], None]] = []

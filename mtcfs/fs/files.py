@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import stat
+import time
 
 import trio
 
@@ -165,6 +166,7 @@ class FileOps:
             v.size = end
         v.gen += 1
         self.counters.bytes_written += n
+        self.last_write = time.monotonic()
         return n
 
     async def flush(self, fh: int) -> None:

@@ -59,6 +59,11 @@ log = logging.getLogger(__name__)
 #: step to restore) becomes coordinator again within a few rounds.
 SUSPECT_S = 2.0
 
+#: Replication sends a chunk only after this many seconds without an application write...
+QUIET_S = 0.05
+#: ... waiting at most this long in total per step pushed to a peer.
+YIELD_BUDGET_S = 30.0
+
 #: Steps per rank a node keeps as replicas beyond ``keep`` (a step being replicated while
 #: the previous ones are still the newest complete).
 _REPLICA_SLACK = 1
@@ -479,7 +484,7 @@ class PeerTier:
         manifest, pinned = fs.snapshot_step(rec.name)
         try:
             manifest = dataclasses.replace(manifest, rank=self.rank)
-            reader = fs.chunk_reader(pinned)
+            reader = self._yielding(fs.chunk_reader(pinned))
             twin = link.peer in self.twins()
             hashes_only = twin and time.time_ns() - committed < self.cfg.twin_wait_s * 1e9
             async with self._bulk:
@@ -536,6 +541,24 @@ class PeerTier:
 
     def _list_held(self, peer: int) -> list[Any]:
         return self.client(peer).list_manifests(self.rank, with_manifest=False)
+
+    def _yielding(self, read: Any) -> Any:
+        """Wrap a chunk reader so that sending pauses while the application writes.
+
+        On a node the replication's reads and sends compete with the application's writes
+        for CPU and memory bandwidth; checkpoint writes are the training job's critical
+        path, so before each chunk the sender waits until no write() came for
+        :data:`QUIET_S`. The pauses of one push add up to :data:`YIELD_BUDGET_S` at most,
+        so a job that never stops writing still gets its steps replicated.
+        """
+        budget = [YIELD_BUDGET_S]
+
+        def read_chunk(digest: str) -> bytes:
+            while budget[0] > 0 and time.monotonic() - self.fs.last_write < QUIET_S:
+                time.sleep(0.02)
+                budget[0] -= 0.02
+            return read(digest)
+        return read_chunk
 
     def _push(self, peer: int, manifest: StepManifest, reader: Any,
               hashes_only: bool) -> dict[str, int]:
