@@ -306,6 +306,12 @@ def format_peer_status(p: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def cmd_metrics(a: argparse.Namespace) -> None:
+    from mtcfs.metrics import prometheus_text
+    sock, _ = control_socket(a.mountpoint)
+    sys.stdout.write(prometheus_text(_request(sock, "status")))
+
+
 def cmd_status(a: argparse.Namespace) -> None:
     sock, _ = control_socket(a.mountpoint)
     st = _request(sock, "status")
@@ -349,11 +355,12 @@ def cmd_checkpoints(a: argparse.Namespace) -> None:
     if not rows:
         print("no checkpoints")
         return
-    print(f"{'STEP':<24} {'SIZE':>10} {'FILES':>6}  {'RAM':<9} {'BACKUP':<9} COMMITTED BY")
+    print(f"{'STEP':<24} {'SIZE':>10} {'FILES':>6}  {'RAM':<9} {'PEERS':<6} {'BACKUP':<9} "
+          "COMMITTED BY")
     for r in rows:
         files = "-" if r["files"] is None else str(r["files"])
         print(f"{r['step']:<24} {_human(r['bytes']):>10} {files:>6}  {r['ram']:<9} "
-              f"{r['backup']:<9} {r['committed_by']}")
+              f"{r.get('peers', '-'):<6} {r['backup']:<9} {r['committed_by']}")
 
 
 def cmd_restore(a: argparse.Namespace) -> None:
@@ -463,6 +470,7 @@ def _sub_parser() -> argparse.ArgumentParser:
 
     add("status", cmd_status, "capacity, tiers, peer replication, pending backup work, errors")
     add("checkpoints", cmd_checkpoints, "each checkpoint, its size and its state per tier")
+    add("metrics", cmd_metrics, "the status as Prometheus text (for a textfile collector)")
     r = add("restore", cmd_restore, "restore a checkpoint from the backup tier")
     r.add_argument("--step", type=int, help="step number (default: the newest complete)")
     r.add_argument("--no-wait", action="store_true", help="return once the files appear")

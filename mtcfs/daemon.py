@@ -425,8 +425,10 @@ class Daemon:
             ram = "complete" if local == size else ("evicted" if local == 0 else "partial")
             backup = "complete" if rec.backed_up_ns is not None else (
                 "uploading" if rec.backing_up else ("-" if self.backup is None else "pending"))
+            peers = f"{rec.replicated}/{rec.replicas or len(self.peer.peer_ranks())}" \
+                if self.peer is not None else "-"
             rows[rec.name] = {"step": rec.name, "number": rec.number, "files": files,
-                              "bytes": size, "ram": ram, "backup": backup,
+                              "bytes": size, "ram": ram, "peers": peers, "backup": backup,
                               "committed_by": rec.source,
                               "committed": rec.committed_ns / 1e9}
         if self.backup_store is not None:
@@ -440,6 +442,7 @@ class Daemon:
                 if row is None:
                     rows[info.step] = {"step": info.step, "number": info.step_number,
                                        "files": None, "bytes": info.total_bytes, "ram": "-",
+                                       "peers": "-",
                                        "backup": "complete", "committed_by": "backup",
                                        "committed": info.created_ns / 1e9}
                 else:

@@ -406,3 +406,13 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
     assert "step_10" in repl and "0 steps" in repl, repl
     out1 = c.node(1).cli("status", str(c.node(1).mnt)).stdout
     assert "coordinator rank 0" in out1 and "sends to rank 2; holds replicas of rank 0" in out1
+    # mtcfs checkpoints has a PEERS column: peers holding the step of those wanted
+    rows = c.node(0).checkpoints()
+    assert [(r["step"], r["peers"]) for r in rows] == [("step_10", "1/1")]
+    table = c.node(0).cli("checkpoints", str(c.node(0).mnt)).stdout
+    assert "PEERS" in table.splitlines()[0] and " 1/1 " in table.splitlines()[1], table
+    # ... and mtcfs metrics exposes members and lag for Prometheus
+    metrics = c.node(0).cli("metrics", str(c.node(0).mnt)).stdout
+    for r in range(3):
+        assert f'mtcfs_peer_member_alive{{job="{JOB}",rank="0",member="{r}"}} 1' in metrics
+    assert f'mtcfs_peer_replication_lag_steps{{job="{JOB}",rank="0",peer="1"}} 0' in metrics

@@ -1,0 +1,146 @@
+"""Prometheus text exposition of a mount's status (``mtcfs metrics MOUNTPOINT``).
+
+mtcfs serves no HTTP port of its own: ``mtcfs metrics`` prints the metrics in the Prometheus
+text format (version 0.0.4), for node_exporter's textfile collector or any scraper that runs
+a command, e.g. every 15 s::
+
+    mtcfs metrics /mnt/ckpt > /var/lib/node_exporter/textfile/mtcfs.prom.tmp &&
+        mv /var/lib/node_exporter/textfile/mtcfs.prom.tmp /var/lib/node_exporter/textfile/mtcfs.prom
+
+Every series carries the ``job`` label (the mtcfs job, not Prometheus's) and, on several
+nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end in
+``_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(base: Mapping[str, object], extra: Mapping[str, object] | None = None) -> str:
+    items = {**base, **(extra or {})}
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items.items()) + "}"
+
+
+class _Out:
+    def __init__(self, base: Mapping[str, object]) -> None:
+        self.base = dict(base)
+        self.lines: list[str] = []
+        self.declared: set[str] = set()
+
+    def add(self, name: str, kind: str, help_: str, value: Any,
+            labels: Mapping[str, object] | None = None) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool):
+            value = int(value)
+        if not isinstance(value, (int, float)):
+            return
+        if name not in self.declared:
+            self.declared.add(name)
+            self.lines.append(f"# HELP {name} {help_}")
+            self.lines.append(f"# TYPE {name} {kind}")
+        self.lines.append(f"{name}{_labels(self.base, labels)} {value}")
+
+
+_COUNTER_HELP = {
+    "bytes_written": "Bytes written by applications through the mount.",
+    "bytes_read": "Bytes read by applications through the mount.",
+    "seals": "File versions sealed (hashed) after their last close.",
+    "chunks_faulted": "Chunks brought into RAM from another tier.",
+    "bytes_faulted": "Bytes brought into RAM from another tier.",
+    "fault_errors": "Chunk fetches that failed (no tier had a valid copy).",
+    "enospc": "Writes refused because the RAM tier was full.",
+    "evicted_steps": "Checkpoints evicted from RAM.",
+}
+
+
+def prometheus_text(status: Mapping[str, Any]) -> str:
+    """Render ``mtcfs status --json`` output as Prometheus text (one string, newline-ended)."""
+    peers = status.get("peers") or None
+    base: dict[str, object] = {"job": status.get("job", "")}
+    if peers:
+        base["rank"] = peers.get("rank", 0)
+    out = _Out(base)
+    ram = status.get("ram") or {}
+    out.add("mtcfs_ram_capacity_bytes", "gauge", "RAM tier budget (size=).",
+            ram.get("capacity"))
+    out.add("mtcfs_ram_used_bytes", "gauge",
+            "RAM tier bytes in use (own files and peer replicas).", ram.get("used"))
+    out.add("mtcfs_checkpoints", "gauge", "Committed checkpoints on this node.",
+            ram.get("checkpoints"))
+    out.add("mtcfs_errors", "gauge", "Errors currently listed by mtcfs status.",
+            len(status.get("errors") or []))
+    for key, value in sorted((status.get("counters") or {}).items()):
+        out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
+    backup = status.get("backup")
+    if backup:
+        out.add("mtcfs_backup_backups_total", "counter", "Checkpoints backed up.",
+                backup.get("backups"))
+        out.add("mtcfs_backup_failures_total", "counter", "Failed backup attempts.",
+                backup.get("failures"))
+        out.add("mtcfs_backup_uploaded_bytes_total", "counter",
+                "Compressed bytes uploaded to the backup tier.",
+                backup.get("total_bytes_uploaded"))
+        out.add("mtcfs_backup_pending", "gauge", "Checkpoints waiting to be backed up.",
+                len(backup.get("pending") or []))
+        out.add("mtcfs_backup_last_seconds", "gauge", "Duration of the last backup.",
+                backup.get("last_seconds"))
+    restore = status.get("restore")
+    if restore:
+        out.add("mtcfs_restore_pending_chunks", "gauge", "Chunks still to be restored.",
+                restore.get("pending_chunks"))
+        out.add("mtcfs_restore_pending_bytes", "gauge", "Bytes still to be restored.",
+                restore.get("pending_bytes"))
+        for tier, n in sorted((restore.get("chunks_from") or {}).items()):
+            out.add("mtcfs_restore_chunks_total", "counter", "Chunks restored, by tier.", n,
+                    {"tier": tier})
+    if peers:
+        _peer_metrics(out, peers)
+    return "\n".join(out.lines) + "\n"
+
+
+def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
+    out.add("mtcfs_peer_nodes", "gauge", "Ranks in the job.", p.get("nodes"))
+    out.add("mtcfs_peer_coordinator_rank", "gauge", "The rank coordinating the job.",
+            p.get("coordinator"))
+    lc = p.get("latest_complete") or {}
+    out.add("mtcfs_peer_latest_complete_step", "gauge",
+            "Newest step complete on all ranks.", lc.get("number"))
+    for m in _rows(p.get("members")):
+        lab = {"member": m.get("rank")}
+        out.add("mtcfs_peer_member_alive", "gauge", "1 if the member is heard from.",
+                m.get("alive"), lab)
+        out.add("mtcfs_peer_member_heartbeat_age_seconds", "gauge",
+                "Seconds since the member's last heartbeat.", m.get("age_s"), lab)
+    for r in _rows(p.get("replication")):
+        lab = {"peer": r.get("peer")}
+        out.add("mtcfs_peer_replication_lag_steps", "gauge",
+                "Checkpoints not yet confirmed by the peer.", r.get("lag_steps"), lab)
+        out.add("mtcfs_peer_replication_lag_bytes", "gauge",
+                "Bytes of checkpoints not yet confirmed by the peer.", r.get("lag_bytes"), lab)
+        out.add("mtcfs_peer_replication_up", "gauge",
+                "1 if replication to the peer works (state ok or lagging).",
+                r.get("state") in ("ok", "lagging"), lab)
+        out.add("mtcfs_peer_sent_bytes_total", "counter",
+                "Chunk payload bytes sent to the peer.", r.get("bytes_sent"), lab)
+        out.add("mtcfs_peer_skipped_chunks_total", "counter",
+                "Chunks not sent because the peer held them.", r.get("chunks_skipped"), lab)
+    store = p.get("replica_store") or {}
+    out.add("mtcfs_peer_replica_bytes", "gauge", "Bytes held for other ranks.",
+            store.get("used_bytes"))
+    out.add("mtcfs_peer_replica_corrupt_deleted_total", "counter",
+            "Replica chunks found corrupt and deleted.", store.get("corrupt_deleted"))
+    for rank, n in sorted((p.get("bad_peers") or {}).items()):
+        out.add("mtcfs_peer_bad_chunks_total", "counter",
+                "Chunks that failed verification, by the peer that sent them.", n,
+                {"peer": rank})
+
+
+def _rows(value: object) -> Iterable[Mapping[str, Any]]:
+    return [r for r in value if isinstance(r, Mapping)] if isinstance(value, list) else []
