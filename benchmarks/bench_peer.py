@@ -51,6 +51,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -619,6 +620,12 @@ def run_mtcfs(size: int, reps: int, touch: bool,
                 except Exception as exc:  # noqa: BLE001 (report; the other measurements go on)
                     traceback.print_exc()
                     errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                # Free this measurement's stores now: three repeats of every part at once
+                # do not fit in RAM at --size 1G (the kernel's OOM killer ended such a run).
+                # (Each part unmounts its nodes before it returns.)
+                for d in (shm / f"rr{rep}", shm / f"bk{rep}", disk / f"backup{rep}",
+                          shm / f"wp{rep}", shm / f"wn{rep}"):
+                    shutil.rmtree(d, ignore_errors=True)
                 time.sleep(0.5)
             log(f"mtcfs rep {rep + 1}/{reps}: errors {sorted(errors) or '-'}")
     base = baseline.samples.get("runs", {}) if baseline else {}

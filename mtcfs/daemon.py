@@ -74,51 +74,58 @@ class Daemon:
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
-            from replication.peer.sources import PeerChunkSource
-            from replication.peer.tier import PeerTier, TierConfig
-            addresses = {r: a for r, a in enumerate(o.peers or [])}
-            if not o.peers and o.coordinator and o.rank != 0:
-                addresses[0] = o.coordinator  # rank 0's daemon serves the coordinator
-            cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
-                             addresses=addresses, replicas=o.replicas, placement=o.placement,
-                             labels=dict(o.topology),
-                             data_parallelism=o.assume_data_parallelism or 1,
-                             huge_model=o.huge_model, keep=o.keep)
-            self.peer = PeerTier(self.fs, cfg, self.store.path)
-            sources.append(("peers", PeerChunkSource(
-                lambda: self.peer.restore_holders or self.peer.peer_ranks(),
-                self.peer.client, self.peer.report_bad)))
+            sources.append(("peers", self._build_peer()))
         if o.backup:
-            from replication.backup import (BackupStore, RetryingBackend, RetryPolicy,
-                                            open_backend)
-            from replication.restore import BackupChunkSource
-            from replication.scheduler import BackupService
-            backend = RetryingBackend(open_backend(o.backup),
-                                      RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
-            if o.multi_node:
-                self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
-            else:
-                self.backup_store = BackupStore(backend)
-            backup_source: Any = BackupChunkSource(self.backup_store)
-            if self.peer is not None and self.peer.twins():
-                from replication.peer.sources import TwinFirstBackup
-                backup_source = TwinFirstBackup(backup_source, self.peer.lower_live_twins,
-                                                self.peer.client)
-            sources.append(("backup", backup_source))
-            iv = o.backup_interval
-            share = self.peer.upload_share() if self.peer is not None else None
-            extra = {"share": share} if share is not None else {}
-            self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
-                                        every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
-                                        url=o.backup, interval_text=str(iv), **extra)
-            if self.peer is not None:
-                self.peer.backup_store = self.backup_store
+            sources.append(("backup", self._build_backup()))
         if sources:
             from replication.peer.sources import TieredChunkSource
             from replication.restore import Prefetcher
             self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
+
+    def _build_peer(self) -> Any:
+        """The peer tier (``nodes`` > 1); returns its chunk source."""
+        from replication.peer.sources import PeerChunkSource
+        from replication.peer.tier import PeerTier, TierConfig
+        o = self.opts
+        assert self.fs is not None and self.store is not None
+        addresses = dict(enumerate(o.peers or []))
+        if not o.peers and o.coordinator and o.rank != 0:
+            addresses[0] = o.coordinator  # rank 0's daemon serves the coordinator
+        cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
+                         addresses=addresses, replicas=o.replicas, placement=o.placement,
+                         labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
+                         huge_model=o.huge_model, keep=o.keep)
+        peer = self.peer = PeerTier(self.fs, cfg, self.store.path)
+        return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(), peer.client,
+                               peer.report_bad)
+
+    def _build_backup(self) -> Any:
+        """The backup tier and its policy (``backup=``); returns its chunk source."""
+        from replication.backup import BackupStore, RetryingBackend, RetryPolicy, open_backend
+        from replication.restore import BackupChunkSource
+        from replication.scheduler import BackupService
+        o = self.opts
+        backend = RetryingBackend(open_backend(o.backup),
+                                  RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
+        if o.multi_node:
+            self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
+        else:
+            self.backup_store = BackupStore(backend)
+        source: Any = BackupChunkSource(self.backup_store)
+        share = None
+        if self.peer is not None:
+            self.peer.backup_store = self.backup_store
+            share = self.peer.upload_share()
+            if self.peer.twins():
+                from replication.peer.sources import TwinFirstBackup
+                source = TwinFirstBackup(source, self.peer.lower_live_twins, self.peer.client)
+        iv = o.backup_interval
+        self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
+                                    every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
+                                    url=o.backup, interval_text=str(iv), share=share)
+        return source
 
     async def restore_at_mount(self) -> None:
         """On an empty store, bring back the newest (or the requested) checkpoint: the one
