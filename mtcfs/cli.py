@@ -24,8 +24,8 @@ from typing import Any
 from mtcfs import control, mountinfo
 from mtcfs.options import OptionError, parse_mount_options
 
-SUBCOMMANDS = ("status", "checkpoints", "restore", "seal", "gc", "verify", "backup", "umount",
-               "mount")
+SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "verify", "backup",
+               "umount", "mount")
 EXIT_USAGE = 2
 
 

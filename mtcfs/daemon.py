@@ -76,7 +76,12 @@ class Daemon:
         if o.multi_node:
             sources.append(("peers", self._build_peer()))
         if o.backup:
-            sources.append(("backup", self._build_backup()))
+            backup = self._build_backup()
+            if self.peer is not None and self.peer.twins():
+                from replication.peer.sources import TwinWait
+                sources.append(("twins", TwinWait(self.peer.lower_live_twins,
+                                                  self.peer.client)))
+            sources.append(("backup", backup))
         if sources:
             from replication.peer.sources import TieredChunkSource
             from replication.restore import Prefetcher
@@ -113,14 +118,12 @@ class Daemon:
             self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
         else:
             self.backup_store = BackupStore(backend)
-        source: Any = BackupChunkSource(self.backup_store)
+        source = BackupChunkSource(self.backup_store)
         share = None
         if self.peer is not None:
             self.peer.backup_store = self.backup_store
             share = self.peer.upload_share()
-            if self.peer.twins():
-                from replication.peer.sources import TwinFirstBackup
-                source = TwinFirstBackup(source, self.peer.lower_live_twins, self.peer.client)
+
         iv = o.backup_interval
         self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
                                     every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,

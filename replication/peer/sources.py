@@ -152,51 +152,46 @@ class TieredChunkSource:
         raise FsError(errno.EIO, "; ".join(errors) or "no source")
 
 
-class TwinFirstBackup:
-    """The backup tier, asked once per chunk per group of data-parallel twins.
+class TwinWait:
+    """Waits for a lower data-parallel twin to get a chunk, and takes it from there.
 
-    When the whole job restarts, twins need the same chunks. The lowest live twin fetches a
-    chunk from the backup tier; a higher twin first waits for it to arrive there and takes it
-    from that twin over the peer network (its ``GetChunks`` serves chunks from its own
-    files), so the bucket serves each chunk once. A higher twin waits at most ``wait_s`` for
-    one chunk; once a wait fails (the twin is gone, or its data is not identical after all)
-    it stops waiting and reads the backup tier directly.
+    Sits between the peers and the backup tier in a :class:`TieredChunkSource`. When the
+    whole job restarts, twins need the same chunks: the lowest live twin reads each from the
+    backup tier (this source has nothing to wait for there and steps aside at once), and a
+    higher twin waits for that twin to hold the chunk and takes it over the peer network
+    (its ``GetChunks`` serves chunks from its own files), so the bucket serves each chunk
+    once. One wait lasts at most ``wait_s``; once a wait fails (the twin is gone, or its data
+    is not identical after all) this source steps aside for good and the backup tier is
+    read directly.
 
     Args:
-        backup: the backup tier's chunk source.
         lower_twins: returns the live twins with a lower rank, lowest first.
         client: returns the PeerClient of a rank.
         wait_s: seconds to wait for one chunk at a twin.
     """
 
-    def __init__(self, backup: Any, lower_twins: Callable[[], Sequence[int]],
-                 client: Callable[[int], Any], wait_s: float = 20.0) -> None:
-        self.backup = backup
+    def __init__(self, lower_twins: Callable[[], Sequence[int]], client: Callable[[int], Any],
+                 wait_s: float = 20.0) -> None:
         self.lower_twins = lower_twins
         self.client = client
         self.wait_s = wait_s
         self.waiting = True
-        self.from_twins = 0
-
-    @property
-    def corrupt(self) -> int:
-        return getattr(self.backup, "corrupt", 0)
 
     async def fetch(self, digest: str) -> bytes:
         twins = list(self.lower_twins()) if self.waiting else []
-        if twins:
-            with trio.move_on_after(self.wait_s):
-                while True:
-                    data = await trio.to_thread.run_sync(self._ask, twins[0], digest,
-                                                         abandon_on_cancel=True)
-                    if data is not None:
-                        self.from_twins += 1
-                        return data
-                    await trio.sleep(0.2)
-            log.info("twin rank %d did not get chunk %s within %.0f s; reading the backup"
-                     " tier directly from now on", twins[0], digest[:16], self.wait_s)
-            self.waiting = False
-        return await self.backup.fetch(digest)
+        if not twins:
+            raise FsError(errno.EIO, "no lower data-parallel twin to wait for")
+        with trio.move_on_after(self.wait_s):
+            while True:
+                data = await trio.to_thread.run_sync(self._ask, twins[0], digest,
+                                                     abandon_on_cancel=True)
+                if data is not None:
+                    return data
+                await trio.sleep(0.2)
+        log.info("twin rank %d did not get chunk %s within %.0f s; reading the backup tier"
+                 " directly from now on", twins[0], digest[:16], self.wait_s)
+        self.waiting = False
+        raise FsError(errno.EIO, f"twin rank {twins[0]} did not get chunk {digest[:16]}")
 
     def _ask(self, rank: int, digest: str) -> bytes | None:
         try:
