@@ -416,3 +416,23 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
     for r in range(3):
         assert f'mtcfs_peer_member_alive{{job="{JOB}",rank="0",member="{r}"}} 1' in metrics
     assert f'mtcfs_peer_replication_lag_steps{{job="{JOB}",rank="0",peer="1"}} 0' in metrics
+
+
+def test_coordinator_option_alone_is_enough_to_find_every_peer(make_mount):
+    """No peers= list: every node knows only the coordinator (rank 0's address) and learns
+    the others' addresses from its heartbeats; replication still reaches every ring peer."""
+    from support.cluster import free_ports
+    ports = free_ports(3)
+    coord = f"127.0.0.1:{ports[0]}"
+    mounts = [make_mount(f"r{r}", rank=r, nodes=3, listen=f"127.0.0.1:{ports[r]}",
+                         coordinator=coord) for r in range(3)]
+    data = {r: blob(50 + r, 3 * MiB) for r in range(3)}
+    for r, m in enumerate(mounts):
+        write_files(m, "step_10", {"w.bin": data[r]})
+        commit(m, "step_10")
+    for m in mounts:
+        m.wait_state("step_10", "replicated 1/1", timeout=60)
+    p = mounts[2].status()["peers"]
+    assert p["coordinator"] == 0
+    assert [(m["rank"], m["address"], m["alive"]) for m in p["members"]] == \
+        [(r, f"127.0.0.1:{ports[r]}", True) for r in range(3)]
