@@ -188,11 +188,18 @@ class CheckpointOps:
             v.pins -= 1
             self._release_version(v)
 
-    def chunk_reader(self, versions: list[Version]) -> Callable[[str], bytes]:
+    def chunk_reader(self, versions: list[Version], *,
+                     verify: bool = True) -> Callable[[str], bytes]:
         """A thread-safe ``read_chunk(digest) -> bytes`` over pinned versions (for uploads).
 
-        The returned function raises FsError(EIO) for a chunk whose bytes no longer match,
-        or that is not in RAM.
+        Args:
+            versions: pinned versions whose chunks may be asked for.
+            verify: re-hash each chunk read. Uploads to the backup tier need it (the bucket
+                checks nothing); a peer verifies every chunk it receives and refuses a
+                mismatch (DATA_LOSS), so replication passes False and saves a blake3 pass.
+
+        The returned function raises FsError(EIO) for a chunk whose bytes no longer match
+        (when verifying), or that is not in RAM.
         """
         where: dict[str, tuple[Version, int]] = {}
         for v in versions:
@@ -208,7 +215,7 @@ class CheckpointOps:
                               " restored, or evicted)")
             v, i = loc
             off, length = chunk_span(i, v.size, v.chunk_size)
-            data = self.read_chunk_at(v, off, length, digest)
+            data = self.read_chunk_at(v, off, length, digest if verify else None)
             if data is None:
                 raise FsError(errno.EIO, f"local chunk {digest[:16]} is corrupt")
             return data

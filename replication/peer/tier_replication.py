@@ -149,7 +149,8 @@ class Replication:
         manifest, pinned = fs.snapshot_step(rec.name)
         try:
             manifest = dataclasses.replace(manifest, rank=self.rank)
-            reader = self._yielding(fs.chunk_reader(pinned))
+            # No re-hash here: the peer verifies every chunk before it keeps it.
+            reader = self._yielding(fs.chunk_reader(pinned, verify=False))
             twin = link.peer in self.twins()
             hashes_only = twin and time.time_ns() - committed < self.cfg.twin_wait_s * 1e9
             async with self._bulk:
