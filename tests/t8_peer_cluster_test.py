@@ -436,3 +436,28 @@ def test_coordinator_option_alone_is_enough_to_find_every_peer(make_mount):
     assert p["coordinator"] == 0
     assert [(m["rank"], m["address"], m["alive"]) for m in p["members"]] == \
         [(r, f"127.0.0.1:{ports[r]}", True) for r in range(3)]
+
+
+def test_full_peer_shows_lag_and_catches_up_when_space_frees(make_cluster):
+    """One RAM budget: replicas count against the receiving node's size=. A peer without
+    room refuses the chunks (RESOURCE_EXHAUSTED), the sender shows the link lagging and the
+    application on both nodes goes on; once the peer frees space, the step is replicated."""
+    c = make_cluster(2, options={"replicas": 1, "keep": 1},
+                     per_rank_options={1: {"size": "40M"}})
+    own = blob(7, 24 * MiB)
+    write_files(c[1], "scratch", {"own.bin": own})       # not a step: never evicted
+    data = blob(8, 24 * MiB)
+    write_files(c[0], "step_10", {"w.bin": data})
+    commit(c[0], "step_10")
+
+    def lagging():
+        rows = c.status(0)["peers"]["replication"]
+        return rows and rows[0]["state"] == "lagging" and \
+            "RESOURCE_EXHAUSTED" in (rows[0]["last_error"] or "")
+    c[0].wait_for(lagging, 30, "rank 0's link to show the full peer")
+    assert c.state(0, "step_10") == "local"
+    assert c.status(0)["peers"]["replication"][0]["lag_steps"] == 1
+    assert (c[1].path("scratch", "own.bin")).read_bytes() == own   # rank 1 still serves its files
+    (c[1].path("scratch", "own.bin")).unlink()                      # make room
+    c.wait_replicated(0, "step_10", timeout=60)
+    assert c.status(1)["peers"]["replica_store"]["used_bytes"] >= len(data)
