@@ -461,3 +461,28 @@ def test_full_peer_shows_lag_and_catches_up_when_space_frees(make_cluster):
     (c[1].path("scratch", "own.bin")).unlink()                      # make room
     c.wait_replicated(0, "step_10", timeout=60)
     assert c.status(1)["peers"]["replica_store"]["used_bytes"] >= len(data)
+
+
+def test_restore_pulls_from_every_holder_in_parallel(make_cluster):
+    """With two replicas, a replacement node streams its chunks from both holders at once
+    (each chunk from one of them), and gets every byte back."""
+    c = make_cluster(3, options={"replicas": 2, "chunk_size": "256K"})
+    data = {r: blob(90 + r, 8 * MiB) for r in range(3)}
+    for r in range(3):
+        write_files(c[r], "step_10", {"w.bin": data[r]})
+        commit(c[r], "step_10")
+    for r in range(3):
+        c.wait_replicated(r, "step_10", timeout=60)
+    assert c.state(0, "step_10") == "replicated 2/2"
+    c.kill9(0)
+    c.wipe(0)
+    c.restart(0)
+    st = c[0].wait_for(lambda: (lambda s: s if s["restore"]["pending_chunks"] == 0 and
+                                "bulk_from_peers" in s["restore"] else None)(c.status(0)),
+                       60, "the bulk restore")
+    assert c[0].path("step_10", "w.bin").read_bytes() == data[0]
+    by_rank = st["restore"]["bulk_from_peers"]["by_rank"]
+    chunks = 8 * MiB // (256 * 1024) + 1  # w.bin, and commit_success.txt
+    assert sum(by_rank.values()) == chunks, by_rank   # every chunk, in bulk
+    assert set(by_rank) == {"1", "2"} and min(by_rank.values()) > 0, by_rank
+    assert st["restore"]["chunks_from"] == {"peers": chunks}
