@@ -56,6 +56,7 @@ class Daemon:
         self.prefetcher: Any = None
         self.peer: Any = None
         self._bulk_restore = False
+        self._nursery: trio.Nursery | None = None
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
 
@@ -112,8 +113,11 @@ class Daemon:
         from replication.restore import BackupChunkSource
         from replication.scheduler import BackupService
         o = self.opts
+        # The deadline bounds every backend call, retries included: the sweep journal of a
+        # multi-node bucket relies on a delete ending within minutes (backup/sweeps.py).
         backend = RetryingBackend(open_backend(o.backup),
-                                  RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0))
+                                  RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0,
+                                              deadline=120.0))
         if o.multi_node:
             self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
         else:
@@ -180,8 +184,11 @@ class Daemon:
         if source.startswith("peer") and self.prefetcher is not None:
             # The data follows in long streams from the holders; the prefetcher (which
             # goes chunk by chunk, backup tier included) takes over what they leave.
-            self._bulk_restore = True
-            self.prefetcher.wait_for_kick = True
+            if self._nursery is not None:  # mounted already (mtcfs restore)
+                self._nursery.start_soon(self._restore_bulk)
+            else:
+                self._bulk_restore = True
+                self.prefetcher.wait_for_kick = True
         elif self.prefetcher is not None:
             self.prefetcher.kick()
         return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes}
@@ -251,6 +258,7 @@ class Daemon:
         mounted = True
         try:
             async with trio.open_nursery() as n:
+                self._nursery = n
                 n.start_soon(self._tune_readahead, ops)
                 self.fs.start(n)
                 await n.start(control.serve, self.store.control_socket, self.handle)
@@ -269,6 +277,9 @@ class Daemon:
                 n.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=mounted)
+            self._nursery = None
+            if self.peer is not None:  # no gRPC thread may touch the core once it is closed
+                self.peer.stop()
             self.fs.close()
             self.store.close()
 

@@ -192,13 +192,12 @@ class BackupService:
             await trio.sleep(0.05)
             if self.fs.steps.get(rec.name) is not rec:
                 return True  # deleted meanwhile: nothing to do
-        manifest, pinned = self.fs.snapshot_step(rec.name)
-        if any(getattr(v, "missing", None) for v in pinned):
-            self.fs.unpin(pinned)
+        if not self.fs.step_in_ram(rec):
             if self.status.pending != [rec.name]:
                 log.info("backup of %s waits until all its chunks are in RAM again", rec.name)
             self.status.pending = [rec.name]
             return None
+        manifest, pinned = self.fs.snapshot_step(rec.name)
         self._last_start = time.monotonic()
         self._commits_since = 0
         rec.backing_up = True

@@ -534,7 +534,7 @@ def test_backup_service_passes_share(tmp_path) -> None:
                           backing_up=False)
     calls: list[str] = []
     fs = SimpleNamespace(
-        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True,
+        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True, step_in_ram=lambda r: True,
         snapshot_step=lambda name: (m, []), chunk_reader=lambda pinned: chunks.__getitem__,
         unpin=lambda pinned: None, evict=list,
         mark_backed_up=lambda name, pinned: calls.append(name),
@@ -578,7 +578,7 @@ def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
         return read
 
     fs = SimpleNamespace(
-        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True,
+        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True, step_in_ram=lambda r: not version.missing,
         snapshot_step=lambda name: (m, [version]), chunk_reader=reader,
         unpin=lambda pinned: None, evict=list,
         mark_backed_up=lambda name, pinned: calls.append(name),

@@ -69,6 +69,8 @@ class CheckpointOps:
         rec = self.step_of(ino)
         if rec is not None:
             rec.replicated = 0
+            rec.generation += 1
+            self._emit("step_changed", rec)
         if rec is not None and rec.backed_up_ns is not None:
             rec.backed_up_ns = None
             with self.db.transaction():

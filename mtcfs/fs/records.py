@@ -34,6 +34,9 @@ class StepRecord:
     #: state of the peer tier; recomputed after a restart by replicating again).
     replicated: int = 0
     replicas: int = 0
+    #: Bumped whenever a file in the step changes after its commit (runtime): with
+    #: ``committed_ns`` it names the content a peer confirmed.
+    generation: int = 0
 
 
 @dataclass

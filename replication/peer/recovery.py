@@ -124,21 +124,31 @@ def _fetch_manifest(tier: Any, rank: int, step: str) -> StepManifest | None:
 async def _job_latest(tier: Any, restorable: dict[str, int], wait_s: float) -> StepRef | None:
     """The job's newest step complete on all ranks, as the coordinator sees it."""
     deadline = time.monotonic() + wait_s
+    newest, newest_name = max((n, s) for s, n in restorable.items())
+    from_backup = None  # the newest step the backup tier holds complete for every rank
+    if tier.backup_store is not None:
+        from_backup = await trio.to_thread.run_sync(tier.backup_latest)
     while True:
         await tier.heartbeat_once()
         # The coordinator may have just restarted (this very node, when it is rank 0) and
         # not heard from everyone yet; any live node can say what it was told.
-        told = [tier.latest_complete, *await trio.to_thread.run_sync(tier.ask_all_latest)]
-        known = [s for s in told if s is not None and s.step in restorable]
-        if known:
-            best = max(known, key=lambda s: s.step_number)
-            tier.latest_complete = max((s for s in told if s is not None),
-                                       key=lambda s: s.step_number)
+        told = [s for s in (tier.latest_complete, from_backup, *await tier.ask_all_latest())
+                if s is not None]
+        if told:
+            tier.latest_complete = max(told, key=lambda s: s.step_number)
+        known = [s for s in told if s.step in restorable]
+        best = max(known, key=lambda s: s.step_number) if known else None
+        # Take it at once unless this rank could restore something newer that nobody has
+        # confirmed yet (the nodes that would confirm it may still be starting: wait for
+        # them rather than restore an older step than the rest of the job).
+        if best is not None and best.step_number >= newest:
             return best
         if time.monotonic() > deadline:
+            if best is not None:
+                return best
             break
         await trio.sleep(tier.cfg.heartbeat_s / 2)
-    num, name = max((n, s) for s, n in restorable.items())
+    num, name = newest, newest_name
     log.warning("the job named no step complete on all ranks within %.0f s (coordinator: %s,"
                 " its answer: %s); restoring this rank's newest restorable step %s", wait_s,
                 tier.coordinator, tier.latest_complete, name)

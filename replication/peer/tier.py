@@ -19,17 +19,19 @@ files), one client per peer, and three kinds of trio tasks:
   if it still lacks chunks after ``twin_wait_s``, the bytes are sent after all. Failures
   back off (jittered exponential, capped) and show as lag in status; the application never
   waits for any of it.
-* **replica gc** (every 10 s): drop replicas of steps older than the ``keep`` newest of each
-  rank, never the step complete in the job.
+* **replica gc** (every 10 s): drop replicas of steps older than the ``keep`` + 1 newest of
+  each rank, never the step complete in the job.
 * **audits**: an idle link asks its peer every few seconds which of this rank's steps it
   holds, so a peer that restarted empty gets them again.
 
 The membership rounds live in :mod:`~replication.peer.tier_membership` and replication,
 audits and gc in :mod:`~replication.peer.tier_replication`, mixed into :class:`PeerTier`.
 
-The core is used through duck-typed methods only (``steps``, ``step_sealed``,
-``snapshot_step``, ``chunk_reader``, ``unpin``, ``subscribe``, ``statfs``); imports point
-down.
+The core is used duck-typed, never imported (imports point down): its ``steps``,
+``inodes``, ``versions``, ``walk``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``,
+``unpin``, ``subscribe``, ``statfs``, ``last_write``, ``has_local_chunk``, ``pin_chunk``,
+``read_chunk_at``, ``deliver_chunk`` and ``_error``; the tier sets ``shared_used`` and the
+``replicated``/``replicas`` counts of a step record.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class PeerTier(MembershipRounds, Replication):
                                      self_labels=cfg.labels, liveness_s=cfg.liveness_s)
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
                                           capacity=lambda: fs.capacity - fs.used)
-        fs.shared_used = lambda: self.replica_store.used
+        fs.shared_used = lambda: self.replica_store.used_estimate
         self.server: PeerServer | None = None
         self.clients: dict[str, PeerClient] = {}
         self.links: dict[int, PeerLink] = {}
@@ -118,6 +120,7 @@ class PeerTier(MembershipRounds, Replication):
         self.restore_info: dict[str, Any] | None = None
         self._known_version = 0
         self._stop = threading.Event()
+        self._clients_lock = threading.Lock()
         self._wake: dict[int, trio.Event] = {}
         self._replicating: set[int] = set()   # peers with a running replication task
         self._bulk = trio.CapacityLimiter(4)
@@ -146,11 +149,16 @@ class PeerTier(MembershipRounds, Replication):
             self.addresses[self.rank] = self.advertise
 
     def stop(self) -> None:
+        """Stop serving and calling peers (idempotent); waits up to 2 s for calls in
+        progress, so that no gRPC thread touches the core after the daemon closes it."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self.server is not None:
-            self.server.stop(grace=1.0)
-        for c in self.clients.values():
-            c.close()
+            self.server.stop(grace=1.0).wait(2.0)
+        with self._clients_lock:
+            for c in self.clients.values():
+                c.close()
 
     async def run(self) -> None:
         """Heartbeats, replication and gc until cancelled."""
@@ -177,15 +185,20 @@ class PeerTier(MembershipRounds, Replication):
         if rank in self.partitioned:
             raise PeerUnavailable(addr, f"rank {rank} is cut off from this node (injected fault)")
         key = f"{addr}#quick" if quick else addr
-        c = self.clients.get(key)
-        if c is None:
-            if quick:
-                c = PeerClient(addr, self.cfg.job, self.rank, timeout=2.0, stop=self._stop,
-                               retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
-            else:
-                c = PeerClient(addr, self.cfg.job, self.rank, timeout=10.0, stop=self._stop,
-                               retry=RetryPolicy(max_attempts=3, base_delay=0.1, max_delay=1.0))
-            self.clients[key] = c
+        with self._clients_lock:  # called from many worker threads at once
+            if self._stop.is_set():
+                raise PeerUnavailable(addr, "this node is shutting down")
+            c = self.clients.get(key)
+            if c is None:
+                if quick:
+                    c = PeerClient(addr, self.cfg.job, self.rank, timeout=2.0, stop=self._stop,
+                                   retry=RetryPolicy(max_attempts=1, base_delay=0.1,
+                                                     max_delay=0.1))
+                else:
+                    c = PeerClient(addr, self.cfg.job, self.rank, timeout=10.0, stop=self._stop,
+                                   retry=RetryPolicy(max_attempts=3, base_delay=0.1,
+                                                     max_delay=1.0))
+                self.clients[key] = c
         return c
 
     def report_bad(self, rank: int, message: str) -> None:

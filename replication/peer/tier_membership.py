@@ -74,11 +74,14 @@ class MembershipRounds:
             self._learn(res, own=False)
             return
 
-    def ask_all_latest(self) -> list[StepRef | None]:
-        """Worker thread: every other known node's newest step complete on all ranks (one
-        short heartbeat each; nodes that do not answer are left out)."""
-        s = self.fs.statfs()
+    async def ask_all_latest(self) -> list[StepRef | None]:
+        """Every other known node's newest step complete on all ranks (one short heartbeat
+        each, in a worker thread; nodes that do not answer are left out)."""
+        s = self.fs.statfs()          # read on the loop, which owns the core
         steps = self._steps_report()
+        return await trio.to_thread.run_sync(self._ask_all, steps, s, abandon_on_cancel=True)
+
+    def _ask_all(self, steps: list[StepRef], s: Mapping[str, int]) -> list[StepRef | None]:
         out: list[StepRef | None] = []
         for rank in sorted(self.addresses):
             if rank == self.rank:

@@ -47,8 +47,15 @@ class PeerLink:
     chunks_sent: int = 0
     chunks_skipped: int = 0
     steps_replicated: int = 0
-    confirmed: dict[str, int] = field(default_factory=dict)  # step -> committed_ns confirmed
+    #: step -> the content the peer confirmed (see :func:`content_of`)
+    confirmed: dict[str, tuple[int, int]] = field(default_factory=dict)
     audited: float = 0.0                  # monotonic time of the last audit
+
+
+def content_of(rec: Any) -> tuple[int, int]:
+    """Names a step's content: a re-commit changes ``committed_ns``; a file changed after
+    the commit (``mtcfs seal`` steps are not committed again) bumps ``generation``."""
+    return rec.committed_ns, rec.generation
 
 
 class TwinNotReady(Exception):
@@ -63,7 +70,7 @@ class Replication:
     rank: int
 
     def _on_event(self, event: str, obj: Any) -> None:
-        if event in ("committed", "sealed"):
+        if event in ("committed", "sealed", "step_changed"):
             for ev in self._wake.values():
                 ev.set()
         elif event == "step_removed":
@@ -88,7 +95,7 @@ class Replication:
 
     def _wanted(self, link: PeerLink) -> list[Any]:
         """Steps still to replicate to ``link.peer``, newest first (the ``keep`` newest)."""
-        return [r for r in self._recent() if link.confirmed.get(r.name) != r.committed_ns]
+        return [r for r in self._recent() if link.confirmed.get(r.name) != content_of(r)]
 
     def lag(self, link: PeerLink) -> tuple[int, int]:
         """(steps, bytes) not yet confirmed by the peer."""
@@ -121,8 +128,8 @@ class Replication:
             if not todo:
                 if not self._wanted(link):
                     link.state = "ok"
-                    if time.monotonic() - link.audited >= _AUDIT_S and await self._audit(link):
-                        continue  # the peer lost steps (it restarted empty): send them again
+                if time.monotonic() - link.audited >= _AUDIT_S and await self._audit(link):
+                    continue  # the peer lost steps (it restarted empty): send them again
                 with trio.move_on_after(2.0):
                     await self._wake[peer].wait()
                 self._wake[peer] = trio.Event()
@@ -146,6 +153,7 @@ class Replication:
     async def _replicate_step(self, link: PeerLink, rec: Any) -> None:
         fs = self.fs
         committed = rec.committed_ns
+        content = content_of(rec)
         manifest, pinned = fs.snapshot_step(rec.name)
         try:
             manifest = dataclasses.replace(manifest, rank=self.rank)
@@ -162,9 +170,9 @@ class Replication:
         link.bytes_sent += stats["bytes_sent"]
         link.chunks_sent += stats["chunks_sent"]
         link.chunks_skipped += stats["chunks_skipped"]
-        if fs.steps.get(rec.name) is not rec or rec.committed_ns != committed:
+        if fs.steps.get(rec.name) is not rec or content_of(rec) != content:
             return  # changed meanwhile: the next round replicates the new content
-        link.confirmed[rec.name] = committed
+        link.confirmed[rec.name] = content
         link.last_replicated = rec.name
         link.steps_replicated += 1
         self._count(rec)
@@ -176,7 +184,7 @@ class Replication:
         rec.replicas = len(self.peer_ranks())
         rec.replicated = sum(1 for lk in self.links.values()
                              if lk.peer in self.peer_ranks()
-                             and lk.confirmed.get(rec.name) == rec.committed_ns)
+                             and lk.confirmed.get(rec.name) == content_of(rec))
 
     async def _audit(self, link: PeerLink) -> bool:
         """Ask the peer which of this rank's steps it holds complete; drop confirmations of
