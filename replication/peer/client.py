@@ -39,7 +39,9 @@ from replication.backup.retry import RetryPolicy
 from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
-from replication.peer.limits import MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES
+from replication.peer.limits import (
+    KEEPALIVE_CLIENT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES,
+)
 from replication.peer.records import (
     HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
 )
@@ -98,6 +100,10 @@ class PeerClient:
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A peer that hangs (stopped, or its host gone without a reset) fails a call in
+            # progress by keepalive (measured: 60 s for a SIGSTOPped server) instead of
+            # holding it to the 600 s stream timeout, retries included.
+            *KEEPALIVE_CLIENT,
         ])
         self._stub = pb_grpc.PeerStub(self._channel)
         self._counters = Counters((

@@ -30,3 +30,21 @@ MAX_CHUNK_BYTES = MAX_CHUNK_SIZE
 
 #: Most digests in one HasChunks or GetChunks request (about 4.3 MB of hex digests).
 MAX_DIGESTS_PER_CALL = 65536
+
+
+#: Client keepalive: ping every 10 s while a call is in progress and fail it when no answer
+#: comes within 5 s (grpc's ping pacing makes it about a minute in practice, measured
+#: against a SIGSTOPped server).
+KEEPALIVE_CLIENT = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", 10_000),
+)
+#: Server side of the same: accept those pings (grpc's default minimum interval is 5 min,
+#: and a client pinging more often would be sent away with ENHANCE_YOUR_CALM).
+KEEPALIVE_SERVER = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)

@@ -45,6 +45,7 @@ from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.errors import ReplicaFull
 from replication.peer.get_stream import encode_reply, stream_chunks
 from replication.peer.limits import (
+    KEEPALIVE_SERVER,
     MAX_DIGESTS_PER_CALL,
     MAX_MANIFEST_BYTES,
     MAX_MESSAGE_BYTES,
@@ -352,6 +353,7 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, loudly
+            *KEEPALIVE_SERVER,
         ])
     _register(service, server)
     try:
