@@ -10,6 +10,8 @@ passing a share to ``put_step``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import threading
 import time
@@ -498,6 +500,25 @@ def test_share_with_a_dead_twin_uploads_everything(tmp_path) -> None:
     assert seen[-1] == (12 * CHUNK, 12 * CHUNK)
     assert set(be.chunk_puts().values()) == {1} and len(be.chunk_puts()) == len(chunks)
     assert restore_files(BackupStore(be, rank=0), "step_20") == files
+
+
+def test_a_twin_backing_up_later_uploads_nothing_taken_over_for_it(tmp_path) -> None:
+    """Twins back up at different times: rank 0 waits for rank 1's share, takes it over;
+    rank 1 (its index of the bucket loaded before) then uploads nothing again."""
+    be = Counting(FileBackend(tmp_path))
+    early, late = BackupStore(be, rank=0), BackupStore(be, rank=1)
+    chunks: dict[str, bytes] = {}
+    m10 = make_step(10, {"x.bin": blob(5, CHUNK)}, chunks=chunks)
+    m10 = dataclasses.replace(m10, rank=1)
+    late.put_step(m10, chunks.__getitem__)  # rank 1 has its index of the bucket loaded
+    be.puts.clear()
+    m = make_step(20, {"w.bin": blob(4, 12 * CHUNK)}, chunks=chunks)
+    early.put_step(m, chunks.__getitem__, share=share_of(0, 2), share_wait_s=0.1)
+    stats = late.put_step(dataclasses.replace(m, rank=1), chunks.__getitem__,
+                          share=share_of(1, 2), share_wait_s=0.1)
+    assert stats.chunks_uploaded == 0, stats
+    assert set(be.chunk_puts().values()) == {1}
+    assert len(be.chunk_puts()) == len(m.chunk_set())
 
 
 def test_share_finds_a_slow_twins_chunks(tmp_path) -> None:

@@ -349,9 +349,12 @@ class BackupStore:
                 progress(done, total)
             mine, theirs = missing, []
             if share is not None:
-                mine = [h for h in missing if share(h)]
-                theirs = [h for h in missing if not share(h)]
-            for h, n in self._upload_all(mine, read_chunk):
+                ours = {h: bool(share(h)) for h in missing}  # share() once per chunk
+                mine = [h for h in missing if ours[h]]
+                theirs = [h for h in missing if not ours[h]]
+            # With shares, a twin that backed up earlier may have taken over this node's
+            # share already (after its wait): ask the bucket before uploading it again.
+            for h, n in self._upload_all(mine, read_chunk, remote_check=share is not None):
                 tally.uploaded += n > 0
                 tally.sent += n
                 tally.new += sizes[h] if n else 0
