@@ -182,8 +182,7 @@ class CheckpointOps:
 
     def step_in_ram(self, rec: StepRecord) -> bool:
         """True when every chunk of every file of the step is in RAM (nothing to fault in)."""
-        return all(not self.versions[i.vid].missing  # type: ignore[index]
-                   for _p, i in self.walk(self.inodes[rec.ino]) if i.is_file)
+        return all(not v.missing for v in self._step_versions(rec))
 
     def unpin(self, versions: Iterable[Version]) -> None:
         for v in versions:

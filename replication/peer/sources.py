@@ -64,6 +64,23 @@ class FsLocalChunks:
                 pass
 
 
+def get_one(client: Any, digest: str) -> bytes | None:
+    """One chunk from one peer, verified by the client; None if the peer does not serve it.
+
+    Reads the stream to its end rather than returning at the chunk: leaving early cancels
+    the call, and the server, cut off right after its last piece, may never count the chunk
+    as sent.
+
+    Raises:
+        PeerChunkCorrupt, PeerError: as :meth:`PeerClient.get_chunks`.
+    """
+    got = None
+    for h, data in client.get_chunks([digest]):
+        if h == digest:
+            got = data
+    return got
+
+
 class PeerChunkSource:
     """Fetches chunks of this rank's data from the peers holding it.
 
@@ -109,14 +126,7 @@ class PeerChunkSource:
         raise FsError(errno.EIO, f"chunk {digest[:16]} from peers: {last}")
 
     def _get(self, rank: int, digest: str) -> bytes | None:
-        # Read the stream to its end rather than returning at the chunk: leaving early
-        # cancels the call, and the server, cut off right after its last piece, may never
-        # count the chunk as sent.
-        got = None
-        for h, data in self.client(rank).get_chunks([digest]):
-            if h == digest:
-                got = data
-        return got
+        return get_one(self.client(rank), digest)
 
 
 class TieredChunkSource:
@@ -195,9 +205,6 @@ class TwinWait:
 
     def _ask(self, rank: int, digest: str) -> bytes | None:
         try:
-            for h, data in self.client(rank).get_chunks([digest]):
-                if h == digest:
-                    return data
+            return get_one(self.client(rank), digest)
         except PeerError:
             return None
-        return None

@@ -108,11 +108,8 @@ class Replication:
         return len(steps), total
 
     def _ready(self, rec: Any) -> bool:
-        fs = self.fs
-        if not fs.step_sealed(rec):
-            return False
-        return all(not fs.versions[i.vid].missing for _p, i in fs.walk(fs.inodes[rec.ino])
-                   if i.is_file and i.vid is not None)
+        """Sealed, and all of it in RAM (a step still being restored waits)."""
+        return self.fs.step_sealed(rec) and self.fs.step_in_ram(rec)
 
     async def _replicate_to(self, peer: int) -> None:
         try:

@@ -14,28 +14,6 @@ from replication.peer.limits import PIECE_BYTES
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def pieces(digest: str, data: bytes | memoryview,
-           piece_bytes: int = PIECE_BYTES) -> Iterator[pb.ChunkPiece]:
-    """Cut one chunk into ChunkPiece messages of at most ``piece_bytes`` bytes each.
-
-    A chunk of at most ``piece_bytes`` (the default 4 MiB chunk, for one) is one piece; an
-    empty chunk is one empty piece.
-    """
-    if isinstance(data, bytes) and len(data) <= piece_bytes:  # the common case: no copy
-        yield pb.ChunkPiece(digest=digest, offset=0, total_size=len(data), data=data)
-        return
-    view = memoryview(data).cast("B")
-    total = len(view)
-    off = 0
-    while True:
-        n = min(piece_bytes, total - off)
-        yield pb.ChunkPiece(digest=digest, offset=off, total_size=total,
-                            data=bytes(view[off:off + n]))
-        off += n
-        if off >= total:
-            return
-
-
 def _spans(data: bytes | memoryview, piece_bytes: int) -> Iterator[tuple[int, int, bytes]]:
     """(offset, total size, bytes) of each piece of one chunk; no copy for a one-piece
     chunk given as bytes."""
