@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from support.demo import interrupt_after
 from support.mount import force_unmount, is_mounted
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo_peers.py"
@@ -82,25 +82,8 @@ def test_demo_peers_passes():
 
 def test_demo_peers_ctrl_c_unmounts():
     pytest.importorskip("torch")
-    p = subprocess.Popen([sys.executable, str(DEMO), "--steps", "500", "--every", "5",
-                          "--width", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    lines: list[str] = []
-    try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            lines.append(line)
-            if "step_10 saved on every node" in line:
-                break
-        else:
-            pytest.fail("".join(lines))
-        p.send_signal(signal.SIGINT)
-        rest, _ = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    out = "".join(lines) + rest
-    assert p.returncode == 130, out
+    code, out = interrupt_after([sys.executable, str(DEMO), "--steps", "500", "--every", "5",
+                                 "--width", "64"], "step_10 saved on every node")
+    assert code == 130, out
     assert "interrupted" in out
     _assert_cleaned_up(out)

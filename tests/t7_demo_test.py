@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from support.demo import interrupt_after
 from support.mount import force_unmount, is_mounted
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.py"
@@ -54,25 +54,8 @@ def test_demo_passes(framework):
 
 def test_demo_ctrl_c_unmounts():
     pytest.importorskip("torch")
-    p = subprocess.Popen([sys.executable, str(DEMO), "--steps", "500", "--every", "5",
-                          "--width", "32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    lines: list[str] = []
-    try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            lines.append(line)
-            if "checkpoint step_10 saved" in line:
-                break
-        else:
-            pytest.fail("".join(lines))
-        p.send_signal(signal.SIGINT)
-        rest, _ = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    out = "".join(lines) + rest
-    assert p.returncode == 130, out
+    code, out = interrupt_after([sys.executable, str(DEMO), "--steps", "500", "--every", "5",
+                                 "--width", "32"], "checkpoint step_10 saved")
+    assert code == 130, out
     assert "interrupted" in out
     _assert_cleaned_up(_mountpoint(out))

@@ -10,7 +10,6 @@ the other takes it from that twin over the peer network.
 from __future__ import annotations
 
 import random
-import threading
 
 MiB = 1 << 20
 CHUNK = 256 * 1024
@@ -41,21 +40,7 @@ def test_twins_upload_and_restore_each_chunk_once(make_cluster, tmp_path):
     # The whole job restarts: both RAM tiers lost at once.
     for r in range(2):
         c.kill9(r)
-    for r in range(2):
-        c.wipe(r)
-    errors: list[BaseException] = []
-
-    def start(r: int) -> None:
-        try:
-            c.restart(r)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-    threads = [threading.Thread(target=start, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    c.restart_many(range(2), wipe=True)               # both started at once
 
     for r in range(2):
         for name, data in files.items():

@@ -106,24 +106,7 @@ def _replace(cluster, *ranks: int) -> None:
     for r in ranks:
         cluster.wipe(r)
         assert not any(cluster[r].store.iterdir())
-    if len(ranks) == 1:
-        cluster.restart(ranks[0])
-        return
-    errors: list[BaseException] = []
-
-    def one(r: int) -> None:
-        try:
-            cluster.restart(r)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    cluster.restart_many(ranks)
 
 
 @contextlib.contextmanager

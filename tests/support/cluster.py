@@ -3,27 +3,11 @@
 Each rank gets its own directory ``root/n<rank>`` (``store/``, ``mnt/``), its own Peer port on
 127.0.0.1, and the options ``rank=R,nodes=N,peers=<every rank's address>,listen=<its own>``
 on top of the shared ``options`` and its ``per_rank_options``. A rank can be crashed
-(``kill9``), lose its RAM tier (``wipe``) and come back (``restart``) on the same address.
+(``kill9``), lose its RAM tier (``wipe``) and come back (``restart``, or ``restart_many``
+for several at once) on the same address.
 
-Use it from a test with a local fixture (``tests/conftest.py`` has none for it)::
-
-    import pytest
-    from tests.support.cluster import Cluster      # or: from support.cluster import Cluster
-
-    @pytest.fixture
-    def make_cluster(shm_dir):
-        made = []
-
-        def factory(nodes=2, start=True, **kw):
-            c = Cluster(shm_dir / f"c{len(made)}", nodes, **kw)
-            made.append(c)
-            if start:
-                c.start()
-            return c
-
-        yield factory
-        for c in made:
-            c.cleanup()
+Tests get one from the ``make_cluster(nodes, **Cluster kwargs)`` fixture in
+``tests/conftest.py``, which cleans every cluster up::
 
     def test_replica_survives_a_crash(make_cluster):
         c = make_cluster(2, options={"replicas": 1})
@@ -196,15 +180,27 @@ class Cluster:
         A rank still running is unmounted cleanly first; ``wipe=True`` empties its store
         before the start (a replacement node). Returns the new mount.
         """
-        old = self.node(rank)
-        if old.pid is not None:
-            old.stop(timeout=timeout)
-        if wipe:
-            self.wipe(rank)
-        self._retired.append(old)
-        self._mounts[rank] = m = self._new_mount(rank)
-        m.start(timeout=timeout)
-        return m
+        return self.restart_many([rank], wipe=wipe, timeout=timeout)[0]
+
+    def restart_many(self, ranks: Iterable[int], wipe: bool = False,
+                     timeout: float = 60.0) -> list[Mount]:
+        """:meth:`restart` for several ranks, started at once (as a scheduler restarting a
+        failed slice, or the whole job, would). Returns the new mounts, in ``ranks`` order.
+
+        Raises:
+            RuntimeError: as :meth:`start`.
+        """
+        todo = self._ranks(ranks)
+        for r in todo:
+            old = self.node(r)
+            if old.pid is not None:
+                old.stop(timeout=timeout)
+            if wipe:
+                self.wipe(r)
+            self._retired.append(old)
+            self._mounts[r] = self._new_mount(r)
+        self.start(todo, timeout=timeout)
+        return [self._mounts[r] for r in todo]
 
     def cleanup(self) -> None:
         """Unmount every rank, whatever state it is in, all at once (never raises)."""
