@@ -59,6 +59,7 @@ class Daemon:
         self._nursery: trio.Nursery | None = None
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
+        self.ns: Any = None  # scope=job: the job's namespace log
 
     # ------------------------------------------------------------------ building
 
@@ -104,6 +105,12 @@ class Daemon:
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
                          huge_model=o.huge_model, keep=o.keep)
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path)
+        if o.scope == "job":
+            from replication.jobns.log import JobNamespace
+            from replication.jobns.service import Transport
+            from replication.jobns.sources import JobChunkSource
+            self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer))
+            return JobChunkSource(self.fs, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(), peer.client,
                                peer.report_bad)
 
@@ -243,7 +250,11 @@ class Daemon:
         """Mount, call ``ready()``, and serve until unmounted or signalled."""
         assert self.fs is not None and self.store is not None
         if self.peer is not None:
-            self.peer.start_server(trio.lowlevel.current_trio_token())
+            token = trio.lowlevel.current_trio_token()
+            if self.ns is not None:
+                from replication.jobns.service import register
+                self.peer.extra_services.append(register(self.ns, self.opts.job, token))
+            self.peer.start_server(token)
         try:
             await self._run(ready)
         finally:
@@ -252,7 +263,10 @@ class Daemon:
 
     async def _run(self, ready: Callable[[], None]) -> None:
         assert self.fs is not None and self.store is not None
-        await self.restore_at_mount()
+        if self.ns is not None:
+            await self.ns.join()  # the job's namespace, before the kernel sees any of it
+        else:
+            await self.restore_at_mount()
         ops = Operations(self.fs)
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
         mounted = True
@@ -269,6 +283,8 @@ class Daemon:
                     n.start_soon(self.prefetcher.run)
                 if self.peer is not None:
                     n.start_soon(self.peer.run)
+                if self.ns is not None:
+                    n.start_soon(self.ns.run)
                 if self._bulk_restore:
                     n.start_soon(self._restore_bulk)
                 ready()
@@ -429,6 +445,9 @@ class Daemon:
                               "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0),
                               "chunks_from": dict(getattr(fs.chunk_source, "served", {}))}
         out["peers"] = self.peer.status() if self.peer is not None else None
+        out["scope"] = self.opts.scope
+        if self.ns is not None:
+            out["namespace"] = self.ns.status()
         return out
 
     async def checkpoints(self) -> list[dict[str, Any]]:

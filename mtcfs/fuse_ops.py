@@ -49,12 +49,12 @@ def _errno_out(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-def entry(a: Attr) -> pyfuse3.EntryAttributes:
+def entry(a: Attr, timeout: float | None = None) -> pyfuse3.EntryAttributes:
     e = pyfuse3.EntryAttributes()
     e.st_ino = a.ino
     e.generation = 0
-    e.entry_timeout = ENTRY_TIMEOUT
-    e.attr_timeout = ATTR_TIMEOUT
+    e.entry_timeout = ENTRY_TIMEOUT if timeout is None else timeout
+    e.attr_timeout = ATTR_TIMEOUT if timeout is None else timeout
     e.st_mode = a.mode
     e.st_nlink = a.nlink
     e.st_uid = a.uid
@@ -85,7 +85,13 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.initialized = False
+        #: scope=job: names and attributes change on other nodes, so the kernel caches
+        #: none (every path walk asks; close-to-open, docs/consistency.md).
+        self.cache_timeout = 0.0 if fs.ns_log is not None else None
         fs.subscribe(self._on_event)
+
+    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+        return entry(a, self.cache_timeout)
 
     def init(self) -> None:
         """FUSE INIT arrived: the kernel has negotiated the connection."""
@@ -101,7 +107,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.lookup(parent_inode, name))
+        return self._entry(await self.fs.lookup(parent_inode, name))
 
     async def forget(self, inode_list: Any) -> None:
         try:
@@ -111,7 +117,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.getattr(inode))
+        return self._entry(await self.fs.getattr(inode))
 
     @_errno_out
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: int | None,
@@ -126,7 +132,7 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             fh=fh)
-        return entry(a)
+        return self._entry(a)
 
     @_errno_out
     async def readlink(self, inode: int, ctx: Any) -> bytes:
@@ -141,12 +147,12 @@ class Operations(pyfuse3.Operations):
         fh, a = await self.fs.create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL,
                                      ctx.uid, ctx.gid)
         await self.fs.release(fh)
-        return entry(a)
+        return self._entry(a)
 
     @_errno_out
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_errno_out
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -159,7 +165,7 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: Any) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._entry(await self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_errno_out
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
@@ -169,7 +175,7 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: Any) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.link(inode, new_parent_inode, new_name))
+        return self._entry(await self.fs.link(inode, new_parent_inode, new_name))
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
@@ -181,7 +187,7 @@ class Operations(pyfuse3.Operations):
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
                                      ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry(a)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(a)
 
     def _flags(self, flags: int) -> int:
         # With writeback cache the kernel resolves O_APPEND itself (at its own i_size) and
@@ -216,7 +222,7 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         for name, a, next_id, counts in self.fs.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, entry(a), next_id):
+            if not pyfuse3.readdir_reply(token, name, self._entry(a), next_id):
                 break
             if counts:
                 self.fs.count_lookup(a.ino)

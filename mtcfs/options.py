@@ -168,6 +168,8 @@ class MountOptions:
     placement: str = "ring"
     assume_data_parallelism: int | None = None
     huge_model: bool = False
+    #: "node": the mount shows this rank's files; "job": every rank's (docs/consistency.md).
+    scope: str = "node"
 
     def __post_init__(self) -> None:
         if self.backup_interval is None:
@@ -301,6 +303,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.assume_data_parallelism = _int(name, value, 1)
                 elif name == "huge_model" and flag:
                     o.huge_model = True
+                elif name == "scope" and value:
+                    if value not in ("node", "job"):
+                        raise ValueError("expected node or job")
+                    o.scope = value
                 else:
                     raise OptionError(f"unknown option {item!r}" if name not in _KNOWN
                                       else f"bad option {item!r}: "
@@ -383,6 +389,11 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     dp = o.assume_data_parallelism
     if dp is not None and o.nodes % dp:
         raise bad("assume_data_parallelism", f"must divide nodes={o.nodes}")
+    if o.scope == "job" and not o.multi_node:
+        raise bad("scope", "a job-wide namespace needs nodes >= 2 (one node is scope=node)")
+    if o.scope == "job" and dp is not None and dp > 1:
+        raise bad("scope", "assume_data_parallelism is for scope=node: in one job-wide "
+                           "namespace identical files are one file")
     if o.huge_model:
         if dp is None or dp < 2:
             raise OptionError("option huge_model needs assume_data_parallelism=D with D >= 2"
@@ -395,4 +406,4 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "assume_data_parallelism", "huge_model"}
+          "assume_data_parallelism", "huge_model", "scope"}

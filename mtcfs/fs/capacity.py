@@ -86,7 +86,11 @@ class CapacityOps:
                 break
             if any(v.handles for v in self._step_versions(s)):
                 continue
-            if s.backed_up_ns is not None:
+            if self.ns_log is not None:
+                # scope=job: the namespace is the job's; drop only data held elsewhere
+                # (other ranks' files, and own files the backup tier holds).
+                self._drop_step_data(s, others_only=s.backed_up_ns is None)
+            elif s.backed_up_ns is not None:
                 self._drop_step_data(s)
             else:
                 self._delete_tree(s)
@@ -100,10 +104,10 @@ class CapacityOps:
         return [self.versions[i.vid] for _p, i in self.walk(self.inodes[s.ino])
                 if i.is_file and i.vid is not None]
 
-    def _drop_step_data(self, s: StepRecord) -> None:
+    def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
         with self.db.transaction():
             for v in self._step_versions(s):
-                if not v.sealed or v.pins:
+                if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 before = v.local_bytes()
                 fd = self._fd(v)

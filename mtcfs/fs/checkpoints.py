@@ -88,7 +88,7 @@ class CheckpointOps:
             if rec.backed_up_ns is None or rec.name in kept or rec.backing_up:
                 continue
             versions = self._step_versions(rec)
-            if any(v.missing for v in versions):
+            if any(v.missing for v in versions) and self.ns_log is None:
                 self._delete_tree(rec)
                 deleted.append(rec.name)
                 log.info("deleted checkpoint %s: backup_keep retired its backup copy and its"
@@ -172,6 +172,8 @@ class CheckpointOps:
                                      target=ino.target.decode(errors="surrogateescape")))
             else:
                 v = self.versions[ino.vid]  # type: ignore[index]
+                if v.origin >= 0:
+                    continue  # scope=job: another rank's file; that rank backs it up
                 v.pins += 1
                 pinned.append(v)
                 entries.append(Entry(path, "file", perm, ino.mtime_ns, size=v.size,
@@ -182,7 +184,7 @@ class CheckpointOps:
 
     def step_in_ram(self, rec: StepRecord) -> bool:
         """True when every chunk of every file of the step is in RAM (nothing to fault in)."""
-        return all(not v.missing for v in self._step_versions(rec))
+        return all(not v.missing for v in self._step_versions(rec) if v.origin < 0)
 
     def unpin(self, versions: Iterable[Version]) -> None:
         for v in versions:

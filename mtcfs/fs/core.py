@@ -38,6 +38,7 @@ from mtcfs.fs.capacity import CapacityOps
 from mtcfs.fs.checkpoints import CheckpointOps
 from mtcfs.fs.faultin import FaultInOps
 from mtcfs.fs.files import FileOps
+from mtcfs.fs.jobns import JobNamespaceOps
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.fs.namespace import NamespaceOps
 from mtcfs.fs.records import ChunkSource, Counters, StepRecord
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 NAME_MAX = 255
 
 
-class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps):
+class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
+                 JobNamespaceOps):
     """The core of one mount.
 
     Args:
@@ -95,6 +97,14 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._chunk_locations: dict[str, tuple[int, int]] = {}
         self._unsealed_at_load: list[Version] = []
+        #: scope=job: the job's namespace log (None in scope=node); see fs/jobns.py.
+        self.ns_log: Any = None
+        #: scope=job: kernel inode number -> core inode number, for files renumbered for
+        #: the kernel (Inode.kid).
+        self.aliases: dict[int, int] = {}
+        #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
+        self.chunk_origins: dict[str, int] = {}
+        self._next_kid = 1 << 48
         self._load()
 
     # ------------------------------------------------------------------ lifecycle
@@ -105,9 +115,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         now = _now_ns()
         if db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
             with db.transaction():
-                root = Inode(ROOT_INO, "dir", stat.S_IFDIR | 0o755, os.getuid(), os.getgid(),
-                             2, now, now, now, children={})
-                self._write_inode(root)
+                self._new_root()
                 db.set_kv("next_ino", "2")
                 db.set_kv("next_vid", "1")
         self._next_ino = int(db.get_kv("next_ino") or 2)
@@ -127,11 +135,11 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             if num in self.inodes:
                 self.inodes[num].xattrs[bytes(name)] = bytes(value)
         for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
-                              " backed_up FROM versions"):
+                              " backed_up, origin FROM versions"):
             v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
                         sealed=bool(row[4]), chunks=tuple(row[5].split()) if row[5] else (),
                         blake3=row[6], missing={int(i) for i in row[7].split()},
-                        backed_up=bool(row[8]))
+                        backed_up=bool(row[8]), origin=row[9])
             self.versions[v.vid] = v
         for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
             self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
@@ -206,6 +214,13 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             except Exception:  # an observer bug must not break the filesystem
                 log.exception("observer failed on %s", event)
 
+    def _new_root(self) -> Inode:
+        now = _now_ns()
+        root = Inode(ROOT_INO, "dir", stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), 2, now,
+                     now, now, children={})
+        self._write_inode(root)
+        return root
+
     # ------------------------------------------------------------------ persistence
 
     def _write_inode(self, ino: Inode) -> None:
@@ -218,9 +233,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def _write_version(self, v: Version) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO versions(vid, ino, size, chunk_size, sealed, chunks, blake3,"
-            " missing, backed_up) VALUES (?,?,?,?,?,?,?,?,?)",
+            " missing, backed_up, origin) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (v.vid, v.ino, v.size, v.chunk_size, int(v.sealed), " ".join(v.chunks), v.blake3,
-             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up)))
+             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
 
     def _write_step(self, s: StepRecord) -> None:
         self.db.execute(
@@ -249,6 +264,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         try:
             return self.inodes[ino]
         except KeyError:
+            alias = self.aliases.get(ino)
+            if alias is not None and alias in self.inodes:
+                return self.inodes[alias]
             raise FsError(errno.ENOENT) from None
 
     def _dir(self, ino: int) -> Inode:
@@ -272,7 +290,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             size = len(ino.target)
         elif ino.is_dir:
             size = 4096
-        return Attr(ino.ino, ino.mode, ino.nlink, ino.uid, ino.gid, size,
+        return Attr(ino.kid or ino.ino, ino.mode, ino.nlink, ino.uid, ino.gid, size,
                     ino.atime_ns, ino.mtime_ns, ino.ctime_ns)
 
     def path_of(self, ino: Inode) -> str | None:
@@ -421,6 +439,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             return
         if self.inodes.pop(ino.ino, None) is None:
             return
+        if ino.kid:
+            for k in [k for k, n in self.aliases.items() if n == ino.ino]:
+                del self.aliases[k]
         with self.db.transaction():
             self._delete_inode_rows(ino)
             self._set_current(ino, None)

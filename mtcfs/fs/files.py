@@ -52,6 +52,8 @@ class FileOps:
         Raises:
             FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
         """
+        if self.ns_log is not None:
+            await self.ns_log.fresh()
         ino = self._inode(num)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
@@ -78,10 +80,16 @@ class FileOps:
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND))
-        return fh, True
+        # Close-to-open across nodes (scope=job): the kernel may keep its page cache only
+        # if this node served the same version at its last open.
+        keep = ino.last_open_vid == v.vid or self.ns_log is None
+        ino.last_open_vid = v.vid
+        return fh, keep
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Attr]:
+        if self.ns_log is not None:
+            return await self._ns_create(parent, name, mode, flags, uid, gid)
         d = self._dir(parent)
         self._check_name(name)
         existing = d.children.get(name)  # type: ignore[union-attr]
@@ -149,6 +157,8 @@ class FileOps:
         if not h.writable:
             raise FsError(errno.EBADF)
         v = h.version
+        if v.sealed:
+            v = self._reopen_sealed(h)
         if h.append:
             off = v.size
         end = off + len(buf)
@@ -170,8 +180,41 @@ class FileOps:
         return n
 
     async def flush(self, fh: int) -> None:
-        """close(2) of one descriptor. Seal happens at release of the last writer."""
-        self._handle(fh)
+        """close(2) of one descriptor. Seal happens at release of the last writer, except in
+        scope=job: there close(2) of the last writer seals and publishes the version
+        job-wide before it returns (close-to-open consistency, docs/consistency.md).
+
+        Raises:
+            FsError: EIO when the version could not be published (the namespace service is
+                unreachable past its deadline).
+        """
+        h = self._handle(fh)
+        if self.ns_log is None or not h.writable:
+            return
+        v = h.version
+        if v.writers == 1 and not v.sealed:
+            if v.sealing is not None:
+                await v.sealing.wait()
+            if not v.sealed and v.writers == 1:
+                await self._seal(v, allow_writers=1)
+            if v.seal_error:
+                raise FsError(errno.EIO, v.seal_error)
+
+    def _reopen_sealed(self, h: Handle) -> Version:
+        """A write through a handle whose version was sealed at an earlier close(2) of a
+        duplicate descriptor (scope=job): continue in a new copy-on-write version."""
+        old = h.version
+        ino = self._inode(h.ino)
+        if ino.vid != old.vid:
+            raise FsError(errno.ESTALE, "the file was replaced since this descriptor was opened")
+        v = self._writable_version(ino, trunc=False)
+        old.writers -= 1
+        old.handles -= 1
+        v.writers += 1
+        v.handles += 1
+        h.version = v
+        self._release_version(old)
+        return v
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
@@ -202,8 +245,11 @@ class FileOps:
 
     # ------------------------------------------------------------------ seal
 
-    async def _seal(self, v: Version) -> None:
-        """Hash a closed version into chunks off the FUSE loop and record its manifest."""
+    async def _seal(self, v: Version, allow_writers: int = 0) -> None:
+        """Hash a closed version into chunks off the FUSE loop and record its manifest.
+
+        ``allow_writers``: writers that may still hold the version (1 when close(2) of the
+        last writable descriptor seals it before its RELEASE, in scope=job)."""
         if v.sealing is None:
             v.sealing = trio.Event()
         done = v.sealing
@@ -220,7 +266,7 @@ class FileOps:
                     return
                 if v.vid not in self.versions:
                     return
-                if v.writers:
+                if v.writers > allow_writers:
                     return  # reopened for writing; the next close seals again
                 if v.gen != gen or v.size != size:
                     continue
@@ -239,14 +285,18 @@ class FileOps:
             v.sealing = None
             if ino is not None:
                 self._step_changed(ino)
-            if ino is not None and ino.vid == v.vid:
+            if self.ns_log is not None:
+                if ino is not None and ino.nlink > 0:
+                    await self._ns_publish(ino, v)
+            elif ino is not None and ino.vid == v.vid:
                 self._emit("sealed", v)
                 with self.db.transaction():
                     self._maybe_commit_by_file(ino)
         finally:
             v.sealing = None
             done.set()
-            if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current:
+            if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
+                    and not allow_writers:
                 self._after_write_close(v)
             self._release_version(v)
 

@@ -52,6 +52,9 @@ class Version:
     current: bool = True
     sealing: trio.Event | None = None
     seal_error: str = ""
+    #: scope=job: the rank that wrote this version (-1: this node); its data is faulted in
+    #: from that rank and its replicas.
+    origin: int = -1
 
     def missing_bytes(self) -> int:
         cs = self.chunk_size
@@ -91,6 +94,12 @@ class Inode:
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
     lookups: int = 0
     opens: int = 0
+    #: the version served at the last open on this node (runtime; decides keep_cache)
+    last_open_vid: int | None = None
+    #: scope=job: the number the kernel knows this file by, when not ``ino`` (runtime). A
+    #: file whose content another node replaced gets a new one, because with writeback
+    #: cache the kernel never takes a cached inode's size from the filesystem again.
+    kid: int = 0
 
     @property
     def is_dir(self) -> bool:

@@ -17,6 +17,10 @@ from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.fs.records import now_ns as _now_ns
 
+
+def _text(name: bytes) -> str:
+    return name.decode(errors="surrogateescape")
+
 log = logging.getLogger("mtcfs.fs.core")
 
 
@@ -26,6 +30,8 @@ class NamespaceOps:
     # ------------------------------------------------------------------ namespace
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
+        if self.ns_log is not None:
+            await self.ns_log.fresh()
         d = self._dir(parent)
         if name == b".":
             child = d
@@ -41,13 +47,15 @@ class NamespaceOps:
 
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for num, n in items:
-            ino = self.inodes.get(num)
+            ino = self.inodes.get(num) or self.inodes.get(self.aliases.get(num, 0))
             if ino is None:
                 continue
             ino.lookups = max(0, ino.lookups - n)
             self._maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
+        if self.ns_log is not None:
+            await self.ns_log.fresh()
         return self.attr(self._inode(ino))
 
     async def setattr(self, num: int, *, mode: int | None = None, uid: int | None = None,
@@ -56,6 +64,11 @@ class NamespaceOps:
                       fh: int | None = None) -> Attr:
         ino = self._inode(num)
         now = _now_ns()
+        if self.ns_log is not None and any(x is not None for x in (mode, uid, gid, atime_ns,
+                                                                   mtime_ns)):
+            await self.ns_log.submit({"op": "setattr", "ino": ino.ino, "mode": mode, "uid": uid,
+                                      "gid": gid, "atime_ns": atime_ns, "mtime_ns": mtime_ns})
+            mode = uid = gid = atime_ns = mtime_ns = None  # applied job-wide, here too
         if size is not None:
             if not ino.is_file:
                 raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)
@@ -118,6 +131,14 @@ class NamespaceOps:
         return d
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        if self.ns_log is not None:
+            return await self._ns_new_entry({"op": "mkdir", "parent": parent, "name": name,
+                                             "mode": mode, "uid": uid, "gid": gid})
+        ino = self._mkdir_now(parent, name, mode, uid, gid)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    def _mkdir_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         d = self._dir_for_new_name(parent, name)
         with self.db.transaction():
             ino = self._new_inode("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
@@ -125,10 +146,17 @@ class NamespaceOps:
             self._write_inode(ino)
             d.nlink += 1
             self._touch_dir(d)
+        return ino
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        if self.ns_log is not None:
+            return await self._ns_new_entry({"op": "symlink", "parent": parent, "name": name,
+                                             "target": target, "uid": uid, "gid": gid})
+        ino = self._symlink_now(parent, name, target, uid, gid)
         ino.lookups += 1
         return self.attr(ino)
 
-    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+    def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         d = self._dir_for_new_name(parent, name)
         with self.db.transaction():
             ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
@@ -136,8 +164,7 @@ class NamespaceOps:
             self._link(d, name, ino)
             self._write_inode(ino)
             self._touch_dir(d)
-        ino.lookups += 1
-        return self.attr(ino)
+        return ino
 
     async def readlink(self, num: int) -> bytes:
         ino = self._inode(num)
@@ -149,6 +176,8 @@ class NamespaceOps:
         ino = self._inode(num)
         if ino.is_dir:
             raise FsError(errno.EPERM)
+        if self.ns_log is not None:
+            raise FsError(errno.EOPNOTSUPP, "hard links are not supported in scope=job")
         d = self._dir_for_new_name(new_parent, new_name)
         with self.db.transaction():
             self._link(d, new_name, ino)
@@ -160,6 +189,13 @@ class NamespaceOps:
         return self.attr(ino)
 
     async def unlink(self, parent: int, name: bytes) -> None:
+        if self.ns_log is not None:
+            await self.ns_log.submit({"op": "unlink", "parent": self._dir(parent).ino,
+                                      "name": _text(name)})
+            return
+        self._unlink_now(parent, name)
+
+    def _unlink_now(self, parent: int, name: bytes) -> Inode:
         d = self._dir(parent)
         ino = self._child(d, name)
         if ino.is_dir:
@@ -169,6 +205,7 @@ class NamespaceOps:
             self._drop_link(ino, d, name)
             self._touch_dir(d)
         self._maybe_free_inode(ino)
+        return ino
 
     def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None:
         ino.nlink -= 1
@@ -181,6 +218,13 @@ class NamespaceOps:
         self._write_inode(ino)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
+        if self.ns_log is not None:
+            await self.ns_log.submit({"op": "rmdir", "parent": self._dir(parent).ino,
+                                      "name": _text(name)})
+            return
+        self._rmdir_now(parent, name)
+
+    def _rmdir_now(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
         ino = self._child(d, name)
         if not ino.is_dir:
@@ -196,6 +240,17 @@ class NamespaceOps:
                      flags: int = 0) -> None:
         """Atomic rename; ``flags`` may hold RENAME_NOREPLACE (1). RENAME_EXCHANGE (2) is
         refused with EINVAL."""
+        if self.ns_log is not None:
+            await self.ns_log.submit({"op": "rename", "parent": self._dir(old_parent).ino,
+                                      "name": _text(old_name),
+                                      "new_parent": self._dir(new_parent).ino,
+                                      "new_name": _text(new_name), "flags": flags})
+            return
+        self._rename_now(old_parent, old_name, new_parent, new_name, flags)
+
+    def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                    flags: int = 0) -> Inode | None:
+        """The rename itself; returns the inode it replaced (unlinked), if any."""
         if flags & ~1:
             raise FsError(errno.EINVAL)
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
@@ -211,7 +266,7 @@ class NamespaceOps:
         victim_num = dst_dir.children.get(new_name)  # type: ignore[union-attr]
         victim = self.inodes[victim_num] if victim_num is not None else None
         if victim is ino:
-            return
+            return None
         if victim is not None:
             if flags & 1:
                 raise FsError(errno.EEXIST)
@@ -247,10 +302,13 @@ class NamespaceOps:
                 self._maybe_commit_by_file(ino)
         if victim is not None:
             self._maybe_free_inode(victim)
+        return victim
 
     # ------------------------------------------------------------------ directories
 
     async def opendir(self, num: int) -> int:
+        if self.ns_log is not None:
+            await self.ns_log.fresh()
         d = self._dir(num)
         fh = self._next_fh
         self._next_fh += 1
@@ -272,7 +330,7 @@ class NamespaceOps:
             yield name, self.attr(ino), i + 1, name not in (b".", b"..")
 
     def count_lookup(self, num: int) -> None:
-        ino = self.inodes.get(num)
+        ino = self.inodes.get(num) or self.inodes.get(self.aliases.get(num, 0))
         if ino is not None:
             ino.lookups += 1
 

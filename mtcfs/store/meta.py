@@ -102,6 +102,9 @@ class MetaDB:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(versions)")}
+        if "origin" not in cols:  # scope=job: the rank that wrote a version (-1: this node)
+            self.conn.execute("ALTER TABLE versions ADD COLUMN origin INTEGER NOT NULL DEFAULT -1")
         self._depth = 0
         if self.get_kv("schema_version") is None:
             self.set_kv("schema_version", str(SCHEMA_VERSION))

@@ -111,6 +111,11 @@ class PeerClient:
             "chunks_skipped", "chunks_received", "chunks_unavailable", "chunks_corrupt",
         ))
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel, for other services of the same server (scope=job's namespace)."""
+        return self._channel
+
     def close(self) -> None:
         """Close the channel; calls in progress are cancelled."""
         self._channel.close()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -320,7 +320,8 @@ def _register(service: PeerService, server: grpc.Server) -> None:
 def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
           rank: int | None = None, labels: Mapping[str, str] | None = None,
           membership: Membership | None = None, workers: int = DEFAULT_WORKERS,
-          max_message_bytes: int = MAX_MESSAGE_BYTES) -> PeerServer:
+          max_message_bytes: int = MAX_MESSAGE_BYTES,
+          extra: Sequence[Callable[[grpc.Server], None]] = ()) -> PeerServer:
     """Start the Peer service on ``listen`` (plaintext gRPC) and return at once.
 
     Args:
@@ -335,6 +336,8 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
         max_message_bytes: grpc's send and receive limit per message; larger messages are
             refused with RESOURCE_EXHAUSTED. Keep the default except in tests: clients use it
             too.
+        extra: registrations of other services on the same server and port (the job
+            namespace of scope=job), called before it starts.
 
     Returns:
         The running server; call ``stop()`` to end it.
@@ -356,6 +359,8 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             *KEEPALIVE_SERVER,
         ])
     _register(service, server)
+    for add in extra:
+        add(server)
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as exc:  # grpcio raises when binding fails

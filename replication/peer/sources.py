@@ -105,7 +105,14 @@ class PeerChunkSource:
         if not ranks:
             raise FsError(errno.EIO, "no peer holds this rank's data")
         start = int(digest[:8], 16) % len(ranks)  # spread chunks over the holders
-        order = ranks[start:] + ranks[:start]
+        return await self.fetch_from(digest, ranks[start:] + ranks[:start])
+
+    async def fetch_from(self, digest: str, order: Sequence[int]) -> bytes:
+        """Ask ranks in ``order`` until one serves a valid copy.
+
+        Raises:
+            FsError: EIO when none does.
+        """
         last = "no peer has it"
         for rank in order:
             try:

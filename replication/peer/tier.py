@@ -124,6 +124,8 @@ class PeerTier(MembershipRounds, Replication):
         self._wake: dict[int, trio.Event] = {}
         self._replicating: set[int] = set()   # peers with a running replication task
         self._bulk = trio.CapacityLimiter(4)
+        #: registrations of more services on the Peer server (scope=job's namespace)
+        self.extra_services: list[Any] = []
         fs.subscribe(self._on_event)
 
     @staticmethod
@@ -142,7 +144,7 @@ class PeerTier(MembershipRounds, Replication):
         """Start the Peer service (threads). Call from the trio loop the core runs on."""
         self.replica_store._local = FsLocalChunks(self.fs, token)
         self.server = serve(self.replica_store, self.cfg.listen, self.cfg.job, self.cfg.nodes,
-                            membership=self.membership, workers=32)
+                            membership=self.membership, workers=32, extra=self.extra_services)
         self.server.service.partitioned = self.partitioned
         if self.cfg.listen.endswith(":0"):  # tests: the port was picked by the kernel
             self.advertise = self._advertised(self.server.address)

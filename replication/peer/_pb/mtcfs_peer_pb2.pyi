@@ -223,3 +223,103 @@ class HeartbeatReply(_message.Message):
     latest_complete: StepRef
     nodes: int
     def __init__(self, membership_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., coordinator_rank: _Optional[int] = ..., has_latest_complete: _Optional[bool] = ..., latest_complete: _Optional[_Union[StepRef, _Mapping]] = ..., nodes: _Optional[int] = ...) -> None: ...
+
+class NsOp(_message.Message):
+    __slots__ = ("seq", "epoch", "body")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    epoch: int
+    body: bytes
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("job", "rank", "body")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    body: bytes
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("not_coordinator", "coordinator_rank", "errno", "message", "seq", "result")
+    NOT_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    not_coordinator: bool
+    coordinator_rank: int
+    errno: int
+    message: str
+    seq: int
+    result: bytes
+    def __init__(self, not_coordinator: _Optional[bool] = ..., coordinator_rank: _Optional[int] = ..., errno: _Optional[int] = ..., message: _Optional[str] = ..., seq: _Optional[int] = ..., result: _Optional[bytes] = ...) -> None: ...
+
+class ApplyRequest(_message.Message):
+    __slots__ = ("job", "rank", "epoch", "ops")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    epoch: int
+    ops: _containers.RepeatedCompositeFieldContainer[NsOp]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ...) -> None: ...
+
+class ApplyReply(_message.Message):
+    __slots__ = ("applied_seq", "diverged")
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    applied_seq: int
+    diverged: bool
+    def __init__(self, applied_seq: _Optional[int] = ..., diverged: _Optional[bool] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("job", "rank", "applied_seq", "epoch")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    applied_seq: int
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., applied_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class StateReply(_message.Message):
+    __slots__ = ("is_coordinator", "seq", "epoch", "tail", "tail_complete")
+    IS_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    TAIL_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    is_coordinator: bool
+    seq: int
+    epoch: int
+    tail: _containers.RepeatedCompositeFieldContainer[NsOp]
+    tail_complete: bool
+    def __init__(self, is_coordinator: _Optional[bool] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ..., tail: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ..., tail_complete: _Optional[bool] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("job", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class SnapshotReply(_message.Message):
+    __slots__ = ("seq", "epoch", "body")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    epoch: int
+    body: bytes
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...

@@ -316,3 +316,225 @@ class Peer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class JobNamespaceStub:
+    """The job-wide namespace of scope=job (docs/consistency.md). The coordinator orders every
+    namespace change (mkdir, create, rename, unlink, rmdir, setattr, symlink, and the
+    publication of a sealed file version) into one log; members apply the log in order.
+    An op's `body` is a small JSON object (docs/consistency.md lists the kinds and fields):
+    namespace ops are few per step, and a new kind needs no schema change.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Submit = channel.unary_unary(
+                '/mtcfs.peer.v1.JobNamespace/Submit',
+                request_serializer=mtcfs__peer__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.Apply = channel.unary_unary(
+                '/mtcfs.peer.v1.JobNamespace/Apply',
+                request_serializer=mtcfs__peer__pb2.ApplyRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.ApplyReply.FromString,
+                _registered_method=True)
+        self.State = channel.unary_unary(
+                '/mtcfs.peer.v1.JobNamespace/State',
+                request_serializer=mtcfs__peer__pb2.StateRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.StateReply.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/mtcfs.peer.v1.JobNamespace/Snapshot',
+                request_serializer=mtcfs__peer__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.SnapshotReply.FromString,
+                _registered_method=True)
+
+
+class JobNamespaceServicer:
+    """The job-wide namespace of scope=job (docs/consistency.md). The coordinator orders every
+    namespace change (mkdir, create, rename, unlink, rmdir, setattr, symlink, and the
+    publication of a sealed file version) into one log; members apply the log in order.
+    An op's `body` is a small JSON object (docs/consistency.md lists the kinds and fields):
+    namespace ops are few per step, and a new kind needs no schema change.
+    """
+
+    def Submit(self, request, context):
+        """Order and apply this change (sent to the coordinator). Answered once every live member
+        applied it, or with the errno that refused it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Apply(self, request, context):
+        """Apply these ops, in seq order (coordinator -> member).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def State(self, request, context):
+        """The sender's lease renewal and catch-up: the server's log position, and the ops after
+        the sender's position that it lacks. Also how a new coordinator finds the longest log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """The whole namespace, for a node that joins with no usable state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobNamespaceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=mtcfs__peer__pb2.SubmitRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.SubmitReply.SerializeToString,
+            ),
+            'Apply': grpc.unary_unary_rpc_method_handler(
+                    servicer.Apply,
+                    request_deserializer=mtcfs__peer__pb2.ApplyRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.ApplyReply.SerializeToString,
+            ),
+            'State': grpc.unary_unary_rpc_method_handler(
+                    servicer.State,
+                    request_deserializer=mtcfs__peer__pb2.StateRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.StateReply.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=mtcfs__peer__pb2.SnapshotRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.SnapshotReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mtcfs.peer.v1.JobNamespace', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mtcfs.peer.v1.JobNamespace', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class JobNamespace:
+    """The job-wide namespace of scope=job (docs/consistency.md). The coordinator orders every
+    namespace change (mkdir, create, rename, unlink, rmdir, setattr, symlink, and the
+    publication of a sealed file version) into one log; members apply the log in order.
+    An op's `body` is a small JSON object (docs/consistency.md lists the kinds and fields):
+    namespace ops are few per step, and a new kind needs no schema change.
+    """
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.JobNamespace/Submit',
+            mtcfs__peer__pb2.SubmitRequest.SerializeToString,
+            mtcfs__peer__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Apply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.JobNamespace/Apply',
+            mtcfs__peer__pb2.ApplyRequest.SerializeToString,
+            mtcfs__peer__pb2.ApplyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def State(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.JobNamespace/State',
+            mtcfs__peer__pb2.StateRequest.SerializeToString,
+            mtcfs__peer__pb2.StateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.JobNamespace/Snapshot',
+            mtcfs__peer__pb2.SnapshotRequest.SerializeToString,
+            mtcfs__peer__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,359 @@
+"""scope=job: the core's side of the job-wide namespace (docs/consistency.md).
+
+A part of :class:`mtcfs.fs.core.Filesystem` (mixed in). Every namespace change of a
+scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log`` (the job
+namespace service, :mod:`replication.jobns`) has the coordinator order each op into the job's
+log and every node apply it, in log order, with :meth:`ns_apply`. Applying is deterministic
+and synchronous (one trio step, one SQLite transaction): every node that applied ops 1..n
+holds the same namespace, with the same inode numbers, because only :meth:`ns_apply`
+allocates them. The coordinator validates an op by applying it first; the errno that refuses
+it is the application's answer.
+
+The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
+applied it. File data never travels in ops, except the bytes of small files (every DCP rank
+reads ``.metadata`` at load): a sealed version is *published* as its chunk list and the rank
+that wrote it, and other nodes fault its chunks in on read.
+
+Op kinds and fields (names are strings, surrogate-escaped; ``rank`` is the origin):
+
+==========  ==================================================================
+mkdir       parent, name, mode, uid, gid -> {"ino"}
+create      parent, name, mode, uid, gid, excl -> {"ino", "existed"}
+symlink     parent, name, target, uid, gid -> {"ino"}
+unlink      parent, name
+rmdir       parent, name
+rename      parent, name, new_parent, new_name, flags
+setattr     ino, mode, uid, gid, atime_ns, mtime_ns (None: unchanged)
+publish     ino, vid (at the origin), size, chunk_size, chunks, blake3, mtime_ns,
+            data (base64, files up to INLINE_BYTES)
+==========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import logging
+import os
+import stat
+from typing import Any
+
+import blake3
+
+from mtcfs.chunking import chunk_span
+from mtcfs.errors import FsError
+from mtcfs.fs.model import ROOT_INO, Attr, Inode, Version
+from mtcfs.fs.records import StepRecord
+
+log = logging.getLogger("mtcfs.fs.core")
+
+#: Files up to this size travel inside their publish op, so that N ranks reading the same
+#: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
+INLINE_BYTES = 256 * 1024
+
+
+def _name(s: str) -> bytes:
+    return s.encode(errors="surrogateescape")
+
+
+def _text(b: bytes) -> str:
+    return b.decode(errors="surrogateescape")
+
+
+class JobNamespaceOps:
+    """scope=job: submit, apply, snapshot and install the job-wide namespace."""
+
+    # ------------------------------------------------------------------ submitting
+
+    async def _ns_new_entry(self, op: dict[str, Any]) -> Attr:
+        """Submit an op that creates an entry (mkdir, symlink); its attributes here."""
+        op = dict(op, parent=self._dir(op["parent"]).ino, name=_text(op["name"]))
+        if "target" in op:
+            op["target"] = _text(op["target"])
+        res = await self.ns_log.submit(op)
+        ino = self._inode(res["ino"])
+        ino.lookups += 1
+        return self.attr(ino)
+
+    async def _ns_create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                         gid: int) -> tuple[int, Attr]:
+        res = await self.ns_log.submit({
+            "op": "create", "parent": self._dir(parent).ino, "name": _text(name), "mode": mode,
+            "uid": uid, "gid": gid, "excl": bool(flags & os.O_EXCL)})
+        ino = self._inode(res["ino"])
+        # A new file's first writer starts an empty local version (O_TRUNC).
+        fh, _ = await self.open(ino.ino, flags if res.get("existed") else flags | os.O_TRUNC)
+        ino.lookups += 1
+        return fh, self.attr(ino)
+
+    async def _ns_publish(self, ino: Inode, v: Version) -> None:
+        """Publish sealed version ``v`` of ``ino`` job-wide (called by the seal).
+
+        Records the failure as ``v.seal_error`` (close(2) then returns EIO) when the
+        namespace service cannot be reached before its deadline.
+        """
+        op: dict[str, Any] = {
+            "op": "publish", "ino": ino.ino, "vid": v.vid, "size": v.size,
+            "chunk_size": v.chunk_size, "chunks": list(v.chunks), "blake3": v.blake3,
+            "mtime_ns": ino.mtime_ns}
+        if v.size <= INLINE_BYTES:
+            data = os.pread(self._fd(v), v.size, 0)
+            op["data"] = base64.b64encode(data).decode()
+        v.pins += 1  # must be here when this node applies its own publish
+        try:
+            await self.ns_log.submit(op)
+        except FsError as exc:
+            v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
+            self._error(v.seal_error)
+        finally:
+            v.pins -= 1
+            self._release_version(v)
+
+    # ------------------------------------------------------------------ applying
+
+    def ns_apply(self, op: dict[str, Any], seq: int, epoch: int) -> tuple[dict[str, Any],
+                                                                          list[Version]]:
+        """Apply one op of the job's log (deterministic; no await).
+
+        Returns:
+            (result for the submitter, versions this node has open whose data it should
+            fetch before acknowledging: a file another node unlinked or replaced while
+            this node reads it keeps its content here).
+
+        Raises:
+            FsError: the op is refused (the coordinator answers the submitter with it).
+        """
+        fn = getattr(self, "_apply_" + op["op"], None)
+        if fn is None:
+            raise FsError(errno.EINVAL, f"unknown namespace op {op['op']!r}")
+        keep: list[Version] = []
+        with self.db.transaction():
+            res = fn(op, keep)
+            self.db.set_kv("ns_seq", str(seq))
+            self.db.set_kv("ns_epoch", str(epoch))
+            self.db.set_kv("next_ino", str(self._next_ino))
+        return res or {}, keep
+
+    def ns_position(self) -> tuple[int, int]:
+        """(epoch, seq) of the last op applied here (0, 0 when none)."""
+        return int(self.db.get_kv("ns_epoch") or 0), int(self.db.get_kv("ns_seq") or 0)
+
+    def _ns_dir(self, num: int) -> Inode:
+        d = self._dir(num)
+        if d.ino != ROOT_INO and not d.parent:
+            raise FsError(errno.ENOENT)  # removed; may linger for the kernel here only
+        return d
+
+    def _origin(self, op: dict[str, Any]) -> int:
+        return -1 if op["rank"] == self.rank else op["rank"]
+
+    def _apply_mkdir(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._mkdir_now(op["parent"], _name(op["name"]), op["mode"], op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_symlink(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._symlink_now(op["parent"], _name(op["name"]), _name(op["target"]),
+                                op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_create(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        d = self._ns_dir(op["parent"])
+        name = _name(op["name"])
+        self._check_name(name)
+        existing = d.children.get(name)  # type: ignore[union-attr]
+        if existing is not None:
+            if op["excl"]:
+                raise FsError(errno.EEXIST)
+            if not self.inodes[existing].is_file:
+                raise FsError(errno.EISDIR)
+            return {"ino": existing, "existed": True}
+        ino = self._new_inode("file", stat.S_IFREG | (op["mode"] & 0o7777), op["uid"], op["gid"])
+        v = self._new_version(ino)
+        v.sealed, v.blake3, v.origin = True, blake3.blake3(b"").hexdigest(), self._origin(op)
+        self._write_version(v)
+        ino.vid = v.vid
+        self._link(d, name, ino)
+        self._write_inode(ino)
+        self._touch_dir(d)
+        return {"ino": ino.ino, "existed": False}
+
+    def _apply_unlink(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        victim = self._child(self._dir(op["parent"]), _name(op["name"]))
+        self._keep_if_open(victim, keep)
+        self._unlink_now(op["parent"], _name(op["name"]))
+
+    def _apply_rmdir(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        self._rmdir_now(op["parent"], _name(op["name"]))
+
+    def _apply_rename(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        dst = self._ns_dir(op["new_parent"])
+        victim = dst.children.get(_name(op["new_name"]))  # type: ignore[union-attr]
+        if victim is not None and victim in self.inodes:
+            self._keep_if_open(self.inodes[victim], keep)
+        self._rename_now(op["parent"], _name(op["name"]), op["new_parent"],
+                         _name(op["new_name"]), op["flags"])
+
+    def _apply_setattr(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or (ino.nlink <= 0 and ino.ino != ROOT_INO):
+            raise FsError(errno.ENOENT)
+        if op["mode"] is not None:
+            ino.mode = stat.S_IFMT(ino.mode) | (op["mode"] & 0o7777)
+        if op["uid"] is not None:
+            ino.uid = op["uid"]
+        if op["gid"] is not None:
+            ino.gid = op["gid"]
+        if op["atime_ns"] is not None:
+            ino.atime_ns = op["atime_ns"]
+        if op["mtime_ns"] is not None:
+            ino.mtime_ns = op["mtime_ns"]
+        self._write_inode(ino)
+
+    def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
+        v = self.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
+        if v is not None and ino.opens and v.missing:
+            keep.append(v)
+
+    def _apply_publish(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or not ino.is_file or ino.nlink <= 0:
+            return  # unlinked meanwhile: nobody can open it by name
+        chunks = tuple(op["chunks"])
+        if op["rank"] == self.rank:
+            v = self.versions.get(op["vid"])
+            if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
+                if ino.vid != v.vid:  # another node's earlier publish replaced it here
+                    v.current = True
+                    self._set_current(ino, v)
+                v.origin = -1
+                self._write_version(v)
+                ino.mtime_ns = op["mtime_ns"]
+                self._write_inode(ino)
+                self._maybe_commit_by_file(ino)
+                return
+        cur = self.versions.get(ino.vid) if ino.vid is not None else None
+        if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op["size"]:
+            return  # this content already (a snapshot carried it)
+        if cur is not None:
+            self._keep_if_open(ino, keep)
+        v = self._remote_version(ino, op)
+        self._set_current(ino, v)
+        ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+        if ino.lookups or ino.kid:
+            # New kernel inode number: the kernel re-looks the name up and takes the new
+            # size (it never refreshes a cached one with writeback cache on).
+            self._next_kid += 1
+            ino.kid = self._next_kid
+            self.aliases[ino.kid] = ino.ino
+        self._write_inode(ino)
+        self._maybe_commit_by_file(ino)
+
+    def _remote_version(self, ino: Inode, op: dict[str, Any]) -> Version:
+        """A sealed version of another rank's file: its chunks are missing unless they came
+        inline (verified here) — reads fault them in from that rank and its replicas."""
+        chunks = tuple(op["chunks"])
+        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=op["size"],
+                    chunk_size=op["chunk_size"], sealed=True, chunks=chunks,
+                    blake3=op["blake3"], missing=set(range(len(chunks))),
+                    origin=self._origin(op))
+        fd = self.store.open_data(v.vid, create=True)
+        os.ftruncate(fd, v.size)
+        v.fd = fd
+        data = base64.b64decode(op["data"]) if op.get("data") is not None else None
+        if data is not None and len(data) == v.size:
+            for i, d in enumerate(chunks):
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                piece = data[off:off + length]
+                if blake3.blake3(piece).hexdigest() == d:
+                    os.pwrite(fd, piece, off)
+                    v.missing.discard(i)
+                    self.used += length
+        self.versions[v.vid] = v
+        self._write_version(v)
+        for d in chunks:
+            self.chunk_origins[d] = op["rank"]
+        self._index_chunks(v)
+        return v
+
+    # ------------------------------------------------------------------ snapshots
+
+    def ns_snapshot(self) -> dict[str, Any]:
+        """The whole namespace as a JSON-able dict (for a node that joins)."""
+        epoch, seq = self.ns_position()
+        out: list[dict[str, Any]] = []
+        for path, ino in self.walk(self.inodes[ROOT_INO]):
+            if ino.ino == ROOT_INO:
+                continue
+            e: dict[str, Any] = {"ino": ino.ino, "parent": ino.parent, "name": _text(ino.name),
+                                 "kind": ino.kind, "mode": ino.mode, "uid": ino.uid,
+                                 "gid": ino.gid, "mtime_ns": ino.mtime_ns,
+                                 "target": _text(ino.target)}
+            if ino.is_file and ino.vid is not None:
+                v = self.versions[ino.vid]
+                e["version"] = {"size": v.size, "chunk_size": v.chunk_size,
+                                "chunks": list(v.chunks), "blake3": v.blake3,
+                                "rank": self.rank if v.origin < 0 else v.origin,
+                                "sealed": v.sealed}
+            out.append(e)
+        steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
+                  "committed_ns": s.committed_ns} for s in self.steps.values()]
+        return {"epoch": epoch, "seq": seq, "next_ino": self._next_ino, "entries": out,
+                "steps": steps}
+
+    def ns_install(self, snap: dict[str, Any]) -> None:
+        """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
+
+        This node's own files come back as versions with every chunk missing, faulted in
+        from its replicas (or the backup tier) like any other rank's.
+        """
+        with self.db.transaction():
+            for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
+                self.db.execute(f"DELETE FROM {table}")
+            for v in self.versions.values():
+                if v.fd >= 0:
+                    os.close(v.fd)
+            for vid in self.store.data_vids():
+                self.store.remove_data(vid)
+            self.inodes.clear()
+            self.versions.clear()
+            self.steps.clear()
+            self._chunk_locations.clear()
+            self.used = 0
+            root = self._new_root()
+            self.inodes[ROOT_INO] = root
+            for e in snap["entries"]:
+                parent = self.inodes[e["parent"]]
+                kind = e["kind"]
+                ino = Inode(e["ino"], kind, e["mode"], e["uid"], e["gid"],
+                            2 if kind == "dir" else 1, e["mtime_ns"], e["mtime_ns"],
+                            e["mtime_ns"], target=_name(e["target"]),
+                            children={} if kind == "dir" else None)
+                self.inodes[ino.ino] = ino
+                if kind == "dir":
+                    parent.nlink += 1
+                ver = e.get("version")
+                if ver is not None:
+                    op = dict(ver, rank=ver["rank"])
+                    v = self._remote_version(ino, op)
+                    v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
+                    self._write_version(v)
+                    ino.vid = v.vid
+                self._link(parent, _name(e["name"]), ino)
+                self._write_inode(ino)
+            self._write_inode(root)
+            for s in snap["steps"]:
+                rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
+                                 committed_ns=s["committed_ns"], source=s["source"])
+                self.steps[rec.name] = rec
+                self._write_step(rec)
+            self._next_ino = snap["next_ino"]
+            self.db.set_kv("next_ino", str(self._next_ino))
+            self.db.set_kv("ns_seq", str(snap["seq"]))
+            self.db.set_kv("ns_epoch", str(snap["epoch"]))
+        log.info("installed the job namespace at seq %d: %d entries, %d steps", snap["seq"],
+                 len(snap["entries"]), len(snap["steps"]))

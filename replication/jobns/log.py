@@ -1,0 +1,456 @@
+"""The job's namespace log for scope=job: ordering, replication to every node, leases.
+
+One node — the peer tier's coordinator, the lowest live rank — *leads*: it orders every
+namespace op into one log (``seq`` 1, 2, ...), applies it to its own core, sends it to every
+other member (``Apply``) and answers the submitter once every live member applied it. That
+is what makes close-to-open hold job-wide without a round trip at open: when close(2)
+returns on one node, every node already has the new version.
+
+Primary-backup replication with leases, as in Chubby (Burrows, OSDI 2006) and GFS's master
+(Ghemawat et al., SOSP 2003), simplified for a job whose members are known:
+
+* A member serves namespace reads from its applied copy while it holds a *lease*: it had
+  an Apply or a State answer from the leader within ``LEASE_S`` (counted from when it sent
+  the request). Past that it asks the leader (``State``) before answering.
+* The leader counts a member's lease from when it *answered*, which is later; a member that
+  stops acknowledging is dropped from the broadcast, and the leader holds its answers until
+  that member's lease has run out, so no node serves a name the job has changed.
+* A new leader (the old one died) asks every member for its position and first takes the
+  ops it lacks from the member furthest ahead: members' logs are prefixes of the old
+  leader's log, and every acknowledged op is on every live member. It starts a new epoch.
+* A node that starts with no usable state installs a snapshot of the namespace.
+
+Op bodies are JSON (mtcfs/fs/jobns.py lists the kinds). Every op carries its origin rank
+and an id, and a retried op that was applied is answered from the record, not applied
+twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from mtcfs.errors import FsError
+
+log = logging.getLogger(__name__)
+
+#: Seconds a member may serve reads without hearing from the leader.
+LEASE_S = 3.0
+#: How long a submitter keeps trying (leader takeover included) before EIO.
+SUBMIT_DEADLINE_S = 60.0
+#: Seconds the leader waits for a member's Apply answer before dropping it from the broadcast.
+APPLY_TIMEOUT_S = 5.0
+#: Ops kept in memory for members that catch up (and for a new leader).
+TAIL_OPS = 50_000
+
+
+@dataclass
+class _Pending:
+    op: dict[str, Any]
+    done: trio.Event = field(default_factory=trio.Event)
+    reply: tuple[int, str, int, dict[str, Any]] = (0, "", 0, {})  # errno, message, seq, result
+
+
+class JobNamespace:
+    """The ``ns_log`` of a scope=job core, and the trio side of the JobNamespace service.
+
+    Args:
+        fs: the filesystem core.
+        tier: the peer tier (membership, coordinator, addresses).
+        transport: calls to other nodes' JobNamespace service (:mod:`.transport`).
+    """
+
+    def __init__(self, fs: Any, tier: Any, transport: Any) -> None:
+        self.fs = fs
+        self.tier = tier
+        self.rank = tier.rank
+        self.transport = transport
+        self.epoch, self.seq = fs.ns_position()
+        self.promised = self.epoch  # no Apply of an older epoch is taken after a takeover
+        self.tail: collections.deque[tuple[int, int, bytes]] = collections.deque(maxlen=TAIL_OPS)
+        self.results: collections.OrderedDict[tuple[int, str], tuple[int, dict[str, Any]]] = \
+            collections.OrderedDict()
+        self.leading = False
+        self.lease_until = 0.0
+        self.applied = trio.Event()
+        self.diverged = False
+        self._ids = itertools.count(1)
+        self._boot = f"{time.time_ns():x}"
+        self._queue: list[_Pending] = []
+        self._kick = trio.Event()
+        self._pos: dict[int, int] = {}          # leader: member -> last seq it acknowledged
+        self._out: set[int] = set()            # leader: members not in the broadcast
+        self._granted: dict[int, float] = {}   # leader: member -> when its lease was granted
+        self._renew_lock = trio.Lock()
+        self._deposed_at = -1e9
+        self._nursery: Any = None
+        self.counters = collections.Counter[str]()
+
+    # ------------------------------------------------------------------ the core's side
+
+    async def submit(self, op: dict[str, Any]) -> dict[str, Any]:
+        """Have ``op`` ordered and applied job-wide; its result once applied here.
+
+        Raises:
+            FsError: the errno that refused it, or EIO when no leader answered within
+                SUBMIT_DEADLINE_S.
+        """
+        op = dict(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
+        body = json.dumps(op, separators=(",", ":")).encode()
+        deadline = time.monotonic() + SUBMIT_DEADLINE_S
+        delay = 0.05
+        while True:
+            leader = self.tier.coordinator
+            reply = None
+            if leader == self.rank:
+                if self.leading:
+                    reply = await self._sequence(op)
+            elif leader is not None and leader >= 0:
+                try:
+                    reply = await trio.to_thread.run_sync(self.transport.submit, leader, body,
+                                                          abandon_on_cancel=True)
+                except Exception as exc:  # unreachable: the membership will move on
+                    log.info("namespace op to rank %d: %s", leader, exc)
+            if reply is not None and reply[0] != -1:
+                err, message, seq, result = reply
+                if err:
+                    raise FsError(err, message or None)
+                await self._wait_applied(seq)
+                self.counters["ops_submitted"] += 1
+                return result
+            if time.monotonic() > deadline:
+                raise FsError(errno.EIO, "the job's namespace service did not answer")
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def fresh(self) -> None:
+        """Return once this node's copy may serve a read (lease held, or renewed now)."""
+        if self.leading or time.monotonic() < self.lease_until:
+            return
+        deadline = time.monotonic() + SUBMIT_DEADLINE_S
+        while not (self.leading or time.monotonic() < self.lease_until):
+            if await self._renew():
+                return
+            if time.monotonic() > deadline:
+                raise FsError(errno.EIO, "the job's namespace service did not answer")
+            await trio.sleep(0.1)
+
+    async def _wait_applied(self, seq: int) -> None:
+        deadline = time.monotonic() + SUBMIT_DEADLINE_S
+        while self.seq < seq:
+            if time.monotonic() > deadline:
+                raise FsError(errno.EIO, f"namespace op {seq} never reached this node")
+            with trio.move_on_after(0.5):
+                await self.applied.wait()
+            if self.seq < seq:
+                await self._renew()
+
+    # ------------------------------------------------------------------ applying
+
+    def _apply_one(self, seq: int, epoch: int, body: bytes) -> tuple[int, str, dict[str, Any],
+                                                                       list[Any]]:
+        op = json.loads(body)
+        try:
+            res, keep = self.fs.ns_apply(op, seq, epoch)
+            err, message = 0, ""
+        except FsError as exc:
+            res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
+        if err == 0:
+            self.seq, self.epoch = seq, epoch
+            self.tail.append((seq, epoch, body))
+            self.results[(op["rank"], op["id"])] = (seq, res)
+            while len(self.results) > TAIL_OPS:
+                self.results.popitem(last=False)
+            self.applied.set()
+            self.applied = trio.Event()
+        return err, message, res, keep
+
+    async def apply_batch(self, epoch: int, ops: list[tuple[int, int, bytes]]) -> tuple[int, bool]:
+        """A member applies ops sent by the leader (in seq order). Returns (position,
+        diverged)."""
+        if epoch < self.promised:
+            return self.seq, False  # a deposed leader: refused, it learns from our position
+        self.promised = epoch
+        keep_all: list[Any] = []
+        for seq, op_epoch, body in ops:
+            if seq <= self.seq:
+                continue
+            if seq != self.seq + 1:
+                with trio.move_on_after(2.0):  # a catch-up in flight may fill the gap
+                    while self.seq + 1 < seq:
+                        await self.applied.wait()
+                if seq != self.seq + 1:
+                    break
+            err, message, _res, keep = self._apply_one(seq, op_epoch, body)
+            if err:
+                # Every node holds the same namespace at seq-1, so this cannot happen
+                # unless the node diverged; say so loudly and stay in step.
+                self.diverged = True
+                self.fs._error(f"namespace op {seq} failed here but not on the leader: "
+                               f"{message} ({err}); this node's view may differ")
+                self.seq, self.epoch = seq, op_epoch
+                self.fs.db.set_kv("ns_seq", str(seq))
+            keep_all.extend(keep)
+        await self._keep(keep_all)
+        self.lease_until = time.monotonic() + LEASE_S
+        return self.seq, self.diverged
+
+    async def _keep(self, versions: list[Any]) -> None:
+        """Copy what this node lacks of files it has open that another node removed or
+        replaced (POSIX: an open file keeps its content); bounded, best effort."""
+        with trio.move_on_after(APPLY_TIMEOUT_S - 1):
+            for v in versions:
+                try:
+                    await self.fs.fault_in(v, 0, v.size)
+                except FsError as exc:
+                    log.warning("cannot keep an open file's content: %s", exc)
+
+    # ------------------------------------------------------------------ leader
+
+    async def _sequence(self, op: dict[str, Any]) -> tuple[int, str, int, dict[str, Any]]:
+        p = _Pending(op)
+        self._queue.append(p)
+        self._kick.set()
+        await p.done.wait()
+        return p.reply
+
+    async def handle_submit(self, body: bytes) -> tuple[int, str, int, dict[str, Any]]:
+        """Submit from another node: (-1, ...) when this node does not lead."""
+        if not self.leading:
+            return -1, "", 0, {}
+        return await self._sequence(json.loads(body))
+
+    async def _sequencer(self) -> None:
+        """Group commit: apply all queued ops, send them in one Apply, answer them all."""
+        while self.leading:
+            if not self._queue:
+                await self._kick.wait()
+                self._kick = trio.Event()
+                continue
+            batch, self._queue = self._queue, []
+            sent: list[tuple[int, int, bytes]] = []
+            keep: list[Any] = []
+            for p in batch:
+                done = self.results.get((p.op["rank"], p.op["id"]))
+                if done is not None:
+                    p.reply = (0, "", done[0], done[1])
+                    continue
+                body = json.dumps(p.op, separators=(",", ":")).encode()
+                seq = self.seq + 1
+                err, message, res, k = self._apply_one(seq, self.epoch, body)
+                p.reply = (err, message, seq if not err else 0, res)
+                if not err:
+                    sent.append((seq, self.epoch, body))
+                    keep.extend(k)
+            if sent:
+                await self._broadcast()
+            for p in batch:
+                if not p.done.is_set():
+                    p.done.set()
+            if keep:
+                self._nursery.start_soon(self._keep, keep)
+
+    def _members(self) -> list[int]:
+        return [r for r in range(self.tier.cfg.nodes) if r != self.rank]
+
+    async def _broadcast(self) -> None:
+        """Bring every member in the broadcast to ``self.seq``; drop those that fail, and
+        wait out the leases of dropped members."""
+        async def one(r: int) -> None:
+            start = self._pos.get(r, self.seq - 1)
+            ops = [t for t in self.tail if t[0] > start]
+            if ops and ops[0][0] != start + 1:
+                self._out.add(r)  # too far behind for the tail: it must catch up itself
+                return
+            try:
+                pos, diverged = await trio.to_thread.run_sync(
+                    self.transport.apply, r, self.epoch, ops, abandon_on_cancel=True)
+            except Exception as exc:
+                log.info("namespace: rank %d leaves the broadcast: %s", r, exc)
+                self._out.add(r)
+                self._pos.pop(r, None)
+                return
+            self._granted[r] = time.monotonic()
+            self._pos[r] = pos
+            if pos < self.seq:
+                self._out.add(r)
+
+        async with trio.open_nursery() as n:
+            for r in self._members():
+                if r not in self._out and r in self.tier.addresses:
+                    n.start_soon(one, r)
+        # A member out of the broadcast may still serve reads until its lease ends.
+        now = time.monotonic()
+        wait = max([self._granted.get(r, 0.0) + LEASE_S - now
+                    for r in self._members() if r in self._out or r not in self.tier.addresses]
+                   + [0.0])
+        if wait > 0:
+            self.counters["lease_waits"] += 1
+            await trio.sleep(wait)
+
+    async def handle_state(self, rank: int, applied_seq: int, epoch: int) -> dict[str, Any]:
+        """A member's lease renewal (or a new leader's poll): our position, and the ops
+        after ``applied_seq`` when we have them all."""
+        tail = [t for t in self.tail if t[0] > applied_seq]
+        complete = applied_seq >= self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)
+        if epoch > self.promised:
+            # A new leader is taking over: take no Apply of an older epoch from now on, and
+            # if this node led, stop (the new leader has our ops in this answer).
+            self.promised = epoch
+            if self.leading:
+                self._step_down(f"rank {rank} takes over with epoch {epoch}")
+        if self.leading:
+            self._granted[rank] = time.monotonic()
+            if complete:
+                self._out.discard(rank)
+                self._pos[rank] = self.seq
+        return {"is_coordinator": self.leading, "seq": self.seq, "epoch": self.epoch,
+                "tail": tail if complete else [], "complete": complete}
+
+    def _step_down(self, why: str) -> None:
+        log.info("rank %d no longer leads the job namespace: %s", self.rank, why)
+        self.leading = False
+        self._deposed_at = time.monotonic()
+        for p in self._queue:  # their submitters ask the new leader
+            p.reply = (-1, "", 0, {})
+            p.done.set()
+        self._queue = []
+        self._kick.set()
+
+    async def _renew(self) -> bool:
+        """Ask the leader for its position and catch up; True when the lease is renewed."""
+        async with self._renew_lock:
+            if self.leading or time.monotonic() < self.lease_until - LEASE_S / 2:
+                return True
+            leader = self.tier.coordinator
+            if leader is None or leader < 0 or leader == self.rank:
+                return False
+            sent = time.monotonic()
+            try:
+                st = await trio.to_thread.run_sync(self.transport.state, leader, self.seq,
+                                                   self.epoch, abandon_on_cancel=True)
+            except Exception as exc:
+                log.info("namespace lease from rank %d: %s", leader, exc)
+                return False
+            if not st["is_coordinator"]:
+                return False
+            await self.apply_batch(st["epoch"], st["tail"])
+            if self.seq < st["seq"]:
+                self.fs._error(f"namespace: {st['seq'] - self.seq} ops behind the leader and"
+                               " past its memory; restart this node to resynchronise")
+                return False
+            self.lease_until = sent + LEASE_S
+            return True
+
+    async def _take_over(self) -> None:
+        """Become the leader: adopt the longest log among live members, start an epoch."""
+        best_rank, best = self.rank, self.seq
+        top_epoch = self.epoch
+        for r in self._members():
+            if r not in self.tier.addresses:
+                continue
+            try:
+                st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
+                                                   self.promised + 1, abandon_on_cancel=True)
+            except Exception:
+                continue
+            top_epoch = max(top_epoch, st["epoch"])
+            self._pos[r] = st["seq"]
+            if st["seq"] > best:
+                if st["complete"]:
+                    await self.apply_batch(st["epoch"], st["tail"])
+                best_rank, best = r, st["seq"]
+        if self.seq < best:
+            self.fs._error(f"namespace: could not take ops {self.seq + 1}..{best} from rank"
+                           f" {best_rank}")
+        self.epoch = self.promised = max(top_epoch, self.promised) + 1
+        self.fs.db.set_kv("ns_epoch", str(self.epoch))
+        now = time.monotonic()
+        for r in self._members():  # leases the old leader granted may still run
+            self._granted[r] = now
+            if r not in self._pos:
+                self._out.add(r)
+        self.leading = True
+        self.counters["takeovers"] += 1
+        log.info("rank %d leads the job namespace from seq %d (epoch %d)", self.rank,
+                 self.seq, self.epoch)
+        self._nursery.start_soon(self._sequencer)
+
+    # ------------------------------------------------------------------ start and run
+
+    async def join(self, timeout: float = 60.0) -> None:
+        """At mount, before FUSE serves: catch up with the job (the leader, or when this
+        node is to lead, the member furthest ahead), or install its snapshot."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await self.tier.heartbeat_once()
+            leader = self.tier.coordinator
+            if leader is None or leader < 0:
+                await trio.sleep(0.2)
+                continue
+            ask = [leader] if leader != self.rank else \
+                [r for r in self._members() if r in self.tier.addresses]
+            best: tuple[int, dict[str, Any]] | None = None
+            for r in ask:
+                try:
+                    st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
+                                                       self.epoch, abandon_on_cancel=True)
+                except Exception as exc:
+                    log.info("joining the job namespace: rank %d: %s", r, exc)
+                    continue
+                if best is None or st["seq"] > best[1]["seq"]:
+                    best = (r, st)
+            if leader != self.rank and (best is None or not best[1]["is_coordinator"]):
+                await trio.sleep(0.5)  # the leader is not up yet, or is taking over
+                continue
+            if best is None or best[1]["seq"] <= self.seq:
+                return
+            r, st = best
+            if st["complete"]:
+                await self.apply_batch(st["epoch"], st["tail"])
+                return
+            try:
+                snap = await trio.to_thread.run_sync(self.transport.snapshot, r,
+                                                     abandon_on_cancel=True)
+            except Exception as exc:
+                log.info("joining the job namespace: snapshot from rank %d: %s", r, exc)
+                await trio.sleep(0.5)
+                continue
+            self.fs.ns_install(snap)
+            self.epoch, self.seq = self.fs.ns_position()
+            self.promised = self.epoch
+            self.tail.clear()
+            return
+        log.warning("no leader of the job namespace answered; serving this node's copy")
+
+    async def run(self) -> None:
+        """Lead when this node is the coordinator; otherwise keep the lease fresh."""
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            while True:
+                coord = self.tier.coordinator
+                if coord == self.rank and not self.leading:
+                    # Not again while the node that deposed us may still lead (until the
+                    # membership agrees who the coordinator is).
+                    if time.monotonic() - self._deposed_at > 4 * LEASE_S:
+                        await self._take_over()
+                elif coord != self.rank and self.leading:
+                    self._step_down(f"rank {coord} coordinates the job")
+                elif not self.leading:
+                    await self._renew()
+                await trio.sleep(LEASE_S / 4)
+
+    def status(self) -> dict[str, Any]:
+        return {"leader": self.tier.coordinator, "leading": self.leading, "seq": self.seq,
+                "epoch": self.epoch, "lease_s": round(max(0.0, self.lease_until -
+                                                          time.monotonic()), 2),
+                "out_of_broadcast": sorted(self._out), "diverged": self.diverged,
+                **dict(self.counters)}
