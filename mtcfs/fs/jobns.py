@@ -39,6 +39,7 @@ import stat
 from typing import Any
 
 import blake3
+import trio
 
 from mtcfs.chunking import chunk_span
 from mtcfs.errors import FsError
@@ -46,6 +47,10 @@ from mtcfs.fs.model import ROOT_INO, Attr, Inode, Version
 from mtcfs.fs.records import StepRecord
 
 log = logging.getLogger("mtcfs.fs.core")
+
+#: Seconds this node keeps the data of its own file after another node removed or replaced
+#: it, so that nodes still reading the file can copy what they lack (docs/consistency.md).
+LINGER_S = 30.0
 
 #: Files up to this size travel inside their publish op, so that N ranks reading the same
 #: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
@@ -215,9 +220,19 @@ class JobNamespaceOps:
         self._write_inode(ino)
 
     def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
+        """``ino`` loses its name or content job-wide: keep what nodes reading it need."""
         v = self.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
-        if v is not None and ino.opens and v.missing:
-            keep.append(v)
+        if v is None:
+            return
+        if ino.opens and v.missing:
+            keep.append(v)  # this node reads it: copy the rest before acknowledging
+        if v.origin < 0 and v.sealed and self._nursery is not None:
+            v.pins += 1  # this node wrote it: other readers copy from here for a while
+            self._nursery.start_soon(self._unpin_later, v)
+
+    async def _unpin_later(self, v: Version) -> None:
+        await trio.sleep(LINGER_S)
+        self.unpin([v])
 
     def _apply_publish(self, op: dict[str, Any], keep: list[Version]) -> None:
         ino = self.inodes.get(op["ino"])

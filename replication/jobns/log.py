@@ -75,6 +75,7 @@ class JobNamespace:
         self.transport = transport
         self.epoch, self.seq = fs.ns_position()
         self.promised = self.epoch  # no Apply of an older epoch is taken after a takeover
+        self.term = self.epoch      # leader: the epoch of the ops it orders
         self.tail: collections.deque[tuple[int, int, bytes]] = collections.deque(maxlen=TAIL_OPS)
         self.results: collections.OrderedDict[tuple[int, str], tuple[int, dict[str, Any]]] = \
             collections.OrderedDict()
@@ -245,10 +246,10 @@ class JobNamespace:
                     continue
                 body = json.dumps(p.op, separators=(",", ":")).encode()
                 seq = self.seq + 1
-                err, message, res, k = self._apply_one(seq, self.epoch, body)
+                err, message, res, k = self._apply_one(seq, self.term, body)
                 p.reply = (err, message, seq if not err else 0, res)
                 if not err:
-                    sent.append((seq, self.epoch, body))
+                    sent.append((seq, self.term, body))
                     keep.extend(k)
             if sent:
                 await self._broadcast()
@@ -272,7 +273,7 @@ class JobNamespace:
                 return
             try:
                 pos, diverged = await trio.to_thread.run_sync(
-                    self.transport.apply, r, self.epoch, ops, abandon_on_cancel=True)
+                    self.transport.apply, r, self.term, ops, abandon_on_cancel=True)
             except Exception as exc:
                 log.info("namespace: rank %d leaves the broadcast: %s", r, exc)
                 self._out.add(r)
@@ -312,7 +313,8 @@ class JobNamespace:
             if complete:
                 self._out.discard(rank)
                 self._pos[rank] = self.seq
-        return {"is_coordinator": self.leading, "seq": self.seq, "epoch": self.epoch,
+        return {"is_coordinator": self.leading, "seq": self.seq,
+                "epoch": max(self.epoch, self.promised),
                 "tail": tail if complete else [], "complete": complete}
 
     def _step_down(self, why: str) -> None:
@@ -336,7 +338,7 @@ class JobNamespace:
             sent = time.monotonic()
             try:
                 st = await trio.to_thread.run_sync(self.transport.state, leader, self.seq,
-                                                   self.epoch, abandon_on_cancel=True)
+                                                   0, abandon_on_cancel=True)
             except Exception as exc:
                 log.info("namespace lease from rank %d: %s", leader, exc)
                 return False
@@ -351,28 +353,32 @@ class JobNamespace:
             return True
 
     async def _take_over(self) -> None:
-        """Become the leader: adopt the longest log among live members, start an epoch."""
+        """Become the leader: claim an epoch above any member's (a leader still running
+        steps down when it sees the claim), adopt the longest log among live members."""
+        async def poll(epoch: int) -> list[tuple[int, dict[str, Any]]]:
+            out = []
+            for r in self._members():
+                if r not in self.tier.addresses:
+                    continue
+                try:
+                    out.append((r, await trio.to_thread.run_sync(
+                        self.transport.state, r, self.seq, epoch, abandon_on_cancel=True)))
+                except Exception:
+                    continue
+            return out
+
+        top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await poll(0)])
+        self.term = self.promised = top + 1
         best_rank, best = self.rank, self.seq
-        top_epoch = self.epoch
-        for r in self._members():
-            if r not in self.tier.addresses:
-                continue
-            try:
-                st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
-                                                   self.promised + 1, abandon_on_cancel=True)
-            except Exception:
-                continue
-            top_epoch = max(top_epoch, st["epoch"])
+        for r, st in await poll(self.term):
             self._pos[r] = st["seq"]
+            if st["seq"] > self.seq and st["complete"]:
+                await self.apply_batch(self.term, st["tail"])
             if st["seq"] > best:
-                if st["complete"]:
-                    await self.apply_batch(st["epoch"], st["tail"])
                 best_rank, best = r, st["seq"]
         if self.seq < best:
             self.fs._error(f"namespace: could not take ops {self.seq + 1}..{best} from rank"
                            f" {best_rank}")
-        self.epoch = self.promised = max(top_epoch, self.promised) + 1
-        self.fs.db.set_kv("ns_epoch", str(self.epoch))
         now = time.monotonic()
         for r in self._members():  # leases the old leader granted may still run
             self._granted[r] = now
@@ -381,7 +387,7 @@ class JobNamespace:
         self.leading = True
         self.counters["takeovers"] += 1
         log.info("rank %d leads the job namespace from seq %d (epoch %d)", self.rank,
-                 self.seq, self.epoch)
+                 self.seq, self.term)
         self._nursery.start_soon(self._sequencer)
 
     # ------------------------------------------------------------------ start and run
@@ -402,7 +408,7 @@ class JobNamespace:
             for r in ask:
                 try:
                     st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
-                                                       self.epoch, abandon_on_cancel=True)
+                                                       0, abandon_on_cancel=True)
                 except Exception as exc:
                     log.info("joining the job namespace: rank %d: %s", r, exc)
                     continue
@@ -450,7 +456,7 @@ class JobNamespace:
 
     def status(self) -> dict[str, Any]:
         return {"leader": self.tier.coordinator, "leading": self.leading, "seq": self.seq,
-                "epoch": self.epoch, "lease_s": round(max(0.0, self.lease_until -
+                "epoch": self.term if self.leading else self.epoch, "lease_s": round(max(0.0, self.lease_until -
                                                           time.monotonic()), 2),
                 "out_of_broadcast": sorted(self._out), "diverged": self.diverged,
                 **dict(self.counters)}

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import trio
+
+from replication.peer.errors import ReplicaError
 from replication.peer.sources import PeerChunkSource
+
+log = logging.getLogger(__name__)
 
 
 class JobChunkSource(PeerChunkSource):
-    """Fetches a chunk from the rank that wrote it, then that rank's replicas, then any
-    other member.
+    """Fetches a chunk from this node's replica store, the rank that wrote it, that rank's
+    replicas, then any other member.
 
     Chunks of one file are spread over its writer and the writer's replicas (by digest), so
     that N nodes reading the same file do not all load one node.
@@ -25,6 +31,12 @@ class JobChunkSource(PeerChunkSource):
         self.tier = tier
 
     async def fetch(self, digest: str) -> bytes:
+        store = self.tier.replica_store
+        if store.has(digest):  # this node holds the writer's replica
+            try:
+                return await trio.to_thread.run_sync(store.get_chunk, digest)
+            except (ReplicaError, OSError) as exc:
+                log.warning("replica chunk %s: %s", digest[:16], exc)
         origin = self.fs.chunk_origins.get(digest)
         first: list[int] = []
         if origin is not None and origin != self.tier.rank:

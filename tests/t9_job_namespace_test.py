@@ -1,0 +1,207 @@
+"""scope=job: several daemons on one machine are one POSIX directory (docs/consistency.md).
+
+Each test asserts what a user of the mounts would check: the names every node lists, the
+bytes every node reads, the errno a racing call gets, nothing lost when a node dies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M"}
+
+
+def _race(fns):
+    """Run the callables at once (released by one barrier); their results or exceptions."""
+    barrier = threading.Barrier(len(fns))
+    out = [None] * len(fns)
+
+    def run(i, fn):
+        barrier.wait()
+        try:
+            out[i] = fn()
+        except OSError as exc:
+            out[i] = exc
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_close_to_open_on_every_node(make_cluster):
+    c = make_cluster(3, options=JOB)
+    d = c.node(1).path("step_1")
+    d.mkdir()
+    big = os.urandom(3 * 1024 * 1024 + 17)  # 4 chunks, fetched from rank 1
+    (d / "w.bin").write_bytes(big)
+    (d / "small").write_bytes(b"metadata")  # travels inline
+    for r in (0, 2):
+        assert sorted(os.listdir(c.node(r).path("step_1"))) == ["small", "w.bin"]
+        assert c.node(r).path("step_1", "w.bin").read_bytes() == big
+        assert c.node(r).path("step_1", "small").read_bytes() == b"metadata"
+    # A rewrite on another node: its close is seen by the next open everywhere, including
+    # the kernel's cached size on nodes that read the old content.
+    c.node(2).path("step_1", "w.bin").write_bytes(b"v2" * 10)
+    for r in range(3):
+        assert c.node(r).path("step_1", "w.bin").read_bytes() == b"v2" * 10
+        assert os.stat(c.node(r).path("step_1", "w.bin")).st_size == 20
+
+
+def test_concurrent_mkdir_of_one_path_from_every_node(make_cluster):
+    c = make_cluster(3, options=JOB)
+    for round_ in range(5):
+        name = f"step_{round_}"
+        out = _race([lambda r=r: os.mkdir(c.node(r).path(name)) for r in range(3)])
+        made = [o for o in out if o is None]
+        lost = [o for o in out if isinstance(o, OSError)]
+        assert len(made) == 1 and len(lost) == 2, out
+        assert all(o.errno == errno.EEXIST for o in lost)
+        for r in range(3):
+            assert os.listdir(c.node(r).path()).count(name) == 1
+        # os.makedirs(exist_ok=True), as DCP and Orbax call it, succeeds on every node.
+        out = _race([lambda r=r: os.makedirs(c.node(r).path(name, "sub"), exist_ok=True)
+                     for r in range(3)])
+        assert out == [None, None, None]
+
+
+def test_directory_rename_is_atomic_for_a_node_listing_it(make_cluster):
+    c = make_cluster(2, options=JOB)
+    files = {f"f{i}": os.urandom(1000 + i) for i in range(20)}
+    root0, root1 = c.node(0).path(), c.node(1).path()
+    stop = threading.Event()
+    seen: list[tuple[list[str], list[str]]] = []
+    bad: list[str] = []
+
+    def lister():
+        while not stop.is_set():
+            names = sorted(n for n in os.listdir(root1) if n.startswith("7"))
+            for n in names:
+                try:
+                    inside = sorted(os.listdir(root1 / n))
+                except FileNotFoundError:
+                    continue  # renamed between the two calls: a later listing shows it
+                seen.append((names, inside))
+                if n == "7" and inside != sorted(files):
+                    bad.append(f"{n}: {inside}")
+
+    t = threading.Thread(target=lister)
+    t.start()
+    try:
+        for round_ in range(5):
+            tmp = root0 / "7.orbax-checkpoint-tmp"
+            tmp.mkdir()
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            if round_:
+                os.rename(root0 / "7", root0 / f"old{round_}")  # out of the way, kept whole
+            os.rename(tmp, root0 / "7")
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not bad, bad[:3]
+    assert any(inside == sorted(files) for names, inside in seen if "7" in names), \
+        "the listing never saw the renamed step"
+
+
+def test_unlink_on_one_node_while_another_reads_it(make_cluster):
+    c = make_cluster(2, options=JOB)
+    data = os.urandom(4 * 1024 * 1024 + 5)
+    c.node(0).path("a.bin").write_bytes(data)
+    with open(c.node(1).path("a.bin"), "rb") as f:
+        head = f.read(1000)
+        os.unlink(c.node(0).path("a.bin"))
+        assert not c.node(1).path("a.bin").exists()
+        rest = f.read()
+    assert head + rest == data
+
+
+def test_last_close_wins_and_data_is_never_mixed(make_cluster):
+    c = make_cluster(2, options=JOB)
+    a = open(c.node(0).path("same"), "wb")
+    b = open(c.node(1).path("same"), "wb")
+    a.write(b"A" * 3_000_000)
+    b.write(b"B" * 2_000_000)
+    a.close()
+    b.close()  # closed last: wins on every node
+    for r in range(2):
+        assert c.node(r).path("same").read_bytes() == b"B" * 2_000_000
+
+
+def test_a_dead_nodes_files_come_back_from_replicas(make_cluster):
+    c = make_cluster(3, options=JOB)
+    d = c.node(0).path("step_5")
+    d.mkdir()
+    data = {r: os.urandom(2 * 1024 * 1024 + r) for r in range(3)}
+    for r in range(3):
+        c.node(r).path("step_5", f"__{r}_0.distcp").write_bytes(data[r])
+    c.node(0).path("step_5", ".metadata").write_bytes(b"meta")  # commits step_5
+    c.wait_replicated(2, "step_5")
+    c.kill9(2)
+    c.wipe(2)
+    # The remaining nodes read rank 2's file from its replica (rank 2 is gone).
+    for r in (0, 1):
+        assert c.node(r).path("step_5", "__2_0.distcp").read_bytes() == data[2]
+    # A new node in rank 2's place sees the whole job at once, bytes included.
+    c.restart(2)
+    assert sorted(os.listdir(c.node(2).path("step_5"))) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    for r in range(3):
+        assert c.node(2).path("step_5", f"__{r}_0.distcp").read_bytes() == data[r]
+    # and writes like any other node
+    c.node(2).path("step_5", "after").write_bytes(b"x")
+    assert c.node(1).path("step_5", "after").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("victim", [0])
+def test_the_namespace_leader_dies_during_a_save(make_cluster, victim):
+    """Steps are saved DCP-style from node 1 while the leader (rank 0) is killed: every
+    save completes (or raises), and a step whose .metadata is visible is complete on every
+    surviving node."""
+    c = make_cluster(3, options=JOB)
+    root = c.node(1).path()
+    errors: list[BaseException] = []
+    saved: list[int] = []
+
+    def save(step: int) -> None:
+        d = root / f"step_{step}"
+        d.mkdir()
+        for r in range(3):
+            (d / f"__{r}_0.distcp").write_bytes(bytes([step]) * 300_000)
+        (d / ".metadata.tmp").write_bytes(b"meta%d" % step)
+        os.rename(d / ".metadata.tmp", d / ".metadata")
+
+    def saver():
+        for step in range(1, 9):
+            try:
+                save(step)
+                saved.append(step)
+            except OSError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=saver)
+    t.start()
+    time.sleep(1.0)
+    c.kill9(victim)
+    t.join(300)
+    assert not t.is_alive()
+    assert saved, errors
+    assert all(isinstance(e, OSError) for e in errors)
+    for r in (1, 2):
+        for name in os.listdir(c.node(r).path()):
+            d = c.node(r).path(name)
+            if (d / ".metadata").exists():
+                step = int(name.split("_")[1])
+                assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                 "__2_0.distcp"]
+                for f in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp"):
+                    assert (d / f).read_bytes() == bytes([step]) * 300_000
+    assert set(saved) <= {int(n.split("_")[1]) for n in os.listdir(c.node(2).path())}
+    assert c.status(1)["namespace"]["leading"] is True
