@@ -102,7 +102,26 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
                     {"tier": tier})
     if peers:
         _peer_metrics(out, peers)
+    ns = status.get("namespace") or None
+    if ns:
+        _namespace_metrics(out, ns)
     return "\n".join(out.lines) + "\n"
+
+
+def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
+    """scope=job: the job namespace log (docs/consistency.md)."""
+    out.add("mtcfs_namespace_seq", "gauge", "Namespace ops applied on this node.", ns.get("seq"))
+    out.add("mtcfs_namespace_epoch", "gauge", "Epoch of the namespace leader.", ns.get("epoch"))
+    out.add("mtcfs_namespace_leading", "gauge", "1 if this node orders the job's namespace.",
+            ns.get("leading"))
+    out.add("mtcfs_namespace_lease_seconds", "gauge",
+            "Seconds left of this node's read lease from the leader.", ns.get("lease_s"))
+    out.add("mtcfs_namespace_diverged", "gauge",
+            "1 if an op failed here that succeeded on the leader.", ns.get("diverged"))
+    out.add("mtcfs_namespace_ops_submitted_total", "counter",
+            "Namespace changes made through this mount.", ns.get("ops_submitted", 0))
+    out.add("mtcfs_namespace_takeovers_total", "counter",
+            "Times this node took over the namespace.", ns.get("takeovers", 0))
 
 
 def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:

@@ -217,3 +217,22 @@ def test_cli_bad_option_exit_2_nothing_mounted(shm_dir):
     assert len(lines) == 1 and "size=12Q" in lines[0]
     assert not is_mounted(str(mnt))
     assert not (shm_dir / "s").exists()
+
+
+def test_scope_job_options():
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},scope=job")
+    assert o.scope == "job"
+    assert parse("").scope == "node"
+
+
+@pytest.mark.parametrize("opts,words", [
+    ("scope=cluster", ["scope=cluster", "node or job"]),
+    ("scope=job", ["scope=job", "nodes >= 2"]),
+    (f"nodes=4,coordinator=h:1,scope=job,assume_data_parallelism=2", ["scope=job",
+                                                                      "assume_data_parallelism"]),
+])
+def test_scope_option_errors_name_the_option(opts, words):
+    with pytest.raises(OptionError) as ei:
+        parse(opts)
+    for w in words:
+        assert w in str(ei.value)

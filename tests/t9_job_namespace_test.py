@@ -205,3 +205,10 @@ def test_the_namespace_leader_dies_during_a_save(make_cluster, victim):
                     assert (d / f).read_bytes() == bytes([step]) * 300_000
     assert set(saved) <= {int(n.split("_")[1]) for n in os.listdir(c.node(2).path())}
     assert c.status(1)["namespace"]["leading"] is True
+    metrics = c.node(1).cli("metrics", str(c.node(1).mnt)).stdout
+    assert 'mtcfs_namespace_leading{job="testjob",rank="1"} 1' in metrics
+    assert 'mtcfs_namespace_takeovers_total{job="testjob",rank="1"} 1' in metrics
+    # mtcfs checkpoints lists the steps complete job-wide, on every surviving node
+    for r in (1, 2):
+        listed = {row["step"] for row in c.node(r).checkpoints()}
+        assert {f"step_{s}" for s in saved} <= listed
