@@ -165,6 +165,37 @@ class Daemon:
         except (Exception, trio.TooSlowError) as exc:
             fs._error(f"restore at mount failed: {exc}")
 
+    async def _job_restore_from_backup(self) -> None:
+        """scope=job, about to lead with an empty namespace that no member can fill (every
+        RAM tier was lost): install the newest step the backup tier holds for every rank."""
+        from replication.jobns.restore import latest_job_step, snapshot_from_manifests
+        fs, ns = self.fs, self.ns
+        assert fs is not None and ns is not None and self.peer is not None
+        if self.backup_store is None or self.opts.restore == "none" or ns.seq or \
+                fs.inodes[ROOT_INO].children or self.peer.coordinator != self.opts.rank:
+            return
+        t0 = time.monotonic()
+        try:
+            manifests = await trio.to_thread.run_sync(latest_job_step, self.backup_store,
+                                                      self.opts.nodes)
+            if manifests is None:
+                log.info("nothing to restore: no step is complete for every rank in the backup")
+                return
+            fs.ns_install(snapshot_from_manifests(manifests))
+        except Exception as exc:
+            fs._error(f"restore of the job namespace from the backup tier failed: {exc}")
+            return
+        ns.epoch, ns.seq = fs.ns_position()
+        ns.promised = ns.term = ns.epoch
+        for v in fs.versions.values():
+            v.backed_up = True
+        self.restore_info = {"step": manifests[0].step, "manifest_from": "backup",
+                             "bytes": sum(m.total_bytes for m in manifests),
+                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
+        log.info("restored the job namespace of %s from the backup tier", manifests[0].step)
+        if self.prefetcher is not None:
+            self.prefetcher.kick()
+
     async def restore_from_job(self, want: int | None) -> dict[str, Any]:
         """Several nodes: import the step the job names for this rank (peers, then backup).
 
@@ -265,6 +296,7 @@ class Daemon:
         assert self.fs is not None and self.store is not None
         if self.ns is not None:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it
+            await self._job_restore_from_backup()
         else:
             await self.restore_at_mount()
         ops = Operations(self.fs)

@@ -212,3 +212,31 @@ def test_the_namespace_leader_dies_during_a_save(make_cluster, victim):
     for r in (1, 2):
         listed = {row["step"] for row in c.node(r).checkpoints()}
         assert {f"step_{s}" for s in saved} <= listed
+
+
+def test_whole_job_restart_with_every_ram_tier_lost_restores_from_backup(make_cluster,
+                                                                          shm_dir):
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    c = make_cluster(2, options={**JOB, "backup": f"file://{bucket}", "backup_interval": "1ckpt"})
+    c.node(1).path("step_3").mkdir()
+    data = {r: os.urandom(1_500_000 + r) for r in range(2)}
+    for r in range(2):
+        c.node(r).path("step_3", f"__{r}_0.distcp").write_bytes(data[r])
+    c.node(0).path("step_3", ".metadata").write_bytes(b"meta")
+    for r in range(2):
+        c.node(r).wait_state("step_3", "backed-up")
+    for r in range(2):
+        c.kill9(r)
+        c.wipe(r)
+    c.restart_many([0, 1])
+    for r in range(2):
+        assert sorted(os.listdir(c.node(r).path("step_3"))) == \
+            [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        for w in range(2):
+            assert c.node(r).path("step_3", f"__{w}_0.distcp").read_bytes() == data[w]
+        assert c.node(r).path("step_3", ".metadata").read_bytes() == b"meta"
+    assert c.status(0)["restore"]["manifest_from"] == "backup"
+    # the restored job goes on: a new step is visible everywhere
+    c.node(1).path("step_4").mkdir()
+    assert os.listdir(c.node(0).path("step_4")) == []

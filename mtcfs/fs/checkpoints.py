@@ -54,11 +54,13 @@ class CheckpointOps:
         self._emit("committed", rec)
         return rec
 
-    def _maybe_commit_by_file(self, f: Inode) -> None:
+    def _maybe_commit_by_file(self, f: Inode, published: bool = False) -> None:
+        """Commit the step whose marker file ``f`` is (once sealed and closed; ``published``:
+        sealed at close(2) in scope=job, whose RELEASE may not have come yet)."""
         if f.name not in stepnames.COMMIT_FILES:
             return
         v = self.versions.get(f.vid) if f.vid is not None else None
-        if v is None or not v.sealed or v.writers:
+        if v is None or not v.sealed or (v.writers and not published):
             return
         d = self.inodes.get(f.parent)
         if d is not None and d.parent == ROOT_INO:

@@ -183,5 +183,7 @@ class FaultInOps:
         for _path, ino in self.walk(self.inodes[ROOT_INO]):
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
+                if v.origin >= 0:
+                    continue  # scope=job: another rank's file, faulted in when read
                 out.extend((v, i) for i in sorted(v.missing))
         return out

@@ -249,7 +249,7 @@ class JobNamespaceOps:
                 self._write_version(v)
                 ino.mtime_ns = op["mtime_ns"]
                 self._write_inode(ino)
-                self._maybe_commit_by_file(ino)
+                self._maybe_commit_by_file(ino, published=True)
                 return
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
         if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op["size"]:

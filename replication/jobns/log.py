@@ -344,6 +344,8 @@ class JobNamespace:
                 return False
             if not st["is_coordinator"]:
                 return False
+            if not st["complete"] and self.seq == 0:
+                await self._install_from(leader)  # nothing applied yet: nothing to lose
             await self.apply_batch(st["epoch"], st["tail"])
             if self.seq < st["seq"]:
                 self.fs._error(f"namespace: {st['seq'] - self.seq} ops behind the leader and"
@@ -424,18 +426,21 @@ class JobNamespace:
                 await self.apply_batch(st["epoch"], st["tail"])
                 return
             try:
-                snap = await trio.to_thread.run_sync(self.transport.snapshot, r,
-                                                     abandon_on_cancel=True)
+                await self._install_from(r)
             except Exception as exc:
                 log.info("joining the job namespace: snapshot from rank %d: %s", r, exc)
                 await trio.sleep(0.5)
                 continue
-            self.fs.ns_install(snap)
-            self.epoch, self.seq = self.fs.ns_position()
-            self.promised = self.epoch
-            self.tail.clear()
             return
         log.warning("no leader of the job namespace answered; serving this node's copy")
+
+    async def _install_from(self, rank: int) -> None:
+        snap = await trio.to_thread.run_sync(self.transport.snapshot, rank,
+                                             abandon_on_cancel=True)
+        self.fs.ns_install(snap)
+        self.epoch, self.seq = self.fs.ns_position()
+        self.promised = self.term = self.epoch
+        self.tail.clear()
 
     async def run(self) -> None:
         """Lead when this node is the coordinator; otherwise keep the lease fresh."""
