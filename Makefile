@@ -16,3 +16,10 @@ bench-quick:
 .PHONY: bench-peer
 bench-peer:
 	$(PYTHON) -m benchmarks.bench_peer $(ARGS)
+
+# Metadata ops/s (benchmarks/bench_namespace.py): tmpfs, one mount, a 4-node scope=job
+# namespace through its leader, a member and all 4 at once (about 3 minutes).
+# make bench-namespace ARGS="--ops 200 --only node,job-member"
+.PHONY: bench-namespace
+bench-namespace:
+	$(PYTHON) -m benchmarks.bench_namespace $(ARGS)

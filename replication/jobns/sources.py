@@ -17,8 +17,8 @@ class JobChunkSource(PeerChunkSource):
     """Fetches a chunk from this node's replica store, the rank that wrote it, that rank's
     replicas, then any other member.
 
-    Chunks of one file are spread over its writer and the writer's replicas (by digest), so
-    that N nodes reading the same file do not all load one node.
+    Chunks are spread over the writer and the writer's replicas by digest and by the
+    reading rank, so that N nodes reading the same file do not all load one node.
 
     Args:
         fs: the core (its ``chunk_origins`` says which rank wrote a chunk).
@@ -41,7 +41,9 @@ class JobChunkSource(PeerChunkSource):
         first: list[int] = []
         if origin is not None and origin != self.tier.rank:
             first = [origin] + [r for r in self.tier.peers_of(origin) if r != self.tier.rank]
-            start = int(digest[:8], 16) % len(first)
+            # by digest and by reader: N nodes reading one chunk (a large .metadata) ask
+            # different holders
+            start = (int(digest[:8], 16) + self.tier.rank) % len(first)
             first = first[start:] + first[:start]
         rest = [r for r in sorted(self.tier.addresses) if r != self.tier.rank and r not in first]
         return await self.fetch_from(digest, first + rest)
