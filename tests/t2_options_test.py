@@ -228,7 +228,7 @@ def test_scope_job_options():
 @pytest.mark.parametrize("opts,words", [
     ("scope=cluster", ["scope=cluster", "node or job"]),
     ("scope=job", ["scope=job", "nodes >= 2"]),
-    (f"nodes=4,coordinator=h:1,scope=job,assume_data_parallelism=2", ["scope=job",
+    ("nodes=4,coordinator=h:1,scope=job,assume_data_parallelism=2", ["scope=job",
                                                                       "assume_data_parallelism"]),
 ])
 def test_scope_option_errors_name_the_option(opts, words):

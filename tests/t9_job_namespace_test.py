@@ -58,7 +58,7 @@ def test_concurrent_mkdir_of_one_path_from_every_node(make_cluster):
     c = make_cluster(3, options=JOB)
     for round_ in range(5):
         name = f"step_{round_}"
-        out = _race([lambda r=r: os.mkdir(c.node(r).path(name)) for r in range(3)])
+        out = _race([lambda r=r, name=name: os.mkdir(c.node(r).path(name)) for r in range(3)])
         made = [o for o in out if o is None]
         lost = [o for o in out if isinstance(o, OSError)]
         assert len(made) == 1 and len(lost) == 2, out
@@ -66,7 +66,7 @@ def test_concurrent_mkdir_of_one_path_from_every_node(make_cluster):
         for r in range(3):
             assert os.listdir(c.node(r).path()).count(name) == 1
         # os.makedirs(exist_ok=True), as DCP and Orbax call it, succeeds on every node.
-        out = _race([lambda r=r: os.makedirs(c.node(r).path(name, "sub"), exist_ok=True)
+        out = _race([lambda r=r, name=name: os.makedirs(c.node(r).path(name, "sub"), exist_ok=True)
                      for r in range(3)])
         assert out == [None, None, None]
 
@@ -125,12 +125,11 @@ def test_unlink_on_one_node_while_another_reads_it(make_cluster):
 
 def test_last_close_wins_and_data_is_never_mixed(make_cluster):
     c = make_cluster(2, options=JOB)
-    a = open(c.node(0).path("same"), "wb")
-    b = open(c.node(1).path("same"), "wb")
-    a.write(b"A" * 3_000_000)
-    b.write(b"B" * 2_000_000)
-    a.close()
-    b.close()  # closed last: wins on every node
+    with open(c.node(0).path("same"), "wb") as a, open(c.node(1).path("same"), "wb") as b:
+        a.write(b"A" * 3_000_000)
+        b.write(b"B" * 2_000_000)
+        a.close()
+    # b closed last: it wins on every node
     for r in range(2):
         assert c.node(r).path("same").read_bytes() == b"B" * 2_000_000
 

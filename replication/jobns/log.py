@@ -272,7 +272,7 @@ class JobNamespace:
                 self._out.add(r)  # too far behind for the tail: it must catch up itself
                 return
             try:
-                pos, diverged = await trio.to_thread.run_sync(
+                pos, _diverged = await trio.to_thread.run_sync(
                     self.transport.apply, r, self.term, ops, abandon_on_cancel=True)
             except Exception as exc:
                 log.info("namespace: rank %d leaves the broadcast: %s", r, exc)
@@ -365,8 +365,8 @@ class JobNamespace:
                 try:
                     out.append((r, await trio.to_thread.run_sync(
                         self.transport.state, r, self.seq, epoch, abandon_on_cancel=True)))
-                except Exception:
-                    continue
+                except Exception as exc:  # down: it catches up when it joins
+                    log.info("taking over the job namespace: rank %d: %s", r, exc)
             return out
 
         top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await poll(0)])

@@ -26,7 +26,7 @@ class JobChunkSource(PeerChunkSource):
     """
 
     def __init__(self, fs: Any, tier: Any) -> None:
-        super().__init__(holders=lambda: [], client=tier.client, report_bad=tier.report_bad)
+        super().__init__(holders=list, client=tier.client, report_bad=tier.report_bad)
         self.fs = fs
         self.tier = tier
 
