@@ -44,8 +44,11 @@ def test_close_to_open_on_every_node(make_cluster):
     (d / "small").write_bytes(b"metadata")  # travels inline
     for r in (0, 2):
         assert sorted(os.listdir(c.node(r).path("step_1"))) == ["small", "w.bin"]
-        assert c.node(r).path("step_1", "w.bin").read_bytes() == big
         assert c.node(r).path("step_1", "small").read_bytes() == b"metadata"
+        # the small file came inside the namespace op: nothing fetched from rank 1
+        assert c.status(r)["counters"]["chunks_faulted"] == 0
+        assert c.node(r).path("step_1", "w.bin").read_bytes() == big
+        assert c.status(r)["counters"]["chunks_faulted"] == 4  # verified, from rank 1
     # A rewrite on another node: its close is seen by the next open everywhere, including
     # the kernel's cached size on nodes that read the old content.
     c.node(2).path("step_1", "w.bin").write_bytes(b"v2" * 10)
