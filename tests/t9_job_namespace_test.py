@@ -238,7 +238,8 @@ def test_whole_job_restart_with_every_ram_tier_lost_restores_from_backup(make_cl
         for w in range(2):
             assert c.node(r).path("step_3", f"__{w}_0.distcp").read_bytes() == data[w]
         assert c.node(r).path("step_3", ".metadata").read_bytes() == b"meta"
-    assert c.status(0)["restore"]["manifest_from"] == "backup"
+    # whichever node led first rebuilt the namespace from the bucket; the other joined it
+    assert "backup" in {c.status(r)["restore"].get("manifest_from") for r in range(2)}
     # the restored job goes on: a new step is visible everywhere
     c.node(1).path("step_4").mkdir()
     assert os.listdir(c.node(0).path("step_4")) == []

@@ -64,11 +64,20 @@ class NamespaceOps:
                       fh: int | None = None) -> Attr:
         ino = self._inode(num)
         now = _now_ns()
-        if self.ns_log is not None and any(x is not None for x in (mode, uid, gid, atime_ns,
-                                                                   mtime_ns)):
-            await self.ns_log.submit({"op": "setattr", "ino": ino.ino, "mode": mode, "uid": uid,
-                                      "gid": gid, "atime_ns": atime_ns, "mtime_ns": mtime_ns})
-            mode = uid = gid = atime_ns = mtime_ns = None  # applied job-wide, here too
+        if self.ns_log is not None:
+            # Ordered job-wide: only what changes, of a file that still has a name (the
+            # kernel re-sends unchanged times after renames and for unlinked files). atime
+            # stays on this node.
+            change = {"mode": mode if mode is not None and (mode & 0o7777) != (ino.mode & 0o7777)
+                      else None,
+                      "uid": uid if uid is not None and uid != ino.uid else None,
+                      "gid": gid if gid is not None and gid != ino.gid else None,
+                      "mtime_ns": mtime_ns if mtime_ns is not None and mtime_ns != ino.mtime_ns
+                      else None, "atime_ns": None}
+            if (ino.nlink > 0 or ino.ino == ROOT_INO) and any(v is not None
+                                                               for v in change.values()):
+                await self.ns_log.submit({"op": "setattr", "ino": ino.ino, **change})
+            mode = uid = gid = mtime_ns = None  # applied job-wide (or unchanged)
         if size is not None:
             if not ino.is_file:
                 raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)

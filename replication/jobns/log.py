@@ -267,7 +267,7 @@ class JobNamespace:
         wait out the leases of dropped members."""
         async def one(r: int) -> None:
             start = self._pos.get(r, self.seq - 1)
-            ops = [t for t in self.tail if t[0] > start]
+            ops = self._after(start)
             if ops and ops[0][0] != start + 1:
                 self._out.add(r)  # too far behind for the tail: it must catch up itself
                 return
@@ -300,7 +300,7 @@ class JobNamespace:
     async def handle_state(self, rank: int, applied_seq: int, epoch: int) -> dict[str, Any]:
         """A member's lease renewal (or a new leader's poll): our position, and the ops
         after ``applied_seq`` when we have them all."""
-        tail = [t for t in self.tail if t[0] > applied_seq]
+        tail = self._after(applied_seq)
         complete = applied_seq >= self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)
         if epoch > self.promised:
             # A new leader is taking over: take no Apply of an older epoch from now on, and
@@ -316,6 +316,17 @@ class JobNamespace:
         return {"is_coordinator": self.leading, "seq": self.seq,
                 "epoch": max(self.epoch, self.promised),
                 "tail": tail if complete else [], "complete": complete}
+
+    def _after(self, seq: int) -> list[tuple[int, int, bytes]]:
+        """The ops of the tail after ``seq``, oldest first (walked from the newest end: a
+        member is rarely more than a batch behind)."""
+        out = []
+        for t in reversed(self.tail):
+            if t[0] <= seq:
+                break
+            out.append(t)
+        out.reverse()
+        return out
 
     def _step_down(self, why: str) -> None:
         log.info("rank %d no longer leads the job namespace: %s", self.rank, why)

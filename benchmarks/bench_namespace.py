@@ -1,0 +1,508 @@
+"""6. Metadata operations per second: tmpfs, one mtcfs mount, a 4-node ``scope=job`` namespace.
+
+``python -m benchmarks.bench_namespace [--ops 500] [--listings 20] [--reps 3] [--json OUT]``
+(or ``make bench-namespace``). Each repeat runs five phases, one after the other, in a
+fresh step directory (``step_<n>``) and times each as operations per second:
+
+``create``   create + write 4 KiB + close of ``--ops`` files (``f000000``, ...; every file's
+             bytes differ, so nothing deduplicates)
+``stat``     ``os.stat`` of each file
+``readdir``  ``os.listdir`` of the directory, ``--listings`` times (listings per second)
+``rename``   each file to a new name in the same directory
+``unlink``   each renamed file
+
+on these targets (the order rotates each repeat):
+
+``tmpfs``       a directory under /dev/shm
+``node``        one mtcfs daemon (scope=node)
+``job-leader``  4 daemons with ``scope=job,replicas=1``, every op through the leader's mount
+                (a fresh 4-node cluster each repeat, shared by the three job targets)
+``job-member``  the same namespace, every op through a member's mount (rank 3): each
+                namespace op is a gRPC round trip to the leader, which orders it and has
+                every node apply it before it returns
+``job-4x``      4 processes at once, one per node, each in its own step directory with
+                ``--ops / 4`` files (the same work as the other targets, split 4 ways; its
+                listings are of directories 4x smaller): aggregate ops/s, all their ops over
+                the time from the first start to the last end of the phase; the processes
+                start each phase together
+
+Besides ops/s, the JSON and the second table give, per op, the CPU seconds each daemon
+spent (``utime + stime`` from ``/proc``) and how many namespace-log ops it took (the
+job's ``seq``; scope=job only; the JSON also has the log position each phase started at).
+Medians of ``--reps`` repeats. Everything goes to
+``bench-results/namespace-<timestamp>.json`` unless ``--json`` names another file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import multiprocessing
+import os
+import shutil
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    REPO,
+    SCRATCH_SHM,
+    BenchResult,
+    KiB,
+    fmt,
+    fmt_noise,
+    git_state,
+    log,
+    machine_info,
+    median,
+    mtcfs_mount,
+    scratch_dir,
+    wait_until,
+    write_json,
+)
+
+JOB = "bench"
+NODES = 4
+JOB_OPTIONS = {"scope": "job", "replicas": 1}
+FILE_SIZE = 4 * KiB
+TARGETS = ("tmpfs", "node", "job-leader", "job-member", "job-4x")
+BARRIER_TIMEOUT_S = 600.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_BLOCK = os.urandom(FILE_SIZE)
+
+
+# ---------------------------------------------------------------------- the phases
+
+@dataclass(frozen=True)
+class Work:
+    """What one process does in one repeat: ``n`` files in ``dir``, ``listings`` listings."""
+
+    dir: Path
+    n: int
+    listings: int
+    seed: int  # makes the files' bytes unique to this repeat and process
+
+
+def _old(w: Work, i: int) -> Path:
+    return w.dir / f"f{i:06d}"
+
+
+def _new(w: Work, i: int) -> Path:
+    return w.dir / f"g{i:06d}"
+
+
+def create(w: Work) -> int:
+    """Create, write 4 KiB into and close each file (no fsync)."""
+    for i in range(w.n):
+        fd = os.open(_old(w, i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, struct.pack("<QQ", w.seed, i) + _BLOCK[16:])
+        finally:
+            os.close(fd)
+    return w.n
+
+
+def stat(w: Work) -> int:
+    for i in range(w.n):
+        os.stat(_old(w, i))
+    return w.n
+
+
+def readdir(w: Work) -> int:
+    """List the directory ``listings`` times; each listing must show every file."""
+    for _ in range(w.listings):
+        names = os.listdir(w.dir)
+        if len(names) != w.n:
+            raise RuntimeError(f"{w.dir}: listed {len(names)} names, expected {w.n}")
+    return w.listings
+
+
+def rename(w: Work) -> int:
+    for i in range(w.n):
+        os.rename(_old(w, i), _new(w, i))
+    return w.n
+
+
+def unlink(w: Work) -> int:
+    for i in range(w.n):
+        os.unlink(_new(w, i))
+    return w.n
+
+
+PHASES: dict[str, Callable[[Work], int]] = {
+    "create": create, "stat": stat, "readdir": readdir, "rename": rename, "unlink": unlink}
+
+#: phase -> (start, end, ops) on the time.monotonic clock (one clock for every process).
+Spans = dict[str, tuple[float, float, int]]
+
+
+def run_phases(w: Work, sync: Callable[[], None]) -> Spans:
+    """Make ``w.dir``, run every phase (``sync()`` before each one and after the last),
+    remove ``w.dir``. Returns the span of each phase."""
+    w.dir.mkdir()
+    spans: Spans = {}
+    for name, phase in PHASES.items():
+        sync()
+        t0 = time.monotonic()
+        ops = phase(w)
+        spans[name] = (t0, time.monotonic(), ops)
+    sync()
+    w.dir.rmdir()
+    return spans
+
+
+# ---------------------------------------------------------------------- observing the daemons
+
+def cpu_seconds(pid: int) -> float:
+    """``utime + stime`` of process ``pid`` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+@dataclass
+class Meter:
+    """Marks taken between phases: the CPU seconds of each daemon and the job's log seq."""
+
+    pids: list[int]
+    seq: Callable[[], int] | None = None
+    marks: list[tuple[list[float], int | None]] = field(default_factory=list)
+
+    def mark(self) -> None:
+        self.marks.append(([cpu_seconds(p) for p in self.pids],
+                           self.seq() if self.seq else None))
+
+    def phase(self, i: int) -> tuple[list[float], int | None]:
+        """CPU seconds per daemon and log ops between mark ``i`` and mark ``i + 1``."""
+        (c0, s0), (c1, s1) = self.marks[i], self.marks[i + 1]
+        cpu = [b - a for a, b in zip(c0, c1)]
+        return cpu, (s1 - s0 if s0 is not None and s1 is not None else None)
+
+
+# ---------------------------------------------------------------------- targets
+
+@dataclass
+class Target:
+    """Where one measurement runs: one directory per process, the daemons to watch."""
+
+    key: str
+    label: str
+    bases: list[Path]          # one per process; each repeat makes a step dir in each
+    pids: list[int]            # daemons whose CPU is counted, in rank order
+    seq: Callable[[], int] | None = None
+
+
+def ns_status(mount: Any) -> dict[str, Any]:
+    return mount.status().get("namespace") or {}
+
+
+def job_targets(cluster: Any) -> list[Target]:
+    """The three ways of using the job namespace; the leader is whichever rank leads."""
+    wait_until(lambda: ns_status(cluster.node(0)).get("leader") is not None, 60,
+               "the job namespace to have a leader", interval=0.2)
+    leader = int(ns_status(cluster.node(0))["leader"])
+    member = max(r for r in range(cluster.nodes) if r != leader)
+    mounts = [cluster.node(r) for r in range(cluster.nodes)]
+    pids = [m.pid for m in mounts]
+
+    def seq() -> int:
+        return int(ns_status(mounts[leader])["seq"])
+
+    return [Target("job-leader", f"job, rank {leader} (leader)", [mounts[leader].mnt], pids,
+                   seq),
+            Target("job-member", f"job, rank {member} (member)", [mounts[member].mnt], pids,
+                   seq),
+            Target("job-4x", f"job, {cluster.nodes} ranks at once",
+                   [m.mnt for m in mounts], pids, seq)]
+
+
+@contextlib.contextmanager
+def local_targets(root: Path, keys: list[str]) -> Iterator[list[Target]]:
+    """tmpfs and the one-node mount, as ``keys`` ask, below ``root``; unmounted on exit."""
+    with contextlib.ExitStack() as stack:
+        out: list[Target] = []
+        if "tmpfs" in keys:
+            d = root / "tmpfs"
+            d.mkdir()
+            out.append(Target("tmpfs", "tmpfs", [d], []))
+        if "node" in keys:
+            log("mounting one mtcfs daemon (scope=node)")
+            m = stack.enter_context(mtcfs_mount(root / "node", {}, job=JOB))
+            out.append(Target("node", "mtcfs, one node", [m.mnt], [m.pid]))
+        yield out
+
+
+@contextlib.contextmanager
+def job_cluster(root: Path, keys: list[str]) -> Iterator[list[Target]]:
+    """A fresh scope=job cluster at ``root`` and its targets among ``keys`` (none if no
+    job target is asked for); unmounted and removed on exit.
+
+    Fresh each repeat: the leader's cost per op grows with the length of its log (see
+    benchmarks/README.md), so every repeat starts from an empty one.
+    """
+    if not any(k.startswith("job-") for k in keys):
+        yield []
+        return
+    from tests.support.cluster import Cluster
+
+    log(f"mounting {NODES} daemons with scope=job")
+    c = Cluster(root, NODES, job=JOB, options=JOB_OPTIONS)
+    try:
+        c.start()
+        yield [t for t in job_targets(c) if t.key in keys]
+    finally:
+        c.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- one measurement
+
+def _worker(w: Work, barrier: Any, results: Any, slot: int) -> None:
+    """A process of ``job-4x``: every phase starts when all processes (and the parent,
+    which marks the meter in between) are ready."""
+    def sync() -> None:
+        barrier.wait(BARRIER_TIMEOUT_S)  # everyone has finished the last phase
+        barrier.wait(BARRIER_TIMEOUT_S)  # the parent has taken its mark: go
+
+    try:
+        results.put((slot, run_phases(w, sync), None))
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+        barrier.abort()
+        results.put((slot, None, f"{type(exc).__name__}: {exc}"))
+
+
+def run_parallel(works: list[Work], meter: Meter) -> list[Spans]:
+    """``works`` in one process each, phase by phase in step; the parent marks ``meter``
+    while every process waits between phases."""
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(len(works) + 1)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(w, barrier, results, i), daemon=True)
+             for i, w in enumerate(works)]
+    for p in procs:
+        p.start()
+    failure: Exception | None = None
+    try:
+        for _ in range(len(PHASES) + 1):
+            barrier.wait(BARRIER_TIMEOUT_S)
+            meter.mark()
+            barrier.wait(BARRIER_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        pass  # a worker failed: its message says why
+    except Exception as exc:  # noqa: BLE001 (the mark failed: release the workers)
+        barrier.abort()
+        failure = exc
+    got = sorted(results.get(timeout=BARRIER_TIMEOUT_S) for _ in procs)
+    for p in procs:
+        p.join(30)
+    if failure is not None:
+        raise failure
+    errors = [err for _, _, err in got if err]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return [spans for _, spans, _ in got]
+
+
+def summarize(all_spans: list[Spans], meter: Meter) -> dict[str, dict[str, Any]]:
+    """Per phase: ops, seconds (first start to last end), ops/s, CPU per daemon, log ops,
+    and the log position (``seq``) it started at."""
+    out = {}
+    for i, name in enumerate(PHASES):
+        ops = sum(s[name][2] for s in all_spans)
+        secs = max(s[name][1] for s in all_spans) - min(s[name][0] for s in all_spans)
+        cpu, log_ops = meter.phase(i)
+        out[name] = {"ops": ops, "seconds": secs, "ops_per_s": ops / secs if secs else None,
+                     "daemon_cpu_s": cpu, "log_ops": log_ops, "log_seq_start": meter.marks[i][1]}
+    return out
+
+
+def measure(t: Target, step: int, n: int, listings: int) -> dict[str, dict[str, Any]]:
+    """One repeat on ``t``: ``n`` files split over its processes, each in its own step dir
+    ``step_<step + i>``."""
+    per = max(1, n // len(t.bases))
+    works = [Work(b / f"step_{step + i}", per, listings, seed=step + i)
+             for i, b in enumerate(t.bases)]
+    meter = Meter(t.pids, t.seq)
+    if len(works) == 1:
+        spans = [run_phases(works[0], meter.mark)]
+    else:
+        spans = run_parallel(works, meter)
+    return summarize(spans, meter)
+
+
+@dataclass
+class Runs:
+    """The measurements of every target, by key, and what failed."""
+
+    keys: list[str]
+    labels: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, list[dict]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def record(self, t: Target, fn: Callable[[], dict]) -> None:
+        """Run one measurement of ``t``; a target that fails is reported and not run
+        again."""
+        if t.key in self.errors:
+            return
+        self.labels[t.key] = t.label
+        try:
+            self.runs.setdefault(t.key, []).append(fn())
+        except Exception as exc:  # noqa: BLE001 (report; the other targets go on)
+            traceback.print_exc()
+            self.errors[t.key] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+
+    def shown(self) -> list[tuple[str, str]]:
+        """(key, label) of the targets that have results, in TARGETS order."""
+        return [(k, self.labels[k]) for k in self.keys if self.runs.get(k)]
+
+
+def _rotate(xs: list[Target], k: int) -> list[Target]:
+    k = k % len(xs) if xs else 0
+    return xs[k:] + xs[:k]
+
+
+def run_all(root: Path, keys: list[str], n: int, listings: int, reps: int) -> Runs:
+    """Every target ``reps`` times; the job cluster is new each repeat. The order of the
+    local targets, and of the job targets (which share the cluster's log), rotates each
+    repeat."""
+    out = Runs(keys)
+    with local_targets(root, keys) as local:
+        for rep in range(reps):
+            with job_cluster(root / f"job{rep}", keys) as jobs:
+                for j, t in enumerate(_rotate(local, rep) + _rotate(jobs, rep)):
+                    step = 1000 * (rep + 1) + 10 * j
+                    out.record(t, functools.partial(measure, t, step, n, listings))
+            log(f"rep {rep + 1}/{reps}: " + ", ".join(
+                f"{key} create {fmt(v[-1]['create']['ops_per_s'], 0)}/s"
+                for key, v in out.runs.items() if v))
+    return out
+
+
+# ---------------------------------------------------------------------- tables
+
+def _phase_values(runs: list[dict], phase: str, fn: Callable[[dict], float | None]) -> list:
+    return [fn(r[phase]) for r in runs]
+
+
+def throughput_table(r: Runs, n: int, listings: int, reps: int) -> BenchResult:
+    res = BenchResult("ops", f"6a. Metadata ops/s: {n} files of 4 KiB, {listings} listings, "
+                      f"median of {reps} (higher is better)",
+                      ["phase"] + [label for _, label in r.shown()])
+    for phase in PHASES:
+        res.rows.append([phase] + [
+            fmt_noise(_phase_values(r.runs[key], phase, lambda p: p["ops_per_s"]), 0)
+            for key, _ in r.shown()])
+    res.notes.append("create = open(O_CREAT|O_TRUNC) + write 4 KiB + close; readdir counts "
+                     "listings of the whole directory")
+    res.notes.append(f"job-4x: {NODES} processes at once, one per node, each with "
+                     f"{max(1, n // NODES)} files in its own directory (its listings are of "
+                     f"that smaller directory); aggregate ops/s")
+    return res
+
+
+def _per_op_ms(phase: dict[str, Any], rank: int | None = None) -> float:
+    cpu = phase["daemon_cpu_s"]
+    return 1000 * (sum(cpu) if rank is None else cpu[rank]) / phase["ops"]
+
+
+def cost_table(r: Runs) -> BenchResult:
+    """Daemon CPU and namespace-log ops per op, per target and phase (no tmpfs)."""
+    watched = [key for key, _ in r.shown() if r.runs[key][0]["create"]["daemon_cpu_s"]]
+    ranks = max((len(r.runs[key][0]["create"]["daemon_cpu_s"]) for key in watched), default=0)
+    res = BenchResult("cost", "6b. Cost per op: wall ms (1 / ops/s), daemon CPU ms summed "
+                      "and per rank, namespace-log ops",
+                      ["target / phase", "wall ms", "CPU ms"]
+                      + [f"rank {i}" for i in range(ranks)] + ["log ops"])
+    for key in watched:
+        rs = r.runs[key]
+        nodes = len(rs[0]["create"]["daemon_cpu_s"])
+        for phase in PHASES:
+            ops_s = median(_phase_values(rs, phase, lambda p: p["ops_per_s"]))
+            log_ops = median(_phase_values(
+                rs, phase, lambda p: p["log_ops"] / p["ops"] if p["log_ops"] is not None
+                else None))
+            per_rank = [fmt(median(_phase_values(rs, phase, lambda p, i=i: _per_op_ms(p, i))))
+                        for i in range(nodes)]
+            res.rows.append([f"{key} {phase}", fmt(1000 / ops_s if ops_s else None, 3),
+                             fmt(median(_phase_values(rs, phase, _per_op_ms)))]
+                            + per_rank + ["-"] * (ranks - len(per_rank)) + [fmt(log_ops)])
+    res.notes.append("CPU is utime+stime of each daemon process over the phase (clock-tick "
+                     "resolution); the benchmark's own processes and the kernel's FUSE work "
+                     "in them are not counted")
+    return res
+
+
+# ---------------------------------------------------------------------- command
+
+def parse_targets(text: str) -> list[str]:
+    keys = [k for k in text.replace(" ", ",").split(",") if k]
+    bad = [k for k in keys if k not in TARGETS]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(f"--only takes {','.join(TARGETS)}, got {text!r}")
+    return [k for k in TARGETS if k in keys]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_namespace",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", type=int, default=500, help="files per process (default 500)")
+    p.add_argument("--listings", type=int, default=20,
+                   help="os.listdir calls in the readdir phase (default 20)")
+    p.add_argument("--reps", type=int, default=3, help="repeats per target (median)")
+    p.add_argument("--only", type=parse_targets, default=list(TARGETS),
+                   help=f"comma-separated targets: {','.join(TARGETS)} (default all)")
+    p.add_argument("--json", type=Path, help="results file (default "
+                   "bench-results/namespace-<timestamp>.json)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import render
+
+    a = parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_path = a.json or REPO / "bench-results" / f"namespace-{stamp}.json"
+    info = machine_info()
+    print(f"mtcfs namespace benchmark: {','.join(a.only)}, {a.ops} files, {a.listings} "
+          f"listings, {a.reps} repeats, {info.get('nproc')} CPUs, load "
+          f"{', '.join(f'{x:.2f}' for x in info['loadavg'])}, git {info['git']['head']}",
+          flush=True)
+    doc: dict[str, Any] = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable), "-m",
+                             "benchmarks.bench_namespace"]
+                            + (argv if argv is not None else sys.argv[1:])),
+        "ops": a.ops, "listings": a.listings, "reps": a.reps, "file_size": FILE_SIZE,
+        "nodes": NODES, "job_options": JOB_OPTIONS, "machine": info, "results": {},
+        "errors": {}}
+    t0 = time.perf_counter()
+    with scratch_dir(SCRATCH_SHM, "ns") as root:
+        r = run_all(root, a.only, a.ops, a.listings, a.reps)
+    doc["targets"], doc["errors"] = r.labels, r.errors
+    for res in (throughput_table(r, a.ops, a.listings, a.reps), cost_table(r)):
+        res.seconds = time.perf_counter() - t0
+        if res.key == "ops":
+            res.samples["runs"] = r.runs
+        res.notes += [f"{k} FAILED: {v.splitlines()[0][:300]}" for k, v in doc["errors"].items()]
+        doc["results"][res.key] = res.to_json()
+        print(render(res), flush=True)
+    doc["seconds"] = round(time.perf_counter() - t0, 1)
+    doc["machine"]["loadavg_end"] = os.getloadavg()
+    doc["machine"]["git_end"] = git_state()
+    write_json(out_path, doc)
+    print(f"\n{len(doc['errors'])} target(s) failed in {doc['seconds']:.0f}s; results in "
+          f"{out_path}", flush=True)
+    return 1 if doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
