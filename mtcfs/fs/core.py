@@ -185,6 +185,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.used = sum(v.local_bytes() for v in self.versions.values())
         for v in self.versions.values():
             self._index_chunks(v)
+            if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
+                self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
 
     def start(self, nursery: trio.Nursery) -> None:
         """Attach the core to a nursery for its background work; seals what a crash left open."""

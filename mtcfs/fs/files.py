@@ -285,13 +285,14 @@ class FileOps:
             v.sealing = None
             if ino is not None:
                 self._step_changed(ino)
-            if self.ns_log is not None:
-                if ino is not None and ino.nlink > 0:
-                    await self._ns_publish(ino, v)
-            elif ino is not None and ino.vid == v.vid:
+            if self.ns_log is not None and ino is not None and ino.nlink > 0:
+                # scope=job: commit markers are detected when the publish op is applied
+                await self._ns_publish(ino, v)
+            if ino is not None and ino.vid == v.vid:
                 self._emit("sealed", v)
-                with self.db.transaction():
-                    self._maybe_commit_by_file(ino)
+                if self.ns_log is None:
+                    with self.db.transaction():
+                        self._maybe_commit_by_file(ino)
         finally:
             v.sealing = None
             done.set()

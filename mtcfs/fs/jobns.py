@@ -338,6 +338,8 @@ class JobNamespaceOps:
             self.versions.clear()
             self.steps.clear()
             self._chunk_locations.clear()
+            self.aliases.clear()
+            self.chunk_origins.clear()
             self.used = 0
             root = self._new_root()
             self.inodes[ROOT_INO] = root
