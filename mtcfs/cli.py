@@ -240,6 +240,18 @@ def _ranks(ranks: Any) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def format_namespace_status(ns: dict[str, Any]) -> str:
+    """One line on the job-wide namespace of a scope=job mount."""
+    role = "this node leads" if ns.get("leading") else f"leader rank {ns.get('leader')}"
+    out = (f"  namespace: scope=job, {role}; {ns.get('seq', 0)} ops applied (epoch "
+           f"{ns.get('epoch', 0)}); lease {ns.get('lease_s', 0)} s")
+    if ns.get("out_of_broadcast"):
+        out += f"; not answering: ranks {', '.join(map(str, ns['out_of_broadcast']))}"
+    if ns.get("diverged"):
+        out += "; DIVERGED from the leader (see errors)"
+    return out
+
+
 def format_peer_status(p: dict[str, Any] | None) -> list[str]:
     """The peer tier section of ``mtcfs status``: lines to print, from the status dict's
     ``"peers"`` entry (None on a single node). Missing keys show as ``-``, never fail."""
@@ -340,6 +352,8 @@ def cmd_status(a: argparse.Namespace) -> None:
     if "peers" in st:
         for line in format_peer_status(st["peers"]):
             print(line)
+    if st.get("namespace"):
+        print(format_namespace_status(st["namespace"]))
     if st["errors"]:
         print("  errors:")
         for e in st["errors"][-10:]:
