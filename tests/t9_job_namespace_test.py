@@ -48,6 +48,7 @@ def test_close_to_open_on_every_node(make_cluster):
         assert c.node(r).path("step_1", "small").read_bytes() == b"metadata"
         # the small file came inside the namespace op: nothing fetched from rank 1
         assert c.status(r)["counters"]["chunks_faulted"] == 0
+        assert c.state(r, "step_1/w.bin") == "remote"  # rank 1's file, not read here yet
         assert c.node(r).path("step_1", "w.bin").read_bytes() == big
         assert c.status(r)["counters"]["chunks_faulted"] == 4  # verified, from rank 1
     # A rewrite on another node: its close is seen by the next open everywhere, including

@@ -87,6 +87,8 @@ class XattrOps:
             if not v.sealed or v.sealing is not None or v.writers:
                 return "writing"
             if v.missing:
+                if v.origin >= 0:
+                    return "remote"  # scope=job: another rank's file, on that rank
                 full = len(v.missing) == chunk_count(v.size, v.chunk_size)
                 return "remote" if full and v.backed_up else "restoring"
             if v.backed_up:

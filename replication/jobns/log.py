@@ -42,6 +42,17 @@ from mtcfs.errors import FsError
 
 log = logging.getLogger(__name__)
 
+
+def _why(exc: BaseException) -> str:
+    """One line for a failed call (grpc's own text spans several)."""
+    code = getattr(exc, "code", None)
+    if callable(code):
+        try:
+            return f"{code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        except Exception:  # not a finished call
+            pass
+    return str(exc)
+
 #: Seconds a member may serve reads without hearing from the leader.
 LEASE_S = 3.0
 #: How long a submitter keeps trying (leader takeover included) before EIO.
@@ -119,7 +130,7 @@ class JobNamespace:
                     reply = await trio.to_thread.run_sync(self.transport.submit, leader, body,
                                                           abandon_on_cancel=True)
                 except Exception as exc:  # unreachable: the membership will move on
-                    log.info("namespace op to rank %d: %s", leader, exc)
+                    log.info("namespace op to rank %d: %s", leader, _why(exc))
             if reply is not None and reply[0] != -1:
                 err, message, seq, result = reply
                 if err:
@@ -275,7 +286,7 @@ class JobNamespace:
                 pos, _diverged = await trio.to_thread.run_sync(
                     self.transport.apply, r, self.term, ops, abandon_on_cancel=True)
             except Exception as exc:
-                log.info("namespace: rank %d leaves the broadcast: %s", r, exc)
+                log.info("namespace: rank %d leaves the broadcast: %s", r, _why(exc))
                 self._out.add(r)
                 self._pos.pop(r, None)
                 return
@@ -351,7 +362,7 @@ class JobNamespace:
                 st = await trio.to_thread.run_sync(self.transport.state, leader, self.seq,
                                                    0, abandon_on_cancel=True)
             except Exception as exc:
-                log.info("namespace lease from rank %d: %s", leader, exc)
+                log.info("namespace lease from rank %d: %s", leader, _why(exc))
                 return False
             if not st["is_coordinator"]:
                 return False
@@ -377,7 +388,7 @@ class JobNamespace:
                     out.append((r, await trio.to_thread.run_sync(
                         self.transport.state, r, self.seq, epoch, abandon_on_cancel=True)))
                 except Exception as exc:  # down: it catches up when it joins
-                    log.info("taking over the job namespace: rank %d: %s", r, exc)
+                    log.info("taking over the job namespace: rank %d: %s", r, _why(exc))
             return out
 
         top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await poll(0)])
@@ -423,7 +434,7 @@ class JobNamespace:
                     st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
                                                        0, abandon_on_cancel=True)
                 except Exception as exc:
-                    log.info("joining the job namespace: rank %d: %s", r, exc)
+                    log.info("joining the job namespace: rank %d: %s", r, _why(exc))
                     continue
                 if best is None or st["seq"] > best[1]["seq"]:
                     best = (r, st)
@@ -439,7 +450,7 @@ class JobNamespace:
             try:
                 await self._install_from(r)
             except Exception as exc:
-                log.info("joining the job namespace: snapshot from rank %d: %s", r, exc)
+                log.info("joining the job namespace: snapshot from rank %d: %s", r, _why(exc))
                 await trio.sleep(0.5)
                 continue
             return

@@ -1,0 +1,98 @@
+"""The scope=job demo (examples/demo_job.py) runs end to end: four mounts that are one
+directory, a 4-rank FSDP2 job saving with DCP, a node lost and replaced on an empty store,
+the job restarted on 2 ranks (nodes 2 and 3) loading bit-exact with resharding; it cleans
+up, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.demo import interrupt_after
+from support.mount import force_unmount, is_mounted
+
+DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo_job.py"
+NODES = 4
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing")
+
+
+def _scratch(out: str) -> str:
+    m = re.search(r"^scratch: (\S+)$", out, re.MULTILINE)
+    assert m, out
+    return m.group(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_cleaned_up(out: str) -> None:
+    """No mount under the scratch directory, no scratch directory, and no daemon or torch
+    rank the demo named (``pid N``) still running."""
+    scratch = _scratch(out)
+    mnts = [os.path.join(scratch, f"n{r}", "mnt") for r in range(NODES)]
+    try:
+        with open("/proc/self/mountinfo") as f:
+            left = [line.split()[4] for line in f
+                    if line.split()[4].startswith(scratch + "/")]
+        assert not left, f"mounts left behind: {left}"
+        assert not [m for m in mnts if is_mounted(m)]
+    finally:
+        for m in mnts:
+            force_unmount(m)
+    assert not os.path.exists(scratch)
+    pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
+    assert len(pids) >= NODES, out
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], f"processes left running: {pids}"
+
+
+def test_demo_job_passes():
+    pytest.importorskip("torch")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
+                       timeout=300, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert re.search(r"^PASS$", r.stdout, re.MULTILINE), out
+    assert "FAIL" not in r.stdout and "DIFFERENT" not in r.stdout, out
+    # 6 steps on 4 ranks, a save every 3; then 2 ranks load step_6 and save step_8
+    four = ".metadata __0_0.distcp __1_0.distcp __2_0.distcp __3_0.distcp"
+    for step in (3, 6):
+        assert f"step_{step} saved by 4 ranks" in r.stdout, out
+        assert re.search(rf"^step_{step} +4 .* yes$", r.stdout, re.MULTILINE), out
+    assert r.stdout.count(f": {four}\n") >= 2 * NODES + 1, out  # every node, and node 3 again
+    assert re.search(r"^step_8 +2 .* yes$", r.stdout, re.MULTILINE), out
+    assert "new node 3 (empty store" in r.stdout and "the same as every other node" in r.stdout
+    # rank 3's shards came back from its replica (node 0), not from a backup tier
+    m = re.search(r"^its own files \(.*\) back after [\d.]+ s: (\d+) chunks from the peers "
+                  r"\(its replica is on node 0\), 0 from a backup tier; 'replicated 1/1' again",
+                  r.stdout, re.MULTILINE)
+    assert m and int(m.group(1)) > 0, out
+    m = re.search(r"^loaded step_6 with 2 ranks in [\d.]+ s .*: (\d+)/(\d+)$", r.stdout,
+                  re.MULTILINE)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 20, out
+    _assert_cleaned_up(r.stdout)
+    assert time.monotonic() - t0 < 120
+
+
+def test_demo_job_ctrl_c_stops_the_ranks_and_unmounts():
+    pytest.importorskip("torch")
+    code, out = interrupt_after([sys.executable, str(DEMO), "--steps", "3000", "--every", "3",
+                                 "--width", "64"], "step_3 saved by 4 ranks")
+    assert code == 130, out
+    assert "interrupted" in out
+    _assert_cleaned_up(out)
