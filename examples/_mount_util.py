@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
@@ -21,6 +25,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 
 from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
+
+T = TypeVar("T")
 
 
 def _env() -> dict[str, str]:
@@ -117,3 +123,39 @@ class MtcfsMount:
         except ProcessLookupError:
             pass
         force_unmount(self.mnt)
+
+
+def run_in_scratch(prefix: str, nodes: int, body: Callable[[Path], T],
+                   on_error: Callable[[Path], None]) -> T | None:
+    """Run ``body(work)`` in a new scratch directory under /dev/shm whose nodes mount at
+    ``work/n<r>/mnt``; whatever happens, every such mount is torn down and the directory
+    removed. Ctrl-C (even if the shell started us with SIGINT ignored) and SIGTERM end the
+    run through that cleanup.
+
+    Returns:
+        ``body``'s result, or None when interrupted (after printing so on stderr).
+
+    Raises:
+        whatever ``body`` raises, after ``on_error(work)`` (e.g. printing the daemons' logs).
+    """
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, on_term)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    try:
+        return body(work)
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr, flush=True)
+        return None
+    except Exception:
+        on_error(work)
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup finish
+        for r in range(nodes):
+            mnt = work / f"n{r}" / "mnt"
+            if is_mounted(mnt):
+                force_unmount(mnt)
+        shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

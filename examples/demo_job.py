@@ -48,10 +48,8 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -197,7 +195,7 @@ def worker(a: argparse.Namespace) -> None:
 # ====================================================================== the launcher
 
 sys.path.insert(0, str(HERE.parent))
-from _mount_util import MtcfsMount, force_unmount, is_mounted  # noqa: E402
+from _mount_util import MtcfsMount, force_unmount, is_mounted, run_in_scratch  # noqa: E402
 from demo import human  # noqa: E402
 from demo_peers import _on_all, free_ports, kill9  # noqa: E402
 
@@ -575,31 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.every < 1 or args.steps < 2 * args.every or args.more < 0:
         p.error("need --every >= 1, --steps >= 2 * --every (two saves) and --more >= 0")
 
-    # Ctrl-C (even if the shell started us with SIGINT ignored) and SIGTERM end the demo
-    # through the finally blocks that stop the ranks and unmount.
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_term)
-
-    work = Path(tempfile.mkdtemp(prefix="mtcfs-demo-job-", dir="/dev/shm"))
-    rep = None
-    try:
-        rep = run(args, work)
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr, flush=True)
+    rep = run_in_scratch("mtcfs-demo-job-", NODES, lambda work: run(args, work), _print_logs)
+    if rep is None:
         return 130
-    except Exception:
-        _print_logs(work)
-        raise
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup finish
-        for r in range(NODES):
-            mnt = work / f"n{r}" / "mnt"
-            if is_mounted(mnt):
-                force_unmount(mnt)
-        shutil.rmtree(work, ignore_errors=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     print_report(rep)
     return 0 if rep.passed else 1
 

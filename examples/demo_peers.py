@@ -41,7 +41,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -49,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _mount_util import MtcfsMount, force_unmount, is_mounted, mtcfs  # noqa: E402
+from _mount_util import MtcfsMount, force_unmount, is_mounted, mtcfs, run_in_scratch  # noqa: E402
 from demo import TorchJob, human  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -472,31 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2 or args.every < 1:
         p.error("need --steps >= 2 and --every >= 1")
 
-    # Ctrl-C (even if the shell started us with SIGINT ignored) and SIGTERM end the demo
-    # through the finally blocks that unmount.
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_term)
-
-    work = Path(tempfile.mkdtemp(prefix="mtcfs-demo-peers-", dir="/dev/shm"))
-    rep = None
-    try:
-        rep = run(args, work)
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr, flush=True)
+    rep = run_in_scratch("mtcfs-demo-peers-", NODES, lambda work: run(args, work), _print_logs)
+    if rep is None:
         return 130
-    except Exception:
-        _print_logs(work)
-        raise
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup finish
-        for r in range(NODES):
-            mnt = work / f"n{r}" / "mnt"
-            if is_mounted(mnt):
-                force_unmount(mnt)
-        shutil.rmtree(work, ignore_errors=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     print_report(rep)
     return 0 if rep.passed else 1
 

@@ -14,50 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from support.demo import interrupt_after
-from support.mount import force_unmount, is_mounted
+from support.demo import assert_cleaned_up, interrupt_after
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo_job.py"
 NODES = 4
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing")
-
-
-def _scratch(out: str) -> str:
-    m = re.search(r"^scratch: (\S+)$", out, re.MULTILINE)
-    assert m, out
-    return m.group(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _assert_cleaned_up(out: str) -> None:
-    """No mount under the scratch directory, no scratch directory, and no daemon or torch
-    rank the demo named (``pid N``) still running."""
-    scratch = _scratch(out)
-    mnts = [os.path.join(scratch, f"n{r}", "mnt") for r in range(NODES)]
-    try:
-        with open("/proc/self/mountinfo") as f:
-            left = [line.split()[4] for line in f
-                    if line.split()[4].startswith(scratch + "/")]
-        assert not left, f"mounts left behind: {left}"
-        assert not [m for m in mnts if is_mounted(m)]
-    finally:
-        for m in mnts:
-            force_unmount(m)
-    assert not os.path.exists(scratch)
-    pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
-    assert len(pids) >= NODES, out
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], f"processes left running: {pids}"
 
 
 def test_demo_job_passes():
@@ -85,7 +47,7 @@ def test_demo_job_passes():
     m = re.search(r"^loaded step_6 with 2 ranks in [\d.]+ s .*: (\d+)/(\d+)$", r.stdout,
                   re.MULTILINE)
     assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 20, out
-    _assert_cleaned_up(r.stdout)
+    assert_cleaned_up(r.stdout, NODES, min_pids=NODES)
     assert time.monotonic() - t0 < 120
 
 
@@ -95,4 +57,4 @@ def test_demo_job_ctrl_c_stops_the_ranks_and_unmounts():
                                  "--width", "64"], "step_3 saved by 4 ranks")
     assert code == 130, out
     assert "interrupted" in out
-    _assert_cleaned_up(out)
+    assert_cleaned_up(out, NODES, min_pids=NODES)

@@ -12,46 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from support.demo import interrupt_after
-from support.mount import force_unmount, is_mounted
+from support.demo import assert_cleaned_up, interrupt_after
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo_peers.py"
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/fuse is missing")
-
-
-def _scratch(out: str) -> str:
-    m = re.search(r"^scratch: (\S+)$", out, re.MULTILINE)
-    assert m, out
-    return m.group(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _assert_cleaned_up(out: str) -> None:
-    scratch = _scratch(out)
-    mnts = [os.path.join(scratch, f"n{r}", "mnt") for r in range(3)]
-    try:
-        with open("/proc/self/mountinfo") as f:
-            left = [line.split()[4] for line in f
-                    if line.split()[4].startswith(scratch + "/")]
-        assert not left, f"mounts left behind: {left}"
-        assert not [m for m in mnts if is_mounted(m)]
-    finally:
-        for m in mnts:
-            force_unmount(m)
-    assert not os.path.exists(scratch)
-    pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], f"daemons left running: {pids}"
 
 
 def test_demo_peers_passes():
@@ -76,7 +41,7 @@ def test_demo_peers_passes():
     for rank in range(3):
         assert re.search(rf"^node {rank}: .*: identical; weights and optimizer state "
                          r"(\d+)/\1 entries identical$", r.stdout, re.MULTILINE), out
-    _assert_cleaned_up(r.stdout)
+    assert_cleaned_up(r.stdout, 3)
     assert time.monotonic() - t0 < 120
 
 
@@ -86,4 +51,4 @@ def test_demo_peers_ctrl_c_unmounts():
                                  "--width", "64"], "step_10 saved on every node")
     assert code == 130, out
     assert "interrupted" in out
-    _assert_cleaned_up(out)
+    assert_cleaned_up(out, 3)

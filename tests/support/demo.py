@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
+import time
 
 import pytest
+
+from .mount import force_unmount, is_mounted
 
 
 def interrupt_after(argv: list[str], marker: str, timeout: float = 60.0) -> tuple[int, str]:
@@ -28,3 +33,42 @@ def interrupt_after(argv: list[str], marker: str, timeout: float = 60.0) -> tupl
             p.kill()
             p.wait()
     return p.returncode, "".join(lines) + rest
+
+
+def scratch_of(out: str) -> str:
+    """The scratch directory a demo printed (``scratch: DIR``)."""
+    m = re.search(r"^scratch: (\S+)$", out, re.MULTILINE)
+    assert m, out
+    return m.group(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_cleaned_up(out: str, nodes: int, min_pids: int = 0) -> None:
+    """What a demo must leave behind: no mount under its scratch directory (``n<r>/mnt``
+    for each of ``nodes``), no scratch directory, and none of the processes it named
+    (``pid N``, at least ``min_pids`` of them) still running after 10 s."""
+    scratch = scratch_of(out)
+    mnts = [os.path.join(scratch, f"n{r}", "mnt") for r in range(nodes)]
+    try:
+        with open("/proc/self/mountinfo") as f:
+            left = [line.split()[4] for line in f
+                    if line.split()[4].startswith(scratch + "/")]
+        assert not left, f"mounts left behind: {left}"
+        assert not [m for m in mnts if is_mounted(m)]
+    finally:
+        for m in mnts:
+            force_unmount(m)
+    assert not os.path.exists(scratch)
+    pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
+    assert len(pids) >= min_pids, out
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], f"processes left running: {pids}"
