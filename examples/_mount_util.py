@@ -159,3 +159,14 @@ def run_in_scratch(prefix: str, nodes: int, body: Callable[[Path], T],
                 force_unmount(mnt)
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def print_node_logs(work: Path, nodes: int, lines: int = 25) -> None:
+    """The end of every node's daemon log (``work/n<r>/store/mtcfs.log``), to stderr."""
+    for r in range(nodes):
+        try:
+            text = (work / f"n{r}" / "store" / "mtcfs.log").read_text(errors="replace")
+        except OSError:
+            continue
+        tail = "\n".join(text.splitlines()[-lines:])
+        print(f"--- node {r}: end of {work}/n{r}/store/mtcfs.log ---\n{tail}", file=sys.stderr)

@@ -195,7 +195,9 @@ def worker(a: argparse.Namespace) -> None:
 # ====================================================================== the launcher
 
 sys.path.insert(0, str(HERE.parent))
-from _mount_util import MtcfsMount, force_unmount, is_mounted, run_in_scratch  # noqa: E402
+from _mount_util import (  # noqa: E402
+    MtcfsMount, force_unmount, is_mounted, print_node_logs, run_in_scratch,
+)
 from demo import human  # noqa: E402
 from demo_peers import _on_all, free_ports, kill9  # noqa: E402
 
@@ -541,15 +543,9 @@ def print_report(rep: Report) -> None:
     print("PASS" if rep.passed else "FAIL")
 
 
-def _print_logs(work: Path, lines: int = 25) -> None:
+def _print_logs(work: Path) -> None:
     """The end of every node's daemon log, to stderr (the demo failed)."""
-    for r in range(NODES):
-        try:
-            text = (work / f"n{r}" / "store" / "mtcfs.log").read_text(errors="replace")
-        except OSError:
-            continue
-        tail = "\n".join(text.splitlines()[-lines:])
-        print(f"--- node {r}: end of {work}/n{r}/store/mtcfs.log ---\n{tail}", file=sys.stderr)
+    print_node_logs(work, NODES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _mount_util import MtcfsMount, force_unmount, is_mounted, mtcfs, run_in_scratch  # noqa: E402
+from _mount_util import (  # noqa: E402
+    MtcfsMount, force_unmount, is_mounted, mtcfs, print_node_logs, run_in_scratch,
+)
 from demo import TorchJob, human  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -446,15 +448,9 @@ def print_report(rep: Report) -> None:
     print("PASS" if rep.passed else "FAIL")
 
 
-def _print_logs(work: Path, lines: int = 25) -> None:
+def _print_logs(work: Path) -> None:
     """The end of every node's daemon log, to stderr (the demo failed)."""
-    for r in range(NODES):
-        try:
-            text = (work / f"n{r}" / "store" / "mtcfs.log").read_text(errors="replace")
-        except OSError:
-            continue
-        tail = "\n".join(text.splitlines()[-lines:])
-        print(f"--- node {r}: end of {work}/n{r}/store/mtcfs.log ---\n{tail}", file=sys.stderr)
+    print_node_logs(work, NODES)
 
 
 def main(argv: list[str] | None = None) -> int:
