@@ -245,6 +245,7 @@ class JobNamespaceOps:
                 if ino.vid != v.vid:  # another node's earlier publish replaced it here
                     v.current = True
                     self._set_current(ino, v)
+                    self._renumber_for_kernel(ino)
                 v.origin = -1
                 self._write_version(v)
                 ino.mtime_ns = op["mtime_ns"]
@@ -259,14 +260,18 @@ class JobNamespaceOps:
         v = self._remote_version(ino, op)
         self._set_current(ino, v)
         ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+        self._renumber_for_kernel(ino)
+        self._write_inode(ino)
+        self._maybe_commit_by_file(ino)
+
+    def _renumber_for_kernel(self, ino: Inode) -> None:
+        """The content of ``ino`` changed under the kernel's feet: give it a new kernel
+        inode number, so that the next lookup of its name makes the kernel start a new inode
+        with the new size (with writeback cache on, it never refreshes a cached one)."""
         if ino.lookups or ino.kid:
-            # New kernel inode number: the kernel re-looks the name up and takes the new
-            # size (it never refreshes a cached one with writeback cache on).
             self._next_kid += 1
             ino.kid = self._next_kid
             self.aliases[ino.kid] = ino.ino
-        self._write_inode(ino)
-        self._maybe_commit_by_file(ino)
 
     def _remote_version(self, ino: Inode, op: dict[str, Any]) -> Version:
         """A sealed version of another rank's file: its chunks are missing unless they came
