@@ -331,14 +331,19 @@ class JobNamespaceOps:
         This node's own files come back as versions with every chunk missing, faulted in
         from its replicas (or the backup tier) like any other rank's.
         """
+        # Complete local copies of content the snapshot names are kept (a node that rejoins
+        # with its store keeps its own files, replicated or not).
+        have = {(v.chunks, v.size): v for v in self.versions.values()
+                if v.sealed and not v.missing and v.chunks}
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
             for v in self.versions.values():
-                if v.fd >= 0:
+                if v.handles:
+                    self._fd(v)  # open handles read on through their descriptor
+                elif v.fd >= 0:
                     os.close(v.fd)
-            for vid in self.store.data_vids():
-                self.store.remove_data(vid)
+                    v.fd = -1
             self.inodes.clear()
             self.versions.clear()
             self.steps.clear()
@@ -360,10 +365,17 @@ class JobNamespaceOps:
                     parent.nlink += 1
                 ver = e.get("version")
                 if ver is not None:
-                    op = dict(ver, rank=ver["rank"])
-                    v = self._remote_version(ino, op)
+                    v = self._remote_version(ino, dict(ver))
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
+                    old = have.pop((v.chunks, v.size), None)
+                    if old is not None:  # take over the old data file
+                        os.close(v.fd)
+                        v.fd = -1
+                        os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
+                        self.used += v.size - v.local_bytes()
+                        v.missing.clear()
                     self._write_version(v)
+                    self._index_chunks(v)
                     ino.vid = v.vid
                 self._link(parent, _name(e["name"]), ino)
                 self._write_inode(ino)
@@ -373,6 +385,9 @@ class JobNamespaceOps:
                                  committed_ns=s["committed_ns"], source=s["source"])
                 self.steps[rec.name] = rec
                 self._write_step(rec)
+            new = {v.vid for v in self.versions.values()}
+            for vid in self.store.data_vids() - new:
+                self.store.remove_data(vid)  # open descriptors still read what they opened
             self._next_ino = snap["next_ino"]
             self.db.set_kv("next_ino", str(self._next_ino))
             self.db.set_kv("ns_seq", str(snap["seq"]))

@@ -57,10 +57,13 @@ def _why(exc: BaseException) -> str:
 LEASE_S = 3.0
 #: How long a submitter keeps trying (leader takeover included) before EIO.
 SUBMIT_DEADLINE_S = 60.0
-#: Seconds the leader waits for a member's Apply answer before dropping it from the broadcast.
-APPLY_TIMEOUT_S = 5.0
-#: Ops kept in memory for members that catch up (and for a new leader).
+#: Seconds a member may spend copying open files' data before it acknowledges an Apply
+#: (below the leader's Apply timeout, service.APPLY_TIMEOUT_S).
+KEEP_S = 4.0
+#: Ops kept in memory for members that catch up (and for a new leader), at most this many
+#: and this many bytes; a node further behind installs a snapshot.
 TAIL_OPS = 50_000
+TAIL_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -87,13 +90,15 @@ class JobNamespace:
         self.epoch, self.seq = fs.ns_position()
         self.promised = self.epoch  # no Apply of an older epoch is taken after a takeover
         self.term = self.epoch      # leader: the epoch of the ops it orders
-        self.tail: collections.deque[tuple[int, int, bytes]] = collections.deque(maxlen=TAIL_OPS)
+        self.tail: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._tail_bytes = 0
         self.results: collections.OrderedDict[tuple[int, str], tuple[int, dict[str, Any]]] = \
             collections.OrderedDict()
         self.leading = False
         self.lease_until = 0.0
         self.applied = trio.Event()
         self.diverged = False
+        self.resync = False  # this node's log may hold ops the job's does not
         self._ids = itertools.count(1)
         self._boot = f"{time.time_ns():x}"
         self._queue: list[_Pending] = []
@@ -103,6 +108,7 @@ class JobNamespace:
         self._granted: dict[int, float] = {}   # leader: member -> when its lease was granted
         self._renew_lock = trio.Lock()
         self._deposed_at = -1e9
+        self._sequencing = False
         self._nursery: Any = None
         self.counters = collections.Counter[str]()
 
@@ -169,15 +175,21 @@ class JobNamespace:
 
     def _apply_one(self, seq: int, epoch: int, body: bytes) -> tuple[int, str, dict[str, Any],
                                                                        list[Any]]:
-        op = json.loads(body)
         try:
+            op = json.loads(body)
             res, keep = self.fs.ns_apply(op, seq, epoch)
             err, message = 0, ""
         except FsError as exc:
             res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
+        except Exception as exc:  # a bug or an I/O error must not stop the namespace
+            log.exception("namespace op %d failed", seq)
+            res, keep, err, message = {}, [], errno.EIO, f"namespace op failed: {exc}"
         if err == 0:
             self.seq, self.epoch = seq, epoch
             self.tail.append((seq, epoch, body))
+            self._tail_bytes += len(body)
+            while len(self.tail) > TAIL_OPS or self._tail_bytes > TAIL_BYTES:
+                self._tail_bytes -= len(self.tail.popleft()[2])
             self.results[(op["rank"], op["id"])] = (seq, res)
             while len(self.results) > TAIL_OPS:
                 self.results.popitem(last=False)
@@ -185,40 +197,67 @@ class JobNamespace:
             self.applied = trio.Event()
         return err, message, res, keep
 
-    async def apply_batch(self, epoch: int, ops: list[tuple[int, int, bytes]]) -> tuple[int, bool]:
-        """A member applies ops sent by the leader (in seq order). Returns (position,
-        diverged)."""
-        if epoch < self.promised:
-            return self.seq, False  # a deposed leader: refused, it learns from our position
-        self.promised = epoch
+    def _epoch_at(self, seq: int) -> int | None:
+        """The epoch of this node's op ``seq``; None when the tail no longer holds it."""
+        if seq == self.seq:
+            return self.epoch
+        if seq == 0:
+            return 0
+        for t in reversed(self.tail):
+            if t[0] == seq:
+                return t[1]
+            if t[0] < seq:
+                break
+        return None
+
+    async def apply_batch(self, term: int, prev_seq: int, prev_epoch: int,
+                          ops: list[tuple[int, int, bytes]]) -> dict[str, Any]:
+        """A member applies ops the leader of epoch ``term`` sent, which follow op
+        (``prev_seq``, ``prev_epoch``) of the leader's log.
+
+        Returns ``{"seq", "promised", "mismatch", "diverged"}``: ``promised`` above ``term``
+        tells a deposed leader to step down; ``mismatch`` that this node's log differs from
+        the leader's (it installs a snapshot at its next renewal).
+        """
+        out = {"seq": self.seq, "promised": self.promised, "mismatch": False,
+               "diverged": self.diverged}
+        if term < self.promised:
+            return out
+        self.promised = term
+        if prev_seq > self.seq:  # a catch-up in flight may fill the gap
+            with trio.move_on_after(2.0):
+                while prev_seq > self.seq:
+                    await self.applied.wait()
+            if prev_seq > self.seq:
+                return dict(out, seq=self.seq)
+        if self._epoch_at(prev_seq) != prev_epoch:
+            self.resync = True
+            return dict(out, seq=self.seq, mismatch=True)
         keep_all: list[Any] = []
         for seq, op_epoch, body in ops:
             if seq <= self.seq:
+                if self._epoch_at(seq) != op_epoch:
+                    self.resync = True
+                    return dict(out, seq=self.seq, mismatch=True)
                 continue
-            if seq != self.seq + 1:
-                with trio.move_on_after(2.0):  # a catch-up in flight may fill the gap
-                    while self.seq + 1 < seq:
-                        await self.applied.wait()
-                if seq != self.seq + 1:
-                    break
             err, message, _res, keep = self._apply_one(seq, op_epoch, body)
             if err:
                 # Every node holds the same namespace at seq-1, so this cannot happen
-                # unless the node diverged; say so loudly and stay in step.
-                self.diverged = True
+                # unless the node diverged: say so loudly and resynchronise.
+                self.diverged = self.resync = True
                 self.fs._error(f"namespace op {seq} failed here but not on the leader: "
-                               f"{message} ({err}); this node's view may differ")
-                self.seq, self.epoch = seq, op_epoch
-                self.fs.db.set_kv("ns_seq", str(seq))
+                               f"{message} ({err}); resynchronising from the leader")
+                return dict(out, seq=self.seq, diverged=True, mismatch=True)
             keep_all.extend(keep)
         await self._keep(keep_all)
-        self.lease_until = time.monotonic() + LEASE_S
-        return self.seq, self.diverged
+        if not ops or self.seq >= ops[-1][0]:
+            self.lease_until = time.monotonic() + LEASE_S
+        return dict(out, seq=self.seq, promised=self.promised)
 
     async def _keep(self, versions: list[Any]) -> None:
         """Copy what this node lacks of files it has open that another node removed or
         replaced (POSIX: an open file keeps its content); bounded, best effort."""
-        with trio.move_on_after(APPLY_TIMEOUT_S - 1):
+        with trio.move_on_after(KEEP_S):
             for v in versions:
                 try:
                     await self.fs.fault_in(v, 0, v.size)
@@ -242,58 +281,80 @@ class JobNamespace:
 
     async def _sequencer(self) -> None:
         """Group commit: apply all queued ops, send them in one Apply, answer them all."""
-        while self.leading:
-            if not self._queue:
-                await self._kick.wait()
-                self._kick = trio.Event()
-                continue
-            batch, self._queue = self._queue, []
-            sent: list[tuple[int, int, bytes]] = []
-            keep: list[Any] = []
-            for p in batch:
-                done = self.results.get((p.op["rank"], p.op["id"]))
-                if done is not None:
-                    p.reply = (0, "", done[0], done[1])
+        self._sequencing = True
+        try:
+            while self.leading:
+                if not self._queue:
+                    await self._kick.wait()
+                    self._kick = trio.Event()
                     continue
-                body = json.dumps(p.op, separators=(",", ":")).encode()
-                seq = self.seq + 1
-                err, message, res, k = self._apply_one(seq, self.term, body)
-                p.reply = (err, message, seq if not err else 0, res)
-                if not err:
-                    sent.append((seq, self.term, body))
-                    keep.extend(k)
-            if sent:
-                await self._broadcast()
+                await self._commit_batch()
+        finally:
+            self._sequencing = False
+
+    async def _commit_batch(self) -> None:
+        batch, self._queue = self._queue, []
+        sent = False
+        keep: list[Any] = []
+        for p in batch:
+            done = self.results.get((p.op["rank"], p.op["id"]))
+            if done is not None:
+                p.reply = (0, "", done[0], done[1])
+                continue
+            body = json.dumps(p.op, separators=(",", ":")).encode()
+            seq = self.seq + 1
+            err, message, res, k = self._apply_one(seq, self.term, body)
+            p.reply = (err, message, seq if not err else 0, res)
+            if not err:
+                sent = True
+                keep.extend(k)
+        if sent:
+            await self._broadcast()
+        if not self.leading:
+            # Deposed while sending: these ops may not be in the job's log. Their
+            # submitters ask the new leader (which answers from its record an op it took
+            # from us), and this node resynchronises from it.
+            self.resync = True
             for p in batch:
-                if not p.done.is_set():
-                    p.done.set()
-            if keep:
-                self._nursery.start_soon(self._keep, keep)
+                if p.reply[0] == 0:
+                    p.reply = (-1, "", 0, {})
+        for p in batch:
+            if not p.done.is_set():
+                p.done.set()
+        if keep:
+            self._nursery.start_soon(self._keep, keep)
 
     def _members(self) -> list[int]:
         return [r for r in range(self.tier.cfg.nodes) if r != self.rank]
 
     async def _broadcast(self) -> None:
         """Bring every member in the broadcast to ``self.seq``; drop those that fail, and
-        wait out the leases of dropped members."""
+        wait out the leases of dropped members. A member that knows a newer epoch deposes
+        this node."""
         async def one(r: int) -> None:
             start = self._pos.get(r, self.seq - 1)
-            ops = self._after(start)
-            if ops and ops[0][0] != start + 1:
+            prev = self._epoch_at(start)
+            if prev is None:
                 self._out.add(r)  # too far behind for the tail: it must catch up itself
                 return
             try:
-                pos, _diverged = await trio.to_thread.run_sync(
-                    self.transport.apply, r, self.term, ops, abandon_on_cancel=True)
+                res = await trio.to_thread.run_sync(
+                    self.transport.apply, r, self.term, (start, prev), self._after(start),
+                    abandon_on_cancel=True)
             except Exception as exc:
                 log.info("namespace: rank %d leaves the broadcast: %s", r, _why(exc))
                 self._out.add(r)
                 self._pos.pop(r, None)
                 return
+            if res["promised"] > self.term:
+                if self.leading:
+                    self._step_down(f"rank {r} knows epoch {res['promised']}")
+                return
             self._granted[r] = time.monotonic()
-            self._pos[r] = pos
-            if pos < self.seq:
+            self._pos[r] = res["seq"]
+            if res["mismatch"] or res["seq"] < self.seq:
                 self._out.add(r)
+                self._pos.pop(r, None)
 
         async with trio.open_nursery() as n:
             for r in self._members():
@@ -308,25 +369,30 @@ class JobNamespace:
             self.counters["lease_waits"] += 1
             await trio.sleep(wait)
 
-    async def handle_state(self, rank: int, applied_seq: int, epoch: int) -> dict[str, Any]:
-        """A member's lease renewal (or a new leader's poll): our position, and the ops
-        after ``applied_seq`` when we have them all."""
-        tail = self._after(applied_seq)
-        complete = applied_seq >= self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)
-        if epoch > self.promised:
+    async def handle_state(self, rank: int, applied_seq: int, last_epoch: int,
+                           claim: int) -> dict[str, Any]:
+        """A member's lease renewal (or a new leader's poll): our position, whether the
+        asker's log agrees with ours at ``applied_seq`` (its op there has ``last_epoch``),
+        and the ops after it when we have them all."""
+        if claim > self.promised:
             # A new leader is taking over: take no Apply of an older epoch from now on, and
             # if this node led, stop (the new leader has our ops in this answer).
-            self.promised = epoch
+            self.promised = claim
             if self.leading:
-                self._step_down(f"rank {rank} takes over with epoch {epoch}")
+                self._step_down(f"rank {rank} takes over with epoch {claim}")
+        mismatch = applied_seq <= self.seq and self._epoch_at(applied_seq) != last_epoch
+        tail = [] if mismatch else self._after(applied_seq)
+        complete = not mismatch and applied_seq <= self.seq and (
+            applied_seq == self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)) and \
+            sum(len(t[2]) for t in tail) <= TAIL_BYTES
         if self.leading:
             self._granted[rank] = time.monotonic()
             if complete:
                 self._out.discard(rank)
                 self._pos[rank] = self.seq
         return {"is_coordinator": self.leading, "seq": self.seq,
-                "epoch": max(self.epoch, self.promised),
-                "tail": tail if complete else [], "complete": complete}
+                "epoch": max(self.epoch, self.promised), "last_epoch": self.epoch,
+                "tail": tail if complete else [], "complete": complete, "mismatch": mismatch}
 
     def _after(self, seq: int) -> list[tuple[int, int, bytes]]:
         """The ops of the tail after ``seq``, oldest first (walked from the newest end: a
@@ -349,6 +415,24 @@ class JobNamespace:
         self._queue = []
         self._kick.set()
 
+    def _position(self) -> tuple[int, int]:
+        return self.seq, self.epoch
+
+    async def _state(self, rank: int, claim: int = 0) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.transport.state, rank, self._position(),
+                                             claim, abandon_on_cancel=True)
+
+    async def _catch_up(self, rank: int, st: dict[str, Any]) -> None:
+        """Take what ``rank`` has beyond us: its tail when our logs agree, else (or when it
+        no longer holds the tail) its snapshot."""
+        if st["seq"] <= self.seq and not st["mismatch"] and not self.resync:
+            return
+        if st["complete"] and not self.resync:
+            await self.apply_batch(max(st["epoch"], self.promised), self.seq, self.epoch,
+                                   st["tail"])
+        if st["mismatch"] or self.resync or self.seq < st["seq"]:
+            await self._install_from(rank)
+
     async def _renew(self) -> bool:
         """Ask the leader for its position and catch up; True when the lease is renewed."""
         async with self._renew_lock:
@@ -359,50 +443,60 @@ class JobNamespace:
                 return False
             sent = time.monotonic()
             try:
-                st = await trio.to_thread.run_sync(self.transport.state, leader, self.seq,
-                                                   0, abandon_on_cancel=True)
+                st = await self._state(leader)
+                if not st["is_coordinator"]:
+                    return False
+                await self._catch_up(leader, st)
             except Exception as exc:
                 log.info("namespace lease from rank %d: %s", leader, _why(exc))
                 return False
-            if not st["is_coordinator"]:
-                return False
-            if not st["complete"] and self.seq == 0:
-                await self._install_from(leader)  # nothing applied yet: nothing to lose
-            await self.apply_batch(st["epoch"], st["tail"])
             if self.seq < st["seq"]:
-                self.fs._error(f"namespace: {st['seq'] - self.seq} ops behind the leader and"
-                               " past its memory; restart this node to resynchronise")
                 return False
             self.lease_until = sent + LEASE_S
             return True
 
+    async def _poll(self, claim: int) -> list[tuple[int, dict[str, Any]]]:
+        """Every reachable member's position (``claim``: the epoch this node takes over
+        with, or 0)."""
+        out = []
+        for r in self._members():
+            if r not in self.tier.addresses:
+                continue
+            try:
+                out.append((r, await self._state(r, claim)))
+            except Exception as exc:  # down: it catches up when it joins
+                log.info("namespace: rank %d does not answer: %s", r, _why(exc))
+        return out
+
+    async def _adopt_best_log(self, claim: int) -> list[tuple[int, dict[str, Any]]] | None:
+        """Catch up with the most up-to-date log among live members — the newest last
+        epoch, then the longest (Raft's rule). Returns the members' positions, or None when
+        the catch-up failed."""
+        polled = await self._poll(claim)
+        best = max([(st["last_epoch"], st["seq"], r) for r, st in polled], default=None)
+        if best is not None and (best[0], best[1]) > (self.epoch, self.seq):
+            r = best[2]
+            try:
+                await self._catch_up(r, dict(polled)[r])
+            except Exception as exc:
+                log.warning("namespace: cannot catch up with rank %d: %s", r, _why(exc))
+                return None
+        return polled
+
     async def _take_over(self) -> None:
         """Become the leader: claim an epoch above any member's (a leader still running
-        steps down when it sees the claim), adopt the longest log among live members."""
-        async def poll(epoch: int) -> list[tuple[int, dict[str, Any]]]:
-            out = []
-            for r in self._members():
-                if r not in self.tier.addresses:
-                    continue
-                try:
-                    out.append((r, await trio.to_thread.run_sync(
-                        self.transport.state, r, self.seq, epoch, abandon_on_cancel=True)))
-                except Exception as exc:  # down: it catches up when it joins
-                    log.info("taking over the job namespace: rank %d: %s", r, _why(exc))
-            return out
-
-        top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await poll(0)])
+        steps down when it sees the claim), adopt the most up-to-date log, then order."""
+        top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await self._poll(0)])
         self.term = self.promised = top + 1
-        best_rank, best = self.rank, self.seq
-        for r, st in await poll(self.term):
-            self._pos[r] = st["seq"]
-            if st["seq"] > self.seq and st["complete"]:
-                await self.apply_batch(self.term, st["tail"])
-            if st["seq"] > best:
-                best_rank, best = r, st["seq"]
-        if self.seq < best:
-            self.fs._error(f"namespace: could not take ops {self.seq + 1}..{best} from rank"
-                           f" {best_rank}")
+        polled = await self._adopt_best_log(self.term)
+        if polled is None:
+            return  # not leading: run() tries again
+        self.resync = False
+        self._pos.clear()
+        self._out.clear()
+        for r, st in polled:  # members whose log agrees with ours stay in the broadcast
+            if st["seq"] <= self.seq and self._epoch_at(st["seq"]) == st["last_epoch"]:
+                self._pos[r] = st["seq"]
         now = time.monotonic()
         for r in self._members():  # leases the old leader granted may still run
             self._granted[r] = now
@@ -412,57 +506,49 @@ class JobNamespace:
         self.counters["takeovers"] += 1
         log.info("rank %d leads the job namespace from seq %d (epoch %d)", self.rank,
                  self.seq, self.term)
-        self._nursery.start_soon(self._sequencer)
+        if not self._sequencing:
+            self._nursery.start_soon(self._sequencer)
 
     # ------------------------------------------------------------------ start and run
 
     async def join(self, timeout: float = 60.0) -> None:
-        """At mount, before FUSE serves: catch up with the job (the leader, or when this
-        node is to lead, the member furthest ahead), or install its snapshot."""
+        """At mount, before FUSE serves: catch up with the job — from the leader, or, when
+        this node is to lead, from the most up-to-date member (``_take_over`` does that)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             await self.tier.heartbeat_once()
             leader = self.tier.coordinator
+            if leader == self.rank:
+                # about to lead: first take the job's log from the most up-to-date member
+                await self._adopt_best_log(0)
+                return
             if leader is None or leader < 0:
                 await trio.sleep(0.2)
                 continue
-            ask = [leader] if leader != self.rank else \
-                [r for r in self._members() if r in self.tier.addresses]
-            best: tuple[int, dict[str, Any]] | None = None
-            for r in ask:
-                try:
-                    st = await trio.to_thread.run_sync(self.transport.state, r, self.seq,
-                                                       0, abandon_on_cancel=True)
-                except Exception as exc:
-                    log.info("joining the job namespace: rank %d: %s", r, _why(exc))
-                    continue
-                if best is None or st["seq"] > best[1]["seq"]:
-                    best = (r, st)
-            if leader != self.rank and (best is None or not best[1]["is_coordinator"]):
-                await trio.sleep(0.5)  # the leader is not up yet, or is taking over
-                continue
-            if best is None or best[1]["seq"] <= self.seq:
-                return
-            r, st = best
-            if st["complete"]:
-                await self.apply_batch(st["epoch"], st["tail"])
-                return
             try:
-                await self._install_from(r)
+                st = await self._state(leader)
+                if st["is_coordinator"]:
+                    await self._catch_up(leader, st)
+                    return
             except Exception as exc:
-                log.info("joining the job namespace: snapshot from rank %d: %s", r, _why(exc))
-                await trio.sleep(0.5)
-                continue
-            return
+                log.info("joining the job namespace through rank %d: %s", leader, _why(exc))
+            await trio.sleep(0.5)  # the leader is not up yet, or is taking over
         log.warning("no leader of the job namespace answered; serving this node's copy")
 
     async def _install_from(self, rank: int) -> None:
+        """Replace this node's namespace with ``rank``'s snapshot (a node that diverged or
+        fell too far behind; open files keep reading what they opened)."""
         snap = await trio.to_thread.run_sync(self.transport.snapshot, rank,
                                              abandon_on_cancel=True)
         self.fs.ns_install(snap)
         self.epoch, self.seq = self.fs.ns_position()
-        self.promised = self.term = self.epoch
+        self.promised = max(self.promised, self.epoch)
+        self.term = self.epoch
         self.tail.clear()
+        self._tail_bytes = 0
+        self.results.clear()
+        self.resync = self.diverged = False
+        self.counters["snapshots_installed"] += 1
 
     async def run(self) -> None:
         """Lead when this node is the coordinator; otherwise keep the lease fresh."""
@@ -473,7 +559,7 @@ class JobNamespace:
                 if coord == self.rank and not self.leading:
                     # Not again while the node that deposed us may still lead (until the
                     # membership agrees who the coordinator is).
-                    if time.monotonic() - self._deposed_at > 4 * LEASE_S:
+                    if time.monotonic() - self._deposed_at > 1.5 * LEASE_S:
                         await self._take_over()
                 elif coord != self.rank and self.leading:
                     self._step_down(f"rank {coord} coordinates the job")

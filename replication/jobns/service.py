@@ -19,8 +19,11 @@ from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-#: Seconds for one call (an Apply waits for fault-ins of open files, bounded lower).
+#: Seconds for one call.
 CALL_TIMEOUT_S = 10.0
+#: Seconds the leader waits for a member's Apply before it leaves the member out of the
+#: broadcast (the member's own wait for open files' data is bounded below it).
+APPLY_TIMEOUT_S = 5.0
 
 
 def _ops_out(ops: list[tuple[int, int, bytes]]) -> list[pb.NsOp]:
@@ -75,15 +78,19 @@ class JobNamespaceService(pb_grpc.JobNamespaceServicer):
 
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyReply:
         self._check(request, context)
-        pos, diverged = self._run(self.ns.apply_batch, request.epoch, _ops_in(request.ops))
-        return pb.ApplyReply(applied_seq=pos, diverged=diverged)
+        r = self._run(self.ns.apply_batch, request.epoch, request.prev_seq, request.prev_epoch,
+                      _ops_in(request.ops))
+        return pb.ApplyReply(applied_seq=r["seq"], diverged=r["diverged"],
+                             promised=r["promised"], mismatch=r["mismatch"])
 
     def State(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateReply:
         self._check(request, context)
-        st = self._run(self.ns.handle_state, request.rank, request.applied_seq, request.epoch)
+        st = self._run(self.ns.handle_state, request.rank, request.applied_seq,
+                       request.last_epoch, request.epoch)
         return pb.StateReply(is_coordinator=st["is_coordinator"], seq=st["seq"],
                              epoch=st["epoch"], tail=_ops_out(st["tail"]),
-                             tail_complete=st["complete"])
+                             tail_complete=st["complete"], last_epoch=st["last_epoch"],
+                             mismatch=st["mismatch"])
 
     def Snapshot(self, request: pb.SnapshotRequest,
                  context: grpc.ServicerContext) -> pb.SnapshotReply:
@@ -119,16 +126,23 @@ class Transport:
             return -1, "", 0, {}
         return r.errno, r.message, r.seq, json.loads(r.result or b"{}")
 
-    def apply(self, rank: int, epoch: int, ops: list[tuple[int, int, bytes]]) -> tuple[int, bool]:
-        r = self._stub(rank).Apply(pb.ApplyRequest(epoch=epoch, ops=_ops_out(ops),
-                                                   **self._head()), timeout=CALL_TIMEOUT_S)
-        return r.applied_seq, r.diverged
+    def apply(self, rank: int, epoch: int, prev: tuple[int, int],
+              ops: list[tuple[int, int, bytes]]) -> dict[str, Any]:
+        """Send ``ops`` (following op ``prev`` = (seq, epoch)) to a member."""
+        r = self._stub(rank).Apply(pb.ApplyRequest(epoch=epoch, prev_seq=prev[0],
+                                                   prev_epoch=prev[1], ops=_ops_out(ops),
+                                                   **self._head()), timeout=APPLY_TIMEOUT_S)
+        return {"seq": r.applied_seq, "diverged": r.diverged, "promised": r.promised,
+                "mismatch": r.mismatch}
 
-    def state(self, rank: int, applied_seq: int, epoch: int) -> dict[str, Any]:
-        r = self._stub(rank).State(pb.StateRequest(applied_seq=applied_seq, epoch=epoch,
-                                                   **self._head()), timeout=2.0)
+    def state(self, rank: int, applied: tuple[int, int], claim: int = 0) -> dict[str, Any]:
+        """Ask ``rank`` where its log is, from our ``applied`` = (seq, epoch of that op);
+        ``claim``: the epoch this node takes over with (0: none)."""
+        r = self._stub(rank).State(pb.StateRequest(applied_seq=applied[0], last_epoch=applied[1],
+                                                   epoch=claim, **self._head()), timeout=2.0)
         return {"is_coordinator": r.is_coordinator, "seq": r.seq, "epoch": r.epoch,
-                "tail": _ops_in(r.tail), "complete": r.tail_complete}
+                "tail": _ops_in(r.tail), "complete": r.tail_complete,
+                "last_epoch": r.last_epoch, "mismatch": r.mismatch}
 
     def snapshot(self, rank: int) -> dict[str, Any]:
         r = self._stub(rank).Snapshot(pb.SnapshotRequest(**self._head()),

@@ -261,50 +261,64 @@ class SubmitReply(_message.Message):
     def __init__(self, not_coordinator: _Optional[bool] = ..., coordinator_rank: _Optional[int] = ..., errno: _Optional[int] = ..., message: _Optional[str] = ..., seq: _Optional[int] = ..., result: _Optional[bytes] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("job", "rank", "epoch", "ops")
+    __slots__ = ("job", "rank", "epoch", "ops", "prev_seq", "prev_epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    PREV_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREV_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     epoch: int
     ops: _containers.RepeatedCompositeFieldContainer[NsOp]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ...) -> None: ...
+    prev_seq: int
+    prev_epoch: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ..., prev_seq: _Optional[int] = ..., prev_epoch: _Optional[int] = ...) -> None: ...
 
 class ApplyReply(_message.Message):
-    __slots__ = ("applied_seq", "diverged")
+    __slots__ = ("applied_seq", "diverged", "promised", "mismatch")
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
     applied_seq: int
     diverged: bool
-    def __init__(self, applied_seq: _Optional[int] = ..., diverged: _Optional[bool] = ...) -> None: ...
+    promised: int
+    mismatch: bool
+    def __init__(self, applied_seq: _Optional[int] = ..., diverged: _Optional[bool] = ..., promised: _Optional[int] = ..., mismatch: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("job", "rank", "applied_seq", "epoch")
+    __slots__ = ("job", "rank", "applied_seq", "epoch", "last_epoch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     applied_seq: int
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., applied_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    last_epoch: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., applied_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., last_epoch: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("is_coordinator", "seq", "epoch", "tail", "tail_complete")
+    __slots__ = ("is_coordinator", "seq", "epoch", "tail", "tail_complete", "last_epoch", "mismatch")
     IS_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     TAIL_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
     is_coordinator: bool
     seq: int
     epoch: int
     tail: _containers.RepeatedCompositeFieldContainer[NsOp]
     tail_complete: bool
-    def __init__(self, is_coordinator: _Optional[bool] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ..., tail: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ..., tail_complete: _Optional[bool] = ...) -> None: ...
+    last_epoch: int
+    mismatch: bool
+    def __init__(self, is_coordinator: _Optional[bool] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ..., tail: _Optional[_Iterable[_Union[NsOp, _Mapping]]] = ..., tail_complete: _Optional[bool] = ..., last_epoch: _Optional[int] = ..., mismatch: _Optional[bool] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("job", "rank")
