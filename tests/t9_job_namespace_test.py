@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import threading
 import time
 
@@ -260,3 +261,24 @@ def test_whole_job_restart_with_every_ram_tier_lost_restores_from_backup(make_cl
     # the restored job goes on: a new step is visible everywhere
     c.node(1).path("step_4").mkdir()
     assert os.listdir(c.node(0).path("step_4")) == []
+
+
+def test_a_paused_leader_comes_back_deposed_and_nothing_is_lost(make_cluster):
+    """The leader is stopped (SIGSTOP) long enough for rank 1 to take over and acknowledge
+    a change; resumed, the old leader must not keep ordering its own log: every node ends
+    with the same names, the change made meanwhile included."""
+    c = make_cluster(3, options=JOB)
+    c.node(1).path("before").mkdir()
+    pid0 = c.node(0).pid
+    os.kill(pid0, signal.SIGSTOP)
+    try:
+        time.sleep(6)
+        c.node(1).path("during_on_1").mkdir()  # acknowledged by the new leader
+    finally:
+        os.kill(pid0, signal.SIGCONT)
+    for r in range(3):
+        c.node(r).path(f"after_on_{r}").mkdir()
+    want = ["after_on_0", "after_on_1", "after_on_2", "before", "during_on_1"]
+    for r in range(3):
+        assert sorted(os.listdir(c.node(r).path())) == want, r
+    assert not any(c.status(r)["namespace"]["diverged"] for r in range(3))
