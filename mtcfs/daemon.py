@@ -299,7 +299,7 @@ class Daemon:
             await self._job_restore_from_backup()
         else:
             await self.restore_at_mount()
-        ops = Operations(self.fs)
+        ops = Operations(self.fs, self.opts.mountpoint)
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
         mounted = True
         try:

@@ -15,6 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
+
+from mtcfs import procfs
 
 from mtcfs.errors import FsError
 from mtcfs.fs.core import Filesystem
@@ -81,9 +84,12 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = True
     supports_dot_lookup = True
 
-    def __init__(self, fs: Filesystem) -> None:
+    def __init__(self, fs: Filesystem, mountpoint: str = "") -> None:
         super().__init__()
         self.fs = fs
+        self.mountpoint = os.path.abspath(mountpoint) if mountpoint else ""
+        self._owners: dict[int, int] = {}  # scope=job: fh -> thread group that opened it
+        self._mnt_id: int | None = None
         self.initialized = False
         #: scope=job: names and attributes change on other nodes, so the kernel caches
         #: none (every path walk asks; close-to-open, docs/consistency.md).
@@ -180,6 +186,7 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         fh, keep = await self.fs.open(inode, self._flags(flags))
+        self._note_owner(fh, flags, ctx)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_errno_out
@@ -187,7 +194,13 @@ class Operations(pyfuse3.Operations):
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
                                      ctx.gid)
+        self._note_owner(fh, flags, ctx)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(a)
+
+    def _note_owner(self, fh: int, flags: int, ctx: Any) -> None:
+        """scope=job: remember which process opened a file for writing (see flush)."""
+        if self.fs.ns_log is not None and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
+            self._owners[fh] = procfs.tgid(ctx.pid)
 
     def _flags(self, flags: int) -> int:
         # With writeback cache the kernel resolves O_APPEND itself (at its own i_size) and
@@ -205,10 +218,27 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def flush(self, fh: int) -> None:
-        await self.fs.flush(fh)
+        # The kernel sends FLUSH at every close(2) of a descriptor of the open file, also in
+        # a child that inherited it (close-on-exec after fork). pyfuse3 does not say which
+        # process closed; the close is the writer's last when the process that opened the
+        # file no longer holds a descriptor of it (read in /proc, which never calls back
+        # into this filesystem).
+        owner = self._owners.get(fh)
+        final = True
+        if owner is not None and self.mountpoint:
+            inos = self.fs.kernel_inos(fh)
+            final = not await trio.to_thread.run_sync(procfs.holds, owner, self._mount_id(),
+                                                      inos)
+        await self.fs.flush(fh, final=final)
+
+    def _mount_id(self) -> int:
+        if self._mnt_id is None:
+            self._mnt_id = procfs.mount_id(self.mountpoint)
+        return self._mnt_id
 
     @_errno_out
     async def release(self, fh: int) -> None:
+        self._owners.pop(fh, None)
         await self.fs.release(fh)
 
     @_errno_out

@@ -10,6 +10,7 @@ import errno
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 
@@ -282,3 +283,18 @@ def test_a_paused_leader_comes_back_deposed_and_nothing_is_lost(make_cluster):
     for r in range(3):
         assert sorted(os.listdir(c.node(r).path())) == want, r
     assert not any(c.status(r)["namespace"]["diverged"] for r in range(3))
+
+
+def test_a_child_closing_an_inherited_descriptor_publishes_nothing(make_cluster):
+    """fork/exec closes inherited descriptors (close-on-exec), and the kernel sends FLUSH
+    for each: only the writer's own last close publishes the file job-wide."""
+    c = make_cluster(2, options=JOB)
+    path0, path1 = c.node(0).path("w.bin"), c.node(1).path("w.bin")
+    with open(path0, "wb") as f:
+        f.write(b"a" * 1_000_000)
+        f.flush()
+        os.fsync(f.fileno())
+        subprocess.run(["true"], check=True)  # a child inherits, then closes, the descriptor
+        assert path1.read_bytes() == b""  # not closed by the writer yet: the empty new file
+        f.write(b"b" * 1_000_000)
+    assert path1.read_bytes() == b"a" * 1_000_000 + b"b" * 1_000_000

@@ -179,17 +179,21 @@ class FileOps:
         self.last_write = time.monotonic()
         return n
 
-    async def flush(self, fh: int) -> None:
+    async def flush(self, fh: int, final: bool = True) -> None:
         """close(2) of one descriptor. Seal happens at release of the last writer, except in
         scope=job: there close(2) of the last writer seals and publishes the version
         job-wide before it returns (close-to-open consistency, docs/consistency.md).
+
+        ``final``: False when the adapter knows the process that opened the file still holds
+        a descriptor of it (this close came from a child that inherited one): then nothing
+        is sealed.
 
         Raises:
             FsError: EIO when the version could not be published (the namespace service is
                 unreachable past its deadline).
         """
         h = self._handle(fh)
-        if self.ns_log is None or not h.writable:
+        if self.ns_log is None or not h.writable or not final:
             return
         v = h.version
         if v.writers == 1 and not v.sealed:
@@ -199,6 +203,15 @@ class FileOps:
                 await self._seal(v, allow_writers=1)
             if v.seal_error:
                 raise FsError(errno.EIO, v.seal_error)
+
+    def kernel_inos(self, fh: int) -> set[int]:
+        """The inode numbers the kernel may know the file of handle ``fh`` by."""
+        h = self._handle(fh)
+        ino = self.inodes.get(h.ino)
+        out = {h.ino}
+        if ino is not None and ino.kid:
+            out.update(k for k, n in self.aliases.items() if n == h.ino)
+        return out
 
     def _reopen_sealed(self, h: Handle) -> Version:
         """A write through a handle whose version was sealed at an earlier close(2) of a
