@@ -179,6 +179,7 @@ class JobNamespaceOps:
         v.sealed, v.blake3, v.origin = True, blake3.blake3(b"").hexdigest(), self._origin(op)
         self._write_version(v)
         ino.vid = v.vid
+        ino.published = self._published(v, op["rank"])
         self._link(d, name, ino)
         self._write_inode(ino)
         self._touch_dir(d)
@@ -239,6 +240,7 @@ class JobNamespaceOps:
         if ino is None or not ino.is_file or ino.nlink <= 0:
             return  # unlinked meanwhile: nobody can open it by name
         chunks = tuple(op["chunks"])
+        ino.published = {k: op[k] for k in ("size", "chunk_size", "chunks", "blake3", "rank")}
         if op["rank"] == self.rank:
             v = self.versions.get(op["vid"])
             if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
@@ -263,6 +265,11 @@ class JobNamespaceOps:
         self._renumber_for_kernel(ino)
         self._write_inode(ino)
         self._maybe_commit_by_file(ino)
+
+    @staticmethod
+    def _published(v: Version, rank: int) -> dict[str, Any]:
+        return {"size": v.size, "chunk_size": v.chunk_size, "chunks": list(v.chunks),
+                "blake3": v.blake3, "rank": rank}
 
     def _renumber_for_kernel(self, ino: Inode) -> None:
         """The content of ``ino`` changed under the kernel's feet: give it a new kernel
@@ -315,10 +322,12 @@ class JobNamespaceOps:
                                  "target": _text(ino.target)}
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
-                e["version"] = {"size": v.size, "chunk_size": v.chunk_size,
-                                "chunks": list(v.chunks), "blake3": v.blake3,
-                                "rank": self.rank if v.origin < 0 else v.origin,
-                                "sealed": v.sealed}
+                if v.sealed and v.sealing is None and not v.writers:
+                    e["version"] = self._published(v, self.rank if v.origin < 0 else v.origin)
+                else:  # being written here: the job knows the last published version
+                    e["version"] = ino.published or self._published(
+                        Version(vid=0, ino=ino.ino, size=0, chunk_size=v.chunk_size,
+                                blake3=blake3.blake3(b"").hexdigest()), self.rank)
             out.append(e)
         steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
                   "committed_ns": s.committed_ns} for s in self.steps.values()]
@@ -377,6 +386,7 @@ class JobNamespaceOps:
                     self._write_version(v)
                     self._index_chunks(v)
                     ino.vid = v.vid
+                    ino.published = dict(ver)
                 self._link(parent, _name(e["name"]), ino)
                 self._write_inode(ino)
             self._write_inode(root)

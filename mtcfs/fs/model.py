@@ -100,6 +100,9 @@ class Inode:
     #: file whose content another node replaced gets a new one, because with writeback
     #: cache the kernel never takes a cached inode's size from the filesystem again.
     kid: int = 0
+    #: scope=job: the version last published job-wide (size, chunk_size, chunks, blake3,
+    #: rank), which a snapshot carries while this node writes a newer one (runtime).
+    published: dict | None = None
 
     @property
     def is_dir(self) -> bool:

@@ -308,7 +308,9 @@ class NamespaceOps:
             if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
                 self._commit_step(ino, "orbax-rename")
             elif ino.is_file and new_name in stepnames.COMMIT_FILES:
-                self._maybe_commit_by_file(ino)
+                # scope=job: the marker is published (sealed job-wide) whatever this node's
+                # kernel still holds open of it, so every node commits at this op
+                self._maybe_commit_by_file(ino, published=self.ns_log is not None)
         if victim is not None:
             self._maybe_free_inode(victim)
         return victim
