@@ -18,7 +18,6 @@ import pyfuse3
 import trio
 
 from mtcfs import procfs
-
 from mtcfs.errors import FsError
 from mtcfs.fs.core import Filesystem
 from mtcfs.fs.model import Attr

@@ -568,8 +568,9 @@ class JobNamespace:
                 await trio.sleep(LEASE_S / 4)
 
     def status(self) -> dict[str, Any]:
+        """The namespace's part of ``mtcfs status``: leader, position, lease, counters."""
+        lease = max(0.0, self.lease_until - time.monotonic())
         return {"leader": self.tier.coordinator, "leading": self.leading, "seq": self.seq,
-                "epoch": self.term if self.leading else self.epoch, "lease_s": round(max(0.0, self.lease_until -
-                                                          time.monotonic()), 2),
+                "epoch": self.term if self.leading else self.epoch, "lease_s": round(lease, 2),
                 "out_of_broadcast": sorted(self._out), "diverged": self.diverged,
                 **dict(self.counters)}
