@@ -196,10 +196,10 @@ def worker(a: argparse.Namespace) -> None:
 
 sys.path.insert(0, str(HERE.parent))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, force_unmount, is_mounted, print_node_logs, run_in_scratch,
+    MtcfsMount, print_node_logs, run_in_scratch,
 )
 from demo import human  # noqa: E402
-from demo_peers import _on_all, free_ports, kill9  # noqa: E402
+from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
 
 
 def say(*a) -> None:
@@ -415,7 +415,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     jobs: list[Ranks] = []
     try:
         t0 = time.monotonic()
-        _on_all(lambda m: m.mount(), mounts)
+        on_all(lambda m: m.mount(), mounts)
         for r, m in enumerate(mounts):
             say(f"  node {r}: mount point {m.mnt}, peer service 127.0.0.1:{ports[r]}, "
                 f"daemon pid {m.pid}")
@@ -505,19 +505,8 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     finally:
         for j in jobs:  # no rank may keep a mount busy
             j.kill()
-        _teardown(mounts)
+        teardown_all(mounts)
     return rep
-
-
-def _teardown(mounts: list[MtcfsMount]) -> None:
-    """Unmount every node at once, whatever state it is in."""
-    def one(m: MtcfsMount) -> None:
-        try:
-            m.force()
-        finally:
-            if is_mounted(m.mnt):
-                force_unmount(m.mnt)
-    _on_all(one, mounts)
 
 
 def print_report(rep: Report) -> None:

@@ -207,7 +207,7 @@ class ReplicationWatcher(threading.Thread):
 
 # ---------------------------------------------------------------------- the demo
 
-def _on_all(fn, items) -> None:
+def on_all(fn, items) -> None:
     """``fn(item)`` for every item at once, one thread each; re-raise the first error."""
     errors: list[BaseException] = []
 
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     watcher = ReplicationWatcher(mnts)
     try:
         t0 = time.monotonic()
-        _on_all(lambda m: m.mount(), mounts)
+        on_all(lambda m: m.mount(), mounts)
         for r, m in enumerate(mounts):
             say(f"  node {r}: mount point {m.mnt}, peer service 127.0.0.1:{ports[r]}, "
                 f"daemon pid {m.pid}")
@@ -390,7 +390,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
             pass
     finally:
         watcher.stop.set()
-        _teardown(mounts)
+        teardown_all(mounts)
 
     # Reference: the same training, uninterrupted, in memory.
     say("  comparing with an uninterrupted run of every rank, in memory")
@@ -405,7 +405,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     return rep
 
 
-def _teardown(mounts: list[MtcfsMount]) -> None:
+def teardown_all(mounts: list[MtcfsMount]) -> None:
     """Unmount every node at once, whatever state it is in."""
     def one(m: MtcfsMount) -> None:
         try:
@@ -413,7 +413,7 @@ def _teardown(mounts: list[MtcfsMount]) -> None:
         finally:
             if is_mounted(m.mnt):
                 force_unmount(m.mnt)
-    _on_all(one, mounts)
+    on_all(one, mounts)
 
 
 def print_report(rep: Report) -> None:
