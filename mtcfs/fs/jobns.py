@@ -52,6 +52,9 @@ log = logging.getLogger("mtcfs.fs.core")
 #: it, so that nodes still reading the file can copy what they lack (docs/consistency.md).
 LINGER_S = 30.0
 
+#: blake3 of no bytes: the content of a file created and not yet published.
+EMPTY_BLAKE3 = blake3.blake3(b"").hexdigest()
+
 #: Files up to this size travel inside their publish op, so that N ranks reading the same
 #: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
 INLINE_BYTES = 256 * 1024
@@ -136,7 +139,6 @@ class JobNamespaceOps:
             res = fn(op, keep)
             self.db.set_kv("ns_seq", str(seq))
             self.db.set_kv("ns_epoch", str(epoch))
-            self.db.set_kv("next_ino", str(self._next_ino))
         return res or {}, keep
 
     def ns_position(self) -> tuple[int, int]:
@@ -176,7 +178,7 @@ class JobNamespaceOps:
             return {"ino": existing, "existed": True}
         ino = self._new_inode("file", stat.S_IFREG | (op["mode"] & 0o7777), op["uid"], op["gid"])
         v = self._new_version(ino)
-        v.sealed, v.blake3, v.origin = True, blake3.blake3(b"").hexdigest(), self._origin(op)
+        v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
         self._write_version(v)
         ino.vid = v.vid
         ino.published = self._published(v, op["rank"])
@@ -325,9 +327,9 @@ class JobNamespaceOps:
                 if v.sealed and v.sealing is None and not v.writers:
                     e["version"] = self._published(v, self.rank if v.origin < 0 else v.origin)
                 else:  # being written here: the job knows the last published version
-                    e["version"] = ino.published or self._published(
-                        Version(vid=0, ino=ino.ino, size=0, chunk_size=v.chunk_size,
-                                blake3=blake3.blake3(b"").hexdigest()), self.rank)
+                    e["version"] = ino.published or {
+                        "size": 0, "chunk_size": v.chunk_size, "chunks": [],
+                        "blake3": EMPTY_BLAKE3, "rank": self.rank}
             out.append(e)
         steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
                   "committed_ns": s.committed_ns} for s in self.steps.values()]
