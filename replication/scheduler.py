@@ -150,7 +150,9 @@ class BackupService:
                     await self._wake.wait()
                 self._wake = trio.Event()
                 continue
-            ok = await self._backup(rec)
+            # Commits counted so far are answered by this backup; any that land while it
+            # waits for its step to seal are not (they are newer steps, due next).
+            ok = await self._backup(rec, self._commits_since)
             if ok is None:  # chunks still being restored: not an error, try again soon
                 if self._force is not None:
                     self.status.last_error = (f"backup of {rec.name}: some of its chunks are "
@@ -185,7 +187,7 @@ class BackupService:
             return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
         return 3600.0
 
-    async def _backup(self, rec: Any) -> bool | None:
+    async def _backup(self, rec: Any, counted: int = 0) -> bool | None:
         """Upload one step. Returns False on failure (already logged), None if some of its
         chunks are not in RAM (a step restored from a peer, still being fetched)."""
         while not self.fs.step_sealed(rec):
@@ -199,7 +201,7 @@ class BackupService:
             return None
         manifest, pinned = self.fs.snapshot_step(rec.name)
         self._last_start = time.monotonic()
-        self._commits_since = 0
+        self._commits_since = max(0, self._commits_since - counted)
         rec.backing_up = True
         self.status.uploading = rec.name
         t0 = time.monotonic()
