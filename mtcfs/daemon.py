@@ -60,6 +60,8 @@ class Daemon:
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
         self.ns: Any = None  # scope=job: the job's namespace log
+        self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
+        self.mtc_service: Any = None
 
     # ------------------------------------------------------------------ building
 
@@ -90,6 +92,32 @@ class Daemon:
             self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
+        if o.mtc:
+            self._build_mtc()
+
+    def _build_mtc(self) -> None:
+        """Option ``mtc``: this mount is the node's replicator for Orbax."""
+        from replication.mtc.replicator import MtcReplicator
+        o = self.opts
+        coord = o.jax_coordinator
+        if coord is None:
+            rank0 = o.peer_address(0) or o.coordinator if o.multi_node else None
+            host = rank0.rsplit(":", 1)[0] if rank0 else "127.0.0.1"
+            coord = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:8476"
+        self.mtc = MtcReplicator(
+            self.fs, rank=o.rank, nodes=o.nodes, job=o.job, jax_coordinator=coord,
+            peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
+            fetch_step=self._mtc_fetch,
+            kick_prefetch=self.prefetcher.kick if self.prefetcher is not None else None)
+        if self.peer is not None:
+            from replication.mtc.agreement import MtcRestoreService
+            self.mtc_service = self.mtc.ballot_service = MtcRestoreService(self.peer, o.job)
+
+    async def _mtc_fetch(self, number: int) -> dict[str, Any]:
+        """Import this rank's step ``number`` from the peers or the backup tier."""
+        if self.peer is not None:
+            return await self.restore_from_job(number)
+        return await self.restore_step(number)
 
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
@@ -148,7 +176,8 @@ class Daemon:
         fs = self.fs
         assert fs is not None
         if (self.backup_store is None and self.peer is None) or self.opts.restore == "none" \
-                or fs.steps or fs.inodes[ROOT_INO].children:
+                or fs.steps or fs.inodes[ROOT_INO].children or self.mtc is not None:
+            # (With mtc, Orbax asks for a restore through replicator.yaml.)
             return
         want = None if self.opts.restore == "latest" else int(self.opts.restore)
         try:
@@ -212,7 +241,7 @@ class Daemon:
                           f"{self.opts.rank}")
         manifest, source, backed_up = got
         if manifest.step in fs.steps:
-            return {"step": manifest.step, "imported": False}
+            return {"step": manifest.step, "imported": False, "source": "local"}
         fs.import_step(manifest, backed_up=backed_up)
         self.restore_info = {"step": manifest.step, "bytes": manifest.total_bytes,
                              "manifest_from": source,
@@ -229,7 +258,8 @@ class Daemon:
                 self.prefetcher.wait_for_kick = True
         elif self.prefetcher is not None:
             self.prefetcher.kick()
-        return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes}
+        return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes,
+                "source": source}
 
     async def restore_step(self, number: int | None) -> dict[str, Any]:
         """Import step ``number`` (None: the newest complete) from the backup tier.
@@ -262,7 +292,8 @@ class Daemon:
                  manifest.total_bytes, self.opts.backup)
         if self.prefetcher is not None:
             self.prefetcher.kick()
-        return {"step": info.step, "imported": True, "bytes": manifest.total_bytes}
+        return {"step": info.step, "imported": True, "bytes": manifest.total_bytes,
+                "source": "backup"}
 
     # ------------------------------------------------------------------ running
 
@@ -285,6 +316,9 @@ class Daemon:
             if self.ns is not None:
                 from replication.jobns.service import register
                 self.peer.extra_services.append(register(self.ns, self.opts.job, token))
+            if self.mtc_service is not None:
+                from replication.mtc.agreement import register as register_mtc
+                self.peer.extra_services.append(register_mtc(self.mtc_service))
             self.peer.start_server(token)
         try:
             await self._run(ready)
@@ -307,6 +341,10 @@ class Daemon:
                 self._nursery = n
                 n.start_soon(self._tune_readahead, ops)
                 self.fs.start(n)
+                if self.mtc is not None:
+                    # Before the kernel's first request is served (they queue until
+                    # pyfuse3.main runs), so the trainer never sees the root without it.
+                    await self.mtc.write_init_info()
                 await n.start(control.serve, self.store.control_socket, self.handle)
                 n.start_soon(self._signals, n)
                 if self.backup is not None:
@@ -319,6 +357,8 @@ class Daemon:
                     n.start_soon(self.ns.run)
                 if self._bulk_restore:
                     n.start_soon(self._restore_bulk)
+                if self.mtc is not None:
+                    n.start_soon(self.mtc.run)
                 ready()
                 await pyfuse3.main()
                 mounted = False
@@ -480,6 +520,8 @@ class Daemon:
         out["scope"] = self.opts.scope
         if self.ns is not None:
             out["namespace"] = self.ns.status()
+        if self.mtc is not None:
+            out["mtc"] = self.mtc.status()
         return out
 
     async def checkpoints(self) -> list[dict[str, Any]]:

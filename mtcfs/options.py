@@ -170,6 +170,10 @@ class MountOptions:
     huge_model: bool = False
     #: "node": the mount shows this rank's files; "job": every rank's (docs/consistency.md).
     scope: str = "node"
+    #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
+    mtc: bool = False
+    #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
+    jax_coordinator: str | None = None
 
     def __post_init__(self) -> None:
         if self.backup_interval is None:
@@ -303,6 +307,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.assume_data_parallelism = _int(name, value, 1)
                 elif name == "huge_model" and flag:
                     o.huge_model = True
+                elif name == "mtc" and flag:
+                    o.mtc = True
+                elif name == "jax_coordinator" and value:
+                    o.jax_coordinator = parse_address(value)
                 elif name == "scope" and value:
                     if value not in ("node", "job"):
                         raise ValueError("expected node or job")
@@ -394,6 +402,11 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     if o.scope == "job" and dp is not None and dp > 1:
         raise bad("scope", "assume_data_parallelism is for scope=node: in one job-wide "
                            "namespace identical files are one file")
+    if o.mtc and o.scope != "node":
+        raise OptionError("option mtc needs scope=node: Orbax's multi-tier checkpointing "
+                          "keeps each node's data in its own directory")
+    if o.jax_coordinator and not o.mtc:
+        raise bad("jax_coordinator", "is written to jax-init-info.txt only with option mtc")
     if o.huge_model:
         if dp is None or dp < 2:
             raise OptionError("option huge_model needs assume_data_parallelism=D with D >= 2"
@@ -406,4 +419,4 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "assume_data_parallelism", "huge_model", "scope"}
+          "assume_data_parallelism", "huge_model", "scope", "mtc", "jax_coordinator"}

@@ -31,11 +31,15 @@ def test_steps_interval_and_optional_keys():
 
 
 def test_warnings_for_what_the_job_can_run_with():
-    c = parse_replicator_yaml(ORBAX.replace("orbax", "pathways") + "colour: blue\n", rank=2)
+    c = parse_replicator_yaml(ORBAX.replace("orbax", "pathways") + "colour: blue\n", rank=1)
     assert any("'colour'" in w for w in c.warnings)
-    assert any("rank=2" in w for w in c.warnings)
     assert any("pathways" in w for w in c.warnings)
-    assert c.node_rank == 1  # the yaml's rank is adopted
+    assert c.node_rank == 1
+
+
+def test_a_rank_other_than_this_nodes_is_refused():
+    with pytest.raises(ReplicatorConfigError, match=r"node-rank: 1, but this node is rank=2"):
+        parse_replicator_yaml(ORBAX, rank=2)
 
 
 @pytest.mark.parametrize("change,words", [

@@ -236,3 +236,21 @@ def test_scope_option_errors_name_the_option(opts, words):
         parse(opts)
     for w in words:
         assert w in str(ei.value)
+
+
+def test_mtc_options():
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},mtc,jax_coordinator=10.0.0.1:1234")
+    assert o.mtc and o.jax_coordinator == "10.0.0.1:1234"
+    assert not parse("").mtc and parse("mtc").jax_coordinator is None
+
+
+@pytest.mark.parametrize("opts,words", [
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job,mtc", ["mtc", "scope=node"]),
+    ("jax_coordinator=h:1", ["jax_coordinator=h:1", "only with option mtc"]),
+    ("mtc,jax_coordinator=nohost", ["jax_coordinator=nohost"]),
+])
+def test_mtc_option_errors_name_the_option(opts, words):
+    with pytest.raises(OptionError) as e:
+        parse(opts)
+    for w in words:
+        assert w in str(e.value)

@@ -49,6 +49,12 @@ class CheckpointOps:
         rec = StepRecord(name=name, number=number if number is not None else 0, ino=d.ino,
                          committed_ns=_now_ns(), source=source)
         self.steps[name] = rec
+        if source == "orbax-restore":
+            # A step the replicator restored under its marker name, back under its own:
+            # its bytes are those of the backup tier if every file's are.
+            versions = self._step_versions(rec)
+            if versions and all(v.backed_up for v in versions):
+                rec.backed_up_ns = rec.committed_ns
         self._write_step(rec)
         log.info("checkpoint %s committed (%s)", name, source)
         self._emit("committed", rec)

@@ -41,6 +41,7 @@ from mtcfs.fs.files import FileOps
 from mtcfs.fs.jobns import JobNamespaceOps
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.fs.namespace import NamespaceOps
+from mtcfs.fs.own_files import OwnFileOps
 from mtcfs.fs.records import ChunkSource, Counters, StepRecord
 from mtcfs.fs.records import now_ns as _now_ns
 from mtcfs.fs.xattrs import XattrOps
@@ -54,7 +55,7 @@ NAME_MAX = 255
 
 
 class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
-                 JobNamespaceOps):
+                 JobNamespaceOps, OwnFileOps):
     """The core of one mount.
 
     Args:
@@ -82,6 +83,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.used = 0
         self.counters = Counters()
         self.errors: list[str] = []
+        self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
         self.chunk_source: ChunkSource | None = None
         #: Bytes of the same RAM budget used outside the core (the replicas this node holds
         #: for its peers), read on every reservation; wired by the daemon.
@@ -451,4 +453,5 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def _error(self, msg: str) -> None:
         log.error("%s", msg)
         self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")
+        self.errors_total += 1
         del self.errors[:-50]

@@ -307,6 +307,9 @@ class NamespaceOps:
             # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
             if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
                 self._commit_step(ino, "orbax-rename")
+            elif dst_dir.ino == ROOT_INO and ino.is_dir and \
+                    stepnames.restore_marker_step(old_name) is not None:
+                self._commit_step(ino, "orbax-restore")
             elif ino.is_file and new_name in stepnames.COMMIT_FILES:
                 # scope=job: the marker is published (sealed job-wide) whatever this node's
                 # kernel still holds open of it, so every node commits at this op

@@ -9,6 +9,8 @@ Trainer use). It is **committed** (complete on this node) when the library commi
   sealed ``commit_success.txt`` in the step directory;
 - PyTorch DCP: a sealed ``.metadata`` in the step directory (DCP writes it last, after a
   barrier, by renaming ``.metadata.tmp``);
+- Orbax multi-tier restore: ``rename(<job>-s<step>-n<rank>-w0.restore -> <step>)`` at the
+  job root, the step the replicator restored (mount option ``mtc``);
 - explicitly: ``mtcfs seal PATH``.
 """
 
@@ -41,6 +43,24 @@ def step_number(name: str | bytes) -> int | None:
         except UnicodeDecodeError:
             return None
     m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+#: Orbax's multi-tier restore marker (``<job>-s<step>-n<rank>-w<worker>.restore``): the
+#: replicator presents the step to restore under this name and Orbax renames it to
+#: ``<step>`` (orbax.checkpoint.experimental.emergency.multi_tier_checkpointing).
+RESTORE_MARKER_RE = re.compile(r"^.+-s(\d+)-n\d+-w\d+\.restore$")
+
+
+def restore_marker_step(name: str | bytes) -> int | None:
+    """The step number of an Orbax restore marker name, or None.
+
+    >>> restore_marker_step("run-s30-n1-w0.restore"), restore_marker_step("30")
+    (30, None)
+    """
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    m = RESTORE_MARKER_RE.match(name)
     return int(m.group(1)) if m else None
 
 

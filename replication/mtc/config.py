@@ -82,15 +82,14 @@ def parse_replicator_yaml(text: str, *, nodes: int | None = None,
     Args:
         text: the file's content.
         nodes: the job's node count as this mount knows it (``nodes=``), to check against.
-        rank: this node's rank as this mount knows it (``rank=``), to check against; a
-            mismatch is a warning: the yaml's rank is adopted, as Google's replicator does.
+        rank: this node's rank as this mount knows it (``rank=``), to check against.
 
     Returns:
         The configuration, with warnings for what the job can run with.
 
     Raises:
         ReplicatorConfigError: not YAML, not a mapping, a required key missing, a value of
-            the wrong type, a rank out of range, a peer equal to this node or given twice,
+            the wrong type, a rank out of range or not this node's, a peer equal to this node or given twice,
             ``nodes`` different from the job's, ``assume-data-parallelism`` not dividing
             ``nodes``, or not exactly one backup interval.
     """
@@ -113,8 +112,10 @@ def parse_replicator_yaml(text: str, *, nodes: int | None = None,
         raise ReplicatorConfigError(f"replicator.yaml: node-rank: {r} is out of range for"
                                     f" nodes: {n} (0..{n - 1})")
     if rank is not None and r != rank:
-        warnings.append(f"replicator.yaml: node-rank: {r} differs from this mount's rank={rank};"
-                        " the yaml's rank is used")
+        # The ranks in peer-ranks are JAX process indices; they name this job's nodes only
+        # if each process runs on the node of its rank (what jax-init-info.txt told it).
+        raise ReplicatorConfigError(f"replicator.yaml: node-rank: {r}, but this node is"
+                                    f" rank={rank} (the process id in jax-init-info.txt)")
     peers_raw = doc.get("peer-ranks", [])
     if peers_raw is None:
         peers_raw = []

@@ -126,6 +126,9 @@ class PeerTier(MembershipRounds, Replication):
         self._bulk = trio.CapacityLimiter(4)
         #: registrations of more services on the Peer server (scope=job's namespace)
         self.extra_services: list[Any] = []
+        #: rank -> the ranks holding its replicas, where the job said so (Orbax's
+        #: replicator.yaml, replication/mtc/); other ranks follow the placement options.
+        self.peer_override: dict[int, list[int]] = {}
         fs.subscribe(self._on_event)
 
     @staticmethod
@@ -214,6 +217,8 @@ class PeerTier(MembershipRounds, Replication):
         return self.peers_of(self.rank)
 
     def peers_of(self, rank: int) -> list[int]:
+        if rank in self.peer_override:  # told by the training job (replicator.yaml)
+            return list(self.peer_override[rank])
         c = self.cfg
         n, r = c.nodes, c.replicas
         if n < 2 or r < 1:

@@ -337,3 +337,29 @@ class SnapshotReply(_message.Message):
     epoch: int
     body: bytes
     def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class VoteRequest(_message.Message):
+    __slots__ = ("job", "rank", "vote_id", "restorable")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    VOTE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    vote_id: str
+    restorable: _containers.RepeatedCompositeFieldContainer[StepRef]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., vote_id: _Optional[str] = ..., restorable: _Optional[_Iterable[_Union[StepRef, _Mapping]]] = ...) -> None: ...
+
+class VoteReply(_message.Message):
+    __slots__ = ("not_coordinator", "coordinator_rank", "decided", "step", "waiting_for")
+    NOT_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    not_coordinator: bool
+    coordinator_rank: int
+    decided: bool
+    step: StepRef
+    waiting_for: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, not_coordinator: _Optional[bool] = ..., coordinator_rank: _Optional[int] = ..., decided: _Optional[bool] = ..., step: _Optional[_Union[StepRef, _Mapping]] = ..., waiting_for: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -538,3 +538,75 @@ class JobNamespace:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MtcRestoreStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Vote = channel.unary_unary(
+                '/mtcfs.peer.v1.MtcRestore/Vote',
+                request_serializer=mtcfs__peer__pb2.VoteRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.VoteReply.FromString,
+                _registered_method=True)
+
+
+class MtcRestoreServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Vote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MtcRestoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Vote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Vote,
+                    request_deserializer=mtcfs__peer__pb2.VoteRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.VoteReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mtcfs.peer.v1.MtcRestore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mtcfs.peer.v1.MtcRestore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MtcRestore:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Vote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.MtcRestore/Vote',
+            mtcfs__peer__pb2.VoteRequest.SerializeToString,
+            mtcfs__peer__pb2.VoteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,400 @@
+"""The node's replicator for Orbax's multi-tier checkpointing (mount option ``mtc``).
+
+Orbax's ``ReplicatorCheckpointManager`` (MaxText ``enable_multi_tier_checkpointing``) talks
+to the replicator of its node only through files in its local checkpoint directory — here,
+the root of this mount (../shared/reference/orbax-mtc-protocol.md, docs/orbax-mtc.md):
+
+- ``jax-init-info.txt`` (this node's rank, the JAX coordinator's ``ip:port``), written at
+  mount, before the kernel sees the mount;
+- ``replicator.yaml``, which the trainer writes at start-up: read, checked
+  (:mod:`replication.mtc.config`), adopted (peer ranks, backup interval), then deleted — the
+  acknowledgement Orbax waits for; handled again each time it appears;
+- the restore marker ``<job>-s<step>-n<rank>-w0.restore``: the step every rank restores,
+  agreed by a vote (:mod:`replication.mtc.agreement`), brought into RAM (peers, backup tier,
+  every chunk verified), presented by renaming its directory to the marker (Orbax renames it
+  back); an empty ``...-s0-...`` file when no step exists anywhere;
+- ``replicator.failed`` (fatal: Orbax raises RuntimeError with its text) and
+  ``replicator.errors`` (logged by Orbax) for what the trainer must know.
+
+Saving needs nothing here: Orbax's commit rename commits the step, and the peer and backup
+tiers replicate and back it up as for any checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+
+from mtcfs.errors import FsError
+from mtcfs.fs import steps as stepnames
+from mtcfs.fs.model import ROOT_INO
+from replication.mtc.agreement import VoteResult, call_vote
+from replication.mtc.config import ReplicatorConfig, ReplicatorConfigError, parse_replicator_yaml
+from replication.peer.records import StepRef
+
+log = logging.getLogger(__name__)
+
+INIT_INFO = b"jax-init-info.txt"
+YAML = b"replicator.yaml"
+ERRORS = b"replicator.errors"
+FAILED = b"replicator.failed"
+#: Names of the protocol itself: never cleaned away by a restore.
+PROTOCOL_FILES = {INIT_INFO, YAML, ERRORS, FAILED, YAML + b".tmp"}
+
+#: Seconds between two looks for replicator.yaml and for new errors to report.
+POLL_S = 0.2
+#: Seconds a restore may take before replicator.failed says why: well inside the 300 s
+#: Orbax waits for the marker.
+RESTORE_BUDGET_S = 240.0
+#: Seconds between two votes while the coordinator waits for the other ranks.
+VOTE_EVERY_S = 0.5
+
+
+class RestoreFailed(Exception):
+    """The restore cannot complete; the message goes to ``replicator.failed``."""
+
+
+class MtcReplicator:
+    """Speaks Orbax's replicator protocol on the root of one mount.
+
+    Args:
+        fs: the filesystem core.
+        rank: this node's rank (the JAX process id written to ``jax-init-info.txt``).
+        nodes: ranks in the job.
+        job: the mount's job name (the marker's prefix when the yaml names none).
+        jax_coordinator: ``host:port`` of the JAX coordinator, for ``jax-init-info.txt``.
+        peer: the node's peer tier, or None (one node).
+        backup_store: the backup tier (:class:`replication.backup.BackupStore`), or None.
+        backup_service: its policy (:class:`replication.scheduler.BackupService`), or None.
+        fetch_step: ``await fetch_step(number)`` imports this rank's step ``number`` from the
+            peers or the backup tier (the daemon's ``restore_from_job``/``restore_step``).
+        kick_prefetch: asks the prefetcher to fetch missing chunks now.
+    """
+
+    def __init__(self, fs: Any, *, rank: int, nodes: int, job: str, jax_coordinator: str,
+                 peer: Any = None, backup_store: Any = None, backup_service: Any = None,
+                 fetch_step: Callable[[int], Awaitable[Any]] | None = None,
+                 kick_prefetch: Callable[[], None] | None = None) -> None:
+        self.fs = fs
+        self.rank = rank
+        self.nodes = nodes
+        self.job = job
+        self.jax_coordinator = jax_coordinator
+        self.peer = peer
+        self.backup_store = backup_store
+        self.backup_service = backup_service
+        self.fetch_step = fetch_step
+        self.kick_prefetch = kick_prefetch or (lambda: None)
+        self.config: ReplicatorConfig | None = None
+        self.state = "waiting for replicator.yaml"
+        self.yamls = 0
+        self.last_restore: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        self._errors_seen = 0
+        #: This node's :class:`~replication.mtc.agreement.MtcRestoreService` (it serves the
+        #: vote when this node coordinates); set by the daemon.
+        self.ballot_service: Any = None
+
+    # ------------------------------------------------------------------ files
+
+    async def write_init_info(self) -> None:
+        """Write ``jax-init-info.txt``: the process id, then the coordinator address."""
+        await self.fs.write_own_file(INIT_INFO,
+                                     f"{self.rank}\n{self.jax_coordinator}\n".encode())
+        log.info("wrote %s: process %d, JAX coordinator %s", INIT_INFO.decode(), self.rank,
+                 self.jax_coordinator)
+
+    async def _append(self, name: bytes, lines: list[str]) -> None:
+        old = b""
+        try:
+            old = await self.fs.read_own_file(name)
+        except FsError:
+            pass
+        text = "".join(f"{line}\n" for line in lines).encode()
+        await self.fs.write_own_file(name, old + text)
+
+    async def report_error(self, message: str) -> None:
+        """Append ``message`` to ``replicator.errors`` (Orbax logs it and carries on)."""
+        try:
+            await self._append(ERRORS, [message])
+        except FsError as exc:
+            log.warning("cannot write %s: %s", ERRORS.decode(), exc)
+
+    async def report_failure(self, message: str) -> None:
+        """Write ``message`` to ``replicator.failed`` (Orbax raises RuntimeError with it)."""
+        self.last_error = message
+        log.error("replicator failed: %s", message)
+        try:
+            await self._append(FAILED, [message])
+        except FsError as exc:
+            log.warning("cannot write %s: %s", FAILED.decode(), exc)
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        """Watch for ``replicator.yaml`` and for errors the trainer must hear of."""
+        root = self.fs.inodes[ROOT_INO]
+        while True:
+            if YAML in root.children:
+                try:
+                    await self.handle_yaml()
+                except Exception as exc:  # never let the protocol die with the mount up
+                    log.exception("handling replicator.yaml failed")
+                    await self.report_failure(f"mtcfs: handling replicator.yaml failed: {exc}")
+                    await self._ack()
+                    self.state = "failed"
+            await self._report_new_errors()
+            await trio.sleep(POLL_S)
+
+    async def _report_new_errors(self) -> None:
+        total = self.fs.errors_total
+        if total == self._errors_seen:
+            return
+        new = self.fs.errors[-min(total - self._errors_seen, len(self.fs.errors)):]
+        self._errors_seen = total
+        await self.report_error_lines([f"mtcfs rank {self.rank}: {e}" for e in new])
+
+    async def report_error_lines(self, lines: list[str]) -> None:
+        try:
+            await self._append(ERRORS, lines)
+        except FsError as exc:
+            log.warning("cannot write %s: %s", ERRORS.decode(), exc)
+
+    async def _ack(self) -> None:
+        try:
+            await self.fs.remove_own(YAML)
+        except FsError as exc:
+            log.warning("cannot delete %s: %s", YAML.decode(), exc)
+
+    async def handle_yaml(self) -> None:
+        """Read, check and adopt ``replicator.yaml``, acknowledge it, then restore."""
+        t0 = time.monotonic()
+        self.yamls += 1
+        self.state = "reading replicator.yaml"
+        await self.fs.remove_own(FAILED)  # a previous run's verdict is not this one's
+        text = (await self.fs.read_own_file(YAML)).decode(errors="replace")
+        try:
+            cfg = parse_replicator_yaml(text, nodes=self.nodes, rank=self.rank)
+        except ReplicatorConfigError as exc:
+            # The verdict first: Orbax reads replicator.failed once the yaml is gone.
+            await self.report_failure(str(exc))
+            await self._ack()
+            self.state = "failed"
+            return
+        if cfg.warnings:
+            await self.report_error_lines(list(cfg.warnings))
+        self.adopt(cfg)
+        await self._ack()
+        log.info("replicator.yaml of %r adopted (rank %d of %d, peers %s, backup every %s)",
+                 cfg.job_name, cfg.node_rank, cfg.nodes, list(cfg.peer_ranks),
+                 f"{cfg.backup_interval_steps} steps" if cfg.backup_interval_steps
+                 else f"{cfg.backup_interval_minutes} min")
+        self.state = "restoring"
+        try:
+            with trio.fail_after(RESTORE_BUDGET_S):
+                info = await self.restore(cfg)
+        except trio.TooSlowError:
+            await self.report_failure(
+                f"mtcfs rank {self.rank}: restore did not finish within {RESTORE_BUDGET_S:.0f}"
+                f" s ({self.state})")
+            self.state = "failed"
+            return
+        except (RestoreFailed, FsError) as exc:
+            await self.report_failure(f"mtcfs rank {self.rank}: restore failed: {exc}")
+            self.state = "failed"
+            return
+        info["seconds"] = round(time.monotonic() - t0, 3)
+        info["finished"] = time.time()
+        self.last_restore = info
+        self.state = "restored"
+        log.info("restore marker %s is in place, %.2f s after replicator.yaml (%s)",
+                 info["marker"], info["seconds"], info.get("source"))
+
+    def adopt(self, cfg: ReplicatorConfig) -> None:
+        """Take the job's peer ranks and backup interval (the yaml overrides the mount's)."""
+        self.config = cfg
+        if self.peer is not None:
+            override = {}
+            dp = cfg.assume_data_parallelism
+            if dp and dp > 1:
+                # Orbax's rule for every rank: the processes at the same position in
+                # every other slice (data-parallel replica) hold its data.
+                per_slice = cfg.nodes // dp
+                for r in range(cfg.nodes):
+                    override[r] = [k * per_slice + r % per_slice for k in range(dp)
+                                   if k * per_slice + r % per_slice != r]
+            override[self.rank] = list(cfg.peer_ranks)
+            self.peer.peer_override = override
+        b = self.backup_service
+        if b is not None:
+            if cfg.backup_interval_steps is not None:
+                b.every_ckpts, b.interval_s = cfg.backup_interval_steps, None
+                b.status.interval = f"{cfg.backup_interval_steps}ckpt (replicator.yaml)"
+            else:
+                b.every_ckpts = None
+                b.interval_s = 60.0 * (cfg.backup_interval_minutes or 30)
+                b.status.interval = f"{cfg.backup_interval_minutes}m (replicator.yaml)"
+            b._wake.set()
+
+    # ------------------------------------------------------------------ restore
+
+    async def restore(self, cfg: ReplicatorConfig) -> dict[str, Any]:
+        """Agree on the step, bring it into RAM, clean the directory, place the marker.
+
+        Raises:
+            RestoreFailed: no tier can give this rank the agreed step.
+        """
+        job = cfg.job_name or self.job
+        self.state = "listing restorable steps"
+        restorable, where = await self._restorable()
+        self.state = "waiting for the job's decision"
+        t_vote = time.monotonic()
+        step = await self._agree(restorable)
+        vote_s = time.monotonic() - t_vote
+        self.state = "cleaning the local directory"
+        await self._clean(step)
+        info: dict[str, Any] = {"step": step.step if step else None,
+                                "vote_seconds": round(vote_s, 3)}
+        if step is None:
+            marker = f"{job}-s0-n{self.rank}-w0.restore".encode()
+            await self.fs.write_own_file(marker, b"")
+            info.update(marker=marker.decode(), source="nothing to restore")
+            return info
+        self.state = f"bringing step {step.step} into RAM"
+        t_data = time.monotonic()
+        info["source"] = await self._bring_back(step, where.get(step.step_number, "local"))
+        info["data_seconds"] = round(time.monotonic() - t_data, 3)
+        rec = self.fs.steps[step.step]
+        info["bytes"] = sum(v.size for v in self.fs._step_versions(rec))
+        marker = f"{job}-s{step.step_number}-n{self.rank}-w0.restore".encode()
+        await self.fs.remove_own(marker)
+        await self.fs.rename_own(step.step.encode(errors="surrogateescape"), marker)
+        info["marker"] = marker.decode()
+        return info
+
+    async def _restorable(self) -> tuple[dict[int, str], dict[int, str]]:
+        """This rank's restorable steps (number -> name) and where each is (number ->
+        "local", "peer", "backup")."""
+        names: dict[int, str] = {}
+        where: dict[int, str] = {}
+        if self.backup_store is not None:
+            try:
+                for s in await trio.to_thread.run_sync(self.backup_store.list_steps):
+                    names[s.step_number], where[s.step_number] = s.step, "backup"
+            except Exception as exc:
+                log.warning("cannot list the backup tier: %s", exc)
+        if self.peer is not None:
+            from replication.peer.recovery import _list_holders
+            held = await trio.to_thread.run_sync(_list_holders, self.peer)
+            for name, (num, _ranks) in held.items():
+                names[num], where[num] = name, "peer"
+            self.peer.restorable = {name: num for num, name in names.items()}
+        for rec in self.fs.steps.values():
+            if stepnames.step_number(rec.name) is not None:
+                names[rec.number], where[rec.number] = rec.name, "local"
+        for name in list(self.fs.inodes[ROOT_INO].children):
+            # A marker left by a restore the trainer never took (it died first).
+            n = stepnames.restore_marker_step(name)
+            if n and self.fs.inodes[self.fs.inodes[ROOT_INO].children[name]].is_dir:
+                names[n], where[n] = str(n), "local"
+        return names, where
+
+    async def _agree(self, restorable: dict[int, str]) -> StepRef | None:
+        """The step every rank restores (None: nothing), as the coordinator decides."""
+        steps = [StepRef(name, num) for num, name in sorted(restorable.items())]
+        if self.peer is None or self.nodes < 2:
+            return steps[-1] if steps else None
+        vote_id = uuid.uuid4().hex
+        said_waiting: tuple[int, ...] | None = None
+        while True:
+            target = self.peer.coordinator
+            res: VoteResult | None = None
+            if target == self.rank and self.ballot_service is not None:
+                res = self.ballot_service.ballot.vote(self.rank, vote_id, steps)
+            elif target is not None:
+                try:
+                    res, _named = await trio.to_thread.run_sync(
+                        partial(call_vote, self.peer, target, vote_id, steps),
+                        abandon_on_cancel=True)
+                except Exception as exc:
+                    log.info("vote to rank %s failed: %s", target, exc)
+                    await self.peer.heartbeat_once()
+            if res is not None and res.decided:
+                if res.step is not None and res.step.step_number not in restorable:
+                    raise RestoreFailed(f"the job chose step {res.step.step}, which this rank"
+                                        " can no longer restore")
+                return res.step
+            if res is not None and res.waiting_for != said_waiting:
+                said_waiting = res.waiting_for
+                log.info("restore vote: waiting for rank(s) %s", list(res.waiting_for))
+                self.state = f"waiting for the vote of rank(s) {list(res.waiting_for)}"
+            await trio.sleep(VOTE_EVERY_S)
+
+    async def _clean(self, keep: StepRef | None) -> None:
+        """Remove from the local directory everything Orbax would list or trip over but the
+        step to restore: other steps, uncommitted ``*.orbax-checkpoint-tmp*`` directories,
+        markers of earlier restores. Files that are neither are left alone."""
+        root = self.fs.inodes[ROOT_INO]
+        for name in list(root.children):
+            if name in PROTOCOL_FILES:
+                continue
+            num = stepnames.step_number(name)
+            marker_num = stepnames.restore_marker_step(name)
+            if keep is not None and num == keep.step_number and \
+                    name.decode(errors="replace") in self.fs.steps:
+                continue
+            if keep is not None and marker_num == keep.step_number and \
+                    self.fs.inodes[root.children[name]].is_dir and \
+                    keep.step not in self.fs.steps:
+                # The step's directory, presented earlier to a trainer that died before it
+                # took it: bring it back under its own name.
+                await self.fs.rename(ROOT_INO, name, ROOT_INO,
+                                     keep.step.encode(errors="surrogateescape"))
+                self.fs.invalidate_name(ROOT_INO, name, root.children.get(name, 0))
+                continue
+            if num is not None or marker_num is not None or stepnames.is_orbax_tmp(name):
+                await self.fs.remove_own(name)
+                log.info("restore: removed %s from the local directory",
+                         name.decode(errors="replace"))
+
+    async def _bring_back(self, step: StepRef, where: str) -> str:
+        """Make every byte of ``step`` local; returns where its data came from."""
+        source = where
+        if step.step not in self.fs.steps:
+            if self.fetch_step is None:
+                raise RestoreFailed(f"step {step.step} is not here and no tier can give it")
+            try:
+                got = await self.fetch_step(step.step_number)
+            except FsError as exc:
+                raise RestoreFailed(f"step {step.step}: {exc.strerror}") from None
+            source = str((got or {}).get("source") or where)
+            if step.step not in self.fs.steps:
+                raise RestoreFailed(f"step {step.step} could not be imported")
+        rec = self.fs.steps[step.step]
+        kicked = False
+        while not self.fs.step_in_ram(rec):
+            if not kicked:
+                self.kick_prefetch()
+                kicked = True
+            await trio.sleep(0.05)
+            if self.fs.steps.get(step.step) is not rec:
+                raise RestoreFailed(f"step {step.step} was removed while it was restored")
+        return source
+
+    def status(self) -> dict[str, Any]:
+        c = self.config
+        return {"state": self.state, "jax_coordinator": self.jax_coordinator,
+                "yamls_handled": self.yamls, "last_restore": self.last_restore,
+                "last_error": self.last_error,
+                "config": None if c is None else {
+                    "job_name": c.job_name, "node_rank": c.node_rank, "nodes": c.nodes,
+                    "peer_ranks": list(c.peer_ranks),
+                    "assume_data_parallelism": c.assume_data_parallelism,
+                    "backup_interval_minutes": c.backup_interval_minutes,
+                    "backup_interval_steps": c.backup_interval_steps}}
