@@ -85,6 +85,12 @@ class BackupService:
         self.share_wait_s = share_wait_s
         self.interval_s = interval_s
         self.every_ckpts = every_ckpts
+        #: Back up when the newest step's number is at least this far past the last one
+        #: backed up (training steps, as Orbax's ``backup-interval-steps``); set by the
+        #: replicator protocol (replication/mtc/), overriding the other two.
+        self.every_steps: int | None = None
+        self._last_number: int | None = max(
+            (s.number for s in fs.steps.values() if s.backed_up_ns is not None), default=None)
         self.keep_backups = keep_backups
         self.status = BackupStatus(url=url, interval=interval_text)
         self._commits_since = 0
@@ -115,6 +121,13 @@ class BackupService:
     def _due(self) -> bool:
         if self._force is not None:
             return True
+        if self.every_steps is not None:
+            cand = self.candidate()
+            # (A step number not past the last backed up: the job went back to an older
+            # step and trains again; its new steps are backed up.)
+            return cand is not None and (self._last_number is None or
+                                         cand.number <= self._last_number or
+                                         cand.number - self._last_number >= self.every_steps)
         if self.every_ckpts is not None:
             return self._commits_since >= self.every_ckpts
         return time.monotonic() - self._last_start >= (self.interval_s or 0)
@@ -183,7 +196,8 @@ class BackupService:
                 self._done.set()
 
     def _sleep_time(self) -> float:
-        if self.every_ckpts is None and self.candidate() is not None:
+        if self.every_ckpts is None and self.every_steps is None and \
+                self.candidate() is not None:
             return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
         return 3600.0
 
@@ -225,6 +239,7 @@ class BackupService:
             rec.backing_up = False
             self.status.uploading = None
         self.fs.mark_backed_up(rec.name, pinned)
+        self._last_number = max(rec.number, self._last_number or 0)
         self.fs.unpin(pinned)
         st = self.status
         st.last_step, st.last_finished = rec.name, time.time()

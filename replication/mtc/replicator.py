@@ -234,10 +234,12 @@ class MtcReplicator:
         b = self.backup_service
         if b is not None:
             if cfg.backup_interval_steps is not None:
-                b.every_ckpts, b.interval_s = cfg.backup_interval_steps, None
-                b.status.interval = f"{cfg.backup_interval_steps}ckpt (replicator.yaml)"
+                # Training steps, as MaxText means them (it requires the interval to be at
+                # least local_checkpoint_period): the step numbers tell, not a count.
+                b.every_steps, b.every_ckpts, b.interval_s = cfg.backup_interval_steps, None, None
+                b.status.interval = f"{cfg.backup_interval_steps} steps (replicator.yaml)"
             else:
-                b.every_ckpts = None
+                b.every_steps = b.every_ckpts = None
                 b.interval_s = 60.0 * (cfg.backup_interval_minutes or 30)
                 b.status.interval = f"{cfg.backup_interval_minutes}m (replicator.yaml)"
             b._wake.set()
