@@ -51,10 +51,12 @@ class MtcfsMount:
     Args:
         job: the job name (mount source).
         mountpoint: an existing empty directory.
-        options: ``-o`` options, e.g. ``{"store": ..., "backup": "file:///..."}``.
+        options: ``-o`` options, e.g. ``{"store": ..., "backup": "file:///..."}``; a value
+            of None makes a bare flag (``{"mtc": None}``).
     """
 
-    def __init__(self, job: str, mountpoint: str | os.PathLike, options: dict[str, str]) -> None:
+    def __init__(self, job: str, mountpoint: str | os.PathLike,
+                 options: dict[str, str | None]) -> None:
         self.job = job
         self.mnt = Path(mountpoint)
         self.options = dict(options)
@@ -62,7 +64,7 @@ class MtcfsMount:
         self._sock: str | None = None
 
     def mount(self) -> "MtcfsMount":
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        opts = ",".join(k if v is None else f"{k}={v}" for k, v in self.options.items())
         mtcfs(self.job, str(self.mnt), "-o", opts, timeout=180)
         self._sock = os.getxattr(self.mnt, "user.mtcfs.control").decode()
         self.pid = self.status()["pid"]

@@ -52,6 +52,9 @@ POLL_S = 0.2
 #: Seconds a restore may take before replicator.failed says why: well inside the 300 s
 #: Orbax waits for the marker.
 RESTORE_BUDGET_S = 240.0
+#: Largest replicator.errors / replicator.failed kept, bytes (Orbax reads them only at
+#: start-up, MaxText before each save; between, the oldest lines go).
+MAX_REPORT_BYTES = 64 * 1024
 #: Seconds between two votes while the coordinator waits for the other ranks.
 VOTE_EVERY_S = 0.5
 
@@ -116,8 +119,11 @@ class MtcReplicator:
             old = await self.fs.read_own_file(name)
         except FsError:
             pass
-        text = "".join(f"{line}\n" for line in lines).encode()
-        await self.fs.write_own_file(name, old + text)
+        data = old + "".join(f"{line}\n" for line in lines).encode()
+        if len(data) > MAX_REPORT_BYTES:  # nobody reads it: keep the newest lines
+            data = data[-MAX_REPORT_BYTES:]
+            data = data[data.find(b"\n") + 1:]
+        await self.fs.write_own_file(name, data)
 
     async def report_error(self, message: str) -> None:
         """Append ``message`` to ``replicator.errors`` (Orbax logs it and carries on)."""
