@@ -252,6 +252,23 @@ def format_namespace_status(ns: dict[str, Any]) -> str:
     return out
 
 
+def format_mtc_status(m: dict[str, Any]) -> str:
+    """One line on the Orbax replicator protocol of an ``mtc`` mount."""
+    out = f"  orbax mtc: {m.get('state', '-')}; JAX coordinator {m.get('jax_coordinator', '-')}"
+    c = m.get("config")
+    if c:
+        out += (f"; job {c.get('job_name') or '-'}, peers {c.get('peer_ranks')}, backup every "
+                + (f"{c['backup_interval_steps']} steps" if c.get("backup_interval_steps")
+                   else f"{c.get('backup_interval_minutes')} min"))
+    r = m.get("last_restore")
+    if r:
+        out += (f"; last restore: {r.get('marker')} in {r.get('seconds')} s"
+                f" ({r.get('source')})")
+    if m.get("last_error"):
+        out += f"; FAILED: {m['last_error']}"
+    return out
+
+
 def format_peer_status(p: dict[str, Any] | None) -> list[str]:
     """The peer tier section of ``mtcfs status``: lines to print, from the status dict's
     ``"peers"`` entry (None on a single node). Missing keys show as ``-``, never fail."""
@@ -354,6 +371,8 @@ def cmd_status(a: argparse.Namespace) -> None:
             print(line)
     if st.get("namespace"):
         print(format_namespace_status(st["namespace"]))
+    if st.get("mtc"):
+        print(format_mtc_status(st["mtc"]))
     if st["errors"]:
         print("  errors:")
         for e in st["errors"][-10:]:

@@ -102,10 +102,25 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
                     {"tier": tier})
     if peers:
         _peer_metrics(out, peers)
+    if status.get("mtc"):
+        _mtc_metrics(out, status["mtc"])
     ns = status.get("namespace") or None
     if ns:
         _namespace_metrics(out, ns)
     return "\n".join(out.lines) + "\n"
+
+
+def _mtc_metrics(out: _Out, m: Mapping[str, Any]) -> None:
+    """Option mtc: the Orbax replicator protocol (docs/orbax-mtc.md)."""
+    r = m.get("last_restore") or {}
+    out.add("mtcfs_mtc_yamls_total", "counter",
+            "replicator.yaml files handled (trainer starts).", m.get("yamls_handled", 0))
+    out.add("mtcfs_mtc_failed", "gauge",
+            "1 if the last replicator.yaml ended in replicator.failed.",
+            int(m.get("state") == "failed"))
+    if r:
+        out.add("mtcfs_mtc_restore_seconds", "gauge",
+                "Seconds from the last replicator.yaml to its restore marker.", r.get("seconds"))
 
 
 def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
