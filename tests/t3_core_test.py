@@ -165,3 +165,28 @@ def test_verify_reports_corruption(tmp_path):
         bad = await fs.verify()
         assert len(bad) == 1 and "chunk 1" in bad[0] and bad[0].startswith("f:")
     run(body, tmp_path)
+
+
+def test_a_chunk_in_two_files_stays_local_when_one_goes(tmp_path):
+    """Identical data in two steps (an array unchanged between saves, data-parallel
+    replicas): deleting the older file leaves the chunk known as local, so the replicas this
+    node holds for its peers, which count on it, stay complete."""
+    data = os.urandom(3 * CS)
+
+    async def body(fs):
+        a = await write_file(fs, ROOT_INO, b"a", data)
+        b = await write_file(fs, ROOT_INO, b"b", data + b"tail")
+        await sealed(fs, a)
+        await sealed(fs, b)
+        digests = [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
+        assert all(fs.has_local_chunk(d) for d in digests)
+        await fs.unlink(ROOT_INO, b"a")
+        fs.forget([(a, 1)])
+        assert a not in fs.inodes
+        assert all(fs.has_local_chunk(d) for d in digests)
+        reader = fs.chunk_reader([fs.versions[fs.inodes[b].vid]])
+        assert b"".join(reader(d) for d in digests) == data
+        await fs.unlink(ROOT_INO, b"b")
+        fs.forget([(b, 1)])
+        assert not any(fs.has_local_chunk(d) for d in digests)
+    run(body, tmp_path)

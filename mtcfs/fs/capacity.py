@@ -117,8 +117,7 @@ class CapacityOps:
                 self.used -= before
                 self._write_version(v)
                 for d in v.chunks:
-                    if self._chunk_locations.get(d, (None,))[0] == v.vid:
-                        del self._chunk_locations[d]
+                    self._forget_chunk(d, v.vid)
 
     def _delete_tree(self, s: StepRecord) -> None:
         top = self.inodes[s.ino]

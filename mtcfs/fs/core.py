@@ -97,7 +97,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
         self._inflight: dict[tuple[int, int], trio.Event] = {}
+        #: digest -> (vid, chunk index) of one local copy; ``_chunk_alts``: the other
+        #: local copies of the same chunk (identical data in several files or steps).
         self._chunk_locations: dict[str, tuple[int, int]] = {}
+        self._chunk_alts: dict[str, set[tuple[int, int]]] = {}
         self._unsealed_at_load: list[Version] = []
         #: scope=job: the job's namespace log (None in scope=node); see fs/jobns.py.
         self.ns_log: Any = None
@@ -419,9 +422,34 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
         self.store.remove_data(v.vid)
         for d in v.chunks:
-            loc = self._chunk_locations.get(d)
-            if loc is not None and loc[0] == v.vid:
-                del self._chunk_locations[d]
+            self._forget_chunk(d, v.vid)
+
+    def _note_chunk(self, digest: str, vid: int, idx: int) -> None:
+        """Chunk ``digest`` is in RAM as chunk ``idx`` of version ``vid``."""
+        loc = self._chunk_locations.get(digest)
+        if loc is None:
+            self._chunk_locations[digest] = (vid, idx)
+        elif loc != (vid, idx):
+            self._chunk_alts.setdefault(digest, set()).add((vid, idx))
+
+    def _forget_chunk(self, digest: str, vid: int) -> None:
+        """Version ``vid`` no longer holds ``digest`` in RAM; another local copy, if any,
+        takes its place (the replica store counts on this node's copies)."""
+        alts = self._chunk_alts.get(digest)
+        if alts:
+            for a in [a for a in alts if a[0] == vid]:
+                alts.discard(a)
+        loc = self._chunk_locations.get(digest)
+        if loc is not None and loc[0] == vid:
+            del self._chunk_locations[digest]
+            while alts:
+                a = alts.pop()
+                other = self.versions.get(a[0])
+                if other is not None and a[1] not in other.missing:
+                    self._chunk_locations[digest] = a
+                    break
+        if alts is not None and not alts:
+            del self._chunk_alts[digest]
 
     def _set_current(self, ino: Inode, v: Version | None) -> None:
         old = self.versions.get(ino.vid) if ino.vid is not None else None

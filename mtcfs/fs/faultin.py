@@ -101,7 +101,7 @@ class FaultInOps:
             self.used += length
             self.counters.chunks_faulted += 1
             self.counters.bytes_faulted += length
-            self._chunk_locations.setdefault(v.chunks[idx], (v.vid, idx))
+            self._note_chunk(v.chunks[idx], v.vid, idx)
             with self.db.transaction():
                 self._write_version(v)
 

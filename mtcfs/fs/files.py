@@ -339,4 +339,4 @@ class FileOps:
             return
         for i, d in enumerate(v.chunks):
             if i not in v.missing:
-                self._chunk_locations.setdefault(d, (v.vid, i))
+                self._note_chunk(d, v.vid, i)

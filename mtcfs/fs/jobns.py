@@ -359,6 +359,7 @@ class JobNamespaceOps:
             self.versions.clear()
             self.steps.clear()
             self._chunk_locations.clear()
+            self._chunk_alts.clear()
             self.aliases.clear()
             self.chunk_origins.clear()
             self.used = 0
