@@ -23,3 +23,11 @@ bench-peer:
 .PHONY: bench-namespace
 bench-namespace:
 	$(PYTHON) -m benchmarks.bench_namespace $(ARGS)
+
+# Orbax multi-tier checkpointing (benchmarks/bench_mtc.py): 2 daemons with mount option mtc,
+# restart to the restore marker from a peer and from file://, bytes between data-parallel
+# replicas (about 8-10 minutes at 1 GiB per node, 3 repeats).
+# make bench-mtc ARGS="--gib 0.25 --reps 1"
+.PHONY: bench-mtc
+bench-mtc:
+	$(PYTHON) -m benchmarks.bench_mtc $(ARGS)
