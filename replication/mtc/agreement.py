@@ -7,7 +7,7 @@ taken once, for the whole job, by one node:
 
 1. Every rank, when its trainer asks for a restore (``replicator.yaml`` appeared), votes with
    the steps it can restore — its RAM tier, its replicas on peers, the backup tier — and
-   repeats the vote every half second until it gets an answer.
+   repeats the vote every 0.1 s until it gets an answer.
 2. The coordinator (the lowest live rank, as in the peer tier) waits until every rank
    0..nodes-1 has a fresh vote, then decides the newest step present in ALL of them (or
    nothing: the ``s0`` marker) and latches that decision: every rank that asks gets the same
@@ -35,7 +35,7 @@ from replication.peer.records import StepRef
 
 log = logging.getLogger(__name__)
 
-#: Seconds a vote counts without being repeated (voters repeat it every 0.5 s while they
+#: Seconds a vote counts without being repeated (voters repeat it every 0.1 s while they
 #: wait; a vote not repeated for this long is from a rank that stopped waiting).
 VOTE_TTL_S = 10.0
 #: Seconds a decision stays latched for the ranks that have not fetched it yet.

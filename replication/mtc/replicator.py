@@ -56,7 +56,7 @@ RESTORE_BUDGET_S = 240.0
 #: start-up, MaxText before each save; between, the oldest lines go).
 MAX_REPORT_BYTES = 64 * 1024
 #: Seconds between two votes while the coordinator waits for the other ranks.
-VOTE_EVERY_S = 0.5
+VOTE_EVERY_S = 0.1
 
 
 class RestoreFailed(Exception):
