@@ -26,7 +26,7 @@ bench-namespace:
 
 # Orbax multi-tier checkpointing (benchmarks/bench_mtc.py): 2 daemons with mount option mtc,
 # restart to the restore marker from a peer and from file://, bytes between data-parallel
-# replicas (about 8-10 minutes at 1 GiB per node, 3 repeats).
+# replicas (about 6 minutes at 1 GiB per node, 3 repeats).
 # make bench-mtc ARGS="--gib 0.25 --reps 1"
 .PHONY: bench-mtc
 bench-mtc:

@@ -26,6 +26,7 @@ used. A JAX launch takes ~5 s here.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -152,6 +153,12 @@ def test_replaced_node_restores_from_its_peer(make_cluster, tmp_path, layout):
     assert "peer" in str(last[1]["source"]), last[1]
     assert "peer" not in str(last[0]["source"]) and "backup" not in str(last[0]["source"]), \
         last[0]
+    # What an operator sees: the status line and the metrics.
+    text = c[1].cli("status", str(c[1].mnt)).stdout
+    assert "orbax mtc: restored" in text and "-s3-n1-w0.restore" in text, text
+    metrics = c[1].cli("metrics", str(c[1].mnt)).stdout
+    assert re.search(r"^mtcfs_mtc_restore_seconds\{.*\} [\d.]+$", metrics, re.M), metrics
+    assert re.search(r"^mtcfs_mtc_failed\{.*\} 0$", metrics, re.M), metrics
     _wait_replicated(c, 5)
     for r in range(2):
         _assert_root_clean(c, r, [3, 4, 5], port)

@@ -298,7 +298,8 @@ class PeerTier(MembershipRounds, Replication):
             "coordinator": self.coordinator,
             "coordinator_address": self.addresses.get(self.coordinator)
             if self.coordinator is not None else None,
-            "replicas": self.cfg.replicas, "placement": self._placement_name(),
+            "replicas": len(self.peer_ranks()) if self.rank in self.peer_override
+            else self.cfg.replicas, "placement": self._placement_name(),
             "peers": self.peer_ranks(),
             "holds_for": [r for r in range(self.cfg.nodes)
                           if r != self.rank and self.rank in self._safe_peers_of(r)],
@@ -319,6 +320,8 @@ class PeerTier(MembershipRounds, Replication):
 
     def _placement_name(self) -> str:
         c = self.cfg
+        if self.rank in self.peer_override:
+            return "replicator.yaml"
         if c.data_parallelism > 1:
             return f"data-parallel D={c.data_parallelism}" + (" huge-model" if c.huge_model else "")
         if c.labels:
