@@ -108,10 +108,16 @@ class Daemon:
             self.fs, rank=o.rank, nodes=o.nodes, job=o.job, jax_coordinator=coord,
             peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
             fetch_step=self._mtc_fetch,
-            kick_prefetch=self.prefetcher.kick if self.prefetcher is not None else None)
+            kick_prefetch=self._kick_prefetch)
         if self.peer is not None:
             from replication.mtc.agreement import MtcRestoreService
             self.mtc_service = self.mtc.ballot_service = MtcRestoreService(self.peer, o.job)
+
+    def _kick_prefetch(self) -> None:
+        """Fetch missing chunks now, unless a bulk restore from peers is streaming them
+        (it kicks the prefetcher itself when it ends)."""
+        if self.prefetcher is not None and not self._bulk_restore:
+            self.prefetcher.kick()
 
     async def _mtc_fetch(self, number: int) -> dict[str, Any]:
         """Import this rank's step ``number`` from the peers or the backup tier."""
@@ -251,7 +257,8 @@ class Daemon:
         if source.startswith("peer") and self.prefetcher is not None:
             # The data follows in long streams from the holders; the prefetcher (which
             # goes chunk by chunk, backup tier included) takes over what they leave.
-            if self._nursery is not None:  # mounted already (mtcfs restore)
+            if self._nursery is not None:  # mounted already (mtcfs restore, mtc)
+                self._bulk_restore = True  # the prefetcher waits for it (_kick_prefetch)
                 self._nursery.start_soon(self._restore_bulk)
             else:
                 self._bulk_restore = True

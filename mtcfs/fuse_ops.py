@@ -104,6 +104,8 @@ class Operations(pyfuse3.Operations):
 
     def _on_event(self, event: str, obj: Any) -> None:
         if event == "invalidate_entry":
+            if not self.initialized:  # the kernel has cached nothing yet
+                return
             parent, name, child = obj
             try:
                 pyfuse3.invalidate_entry_async(parent, name, deleted=child, ignore_enoent=True)

@@ -52,6 +52,9 @@ POLL_S = 0.2
 #: Seconds a restore may take before replicator.failed says why: well inside the 300 s
 #: Orbax waits for the marker.
 RESTORE_BUDGET_S = 240.0
+#: Seconds a step is offered to a data-parallel peer as hashes only before its missing
+#: chunks are sent (twins from replicator.yaml; the mount option's twins wait 60 s).
+YAML_TWIN_WAIT_S = 5.0
 #: Largest replicator.errors / replicator.failed kept, bytes (Orbax reads them only at
 #: start-up, MaxText before each save; between, the oldest lines go).
 MAX_REPORT_BYTES = 64 * 1024
@@ -237,6 +240,13 @@ class MtcReplicator:
                                    if k * per_slice + r % per_slice != r]
             override[self.rank] = list(cfg.peer_ranks)
             self.peer.peer_override = override
+            if self.peer.cfg.data_parallelism < 2:  # the mount option, if given, rules
+                # Data-parallel replicas save the same arrays at the same moment: the peer
+                # is first offered hashes only, for a few seconds, so that identical
+                # chunks it is writing itself never cross (Orbax's per-process files
+                # differ in part, so the wait is short, then the bytes go).
+                self.peer.twin_override = set(cfg.peer_ranks) if dp and dp > 1 else None
+                self.peer.cfg.twin_wait_s = YAML_TWIN_WAIT_S
         b = self.backup_service
         if b is not None:
             if cfg.backup_interval_steps is not None:

@@ -129,6 +129,9 @@ class PeerTier(MembershipRounds, Replication):
         #: rank -> the ranks holding its replicas, where the job said so (Orbax's
         #: replicator.yaml, replication/mtc/); other ranks follow the placement options.
         self.peer_override: dict[int, list[int]] = {}
+        #: The ranks the job says hold the same data as this one (replicator.yaml's
+        #: assume-data-parallelism): replication to them first offers hashes only.
+        self.twin_override: set[int] | None = None
         fs.subscribe(self._on_event)
 
     @staticmethod
@@ -240,6 +243,8 @@ class PeerTier(MembershipRounds, Replication):
     def twins(self) -> set[int]:
         """Data-parallel twins of this rank: ranks that write the same bytes."""
         c = self.cfg
+        if self.twin_override is not None:
+            return set(self.twin_override)
         if c.data_parallelism < 2:
             return set()
         stride = c.nodes // c.data_parallelism
