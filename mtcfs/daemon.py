@@ -122,8 +122,8 @@ class Daemon:
     async def _mtc_fetch(self, number: int) -> dict[str, Any]:
         """Import this rank's step ``number`` from the peers or the backup tier."""
         if self.peer is not None:
-            return await self.restore_from_job(number)
-        return await self.restore_step(number)
+            return await self.restore_from_job(number, check_space=True)
+        return await self.restore_step(number, check_space=True)
 
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
@@ -231,11 +231,14 @@ class Daemon:
         if self.prefetcher is not None:
             self.prefetcher.kick()
 
-    async def restore_from_job(self, want: int | None) -> dict[str, Any]:
+    async def restore_from_job(self, want: int | None, *,
+                               check_space: bool = False) -> dict[str, Any]:
         """Several nodes: import the step the job names for this rank (peers, then backup).
 
+        ``check_space``: refuse (ENOSPC) a step larger than the RAM tier's free bytes.
+
         Raises:
-            FsError: ENOENT when no tier holds a step to restore.
+            FsError: ENOENT when no tier holds a step to restore; ENOSPC (``check_space``).
         """
         from replication.peer.recovery import choose_and_fetch
         fs = self.fs
@@ -248,6 +251,7 @@ class Daemon:
         manifest, source, backed_up = got
         if manifest.step in fs.steps:
             return {"step": manifest.step, "imported": False, "source": "local"}
+        self._check_space(manifest, check_space)
         fs.import_step(manifest, backed_up=backed_up)
         self.restore_info = {"step": manifest.step, "bytes": manifest.total_bytes,
                              "manifest_from": source,
@@ -268,7 +272,15 @@ class Daemon:
         return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes,
                 "source": source}
 
-    async def restore_step(self, number: int | None) -> dict[str, Any]:
+    def _check_space(self, manifest: Any, check: bool) -> None:
+        free = self.fs.statfs()["free"]
+        if check and manifest.total_bytes > free:
+            raise FsError(errno.ENOSPC, f"step {manifest.step} holds {manifest.total_bytes} "
+                          f"bytes but the RAM tier has {free} free (size="
+                          f"{self.fs.capacity}); mount with a larger size=")
+
+    async def restore_step(self, number: int | None, *,
+                           check_space: bool = False) -> dict[str, Any]:
         """Import step ``number`` (None: the newest complete) from the backup tier.
 
         Raises:
@@ -292,6 +304,7 @@ class Daemon:
         if info.step in fs.steps:
             return {"step": info.step, "imported": False}
         manifest = await trio.to_thread.run_sync(bs.get_step, info.step)
+        self._check_space(manifest, check_space)
         fs.import_step(manifest)
         self.restore_info = {"step": info.step, "bytes": manifest.total_bytes,
                              "namespace_seconds": time.monotonic() - t0, "started": time.time()}

@@ -108,6 +108,9 @@ class BackupService:
 
     def _on_event(self, event: str, obj: Any) -> None:
         if event == "committed":
+            if getattr(obj, "source", None) == "orbax-restore":
+                # The job went back to this step: count the interval in steps from here.
+                self._last_number = obj.number if obj.backed_up_ns is not None else None
             self._commits_since += 1
             self._wake.set()
 

@@ -51,15 +51,26 @@ def test_a_new_round_after_everyone_fetched_the_decision():
     assert b.decisions == 2
 
 
-def test_a_rank_back_with_a_new_vote_waits_for_the_others_to_fetch_the_old_decision():
+def test_a_counted_rank_voting_again_starts_a_new_round():
+    """Rank 1's vote was counted, then its daemon died before it fetched the decision; its
+    replacement votes anew (the job restarted): the old decision is not handed to the new
+    vote, nor kept for rank 0 (whose trainer restarts too); the ranks decide again."""
     b = Ballot(2, clock=Clock())
-    b.vote(0, "a", steps(1))
-    assert b.vote(1, "b", steps(1)).decided
-    r = b.vote(1, "b2", steps(1, 2))  # rank 1 restarted before rank 0 fetched
+    b.vote(1, "B", steps(1, 2))
+    assert b.vote(0, "A", steps(1, 2)).step == StepRef("2", 2)  # rank 1 never fetches it
+    r = b.vote(1, "C", steps(1))  # the replacement: new vote id, only step 1 now
     assert not r.decided and r.waiting_for == (0,)
-    assert b.vote(0, "a", steps(1)).step == StepRef("1", 1)  # rank 0 still gets the old one
-    assert b.vote(1, "b2", steps(1, 2)).decided is False  # now a new round, rank 0 to vote
-    assert b.vote(0, "a3", steps(1, 2)).step == StepRef("2", 2)
+    assert b.vote(0, "D", steps(1, 2)).step == StepRef("1", 1)
+    assert b.vote(1, "C", steps(1)).step == StepRef("1", 1)
+
+
+def test_a_repeated_call_gets_its_answer_even_after_everyone_fetched():
+    b = Ballot(2, clock=Clock())
+    b.vote(0, "a", steps(4))
+    assert b.vote(1, "b", steps(4)).decided
+    assert b.vote(0, "a", steps(4)).decided  # now every rank fetched it
+    assert b.vote(1, "b", steps(4)).step == StepRef("4", 4)  # its reply was lost: asks again
+    assert b.decisions == 1
 
 
 def test_stale_votes_and_decisions_expire():

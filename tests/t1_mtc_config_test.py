@@ -54,7 +54,6 @@ def test_a_rank_other_than_this_nodes_is_refused():
     (("nodes: 4", "nodes: four"), ["nodes: 'four'", "not an integer"]),
     (("backup-interval-minutes: 30", "backup-interval-steps: 5\nbackup-interval-minutes: 3"),
      ["exactly one"]),
-    (("backup-interval-minutes: 30\n", ""), ["exactly one"]),
     (("backup-interval-minutes: 30", "backup-interval-minutes: 0"),
      ["backup-interval-minutes: 0", "below 1"]),
 ])
@@ -74,3 +73,9 @@ def test_nodes_must_match_the_job():
 def test_not_a_replicator_yaml(text):
     with pytest.raises(ReplicatorConfigError, match="replicator.yaml"):
         parse_replicator_yaml(text)
+
+
+def test_no_backup_interval_is_orbaxs_default_with_a_warning():
+    c = parse_replicator_yaml(ORBAX.replace("backup-interval-minutes: 30\n", ""))
+    assert c.backup_interval_minutes == 30 and c.backup_interval_steps is None
+    assert any("no backup interval" in w for w in c.warnings)

@@ -101,7 +101,8 @@ class OwnFileOps:
         Raises:
             FsError: ENOENT, EEXIST.
         """
-        num = self._dir(parent).children.get(old)  # type: ignore[attr-defined]
         await self.rename(parent, old, parent, new, 1)  # type: ignore[attr-defined]
-        self.invalidate_name(parent, old, num or 0)
+        # A rename is not a deletion: naming the inode would make the kernel mark it dead
+        # (a directory someone holds open would then list empty under its new name).
+        self.invalidate_name(parent, old)
         self.invalidate_name(parent, new)

@@ -10,8 +10,10 @@ taken once, for the whole job, by one node:
    repeats the vote every 0.1 s until it gets an answer.
 2. The coordinator (the lowest live rank, as in the peer tier) waits until every rank
    0..nodes-1 has a fresh vote, then decides the newest step present in ALL of them (or
-   nothing: the ``s0`` marker) and latches that decision: every rank that asks gets the same
-   answer, until all of them got it.
+   nothing: the ``s0`` marker) and latches that decision: every vote that was counted gets
+   the same answer when it asks (again), until all of them got it. A new vote from a rank
+   whose vote was counted means its trainer restarted: the decision is dropped and a new
+   round begins.
 
 Google's replicator does the same through its ZeroMQ coordinator (GoogleCloudPlatform/
 checkpoint-replicator); here it is one gRPC method on the peer port (``MtcRestore.Vote`` in
@@ -50,7 +52,8 @@ class Decision:
 
     step: StepRef | None
     at: float
-    delivered: dict[int, str] = field(default_factory=dict)  # rank -> vote id it came with
+    counted: dict[int, str]  # rank -> the vote id that was counted
+    delivered: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Ballot:
         self._lock = threading.Lock()
         self._votes: dict[int, tuple[str, dict[int, str], float]] = {}
         self._decision: Decision | None = None
+        self._previous: Decision | None = None  # kept for a repeated call of a counted vote
         self.decisions = 0
 
     def vote(self, rank: int, vote_id: str, restorable: Iterable[StepRef]) -> VoteResult:
@@ -90,21 +94,28 @@ class Ballot:
         with self._lock:
             d = self._decision
             if d is not None and (now - d.at > LATCH_S or len(d.delivered) >= self.nodes):
+                self._previous = d
                 d = self._decision = None  # every rank has it, or the rest gave up
-            if d is not None and d.delivered.get(rank, vote_id) == vote_id:
-                # A rank that has not fetched the latched decision yet (or repeats the call
-                # that fetched it) gets it; a rank that comes back with a new vote id
-                # after fetching it starts the next round once everyone has fetched it.
-                d.delivered[rank] = vote_id
-                return VoteResult(True, d.step)
+            p = self._previous
+            if d is None and p is not None and p.counted.get(rank) == vote_id:
+                return VoteResult(True, p.step)  # a retry whose first answer was lost
+            if d is not None:
+                if d.counted.get(rank) == vote_id:
+                    # The vote that was counted (first fetch, or a repeated call).
+                    d.delivered.add(rank)
+                    return VoteResult(True, d.step)
+                # A new vote from a counted rank: its trainer (and so the job) restarted
+                # since; the decision is void and a new round begins. (A rank that already
+                # restored from it restarts too: a JAX job does not outlive a process.)
+                log.info("restore vote: rank %d voted again; a new round begins", rank)
+                d = self._decision = None
             self._votes[rank] = (vote_id, {s.step_number: s.step for s in restorable}, now)
             for r, (_vid, _steps, at) in list(self._votes.items()):
                 if now - at > VOTE_TTL_S:
                     del self._votes[r]
             waiting = tuple(r for r in range(self.nodes) if r not in self._votes)
-            if waiting or d is not None:
-                return VoteResult(False, waiting_for=waiting or tuple(
-                    r for r in range(self.nodes) if r not in d.delivered))  # type: ignore[union-attr]
+            if waiting:
+                return VoteResult(False, waiting_for=waiting)
             common: set[int] | None = None
             for r in range(self.nodes):
                 nums = set(self._votes[r][1])
@@ -113,7 +124,8 @@ class Ballot:
             if common:
                 best = max(common)
                 step = StepRef(self._votes[0][1][best], best)
-            self._decision = Decision(step, now, {r: self._votes[r][0] for r in [rank]})
+            self._decision = Decision(step, now, {r: v[0] for r, v in self._votes.items()},
+                                      {rank})
             self._votes.clear()
             self.decisions += 1
             log.info("restore vote decided: every rank restores %s",

@@ -31,6 +31,10 @@ KNOWN_KEYS = {"job-name", "framework", "assume-data-parallelism", "node-rank", "
               "workers-per-node", "master-port", "peers-per-node", "master"}
 
 
+#: Orbax's default ``backup-interval-minutes``, used when the yaml gives no interval.
+DEFAULT_BACKUP_MINUTES = 30
+
+
 class ReplicatorConfigError(ValueError):
     """``replicator.yaml`` cannot be used; the message names the key and the problem."""
 
@@ -91,7 +95,7 @@ def parse_replicator_yaml(text: str, *, nodes: int | None = None,
         ReplicatorConfigError: not YAML, not a mapping, a required key missing, a value of
             the wrong type, a rank out of range or not this node's, a peer equal to this node or given twice,
             ``nodes`` different from the job's, ``assume-data-parallelism`` not dividing
-            ``nodes``, or not exactly one backup interval.
+            ``nodes``, or both backup intervals.
     """
     try:
         doc = yaml.safe_load(text)
@@ -139,9 +143,13 @@ def parse_replicator_yaml(text: str, *, nodes: int | None = None,
                                     f" divide nodes: {n}")
     minutes = _int(doc, "backup-interval-minutes", low=1, required=False)
     steps = _int(doc, "backup-interval-steps", low=1, required=False)
-    if (minutes is None) == (steps is None):
+    if minutes is not None and steps is not None:
         raise ReplicatorConfigError("replicator.yaml: give exactly one of"
                                     " backup-interval-minutes and backup-interval-steps")
+    if minutes is None and steps is None:  # older writers (axlearn, early MaxText)
+        minutes = DEFAULT_BACKUP_MINUTES
+        warnings.append("replicator.yaml: no backup interval; backing up every"
+                        f" {minutes} minutes (Orbax's default)")
     framework = str(doc.get("framework") or "")
     if framework and framework != "orbax":
         warnings.append(f"replicator.yaml: framework: {framework!r}; mtcfs speaks the orbax"

@@ -62,6 +62,24 @@ MAX_REPORT_BYTES = 64 * 1024
 VOTE_EVERY_S = 0.1
 
 
+def orbax_peers(rank: int, nodes: int, slices: int) -> list[int]:
+    """Orbax's peer ranks of ``rank``: the processes at its position in every other slice.
+
+    >>> orbax_peers(1, 4, 2), orbax_peers(0, 6, 3)
+    ([3], [2, 4])
+    """
+    per = nodes // slices
+    return [k * per + rank % per for k in range(slices) if k * per + rank % per != rank]
+
+
+def orbax_slices(rank: int, nodes: int, peers: tuple[int, ...] | list[int]) -> int | None:
+    """The slice count for which Orbax's rule gives ``rank`` exactly ``peers``, or None."""
+    for slices in range(2, nodes + 1):
+        if nodes % slices == 0 and sorted(orbax_peers(rank, nodes, slices)) == sorted(peers):
+            return slices
+    return None
+
+
 class RestoreFailed(Exception):
     """The restore cannot complete; the message goes to ``replicator.failed``."""
 
@@ -199,6 +217,10 @@ class MtcReplicator:
         if cfg.warnings:
             await self.report_error_lines(list(cfg.warnings))
         self.adopt(cfg)
+        # Markers of an earlier round that no trainer took are withdrawn before the
+        # acknowledgement (Orbax looks for markers only once the yaml is gone): the new
+        # trainer must see only this round's decision.
+        await self._withdraw_markers()
         await self._ack()
         log.info("replicator.yaml of %r adopted (rank %d of %d, peers %s, backup every %s)",
                  cfg.job_name, cfg.node_rank, cfg.nodes, list(cfg.peer_ranks),
@@ -230,14 +252,12 @@ class MtcReplicator:
         self.config = cfg
         if self.peer is not None:
             override = {}
-            dp = cfg.assume_data_parallelism
-            if dp and dp > 1:
-                # Orbax's rule for every rank: the processes at the same position in
-                # every other slice (data-parallel replica) hold its data.
-                per_slice = cfg.nodes // dp
+            slices = orbax_slices(self.rank, cfg.nodes, cfg.peer_ranks)
+            if slices:
+                # Orbax's rule for every rank: the processes at the same position in every
+                # other slice hold its data; the yaml gives only this rank's peers.
                 for r in range(cfg.nodes):
-                    override[r] = [k * per_slice + r % per_slice for k in range(dp)
-                                   if k * per_slice + r % per_slice != r]
+                    override[r] = orbax_peers(r, cfg.nodes, slices)
             override[self.rank] = list(cfg.peer_ranks)
             self.peer.peer_override = override
             if self.peer.cfg.data_parallelism < 2:  # the mount option, if given, rules
@@ -245,7 +265,8 @@ class MtcReplicator:
                 # is first offered hashes only, for a few seconds, so that identical
                 # chunks it is writing itself never cross (Orbax's per-process files
                 # differ in part, so the wait is short, then the bytes go).
-                self.peer.twin_override = set(cfg.peer_ranks) if dp and dp > 1 else None
+                self.peer.twin_override = set(cfg.peer_ranks) \
+                    if (cfg.assume_data_parallelism or 1) > 1 else None
                 self.peer.cfg.twin_wait_s = YAML_TWIN_WAIT_S
         b = self.backup_service
         if b is not None:
@@ -316,11 +337,6 @@ class MtcReplicator:
         for rec in self.fs.steps.values():
             if stepnames.step_number(rec.name) is not None:
                 names[rec.number], where[rec.number] = rec.name, "local"
-        for name in list(self.fs.inodes[ROOT_INO].children):
-            # A marker left by a restore the trainer never took (it died first).
-            n = stepnames.restore_marker_step(name)
-            if n and self.fs.inodes[self.fs.inodes[ROOT_INO].children[name]].is_dir:
-                names[n], where[n] = str(n), "local"
         return names, where
 
     async def _agree(self, restorable: dict[int, str]) -> StepRef | None:
@@ -354,6 +370,20 @@ class MtcReplicator:
                 self.state = f"waiting for the vote of rank(s) {list(res.waiting_for)}"
             await trio.sleep(VOTE_EVERY_S)
 
+    async def _withdraw_markers(self) -> None:
+        root = self.fs.inodes[ROOT_INO]
+        for name in list(root.children):
+            n = stepnames.restore_marker_step(name)
+            if n is None:
+                continue
+            ino = self.fs.inodes[root.children[name]]
+            back = str(n).encode()
+            if ino.is_dir and n > 0 and back not in root.children:
+                await self.fs.rename_own(name, back)  # the step's own name again
+                log.info("withdrew marker %s (no trainer took it)", name.decode(errors="replace"))
+            else:
+                await self.fs.remove_own(name)
+
     async def _clean(self, keep: StepRef | None) -> None:
         """Remove from the local directory everything Orbax would list or trip over but the
         step to restore: other steps, uncommitted ``*.orbax-checkpoint-tmp*`` directories,
@@ -366,15 +396,6 @@ class MtcReplicator:
             marker_num = stepnames.restore_marker_step(name)
             if keep is not None and num == keep.step_number and \
                     name.decode(errors="replace") in self.fs.steps:
-                continue
-            if keep is not None and marker_num == keep.step_number and \
-                    self.fs.inodes[root.children[name]].is_dir and \
-                    keep.step not in self.fs.steps:
-                # The step's directory, presented earlier to a trainer that died before it
-                # took it: bring it back under its own name.
-                await self.fs.rename(ROOT_INO, name, ROOT_INO,
-                                     keep.step.encode(errors="surrogateescape"))
-                self.fs.invalidate_name(ROOT_INO, name, root.children.get(name, 0))
                 continue
             if num is not None or marker_num is not None or stepnames.is_orbax_tmp(name):
                 await self.fs.remove_own(name)
@@ -390,11 +411,20 @@ class MtcReplicator:
             try:
                 got = await self.fetch_step(step.step_number)
             except FsError as exc:
-                raise RestoreFailed(f"step {step.step}: {exc.strerror}") from None
+                why = exc.strerror or str(exc)
+                raise RestoreFailed(why if why.startswith("step ") else
+                                    f"step {step.step}: {why}") from None
             source = str((got or {}).get("source") or where)
             if step.step not in self.fs.steps:
                 raise RestoreFailed(f"step {step.step} could not be imported")
         rec = self.fs.steps[step.step]
+        versions = self.fs._step_versions(rec)
+        need = sum(v.size - v.local_bytes() for v in versions)
+        free = self.fs.statfs()["free"]
+        if need > free:
+            raise RestoreFailed(f"step {step.step} needs {need} more bytes in RAM but the RAM"
+                                f" tier has {free} free (size={self.fs.capacity}); mount with"
+                                " a larger size=")
         kicked = False
         while not self.fs.step_in_ram(rec):
             if not kicked:
