@@ -815,8 +815,8 @@ def dedup_table(runs: list[dict]) -> BenchResult:
                      "peers.replication[].chunks_sent/chunks_skipped of its status over the "
                      "step (may include another step's round)")
     res.notes.append("twins: the link's data_parallel_twin in mtcfs status (hashes-only "
-                     "replication); it follows the mount option assume_data_parallelism, not "
-                     "the yaml's assume-data-parallelism")
+                     "replication first): the yaml's assume-data-parallelism > 1 (hashes only "
+                     "for 5 s) or the mount option assume_data_parallelism (60 s)")
     return res
 
 
