@@ -626,3 +626,29 @@ def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
     trio.run(main)
     assert calls == [m.step] and svc.status.backups == 1
     assert restore_files(store, m.step) == {"w.bin": blob(6, 3 * CHUNK)}
+
+
+def test_backup_interval_in_training_steps(tmp_path) -> None:
+    """Orbax's backup-interval-steps (replication/mtc/): the newest step is due when its
+    number is at least that far past the last backed-up step's, or when the job went back
+    to an older step and trains again; a step restored under Orbax's marker resets the
+    count (counted from it if it is backed up, else due at once)."""
+    def step(n, backed=False, source="orbax-rename"):
+        return SimpleNamespace(name=str(n), number=n, committed_ns=n,
+                               backed_up_ns=1 if backed else None, source=source)
+    fs = SimpleNamespace(steps={"100": step(100, backed=True)}, subscribe=lambda fn: None)
+    svc = BackupService(fs, BackupStore(FileBackend(tmp_path), rank=0), interval_s=600.0,
+                        every_ckpts=None, keep_backups=2, url="u", interval_text="10m")
+    svc.every_steps = 50
+    assert svc._last_number == 100 and not svc._due()  # nothing newer
+    fs.steps["120"] = step(120)
+    assert not svc._due()  # 20 steps past the last backup
+    fs.steps["150"] = step(150)
+    assert svc._due()  # 50 steps past it
+    fs.steps = {"40": step(40)}  # the job went back to step 40 and trains again
+    assert svc._due()
+    svc._on_event("committed", step(30, backed=True, source="orbax-restore"))
+    fs.steps = {"30": step(30, backed=True), "60": step(60)}
+    assert svc._last_number == 30 and not svc._due()
+    fs.steps["80"] = step(80)
+    assert svc._due()
