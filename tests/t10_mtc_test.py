@@ -65,8 +65,13 @@ def _train(c, port: int, tmp_path: Path, *, tag: str, **kw) -> list[dict]:
     """One launch: a trainer per rank, on that rank's mount; raises unless all are ok."""
     kw.setdefault("num_slices", SLICES)
     kw.setdefault("timeout", RUN_TIMEOUT)
-    return run_trainers([c[r].mnt for r in range(len(c))], None, coordinator_port=port,
-                        run_name=c.job, workdir=tmp_path / f"run-{tag}", **kw)
+    try:
+        return run_trainers([c[r].mnt for r in range(len(c))], None, coordinator_port=port,
+                            run_name=c.job, workdir=tmp_path / f"run-{tag}", **kw)
+    except RuntimeError as exc:  # the daemons' side of the story
+        logs = "\n".join(f"--- daemon of rank {r} ---\n{c[r].log()[-6000:]}"
+                         for r in range(len(c)))
+        raise RuntimeError(f"{exc}\n{logs}") from None
 
 
 def _assert_restored(rows: list[dict], step: int | None) -> None:

@@ -9,7 +9,9 @@ input sent straight to a daemon's Peer port.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import time
 
 import grpc
@@ -486,3 +488,27 @@ def test_restore_pulls_from_every_holder_in_parallel(make_cluster):
     assert sum(by_rank.values()) == chunks, by_rank   # every chunk, in bulk
     assert set(by_rank) == {"1", "2"} and min(by_rank.values()) > 0, by_rank
     assert st["restore"]["chunks_from"] == {"peers": chunks}
+
+
+def test_a_replica_that_counted_on_the_holders_own_copy_survives_its_deletion(make_cluster):
+    """Rank 1's step shares a chunk with a file of rank 0's own: rank 0 stores no second
+    copy of it for rank 1's replica. When rank 0 deletes its file, the chunk is handed over
+    to the replica store first: rank 1's replica stays complete and restores bit-exact."""
+    c = make_cluster(2, options={"replicas": 1, "chunk_size": "64K"})
+    shared = os.urandom(64 * 1024)
+    own = c.node(0).path("step_5")
+    own.mkdir()
+    (own / "w.bin").write_bytes(shared)
+    (own / "commit_success.txt").write_bytes(b"ok")
+    c.wait_replicated(0, "step_5")
+    d = c.node(1).path("step_7")
+    d.mkdir()
+    (d / "w.bin").write_bytes(shared + os.urandom(1000))
+    (d / "commit_success.txt").write_bytes(b"ok")
+    c.wait_replicated(1, "step_7")
+    shutil.rmtree(own)  # rank 0's own copy of the shared chunk goes
+    c.kill9(1)
+    c.restart(1, wipe=True)  # restores step_7 from rank 0's replica store
+    got = c.node(1).path("step_7", "w.bin")
+    c.node(1).wait_for(lambda: got.exists(), 60, "step_7 restored")
+    assert got.read_bytes()[:len(shared)] == shared

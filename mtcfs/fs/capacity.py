@@ -110,14 +110,15 @@ class CapacityOps:
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 before = v.local_bytes()
+                self._hand_over_last_copies(v)
+                for d in v.chunks:  # first, so that other local copies take over at once
+                    self._forget_chunk(d, v.vid)
                 fd = self._fd(v)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)
                 v.missing = set(range(chunk_count(v.size, v.chunk_size)))
                 self.used -= before
                 self._write_version(v)
-                for d in v.chunks:
-                    self._forget_chunk(d, v.vid)
 
     def _delete_tree(self, s: StepRecord) -> None:
         top = self.inodes[s.ino]

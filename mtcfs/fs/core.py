@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from mtcfs.chunking import chunk_count
+from mtcfs.chunking import chunk_count, chunk_span
 from mtcfs.errors import FsError
 from mtcfs.fs.capacity import CapacityOps
 from mtcfs.fs.checkpoints import CheckpointOps
@@ -101,6 +101,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: local copies of the same chunk (identical data in several files or steps).
         self._chunk_locations: dict[str, tuple[int, int]] = {}
         self._chunk_alts: dict[str, set[tuple[int, int]]] = {}
+        #: Told before this node drops its last local copy of a chunk (a version freed or
+        #: evicted): ``wants(digest) -> bool``, ``keep(digest, data)``. The peer tier's
+        #: replica store, whose replicas of other ranks may count on this node's copy.
+        self.chunk_keeper: Any = None
         self._unsealed_at_load: list[Version] = []
         #: scope=job: the job's namespace log (None in scope=node); see fs/jobns.py.
         self.ns_log: Any = None
@@ -415,6 +419,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             return
         if self.versions.pop(v.vid, None) is None:
             return
+        self._hand_over_last_copies(v)
         if v.fd >= 0:
             os.close(v.fd)
             v.fd = -1
@@ -423,6 +428,25 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.store.remove_data(v.vid)
         for d in v.chunks:
             self._forget_chunk(d, v.vid)
+
+    def _hand_over_last_copies(self, v: Version) -> None:
+        """Give ``chunk_keeper`` the chunks of ``v`` that no other local file holds and that
+        it wants, before ``v``'s data goes."""
+        keeper = self.chunk_keeper
+        if keeper is None or not v.sealed:
+            return
+        for i, d in enumerate(v.chunks):
+            if i in v.missing or self._chunk_locations.get(d, (None,))[0] != v.vid:
+                continue
+            if any(a[0] != v.vid for a in self._chunk_alts.get(d, ())):
+                continue  # another local file holds it too
+            try:
+                if not keeper.wants(d):
+                    continue
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                keeper.keep(d, os.pread(self._fd(v), length, off))  # keep() verifies it
+            except Exception as exc:  # the keeper's problem must not stop a delete
+                log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
 
     def _note_chunk(self, digest: str, vid: int, idx: int) -> None:
         """Chunk ``digest`` is in RAM as chunk ``idx`` of version ``vid``."""
@@ -441,13 +465,16 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 alts.discard(a)
         loc = self._chunk_locations.get(digest)
         if loc is not None and loc[0] == vid:
-            del self._chunk_locations[digest]
+            # Replaced in one step, never deleted first: other threads (the replica
+            # store's has_chunk) read this index without a lock.
             while alts:
                 a = alts.pop()
                 other = self.versions.get(a[0])
                 if other is not None and a[1] not in other.missing:
                     self._chunk_locations[digest] = a
                     break
+            else:
+                del self._chunk_locations[digest]
         if alts is not None and not alts:
             del self._chunk_alts[digest]
 

@@ -22,6 +22,7 @@ tiers replicate and back it up as for any checkpoint.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 import uuid
@@ -58,6 +59,9 @@ YAML_TWIN_WAIT_S = 5.0
 #: Largest replicator.errors / replicator.failed kept, bytes (Orbax reads them only at
 #: start-up, MaxText before each save; between, the oldest lines go).
 MAX_REPORT_BYTES = 64 * 1024
+#: Times the agreed step is asked of the peers and the backup tier before the restore fails
+#: (one second apart).
+FETCH_TRIES = 10
 #: Seconds between two votes while the coordinator waits for the other ranks.
 VOTE_EVERY_S = 0.1
 
@@ -408,12 +412,21 @@ class MtcReplicator:
         if step.step not in self.fs.steps:
             if self.fetch_step is None:
                 raise RestoreFailed(f"step {step.step} is not here and no tier can give it")
-            try:
-                got = await self.fetch_step(step.step_number)
-            except FsError as exc:
-                why = exc.strerror or str(exc)
-                raise RestoreFailed(why if why.startswith("step ") else
-                                    f"step {step.step}: {why}") from None
+            tries = 0
+            while True:
+                try:
+                    got = await self.fetch_step(step.step_number)
+                    break
+                except FsError as exc:
+                    why = exc.strerror or str(exc)
+                    tries += 1
+                    # The step was restorable when this rank voted: a holder that does not
+                    # answer now, or is busy with its own restore, is asked again.
+                    if exc.errno != errno.ENOENT or tries >= FETCH_TRIES:
+                        raise RestoreFailed(why if why.startswith("step ") else
+                                            f"step {step.step}: {why}") from None
+                    log.info("restore of %s: %s; asking again", step.step, why)
+                    await trio.sleep(1.0)
             source = str((got or {}).get("source") or where)
             if step.step not in self.fs.steps:
                 raise RestoreFailed(f"step {step.step} could not be imported")

@@ -132,6 +132,7 @@ class ReplicaStore:
         self._counters = Counters((
             "chunks_stored", "bytes_stored", "chunks_already_present", "chunks_mismatched",
             "chunks_read", "bytes_read", "corrupt_deleted", "corrupt_local", "manifests_stored",
+            "chunks_adopted",
             "manifests_deleted", "chunks_deleted", "full_refusals",
         ))
         for sub in ("manifests", "tmp"):
@@ -286,6 +287,21 @@ class ReplicaStore:
                 if not out[i]:
                     out[i] = bool(self._local.has_chunk(h))
         return out
+
+    def wants(self, h: str) -> bool:
+        """Whether a held manifest references chunk ``h`` that this store does not hold
+        itself (it counted on the node's own copy, which is about to go)."""
+        with self._lock:
+            return h in self._refs and h not in self._chunks
+
+    def keep(self, h: str, data: bytes | memoryview) -> None:
+        """Store chunk ``h`` handed over by the node's own tier (see :meth:`wants`).
+
+        Raises:
+            ChunkMismatch, ReplicaFull, OSError: as :meth:`put_chunk`.
+        """
+        if self.put_chunk(h, data):
+            self._counters.add("chunks_adopted")
 
     def put_chunk(self, h: str, data: bytes | memoryview) -> bool:
         """Verify and store one chunk.

@@ -105,6 +105,7 @@ class PeerTier(MembershipRounds, Replication):
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
                                           capacity=lambda: fs.capacity - fs.used)
         fs.shared_used = lambda: self.replica_store.used_estimate
+        fs.chunk_keeper = self.replica_store  # replicas that count on this node's own copies
         self.server: PeerServer | None = None
         self.clients: dict[str, PeerClient] = {}
         self.links: dict[int, PeerLink] = {}
