@@ -288,7 +288,7 @@ class MtcReplicator:
     # ------------------------------------------------------------------ restore
 
     async def restore(self, cfg: ReplicatorConfig) -> dict[str, Any]:
-        """Agree on the step, bring it into RAM, clean the directory, place the marker.
+        """Agree on the step, clean the directory, bring the step into RAM, place the marker.
 
         Raises:
             RestoreFailed: no tier can give this rank the agreed step.
