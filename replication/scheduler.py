@@ -242,7 +242,7 @@ class BackupService:
             rec.backing_up = False
             self.status.uploading = None
         self.fs.mark_backed_up(rec.name, pinned)
-        self._last_number = max(rec.number, self._last_number or 0)
+        self._last_number = rec.number  # the newest step: the interval counts from here
         self.fs.unpin(pinned)
         st = self.status
         st.last_step, st.last_finished = rec.name, time.time()
