@@ -190,3 +190,20 @@ def test_a_chunk_in_two_files_stays_local_when_one_goes(tmp_path):
         fs.forget([(b, 1)])
         assert not any(fs.has_local_chunk(d) for d in digests)
     run(body, tmp_path)
+
+
+def test_a_sealed_marker_whose_commit_was_lost_commits_at_start(tmp_path):
+    """A crash between the seal of DCP's .metadata and the step's commit record (two
+    transactions): at the next start the step is committed, not left incomplete."""
+    async def write(fs):
+        d = await fs.mkdir(ROOT_INO, b"step_10", 0o755, 0, 0)
+        await write_file(fs, d.ino, b"__0_0.distcp", b"x" * 1000)
+        meta = await write_file(fs, d.ino, b".metadata", b"m" * 100)
+        await sealed(fs, meta)
+        assert "step_10" in fs.steps
+        fs.db.execute("DELETE FROM steps WHERE name='step_10'")  # the lost commit
+
+    async def check(fs):
+        assert "step_10" in fs.steps and fs.steps["step_10"].source == ".metadata"
+    run(write, tmp_path)
+    run(check, tmp_path)

@@ -72,6 +72,21 @@ class CheckpointOps:
         if d is not None and d.parent == ROOT_INO:
             self._commit_step(d, stepnames.COMMIT_FILES[f.name])
 
+    def _commit_sealed_markers(self) -> None:
+        """Commit the steps whose marker file is sealed but whose commit was never recorded:
+        a crash between the seal's transaction and the commit's."""
+        root = self.inodes[ROOT_INO]
+        for name, num in list(root.children.items()):  # type: ignore[union-attr]
+            d = self.inodes.get(num)
+            if d is None or not d.is_dir or stepnames.step_number(name) is None or \
+                    name.decode(errors="surrogateescape") in self.steps:
+                continue
+            for marker in stepnames.COMMIT_FILES:
+                f = self.inodes.get(d.children.get(marker, 0))  # type: ignore[union-attr]
+                if f is not None and f.is_file:
+                    with self.db.transaction():
+                        self._maybe_commit_by_file(f)
+
     def _step_changed(self, ino: Inode) -> None:
         """A file in a committed step changed: its backup copy no longer matches."""
         rec = self.step_of(ino)

@@ -203,6 +203,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         for v in self._unsealed_at_load:
             nursery.start_soon(self._seal, v)
         self._unsealed_at_load.clear()
+        if self.ns_log is None:
+            self._commit_sealed_markers()
 
     def close(self) -> None:
         """Close data file descriptors (the store itself is closed by its owner)."""
