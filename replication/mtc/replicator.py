@@ -150,13 +150,6 @@ class MtcReplicator:
             data = data[data.find(b"\n") + 1:]
         await self.fs.write_own_file(name, data)
 
-    async def report_error(self, message: str) -> None:
-        """Append ``message`` to ``replicator.errors`` (Orbax logs it and carries on)."""
-        try:
-            await self._append(ERRORS, [message])
-        except FsError as exc:
-            log.warning("cannot write %s: %s", ERRORS.decode(), exc)
-
     async def report_failure(self, message: str) -> None:
         """Write ``message`` to ``replicator.failed`` (Orbax raises RuntimeError with it)."""
         self.last_error = message
@@ -189,9 +182,10 @@ class MtcReplicator:
             return
         new = self.fs.errors[-min(total - self._errors_seen, len(self.fs.errors)):]
         self._errors_seen = total
-        await self.report_error_lines([f"mtcfs rank {self.rank}: {e}" for e in new])
+        await self.report_errors([f"mtcfs rank {self.rank}: {e}" for e in new])
 
-    async def report_error_lines(self, lines: list[str]) -> None:
+    async def report_errors(self, lines: list[str]) -> None:
+        """Append ``lines`` to ``replicator.errors`` (Orbax logs them and carries on)."""
         try:
             await self._append(ERRORS, lines)
         except FsError as exc:
@@ -219,7 +213,7 @@ class MtcReplicator:
             self.state = "failed"
             return
         if cfg.warnings:
-            await self.report_error_lines(list(cfg.warnings))
+            await self.report_errors(list(cfg.warnings))
         self.adopt(cfg)
         # Markers of an earlier round that no trainer took are withdrawn before the
         # acknowledgement (Orbax looks for markers only once the yaml is gone): the new

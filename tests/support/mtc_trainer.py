@@ -77,6 +77,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .orbax_ranks import _flat, _kill, _nest, _tail  # shared with the plain multi-host worker
+
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_DEVICES = 2
 SEED = 1234
@@ -117,33 +119,6 @@ def worker_env(num_processes: int) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     })
     return env
-
-
-def _tail(path: Path, n: int = 6000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    """Stack dump (SIGUSR1) of every trainer still running, then SIGKILL its process group."""
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        try:
-            p.send_signal(signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    if alive:
-        time.sleep(0.5)
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float) -> str | None:
@@ -342,24 +317,6 @@ def expected(name: str, shape: tuple[int, ...], dtype: str, step: int, seed: int
         return rng.integers(-2**31, 2**31 - 1, size=shape, dtype=np.int32)
     values = rng.standard_normal(size=shape, dtype=np.float32)
     return values.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else values
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        *parents, last = path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf
-    return tree
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def global_mesh(num_slices: int):

@@ -88,7 +88,10 @@ def _kill(procs: list[subprocess.Popen]) -> None:
     then SIGKILL its process group and reap it."""
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
-        p.send_signal(signal.SIGUSR1)
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
     if alive:
         time.sleep(0.5)
     for p in procs:
