@@ -41,6 +41,7 @@ from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 from replication.peer.limits import (
     KEEPALIVE_CLIENT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES,
+    RECONNECT_CLIENT,
 )
 from replication.peer.records import (
     HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
@@ -104,6 +105,7 @@ class PeerClient:
             # progress by keepalive (measured: 60 s for a SIGSTOPped server) instead of
             # holding it to the 600 s stream timeout, retries included.
             *KEEPALIVE_CLIENT,
+            *RECONNECT_CLIENT,
         ])
         self._stub = pb_grpc.PeerStub(self._channel)
         self._counters = Counters((
