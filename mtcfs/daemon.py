@@ -143,7 +143,8 @@ class Daemon:
             from replication.jobns.log import JobNamespace
             from replication.jobns.service import Transport
             from replication.jobns.sources import JobChunkSource
-            self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer))
+            quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
+            self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)
             return JobChunkSource(self.fs, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(), peer.client,
                                peer.report_bad)

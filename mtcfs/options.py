@@ -37,6 +37,8 @@ _LIST_SEP_RE = re.compile(r"[;+]")
 #: Where the Peer service listens when ``nodes`` > 1 and neither listen= nor peers= says.
 DEFAULT_PEER_LISTEN = "0.0.0.0:7470"
 PLACEMENTS = ("ring", "group")
+#: scope=job: what acknowledges a namespace change (``ns_quorum=``).
+NS_QUORUMS = ("majority", "live")
 
 
 def parse_size(text: str) -> int:
@@ -170,6 +172,11 @@ class MountOptions:
     huge_model: bool = False
     #: "node": the mount shows this rank's files; "job": every rank's (docs/consistency.md).
     scope: str = "node"
+    #: scope=job: what acknowledges a namespace change (docs/consistency.md). "majority":
+    #: more than half of ``nodes`` applied it (a cut-off minority stops instead of going on
+    #: alone); "live": every live member. After parsing: "majority" when nodes >= 3, else
+    #: "live", unless given; None with scope=node.
+    ns_quorum: str | None = None
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
     mtc: bool = False
     #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
@@ -315,6 +322,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if value not in ("node", "job"):
                         raise ValueError("expected node or job")
                     o.scope = value
+                elif name == "ns_quorum" and value:
+                    if value not in NS_QUORUMS:
+                        raise ValueError(f"expected {' or '.join(NS_QUORUMS)}")
+                    o.ns_quorum = value
                 else:
                     raise OptionError(f"unknown option {item!r}" if name not in _KNOWN
                                       else f"bad option {item!r}: "
@@ -402,6 +413,10 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     if o.scope == "job" and dp is not None and dp > 1:
         raise bad("scope", "assume_data_parallelism is for scope=node: in one job-wide "
                            "namespace identical files are one file")
+    if o.ns_quorum is not None and o.scope != "job":
+        raise bad("ns_quorum", "orders the job-wide namespace: it needs scope=job")
+    if o.scope == "job" and o.ns_quorum is None:
+        o.ns_quorum = "majority" if o.nodes >= 3 else "live"
     if o.mtc and o.scope != "node":
         raise OptionError("option mtc needs scope=node: Orbax's multi-tier checkpointing "
                           "keeps each node's data in its own directory")
@@ -419,4 +434,4 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "assume_data_parallelism", "huge_model", "scope", "mtc", "jax_coordinator"}
+          "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator"}

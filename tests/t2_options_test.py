@@ -223,6 +223,12 @@ def test_scope_job_options():
     o = parse(f"rank=1,nodes=3,peers={PEERS3},scope=job")
     assert o.scope == "job"
     assert parse("").scope == "node"
+    # what acknowledges a namespace change: a majority from 3 nodes, every live node below
+    assert o.ns_quorum == "majority"
+    assert parse("rank=1,nodes=2,peers=a:1,b:1,scope=job").ns_quorum == "live"
+    assert parse(f"rank=1,nodes=3,peers={PEERS3},scope=job,ns_quorum=live").ns_quorum == "live"
+    assert parse("nodes=2,coordinator=h:1,scope=job,ns_quorum=majority").ns_quorum == "majority"
+    assert parse("").ns_quorum is None
 
 
 @pytest.mark.parametrize("opts,words", [
@@ -230,6 +236,9 @@ def test_scope_job_options():
     ("scope=job", ["scope=job", "nodes >= 2"]),
     ("nodes=4,coordinator=h:1,scope=job,assume_data_parallelism=2", ["scope=job",
                                                                       "assume_data_parallelism"]),
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job,ns_quorum=all", ["ns_quorum=all",
+                                                                 "majority or live"]),
+    ("nodes=3,coordinator=h:1,ns_quorum=majority", ["ns_quorum=majority", "scope=job"]),
 ])
 def test_scope_option_errors_name_the_option(opts, words):
     with pytest.raises(OptionError) as ei:

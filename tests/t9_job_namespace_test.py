@@ -298,3 +298,52 @@ def test_a_child_closing_an_inherited_descriptor_publishes_nothing(make_cluster)
         assert path1.read_bytes() == b""  # not closed by the writer yet: the empty new file
         f.write(b"b" * 1_000_000)
     assert path1.read_bytes() == b"a" * 1_000_000 + b"b" * 1_000_000
+
+
+def _wait(what, fn, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not fn():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
+    """ns_quorum=majority (the default from 3 nodes): the leader is cut off from both other
+    nodes. Its own node's mkdir does not return while it is cut off (alone it would be
+    acknowledged and then lost when the partition heals); the majority elects a new leader
+    and goes on. Healed, every change that returned is on every node, the cut-off node's
+    mkdir included."""
+    c = make_cluster(3, options=JOB)
+    assert c.status(0)["namespace"]["leading"] is True
+    assert c.status(0)["namespace"]["quorum"] == 2
+    c.node(1).path("before").mkdir()
+    c.partition([0], [1, 2])
+    done: list[object] = []
+
+    def mkdir_on_0():
+        try:
+            c.node(0).path("cut_off").mkdir()
+            done.append("ok")
+        except OSError as exc:
+            done.append(exc)
+    t = threading.Thread(target=mkdir_on_0)
+    t.start()
+    try:
+        _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
+        c.node(2).path("majority_side").mkdir()  # acknowledged by the majority
+        assert sorted(os.listdir(c.node(1).path())) == ["before", "majority_side"]
+        _wait("rank 0 gives up leading",
+              lambda: not c.status(0)["namespace"]["leading"], timeout=30)
+        assert c.status(0)["namespace"]["no_quorum_s"] is not None
+        assert t.is_alive() and not done, f"acknowledged without a quorum: {done}"
+    finally:
+        c.partition()
+    t.join(90)
+    assert done == ["ok"], done  # the mkdir went through once the partition healed
+    want = ["before", "cut_off", "majority_side"]
+    for r in range(3):
+        assert sorted(os.listdir(c.node(r).path())) == want, r
+    assert not any(c.status(r)["namespace"]["diverged"] for r in range(3))
+    human = c.node(0).cli("status", str(c.node(0).mnt)).stdout
+    assert "quorum 2 of 3" in human

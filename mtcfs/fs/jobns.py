@@ -26,6 +26,7 @@ rename      parent, name, new_parent, new_name, flags
 setattr     ino, mode, uid, gid, atime_ns, mtime_ns (None: unchanged)
 publish     ino, vid (at the origin), size, chunk_size, chunks, blake3, mtime_ns,
             data (base64, files up to INLINE_BYTES)
+noop        (none: a new leader's first op under a quorum; changes nothing)
 ==========  ==================================================================
 """
 
@@ -153,6 +154,9 @@ class JobNamespaceOps:
 
     def _origin(self, op: dict[str, Any]) -> int:
         return -1 if op["rank"] == self.rank else op["rank"]
+
+    def _apply_noop(self, op: dict[str, Any], keep: list[Version]) -> None:
+        return None
 
     def _apply_mkdir(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op["parent"])

@@ -54,7 +54,10 @@ class NamespaceOps:
             self._maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
-        if self.ns_log is not None:
+        # The root's attributes come from this node's copy without a lease: the kernel asks
+        # for them before it reads the root's user.mtcfs.control, and `mtcfs status` must
+        # work on a node cut off from the job's namespace (to say so).
+        if self.ns_log is not None and ino != ROOT_INO:
             await self.ns_log.fresh()
         return self.attr(self._inode(ino))
 

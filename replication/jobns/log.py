@@ -18,6 +18,15 @@ Primary-backup replication with leases, as in Chubby (Burrows, OSDI 2006) and GF
 * A new leader (the old one died) asks every member for its position and first takes the
   ops it lacks from the member furthest ahead: members' logs are prefixes of the old
   leader's log, and every acknowledged op is on every live member. It starts a new epoch.
+* With a *quorum* (``ns_quorum=majority``, the default from 3 nodes) an op is acknowledged
+  only once more than half of the job's nodes hold it, a node takes over only when more
+  than half answer its claim, and the leader serves reads only while more than half heard
+  from it within ``LEASE_S``. A node cut off in a minority then stops (calls wait, then
+  EIO) instead of acknowledging changes the majority never sees; the first op of a new
+  leader is a no-op of its own epoch, so nothing of an older epoch counts as acknowledged
+  before one of its own reached a majority (Raft's commitment rule, Ongaro and Ousterhout,
+  USENIX ATC 2014, section 5.4.2). Without a quorum (``live``) the only failures handled
+  are crashes: a leader cut off from every member goes on alone after their leases end.
 * A node that starts with no usable state installs a snapshot of the namespace.
 
 Op bodies are JSON (mtcfs/fs/jobns.py lists the kinds). Every op carries its origin rank
@@ -80,13 +89,19 @@ class JobNamespace:
         fs: the filesystem core.
         tier: the peer tier (membership, coordinator, addresses).
         transport: calls to other nodes' JobNamespace service (:mod:`.transport`).
+        quorum: nodes (this one included) that must hold an op before it is acknowledged
+            and answer a takeover: ``nodes // 2 + 1`` for ``ns_quorum=majority``, 1 for
+            ``live`` (every live member is still sent every op and waited for).
     """
 
-    def __init__(self, fs: Any, tier: Any, transport: Any) -> None:
+    def __init__(self, fs: Any, tier: Any, transport: Any, quorum: int = 1) -> None:
         self.fs = fs
         self.tier = tier
         self.rank = tier.rank
         self.transport = transport
+        if not 1 <= quorum <= tier.cfg.nodes:
+            raise ValueError(f"quorum {quorum} is outside 1..{tier.cfg.nodes}")
+        self.quorum = quorum
         self.epoch, self.seq = fs.ns_position()
         self.promised = self.epoch  # no Apply of an older epoch is taken after a takeover
         self.term = self.epoch      # leader: the epoch of the ops it orders
@@ -106,6 +121,10 @@ class JobNamespace:
         self._pos: dict[int, int] = {}          # leader: member -> last seq it acknowledged
         self._out: set[int] = set()            # leader: members not in the broadcast
         self._granted: dict[int, float] = {}   # leader: member -> when its lease was granted
+        self._heard: dict[int, float] = {}     # leader: member -> when it last followed us
+        self._held: dict[int, int] = {}        # leader: member -> last seq it said it holds
+        self._ping = False                     # leader: broadcast even with no new op
+        self._no_quorum_since: float | None = None
         self._renew_lock = trio.Lock()
         self._deposed_at = -1e9
         self._sequencing = False
@@ -150,16 +169,43 @@ class JobNamespace:
             delay = min(delay * 2, 1.0)
 
     async def fresh(self) -> None:
-        """Return once this node's copy may serve a read (lease held, or renewed now)."""
-        if self.leading or time.monotonic() < self.lease_until:
+        """Return once this node's copy may serve a read: a member holds a lease (or renews
+        it now), a leader with a quorum has heard from enough members.
+
+        Raises:
+            FsError: EIO when that did not happen within SUBMIT_DEADLINE_S.
+        """
+        if self._may_serve():
             return
         deadline = time.monotonic() + SUBMIT_DEADLINE_S
-        while not (self.leading or time.monotonic() < self.lease_until):
-            if await self._renew():
+        while not self._may_serve():
+            if self.leading:
+                self._want_ping()
+            elif await self._renew():
                 return
             if time.monotonic() > deadline:
                 raise FsError(errno.EIO, "the job's namespace service did not answer")
             await trio.sleep(0.1)
+
+    def _may_serve(self) -> bool:
+        now = time.monotonic()
+        return now < (self._quorum_until() if self.leading else self.lease_until)
+
+    def _quorum_until(self) -> float:
+        """Leader: until when more than enough members followed it (quorum - 1 of them
+        within LEASE_S, this node being the last one); infinite without a quorum."""
+        if self.quorum <= 1:
+            return float("inf")
+        heard = sorted((self._heard.get(r, -1e18) for r in self._members()), reverse=True)
+        return heard[self.quorum - 2] + LEASE_S
+
+    def _holders(self) -> int:
+        """Leader: how many nodes (this one included) said they hold ops up to ``self.seq``."""
+        return 1 + sum(1 for r in self._members() if self._held.get(r, -1) >= self.seq)
+
+    def _want_ping(self) -> None:
+        self._ping = True
+        self._kick.set()
 
     async def _wait_applied(self, seq: int) -> None:
         deadline = time.monotonic() + SUBMIT_DEADLINE_S
@@ -284,7 +330,7 @@ class JobNamespace:
         self._sequencing = True
         try:
             while self.leading:
-                if not self._queue:
+                if not self._queue and not self._ping:
                     await self._kick.wait()
                     self._kick = trio.Event()
                     continue
@@ -294,12 +340,14 @@ class JobNamespace:
 
     async def _commit_batch(self) -> None:
         batch, self._queue = self._queue, []
-        sent = False
+        sent, self._ping = self._ping, False
         keep: list[Any] = []
         for p in batch:
             done = self.results.get((p.op["rank"], p.op["id"]))
             if done is not None:
+                # applied already (a retry): answered once a quorum holds it, like any op
                 p.reply = (0, "", done[0], done[1])
+                sent = True
                 continue
             body = json.dumps(p.op, separators=(",", ":")).encode()
             seq = self.seq + 1
@@ -310,6 +358,11 @@ class JobNamespace:
                 keep.extend(k)
         if sent:
             await self._broadcast()
+            held = self._holders()
+            if self.leading and held < self.quorum:
+                self._no_quorum(held)
+                self._step_down(f"{held} of {self.tier.cfg.nodes} nodes hold op {self.seq}, "
+                                f"{self.quorum} needed")
         if not self.leading:
             # Deposed while sending: these ops may not be in the job's log. Their
             # submitters ask the new leader (which answers from its record an op it took
@@ -337,6 +390,7 @@ class JobNamespace:
             if prev is None:
                 self._out.add(r)  # too far behind for the tail: it must catch up itself
                 return
+            sent = time.monotonic()
             try:
                 res = await trio.to_thread.run_sync(
                     self.transport.apply, r, self.term, (start, prev), self._after(start),
@@ -351,7 +405,10 @@ class JobNamespace:
                     self._step_down(f"rank {r} knows epoch {res['promised']}")
                 return
             self._granted[r] = time.monotonic()
+            self._heard[r] = sent
             self._pos[r] = res["seq"]
+            if not res["mismatch"]:
+                self._held[r] = res["seq"]
             if res["mismatch"] or res["seq"] < self.seq:
                 self._out.add(r)
                 self._pos.pop(r, None)
@@ -386,7 +443,9 @@ class JobNamespace:
             applied_seq == self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)) and \
             sum(len(t[2]) for t in tail) <= TAIL_BYTES
         if self.leading:
-            self._granted[rank] = time.monotonic()
+            self._granted[rank] = self._heard[rank] = time.monotonic()
+            if not mismatch and applied_seq <= self.seq:
+                self._held[rank] = applied_seq
             if complete:
                 self._out.discard(rank)
                 self._pos[rank] = self.seq
@@ -453,6 +512,7 @@ class JobNamespace:
             if self.seq < st["seq"]:
                 return False
             self.lease_until = sent + LEASE_S
+            self._no_quorum_since = None
             return True
 
     async def _poll(self, claim: int) -> list[tuple[int, dict[str, Any]]]:
@@ -486,28 +546,52 @@ class JobNamespace:
     async def _take_over(self) -> None:
         """Become the leader: claim an epoch above any member's (a leader still running
         steps down when it sees the claim), adopt the most up-to-date log, then order."""
-        top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in await self._poll(0)])
+        first = await self._poll(0)
+        if len(first) + 1 < self.quorum:
+            self._no_quorum(len(first) + 1)
+            return  # a minority must not lead: run() tries again
+        top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in first])
         self.term = self.promised = top + 1
         polled = await self._adopt_best_log(self.term)
         if polled is None:
             return  # not leading: run() tries again
+        if len(polled) + 1 < self.quorum:
+            self._no_quorum(len(polled) + 1)
+            return
         self.resync = False
         self._pos.clear()
         self._out.clear()
+        self._held.clear()
         for r, st in polled:  # members whose log agrees with ours stay in the broadcast
             if st["seq"] <= self.seq and self._epoch_at(st["seq"]) == st["last_epoch"]:
-                self._pos[r] = st["seq"]
+                self._pos[r] = self._held[r] = st["seq"]
         now = time.monotonic()
         for r in self._members():  # leases the old leader granted may still run
             self._granted[r] = now
             if r not in self._pos:
                 self._out.add(r)
+        # the members that answered the claim follow this node from now on
+        self._heard = {r: now for r, _st in polled}
+        self._no_quorum_since = None
+        if self.quorum > 1:
+            # Raft's commitment rule: ops of older epochs this node adopted count as
+            # acknowledged once an op of its own epoch, ordered after them, reached a quorum.
+            self._queue.insert(0, _Pending({"op": "noop", "rank": self.rank,
+                                            "id": f"{self._boot}.{next(self._ids)}"}))
         self.leading = True
         self.counters["takeovers"] += 1
         log.info("rank %d leads the job namespace from seq %d (epoch %d)", self.rank,
                  self.seq, self.term)
         if not self._sequencing:
             self._nursery.start_soon(self._sequencer)
+
+    def _no_quorum(self, reached: int) -> None:
+        """Log once per episode that this node cannot lead for want of a quorum."""
+        if self._no_quorum_since is None:
+            self._no_quorum_since = time.monotonic()
+            log.warning("namespace: %d of %d nodes reachable, %d needed (ns_quorum=majority):"
+                        " calls on this node wait until more come back", reached,
+                        self.tier.cfg.nodes, self.quorum)
 
     # ------------------------------------------------------------------ start and run
 
@@ -563,6 +647,16 @@ class JobNamespace:
                         await self._take_over()
                 elif coord != self.rank and self.leading:
                     self._step_down(f"rank {coord} coordinates the job")
+                elif self.leading and self.quorum > 1:
+                    left = self._quorum_until() - time.monotonic()
+                    if left < -LEASE_S:
+                        self._no_quorum(1 + sum(
+                            1 for r in self._members()
+                            if self._heard.get(r, -1e18) > time.monotonic() - LEASE_S))
+                        self._step_down("no quorum of nodes followed it for "
+                                        f"{LEASE_S - left:.0f} s")
+                    elif left < LEASE_S / 2:
+                        self._want_ping()  # an idle leader keeps its quorum's attention
                 elif not self.leading:
                     await self._renew()
                 await trio.sleep(LEASE_S / 4)
@@ -571,6 +665,9 @@ class JobNamespace:
         """The namespace's part of ``mtcfs status``: leader, position, lease, counters."""
         lease = max(0.0, self.lease_until - time.monotonic())
         return {"leader": self.tier.coordinator, "leading": self.leading, "seq": self.seq,
+                "quorum": self.quorum, "nodes": self.tier.cfg.nodes,
+                "no_quorum_s": (None if self._no_quorum_since is None or self.leading else
+                                round(time.monotonic() - self._no_quorum_since, 1)),
                 "epoch": self.term if self.leading else self.epoch, "lease_s": round(lease, 2),
                 "out_of_broadcast": sorted(self._out), "diverged": self.diverged,
                 **dict(self.counters)}

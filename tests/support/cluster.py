@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Self
 
+from mtcfs import control
+
 from .mount import Mount, force_unmount
 
 _REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
@@ -225,6 +227,23 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+    def partition(self, *groups: Iterable[int]) -> None:
+        """Cut the network between ``groups`` of ranks, as a failed switch would: each rank
+        of a group refuses calls from, and makes none to, the ranks of the other groups (the
+        daemon's ``fault`` control hook). ``partition()`` heals every cut."""
+        sets = [set(self._ranks(g)) for g in groups]
+        cut: dict[int, list[int]] = {}
+        for g in sets:
+            for r in g:
+                cut[r] = sorted(set().union(*(h for h in sets if h is not g)))
+        if not sets:  # heal every running rank
+            cut = {r: [] for r in range(self.nodes) if self.node(r).pid is not None}
+        for r, others in sorted(cut.items()):
+            sock = str(self.node(r).store / "control.sock")
+            got = control.call(sock, "fault", timeout=10, partition=others)
+            if got != {"partitioned": others}:
+                raise RuntimeError(f"rank {r} did not take the partition: {got}")
 
     # -- observing --------------------------------------------------------------------------
 
