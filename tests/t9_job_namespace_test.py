@@ -315,7 +315,7 @@ def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
     and goes on. Healed, every change that returned is on every node, the cut-off node's
     mkdir included."""
     c = make_cluster(3, options=JOB)
-    assert c.status(0)["namespace"]["leading"] is True
+    _wait("rank 0 leads", lambda: c.status(0)["namespace"]["leading"])
     assert c.status(0)["namespace"]["quorum"] == 2
     c.node(1).path("before").mkdir()
     c.partition([0], [1, 2])
@@ -347,3 +347,38 @@ def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
     assert not any(c.status(r)["namespace"]["diverged"] for r in range(3))
     human = c.node(0).cli("status", str(c.node(0).mnt)).stdout
     assert "quorum 2 of 3" in human
+
+
+def test_a_file_being_written_survives_its_node_installing_a_snapshot(make_cluster):
+    """The leader, cut off in a minority while one of its files is open for writing, applies
+    a change nobody else takes; healed, it installs the job's namespace (a snapshot). The
+    open file must stay this node's: the rest of the write and its close reach every node."""
+    c = make_cluster(3, options=JOB)
+    _wait("rank 0 leads", lambda: c.status(0)["namespace"]["leading"])
+    c.node(0).path("w.bin").write_bytes(b"")
+    done: list[object] = []
+
+    def mkdir_on_0():
+        try:
+            c.node(0).path("cut_off").mkdir()
+            done.append("ok")
+        except OSError as exc:
+            done.append(exc)
+    with open(c.node(0).path("w.bin"), "r+b") as f:
+        f.write(b"a" * 1_000_000)
+        f.flush()
+        c.partition([0], [1, 2])
+        t = threading.Thread(target=mkdir_on_0)
+        t.start()
+        try:
+            _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
+            c.node(1).path("majority_side").mkdir()
+        finally:
+            c.partition()
+        t.join(90)
+        assert done == ["ok"], done
+        assert c.status(0)["namespace"].get("snapshots_installed", 0) >= 1
+        f.write(b"b" * 1_000_000)
+    for r in range(3):
+        assert sorted(os.listdir(c.node(r).path())) == ["cut_off", "majority_side", "w.bin"]
+        assert c.node(r).path("w.bin").read_bytes() == b"a" * 1_000_000 + b"b" * 1_000_000, r

@@ -344,12 +344,22 @@ class JobNamespaceOps:
         """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
 
         This node's own files come back as versions with every chunk missing, faulted in
-        from its replicas (or the backup tier) like any other rank's.
+        from its replicas (or the backup tier) like any other rank's. A file this node is
+        writing (open for writing, or closed and not yet published) stays this node's
+        current version when the snapshot still has the file under the same name: its
+        writer's close publishes it as if nothing happened.
         """
+        writing: dict[int, tuple[Version, int, bytes]] = {}
+        for v in self.versions.values():
+            ino = self.inodes.get(v.ino)
+            if v.origin < 0 and v.current and ino is not None and ino.vid == v.vid and (
+                    v.writers or not v.sealed or v.sealing is not None):
+                writing[v.ino] = (v, ino.parent, ino.name)
+        busy = {w[0].vid for w in writing.values()}
         # Complete local copies of content the snapshot names are kept (a node that rejoins
         # with its store keeps its own files, replicated or not).
         have = {(v.chunks, v.size): v for v in self.versions.values()
-                if v.sealed and not v.missing and v.chunks}
+                if v.sealed and not v.missing and v.chunks and v.vid not in busy}
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
@@ -380,7 +390,18 @@ class JobNamespaceOps:
                 if kind == "dir":
                     parent.nlink += 1
                 ver = e.get("version")
-                if ver is not None:
+                mine = writing.get(ino.ino)
+                if kind == "file" and mine is not None and \
+                        mine[1:] == (e["parent"], _name(e["name"])):
+                    v = mine[0]  # being written here: it stays, and its close publishes it
+                    self.versions[v.vid] = v
+                    self.used += v.local_bytes()
+                    self._write_version(v)
+                    if v.sealed:
+                        self._index_chunks(v)
+                    ino.vid = v.vid
+                    ino.published = dict(ver) if ver is not None else None
+                elif ver is not None:
                     v = self._remote_version(ino, dict(ver))
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)

@@ -77,10 +77,19 @@ class NamespaceOps:
                       "gid": gid if gid is not None and gid != ino.gid else None,
                       "mtime_ns": mtime_ns if mtime_ns is not None and mtime_ns != ino.mtime_ns
                       else None, "atime_ns": None}
+            cur = self.versions.get(ino.vid) if ino.vid is not None else None
+            writing = cur is not None and cur.origin < 0 and not cur.sealed and cur.writers > 0
+            if writing:
+                # Being written here: other nodes see its last published content until the
+                # writer's close, whose publish op carries the mtime (the kernel's writeback
+                # cache flushes times with a SETATTR at every close, a child's included).
+                change["mtime_ns"] = None
             if (ino.nlink > 0 or ino.ino == ROOT_INO) and any(v is not None
                                                                for v in change.values()):
                 await self.ns_log.submit({"op": "setattr", "ino": ino.ino, **change})
-            mode = uid = gid = mtime_ns = None  # applied job-wide (or unchanged)
+            mode = uid = gid = None  # applied job-wide (or unchanged)
+            if not writing:
+                mtime_ns = None
         if size is not None:
             if not ino.is_file:
                 raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)
