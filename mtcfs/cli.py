@@ -247,9 +247,9 @@ def format_namespace_status(ns: dict[str, Any]) -> str:
            f"{ns.get('epoch', 0)}); lease {ns.get('lease_s', 0)} s")
     if ns.get("quorum", 1) > 1:
         out += f"; quorum {ns['quorum']} of {ns.get('nodes')}"
-    if ns.get("no_quorum_s") is not None:
-        out += (f"; NO QUORUM for {ns['no_quorum_s']} s: namespace calls here wait for more "
-                "nodes")
+    if ns.get("unavailable_s") is not None:
+        out += (f"; UNAVAILABLE for {ns['unavailable_s']} s: no leader with a quorum answers, "
+                "namespace calls here wait")
     if ns.get("out_of_broadcast"):
         out += f"; not answering: ranks {', '.join(map(str, ns['out_of_broadcast']))}"
     if ns.get("diverged"):

@@ -335,7 +335,10 @@ def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
         assert sorted(os.listdir(c.node(1).path())) == ["before", "majority_side"]
         _wait("rank 0 gives up leading",
               lambda: not c.status(0)["namespace"]["leading"], timeout=30)
-        assert c.status(0)["namespace"]["no_quorum_s"] is not None
+        _wait("rank 0 says it cannot serve",
+              lambda: c.status(0)["namespace"]["unavailable_s"] is not None, timeout=30)
+        human = c.node(0).cli("status", str(c.node(0).mnt)).stdout
+        assert "UNAVAILABLE for" in human
         assert t.is_alive() and not done, f"acknowledged without a quorum: {done}"
     finally:
         c.partition()
@@ -382,3 +385,45 @@ def test_a_file_being_written_survives_its_node_installing_a_snapshot(make_clust
     for r in range(3):
         assert sorted(os.listdir(c.node(r).path())) == ["cut_off", "majority_side", "w.bin"]
         assert c.node(r).path("w.bin").read_bytes() == b"a" * 1_000_000 + b"b" * 1_000_000, r
+
+
+def test_a_leader_that_crashed_with_ops_nobody_took_loses_no_acknowledged_change(make_cluster):
+    """The leader orders a batch that reaches no other node (cut off), is killed, and comes
+    back after the others acknowledged a change under a new leader. Its log is longer but
+    older: it must take the job's log, not impose its own (the change made meanwhile would
+    be lost on every node)."""
+    c = make_cluster(3, options=JOB)
+    _wait("rank 0 leads", lambda: c.status(0)["namespace"]["leading"])
+    for i in range(6):
+        c.node(0).path(f"p{i}").mkdir()
+    c.partition([0, 1], [2])  # rank 0's next broadcast waits out rank 2's lease ...
+    res: dict[str, object] = {}
+
+    def mk(i):
+        try:
+            c.node(0).path(f"p{i}", f"d{i}").mkdir()
+            res[f"d{i}"] = "ok"
+        except OSError as exc:
+            res[f"d{i}"] = exc
+    threads = [threading.Thread(target=mk, args=(0,), daemon=True)]
+    threads[0].start()
+    time.sleep(0.2)
+    for i in range(1, 6):  # ... while these queue behind it
+        threads.append(threading.Thread(target=mk, args=(i,), daemon=True))
+        threads[-1].start()
+    time.sleep(0.2)
+    c.partition([0], [1, 2])  # the queued batch reaches nobody
+    _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
+    c.node(1).path("C").mkdir()  # acknowledged by ranks 1 and 2
+    c.kill9(0)
+    c.partition()
+    c.restart(0)
+    _wait("rank 0 leads again", lambda: c.status(0)["namespace"]["leading"])
+    c.node(2).path("after").mkdir()
+    acknowledged = {name for name, r in res.items() if r == "ok"}
+    for r in range(3):
+        top = sorted(os.listdir(c.node(r).path()))
+        assert top == ["C", "after"] + [f"p{i}" for i in range(6)], (r, top)
+        below = {n for i in range(6) for n in os.listdir(c.node(r).path(f"p{i}"))}
+        assert acknowledged <= below, (r, acknowledged, below)
+        assert below == {n for i in range(6) for n in os.listdir(c.node(0).path(f"p{i}"))}

@@ -12,6 +12,8 @@ import os
 import stat
 from collections.abc import Iterable
 
+import trio
+
 from mtcfs.errors import FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -22,6 +24,10 @@ def _text(name: bytes) -> str:
     return name.decode(errors="surrogateescape")
 
 log = logging.getLogger("mtcfs.fs.core")
+
+#: scope=job: seconds the root's getattr waits for the namespace before it answers from
+#: this node's copy (see ``getattr``).
+ROOT_FRESH_S = 1.0
 
 
 class NamespaceOps:
@@ -54,11 +60,16 @@ class NamespaceOps:
             self._maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
-        # The root's attributes come from this node's copy without a lease: the kernel asks
-        # for them before it reads the root's user.mtcfs.control, and `mtcfs status` must
-        # work on a node cut off from the job's namespace (to say so).
-        if self.ns_log is not None and ino != ROOT_INO:
-            await self.ns_log.fresh()
+        if self.ns_log is not None:
+            if ino != ROOT_INO:
+                await self.ns_log.fresh()
+            else:
+                # The root's attributes come from this node's copy when the namespace cannot
+                # answer within a second: the kernel asks for them before it reads the root's
+                # user.mtcfs.control, and `mtcfs status` must work on a node cut off from
+                # the job's namespace (to say so).
+                with trio.move_on_after(ROOT_FRESH_S):
+                    await self.ns_log.fresh()
         return self.attr(self._inode(ino))
 
     async def setattr(self, num: int, *, mode: int | None = None, uid: int | None = None,

@@ -124,7 +124,9 @@ class JobNamespace:
         self._heard: dict[int, float] = {}     # leader: member -> when it last followed us
         self._held: dict[int, int] = {}        # leader: member -> last seq it said it holds
         self._ping = False                     # leader: broadcast even with no new op
-        self._no_quorum_since: float | None = None
+        self._broadcasting = False             # leader: a batch is being sent
+        self._no_quorum_since: float | None = None  # logged once per episode
+        self._unavailable_since: float | None = None  # since when no read may be served
         self._renew_lock = trio.Lock()
         self._deposed_at = -1e9
         self._sequencing = False
@@ -341,6 +343,7 @@ class JobNamespace:
     async def _commit_batch(self) -> None:
         batch, self._queue = self._queue, []
         sent, self._ping = self._ping, False
+        term = self.term
         keep: list[Any] = []
         for p in batch:
             done = self.results.get((p.op["rank"], p.op["id"]))
@@ -357,17 +360,22 @@ class JobNamespace:
                 sent = True
                 keep.extend(k)
         if sent:
-            await self._broadcast()
+            self._broadcasting = True
+            try:
+                await self._broadcast()
+            finally:
+                self._broadcasting = False
             held = self._holders()
-            if self.leading and held < self.quorum:
+            if self.leading and self.term == term and held < self.quorum:
                 self._no_quorum(held)
                 self._step_down(f"{held} of {self.tier.cfg.nodes} nodes hold op {self.seq}, "
                                 f"{self.quorum} needed")
-        if not self.leading:
-            # Deposed while sending: these ops may not be in the job's log. Their
-            # submitters ask the new leader (which answers from its record an op it took
-            # from us), and this node resynchronises from it.
-            self.resync = True
+        if not self.leading or self.term != term:
+            # Deposed while sending (and perhaps leading again since, in a new epoch):
+            # these ops may not be in the job's log. Their submitters ask again (the leader
+            # answers from its record an op it holds), and a deposed node resynchronises.
+            if not self.leading:
+                self.resync = True
             for p in batch:
                 if p.reply[0] == 0:
                     p.reply = (-1, "", 0, {})
@@ -437,13 +445,20 @@ class JobNamespace:
             self.promised = claim
             if self.leading:
                 self._step_down(f"rank {rank} takes over with epoch {claim}")
-        mismatch = applied_seq <= self.seq and self._epoch_at(applied_seq) != last_epoch
+        # The asker's log disagrees with ours where it has our op ``applied_seq`` with another
+        # epoch — or where it is longer but ends in an older epoch than ours: its ops past
+        # our end were ordered by a leader that a newer one replaced, so they are not the
+        # job's (a leader that crashed, or was cut off, after applying ops it never sent).
+        mismatch = (self._epoch_at(applied_seq) != last_epoch if applied_seq <= self.seq
+                    else last_epoch < self.epoch)
         tail = [] if mismatch else self._after(applied_seq)
         complete = not mismatch and applied_seq <= self.seq and (
             applied_seq == self.seq or (bool(tail) and tail[0][0] == applied_seq + 1)) and \
             sum(len(t[2]) for t in tail) <= TAIL_BYTES
         if self.leading:
-            self._granted[rank] = self._heard[rank] = time.monotonic()
+            self._granted[rank] = time.monotonic()
+            if claim <= self.term:  # it follows no newer leader: it counts for our quorum
+                self._heard[rank] = self._granted[rank]
             if not mismatch and applied_seq <= self.seq:
                 self._held[rank] = applied_seq
             if complete:
@@ -484,7 +499,8 @@ class JobNamespace:
     async def _catch_up(self, rank: int, st: dict[str, Any]) -> None:
         """Take what ``rank`` has beyond us: its tail when our logs agree, else (or when it
         no longer holds the tail) its snapshot."""
-        if st["seq"] <= self.seq and not st["mismatch"] and not self.resync:
+        if (st["last_epoch"], st["seq"]) <= (self.epoch, self.seq) and not st["mismatch"] \
+                and not self.resync:
             return
         if st["complete"] and not self.resync:
             await self.apply_batch(max(st["epoch"], self.promised), self.seq, self.epoch,
@@ -502,8 +518,10 @@ class JobNamespace:
                 return False
             sent = time.monotonic()
             try:
-                st = await self._state(leader)
-                if not st["is_coordinator"]:
+                # Our promise goes with the renewal: a leader deposed by a newer epoch (which
+                # it may not know yet, being cut off from the new leader) steps down.
+                st = await self._state(leader, self.promised)
+                if not st["is_coordinator"] or st["epoch"] < self.promised:
                     return False
                 await self._catch_up(leader, st)
             except Exception as exc:
@@ -552,9 +570,12 @@ class JobNamespace:
             return  # a minority must not lead: run() tries again
         top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in first])
         self.term = self.promised = top + 1
-        polled = await self._adopt_best_log(self.term)
+        claimed = self.term
+        polled = await self._adopt_best_log(claimed)
         if polled is None:
             return  # not leading: run() tries again
+        # a snapshot install took the other node's epoch: lead with the one claimed
+        self.term = self.promised = max(claimed, self.promised)
         if len(polled) + 1 < self.quorum:
             self._no_quorum(len(polled) + 1)
             return
@@ -649,7 +670,8 @@ class JobNamespace:
                     self._step_down(f"rank {coord} coordinates the job")
                 elif self.leading and self.quorum > 1:
                     left = self._quorum_until() - time.monotonic()
-                    if left < -LEASE_S:
+                    # (while a batch is out, its answers decide: Applies in flight count)
+                    if left < -LEASE_S and not self._broadcasting:
                         self._no_quorum(1 + sum(
                             1 for r in self._members()
                             if self._heard.get(r, -1e18) > time.monotonic() - LEASE_S))
@@ -659,15 +681,26 @@ class JobNamespace:
                         self._want_ping()  # an idle leader keeps its quorum's attention
                 elif not self.leading:
                     await self._renew()
+                if self._may_serve():
+                    self._unavailable_since = None
+                elif self._unavailable_since is None:
+                    self._unavailable_since = time.monotonic()
                 await trio.sleep(LEASE_S / 4)
+
+    def _unavailable_s(self) -> float | None:
+        """Seconds this node has not been able to serve the namespace (no lease, or leading
+        without a quorum), once that lasted a lease; else None."""
+        if self._unavailable_since is None or self._may_serve():
+            return None
+        out = time.monotonic() - self._unavailable_since
+        return round(out, 1) if out >= LEASE_S else None
 
     def status(self) -> dict[str, Any]:
         """The namespace's part of ``mtcfs status``: leader, position, lease, counters."""
         lease = max(0.0, self.lease_until - time.monotonic())
         return {"leader": self.tier.coordinator, "leading": self.leading, "seq": self.seq,
                 "quorum": self.quorum, "nodes": self.tier.cfg.nodes,
-                "no_quorum_s": (None if self._no_quorum_since is None or self.leading else
-                                round(time.monotonic() - self._no_quorum_since, 1)),
+                "unavailable_s": self._unavailable_s(),
                 "epoch": self.term if self.leading else self.epoch, "lease_s": round(lease, 2),
                 "out_of_broadcast": sorted(self._out), "diverged": self.diverged,
                 **dict(self.counters)}
