@@ -53,7 +53,8 @@ def _alive(pid: int) -> bool:
 def assert_cleaned_up(out: str, nodes: int, min_pids: int = 0) -> None:
     """What a demo must leave behind: no mount under its scratch directory (``n<r>/mnt``
     for each of ``nodes``), no scratch directory, and none of the processes it named
-    (``pid N``, at least ``min_pids`` of them) still running after 10 s."""
+    (``pid N``, at least ``min_pids`` of them) or started with its scratch directory on
+    the command line (a trainer) still running after 10 s."""
     scratch = scratch_of(out)
     mnts = [os.path.join(scratch, f"n{r}", "mnt") for r in range(nodes)]
     try:
@@ -69,6 +70,21 @@ def assert_cleaned_up(out: str, nodes: int, min_pids: int = 0) -> None:
     pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
     assert len(pids) >= min_pids, out
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (any(_alive(p) for p in pids) or _using(scratch)):
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)], f"processes left running: {pids}"
+    assert not _using(scratch), f"processes left running: {_using(scratch)}"
+
+
+def _using(scratch: str) -> list[str]:
+    """Command lines of live processes that name ``scratch`` (the demos' workers)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if scratch + "/" in cmd and _alive(int(pid)):
+            out.append(cmd)
+    return out

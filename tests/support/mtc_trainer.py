@@ -77,7 +77,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .orbax_ranks import _flat, _kill, _nest, _tail  # shared with the plain multi-host worker
+from .orbax_ranks import (  # shared with the plain multi-host worker
+    _flat, _kill, _nest, _tail, die_with_parent,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_DEVICES = 2
@@ -608,6 +610,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one trainer; write the result JSON whatever happens; exit 0 only when ok."""
+    die_with_parent()
     args = _parse(argv)
     for k, v in worker_env(args.num_processes).items():
         os.environ.setdefault(k, v)

@@ -83,6 +83,18 @@ def _tail(path: Path, n: int = 6000) -> str:
         return ""
 
 
+def die_with_parent() -> None:
+    """Be SIGKILLed when the thread that launched this worker ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``): a launcher interrupted while it started a worker (Ctrl-C
+    in a demo) never got its Popen to kill, and the worker, in a session of its own, lived
+    on waiting for its JAX peers."""
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher ended before the call above
+        os._exit(1)
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
     """Make every worker still running dump its threads' stacks (SIGUSR1, see :func:`main`),
     then SIGKILL its process group and reap it."""
@@ -317,6 +329,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Join the JAX cluster, save or restore, write the result JSON, leave the cluster."""
+    die_with_parent()
     args = _parse(argv)
     for k, v in worker_env().items():
         os.environ.setdefault(k, v)
