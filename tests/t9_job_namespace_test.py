@@ -427,3 +427,16 @@ def test_a_leader_that_crashed_with_ops_nobody_took_loses_no_acknowledged_change
         below = {n for i in range(6) for n in os.listdir(c.node(r).path(f"p{i}"))}
         assert acknowledged <= below, (r, acknowledged, below)
         assert below == {n for i in range(6) for n in os.listdir(c.node(0).path(f"p{i}"))}
+
+
+def test_touching_a_file_open_for_writing_changes_its_mtime_everywhere(make_cluster):
+    """GNU touch of an existing file: open for writing, futimens, close, same bytes. The
+    time travels with the publish at close; every node must show it."""
+    c = make_cluster(2, options=JOB)
+    c.node(0).path("marker").write_bytes(b"done")
+    when = 1_700_000_000_123_456_789
+    with open(c.node(0).path("marker"), "r+b") as f:
+        os.utime(f.fileno(), ns=(when, when))
+    for r in range(2):
+        assert os.stat(c.node(r).path("marker")).st_mtime_ns == when, r
+        assert c.node(r).path("marker").read_bytes() == b"done"

@@ -109,12 +109,14 @@ class JobNamespaceOps:
             data = os.pread(self._fd(v), v.size, 0)
             op["data"] = base64.b64encode(data).decode()
         v.pins += 1  # must be here when this node applies its own publish
+        v.publishing = True  # and a snapshot installed meanwhile keeps it (ns_install)
         try:
             await self.ns_log.submit(op)
         except FsError as exc:
             v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
             self._error(v.seal_error)
         finally:
+            v.publishing = False
             v.pins -= 1
             self._release_version(v)
 
@@ -262,7 +264,11 @@ class JobNamespaceOps:
                 return
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
         if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op["size"]:
-            return  # this content already (a snapshot carried it)
+            # this content already (a snapshot carried it, or the file was rewritten with
+            # the same bytes, or touched): only the time changes
+            ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+            self._write_inode(ino)
+            return
         if cur is not None:
             self._keep_if_open(ino, keep)
         v = self._remote_version(ino, op)
@@ -353,7 +359,7 @@ class JobNamespaceOps:
         for v in self.versions.values():
             ino = self.inodes.get(v.ino)
             if v.origin < 0 and v.current and ino is not None and ino.vid == v.vid and (
-                    v.writers or not v.sealed or v.sealing is not None):
+                    v.writers or not v.sealed or v.sealing is not None or v.publishing):
                 writing[v.ino] = (v, ino.parent, ino.name)
         busy = {w[0].vid for w in writing.values()}
         # Complete local copies of content the snapshot names are kept (a node that rejoins
@@ -369,6 +375,12 @@ class JobNamespaceOps:
                 elif v.fd >= 0:
                     os.close(v.fd)
                     v.fd = -1
+            # what the kernel and open descriptors know of inodes that stay
+            runtime = {n: (i.kind, i.lookups, i.opens, i.last_open_vid, i.kid)
+                       for n, i in self.inodes.items()}
+            content = {v.ino: (v.chunks, v.size) for v in self.versions.values()
+                       if v.current and v.sealed}
+            old_aliases = dict(self.aliases)
             self.inodes.clear()
             self.versions.clear()
             self.steps.clear()
@@ -386,6 +398,9 @@ class JobNamespaceOps:
                             2 if kind == "dir" else 1, e["mtime_ns"], e["mtime_ns"],
                             e["mtime_ns"], target=_name(e["target"]),
                             children={} if kind == "dir" else None)
+                rt = runtime.get(ino.ino)
+                if rt is not None and rt[0] == kind:
+                    _k, ino.lookups, ino.opens, ino.last_open_vid, ino.kid = rt
                 self.inodes[ino.ino] = ino
                 if kind == "dir":
                     parent.nlink += 1
@@ -415,9 +430,15 @@ class JobNamespaceOps:
                     self._index_chunks(v)
                     ino.vid = v.vid
                     ino.published = dict(ver)
+                    if content.get(ino.ino) != (v.chunks, v.size):
+                        self._renumber_for_kernel(ino)  # the kernel may cache the old size
                 self._link(parent, _name(e["name"]), ino)
                 self._write_inode(ino)
             self._write_inode(root)
+            root_rt = runtime.get(ROOT_INO)
+            if root_rt is not None:
+                root.lookups, root.opens = root_rt[1], root_rt[2]
+            self.aliases.update((k, n) for k, n in old_aliases.items() if n in self.inodes)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])

@@ -55,6 +55,8 @@ class Version:
     #: scope=job: the rank that wrote this version (-1: this node); its data is faulted in
     #: from that rank and its replicas.
     origin: int = -1
+    #: scope=job: its publish op is on its way (sealed, not yet known job-wide).
+    publishing: bool = False
 
     def missing_bytes(self) -> int:
         cs = self.chunk_size

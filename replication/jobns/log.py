@@ -103,6 +103,8 @@ class JobNamespace:
             raise ValueError(f"quorum {quorum} is outside 1..{tier.cfg.nodes}")
         self.quorum = quorum
         self.epoch, self.seq = fs.ns_position()
+        #: (seq, epoch) of the op this node's tail starts after (at start, or a snapshot)
+        self._base = (self.seq, self.epoch)
         self.promised = self.epoch  # no Apply of an older epoch is taken after a takeover
         self.term = self.epoch      # leader: the epoch of the ops it orders
         self.tail: collections.deque[tuple[int, int, bytes]] = collections.deque()
@@ -251,6 +253,8 @@ class JobNamespace:
             return self.epoch
         if seq == 0:
             return 0
+        if seq == self._base[0]:
+            return self._base[1]
         for t in reversed(self.tail):
             if t[0] == seq:
                 return t[1]
@@ -271,6 +275,10 @@ class JobNamespace:
                "diverged": self.diverged}
         if term < self.promised:
             return out
+        if self.leading:
+            if term == self.term:  # never two leaders of one epoch: refuse, do not count
+                return dict(out, mismatch=True)
+            self._step_down(f"a leader of epoch {term} sends ops")
         self.promised = term
         if prev_seq > self.seq:  # a catch-up in flight may fill the gap
             with trio.move_on_after(2.0):
@@ -569,13 +577,16 @@ class JobNamespace:
             self._no_quorum(len(first) + 1)
             return  # a minority must not lead: run() tries again
         top = max([self.epoch, self.promised] + [st["epoch"] for _r, st in first])
-        self.term = self.promised = top + 1
-        claimed = self.term
+        # An epoch only this rank claims (one of ``nodes`` residues): two nodes that both
+        # believe they coordinate never lead the same epoch.
+        claimed = top + 1 + (self.rank - top - 1) % self.tier.cfg.nodes
+        self.term = self.promised = claimed
         polled = await self._adopt_best_log(claimed)
         if polled is None:
             return  # not leading: run() tries again
-        # a snapshot install took the other node's epoch: lead with the one claimed
-        self.term = self.promised = max(claimed, self.promised)
+        if self.promised > claimed:
+            return  # a rival claimed a newer epoch meanwhile: it leads, or run() tries again
+        self.term = claimed  # (a snapshot install took the other node's epoch)
         if len(polled) + 1 < self.quorum:
             self._no_quorum(len(polled) + 1)
             return
@@ -647,6 +658,7 @@ class JobNamespace:
                                              abandon_on_cancel=True)
         self.fs.ns_install(snap)
         self.epoch, self.seq = self.fs.ns_position()
+        self._base = (self.seq, self.epoch)
         self.promised = max(self.promised, self.epoch)
         self.term = self.epoch
         self.tail.clear()
