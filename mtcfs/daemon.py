@@ -221,8 +221,7 @@ class Daemon:
         except Exception as exc:
             fs._error(f"restore of the job namespace from the backup tier failed: {exc}")
             return
-        ns.epoch, ns.seq = fs.ns_position()
-        ns.promised = ns.term = ns.epoch
+        ns.reset_position()
         for v in fs.versions.values():
             v.backed_up = True
         self.restore_info = {"step": manifests[0].step, "manifest_from": "backup",

@@ -235,33 +235,35 @@ def test_the_namespace_leader_dies_during_a_save(make_cluster, victim):
         assert {f"step_{s}" for s in saved} <= listed
 
 
+@pytest.mark.parametrize("n", [2, 3])  # 3: ns_quorum=majority, the new leader's no-op
 def test_whole_job_restart_with_every_ram_tier_lost_restores_from_backup(make_cluster,
-                                                                          shm_dir):
+                                                                          shm_dir, n):
     bucket = shm_dir / "bucket"
     bucket.mkdir()
-    c = make_cluster(2, options={**JOB, "backup": f"file://{bucket}", "backup_interval": "1ckpt"})
+    c = make_cluster(n, options={**JOB, "backup": f"file://{bucket}", "backup_interval": "1ckpt"})
     c.node(1).path("step_3").mkdir()
-    data = {r: os.urandom(1_500_000 + r) for r in range(2)}
-    for r in range(2):
+    data = {r: os.urandom(1_500_000 + r) for r in range(n)}
+    for r in range(n):
         c.node(r).path("step_3", f"__{r}_0.distcp").write_bytes(data[r])
     c.node(0).path("step_3", ".metadata").write_bytes(b"meta")
-    for r in range(2):
+    for r in range(n):
         c.node(r).wait_state("step_3", "backed-up")
-    for r in range(2):
+    for r in range(n):
         c.kill9(r)
         c.wipe(r)
-    c.restart_many([0, 1])
-    for r in range(2):
-        assert sorted(os.listdir(c.node(r).path("step_3"))) == \
-            [".metadata", "__0_0.distcp", "__1_0.distcp"]
-        for w in range(2):
+    c.restart_many(list(range(n)))
+    want = [".metadata"] + [f"__{w}_0.distcp" for w in range(n)]
+    for r in range(n):
+        assert sorted(os.listdir(c.node(r).path("step_3"))) == want, r
+        for w in range(n):
             assert c.node(r).path("step_3", f"__{w}_0.distcp").read_bytes() == data[w]
         assert c.node(r).path("step_3", ".metadata").read_bytes() == b"meta"
-    # whichever node led first rebuilt the namespace from the bucket; the other joined it
-    assert "backup" in {c.status(r)["restore"].get("manifest_from") for r in range(2)}
+    # whichever node led first rebuilt the namespace from the bucket; the others joined it
+    assert "backup" in {c.status(r)["restore"].get("manifest_from") for r in range(n)}
     # the restored job goes on: a new step is visible everywhere
     c.node(1).path("step_4").mkdir()
-    assert os.listdir(c.node(0).path("step_4")) == []
+    for r in range(n):
+        assert os.listdir(c.node(r).path("step_4")) == [], r
 
 
 def test_a_paused_leader_comes_back_deposed_and_nothing_is_lost(make_cluster):

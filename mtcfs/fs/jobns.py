@@ -355,12 +355,13 @@ class JobNamespaceOps:
         current version when the snapshot still has the file under the same name: its
         writer's close publishes it as if nothing happened.
         """
-        writing: dict[int, tuple[Version, int, bytes]] = {}
+        writing: dict[int, tuple[Version, int, bytes, dict | None]] = {}
         for v in self.versions.values():
             ino = self.inodes.get(v.ino)
             if v.origin < 0 and v.current and ino is not None and ino.vid == v.vid and (
                     v.writers or not v.sealed or v.sealing is not None or v.publishing):
-                writing[v.ino] = (v, ino.parent, ino.name)
+                writing[v.ino] = (v, ino.parent, ino.name, ino.published)
+        aside: list[Version] = []  # published here, then replaced by another node's
         busy = {w[0].vid for w in writing.values()}
         # Complete local copies of content the snapshot names are kept (a node that rejoins
         # with its store keeps its own files, replicated or not).
@@ -401,13 +402,25 @@ class JobNamespaceOps:
                 rt = runtime.get(ino.ino)
                 if rt is not None and rt[0] == kind:
                     _k, ino.lookups, ino.opens, ino.last_open_vid, ino.kid = rt
+                elif rt is not None:  # the number named another kind here (a diverged log)
+                    ino.lookups = rt[1]
+                    self._renumber_for_kernel(ino)
                 self.inodes[ino.ino] = ino
                 if kind == "dir":
                     parent.nlink += 1
                 ver = e.get("version")
                 mine = writing.get(ino.ino)
-                if kind == "file" and mine is not None and \
-                        mine[1:] == (e["parent"], _name(e["name"])):
+                if mine is not None and (kind != "file" or mine[1:3] != (e["parent"],
+                                                                         _name(e["name"]))):
+                    mine = None
+                if mine is not None and mine[0].publishing and not mine[0].writers and \
+                        ver != mine[3] and not (ver is not None and ver["rank"] == self.rank
+                                                and tuple(ver["chunks"]) == mine[0].chunks):
+                    # Our publish was ordered before the snapshot and another node's after
+                    # it: theirs is the file now; ours stays known (not current) for our op.
+                    aside.append(mine[0])
+                    mine = None
+                if mine is not None:
                     v = mine[0]  # being written here: it stays, and its close publishes it
                     self.versions[v.vid] = v
                     self.used += v.local_bytes()
@@ -439,6 +452,11 @@ class JobNamespaceOps:
             if root_rt is not None:
                 root.lookups, root.opens = root_rt[1], root_rt[2]
             self.aliases.update((k, n) for k, n in old_aliases.items() if n in self.inodes)
+            for v in aside:
+                v.current = False
+                self.versions[v.vid] = v
+                self.used += v.local_bytes()
+                self._write_version(v)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])

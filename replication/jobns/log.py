@@ -247,6 +247,24 @@ class JobNamespace:
             self.applied = trio.Event()
         return err, message, res, keep
 
+    def _can_feed(self, seq: int) -> bool:
+        """Whether the tail holds every op after ``seq`` (a member there can be sent them)."""
+        if seq >= self.seq:
+            return True
+        after = self._after(seq)
+        return bool(after) and after[0][0] == seq + 1
+
+    def reset_position(self) -> None:
+        """Take (epoch, seq) from the core after its namespace was replaced (a snapshot
+        install, a restore from the backup tier): the tail starts after that op."""
+        self.epoch, self.seq = self.fs.ns_position()
+        self._base = (self.seq, self.epoch)
+        self.promised = max(self.promised, self.epoch)
+        self.term = self.epoch
+        self.tail.clear()
+        self._tail_bytes = 0
+        self.results.clear()
+
     def _epoch_at(self, seq: int) -> int | None:
         """The epoch of this node's op ``seq``; None when the tail no longer holds it."""
         if seq == self.seq:
@@ -296,6 +314,9 @@ class JobNamespace:
                     self.resync = True
                     return dict(out, seq=self.seq, mismatch=True)
                 continue
+            if seq != self.seq + 1:  # a gap: the ops between are in no tail we were sent
+                self.resync = True
+                return dict(out, seq=self.seq, mismatch=True)
             err, message, _res, keep = self._apply_one(seq, op_epoch, body)
             if err:
                 # Every node holds the same namespace at seq-1, so this cannot happen
@@ -403,7 +424,7 @@ class JobNamespace:
         async def one(r: int) -> None:
             start = self._pos.get(r, self.seq - 1)
             prev = self._epoch_at(start)
-            if prev is None:
+            if prev is None or not self._can_feed(start):
                 self._out.add(r)  # too far behind for the tail: it must catch up itself
                 return
             sent = time.monotonic()
@@ -595,7 +616,8 @@ class JobNamespace:
         self._out.clear()
         self._held.clear()
         for r, st in polled:  # members whose log agrees with ours stay in the broadcast
-            if st["seq"] <= self.seq and self._epoch_at(st["seq"]) == st["last_epoch"]:
+            if st["seq"] <= self.seq and self._epoch_at(st["seq"]) == st["last_epoch"] and \
+                    self._can_feed(st["seq"]):
                 self._pos[r] = self._held[r] = st["seq"]
         now = time.monotonic()
         for r in self._members():  # leases the old leader granted may still run
@@ -656,14 +678,10 @@ class JobNamespace:
         fell too far behind; open files keep reading what they opened)."""
         snap = await trio.to_thread.run_sync(self.transport.snapshot, rank,
                                              abandon_on_cancel=True)
+        if self.leading:  # took over meanwhile (a read's renewal raced the takeover)
+            return
         self.fs.ns_install(snap)
-        self.epoch, self.seq = self.fs.ns_position()
-        self._base = (self.seq, self.epoch)
-        self.promised = max(self.promised, self.epoch)
-        self.term = self.epoch
-        self.tail.clear()
-        self._tail_bytes = 0
-        self.results.clear()
+        self.reset_position()
         self.resync = self.diverged = False
         self.counters["snapshots_installed"] += 1
 
