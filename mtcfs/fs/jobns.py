@@ -403,7 +403,7 @@ class JobNamespaceOps:
                 if rt is not None and rt[0] == kind:
                     _k, ino.lookups, ino.opens, ino.last_open_vid, ino.kid = rt
                 elif rt is not None:  # the number named another kind here (a diverged log)
-                    ino.lookups = rt[1]
+                    ino.lookups, ino.opens = rt[1], rt[2]
                     self._renumber_for_kernel(ino)
                 self.inodes[ino.ino] = ino
                 if kind == "dir":
@@ -452,11 +452,19 @@ class JobNamespaceOps:
             if root_rt is not None:
                 root.lookups, root.opens = root_rt[1], root_rt[2]
             self.aliases.update((k, n) for k, n in old_aliases.items() if n in self.inodes)
+            # A publish in flight whose file another node replaced, renamed or removed: its
+            # data stays (not current) until our op is applied, which may make it current.
+            set_aside = {v.vid for v in aside}
+            aside.extend(w[0] for w in writing.values()
+                         if w[0].publishing and w[0].vid not in self.versions and
+                         w[0].vid not in set_aside)
             for v in aside:
                 v.current = False
                 self.versions[v.vid] = v
                 self.used += v.local_bytes()
                 self._write_version(v)
+                if v.sealed:
+                    self._index_chunks(v)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])

@@ -602,6 +602,11 @@ class JobNamespace:
         # believe they coordinate never lead the same epoch.
         claimed = top + 1 + (self.rank - top - 1) % self.tier.cfg.nodes
         self.term = self.promised = claimed
+        async with self._renew_lock:  # no renewal installs an older snapshot meanwhile
+            await self._lead_with(claimed)
+
+    async def _lead_with(self, claimed: int) -> None:
+        """The rest of a takeover, epoch ``claimed`` promised (under the renewal lock)."""
         polled = await self._adopt_best_log(claimed)
         if polled is None:
             return  # not leading: run() tries again
