@@ -3,8 +3,8 @@ per rank, replicating over real gRPC on loopback (tests/support/cluster.py).
 
 Each test checks what a user of a multi-node job would look at: ``user.mtcfs.state`` of a
 step, ``mtcfs status`` (human and ``--json``), the bytes read back from a mount — through a
-crash of the coordinator, a network partition (the daemon's ``fault`` control hook) and bad
-input sent straight to a daemon's Peer port.
+crash of the coordinator, a network partition (``Cluster.partition``: the daemon's ``fault``
+control hook) and bad input sent straight to a daemon's Peer port.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 import grpc
 import pytest
 
-from mtcfs import control
 from mtcfs.chunking import chunk_hash
 from mtcfs.manifest import Entry, StepManifest
 from replication.backup.retry import RetryPolicy
@@ -91,12 +90,6 @@ def wait(pred, timeout: float, what: str, cluster=None, ranks=()):
                            for r in ranks) if cluster is not None else ""
             raise TimeoutError(f"{what}: not within {timeout:.0f}s (last: {last!r}){logs}")
         time.sleep(0.1)
-
-
-def fault(cluster, rank: int, partition: list[int]) -> None:
-    sock = str(cluster.node(rank).store / "control.sock")
-    assert control.call(sock, "fault", timeout=10, partition=partition) == \
-        {"partitioned": sorted(partition)}
 
 
 def timed_write(mount, rel: str, size: int) -> float:
@@ -226,8 +219,7 @@ def test_partition_heals_and_replication_catches_up(make_cluster, options):
     c = make_cluster(2, options=options)
     wait(lambda: all(peers(c, r)["peers"] == [1 - r] for r in range(2)), 10,
          "both ranks know their peer (topology: once labels are exchanged)", c, range(2))
-    fault(c, 0, [1])
-    fault(c, 1, [0])
+    c.partition([0], [1])
     s10 = {r: {"model.bin": blob(30 + r, 5 * MiB)} for r in range(2)}
     for r in range(2):
         write_step(c.node(r), "step_10", s10[r])
@@ -243,8 +235,7 @@ def test_partition_heals_and_replication_catches_up(make_cluster, options):
     assert peers(c, 1)["server"]["bytes_received"] == 0
     assert peers(c, 1)["replica_store"]["manifests"] == 0
 
-    fault(c, 0, [])
-    fault(c, 1, [])
+    c.partition()
     for r in range(2):
         assert c.wait_replicated(r, "step_10", timeout=30) == "replicated 1/1"
     assert peers(c, 0)["partitioned"] == []

@@ -310,6 +310,22 @@ def _wait(what, fn, timeout=60.0):
         time.sleep(0.1)
 
 
+def _mkdir_in_background(path):
+    """Start ``path.mkdir()`` in a thread (it may block for a while); returns the thread and
+    a list that gets ``"ok"`` or the OSError once the call returns."""
+    done: list[object] = []
+
+    def run():
+        try:
+            path.mkdir()
+            done.append("ok")
+        except OSError as exc:
+            done.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done
+
+
 def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
     """ns_quorum=majority (the default from 3 nodes): the leader is cut off from both other
     nodes. Its own node's mkdir does not return while it is cut off (alone it would be
@@ -321,16 +337,7 @@ def test_a_leader_cut_off_in_a_minority_acknowledges_nothing(make_cluster):
     assert c.status(0)["namespace"]["quorum"] == 2
     c.node(1).path("before").mkdir()
     c.partition([0], [1, 2])
-    done: list[object] = []
-
-    def mkdir_on_0():
-        try:
-            c.node(0).path("cut_off").mkdir()
-            done.append("ok")
-        except OSError as exc:
-            done.append(exc)
-    t = threading.Thread(target=mkdir_on_0)
-    t.start()
+    t, done = _mkdir_in_background(c.node(0).path("cut_off"))
     try:
         _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
         c.node(2).path("majority_side").mkdir()  # acknowledged by the majority
@@ -361,20 +368,11 @@ def test_a_file_being_written_survives_its_node_installing_a_snapshot(make_clust
     c = make_cluster(3, options=JOB)
     _wait("rank 0 leads", lambda: c.status(0)["namespace"]["leading"])
     c.node(0).path("w.bin").write_bytes(b"")
-    done: list[object] = []
-
-    def mkdir_on_0():
-        try:
-            c.node(0).path("cut_off").mkdir()
-            done.append("ok")
-        except OSError as exc:
-            done.append(exc)
     with open(c.node(0).path("w.bin"), "r+b") as f:
         f.write(b"a" * 1_000_000)
         f.flush()
         c.partition([0], [1, 2])
-        t = threading.Thread(target=mkdir_on_0)
-        t.start()
+        t, done = _mkdir_in_background(c.node(0).path("cut_off"))
         try:
             _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
             c.node(1).path("majority_side").mkdir()
@@ -399,20 +397,10 @@ def test_a_leader_that_crashed_with_ops_nobody_took_loses_no_acknowledged_change
     for i in range(6):
         c.node(0).path(f"p{i}").mkdir()
     c.partition([0, 1], [2])  # rank 0's next broadcast waits out rank 2's lease ...
-    res: dict[str, object] = {}
-
-    def mk(i):
-        try:
-            c.node(0).path(f"p{i}", f"d{i}").mkdir()
-            res[f"d{i}"] = "ok"
-        except OSError as exc:
-            res[f"d{i}"] = exc
-    threads = [threading.Thread(target=mk, args=(0,), daemon=True)]
-    threads[0].start()
+    res = {"d0": _mkdir_in_background(c.node(0).path("p0", "d0"))[1]}
     time.sleep(0.2)
     for i in range(1, 6):  # ... while these queue behind it
-        threads.append(threading.Thread(target=mk, args=(i,), daemon=True))
-        threads[-1].start()
+        res[f"d{i}"] = _mkdir_in_background(c.node(0).path(f"p{i}", f"d{i}"))[1]
     time.sleep(0.2)
     c.partition([0], [1, 2])  # the queued batch reaches nobody
     _wait("rank 1 leads the majority", lambda: c.status(1)["namespace"]["leading"])
@@ -422,7 +410,7 @@ def test_a_leader_that_crashed_with_ops_nobody_took_loses_no_acknowledged_change
     c.restart(0)
     _wait("rank 0 leads again", lambda: c.status(0)["namespace"]["leading"])
     c.node(2).path("after").mkdir()
-    acknowledged = {name for name, r in res.items() if r == "ok"}
+    acknowledged = {name for name, done in res.items() if done == ["ok"]}
     for r in range(3):
         top = sorted(os.listdir(c.node(r).path()))
         assert top == ["C", "after"] + [f"p{i}" for i in range(6)], (r, top)
