@@ -550,7 +550,7 @@ class JobNamespace:
                 # Our promise goes with the renewal: a leader deposed by a newer epoch (which
                 # it may not know yet, being cut off from the new leader) steps down.
                 st = await self._state(leader, self.promised)
-                if not st["is_coordinator"] or st["epoch"] < self.promised:
+                if not st["is_coordinator"]:
                     return False
                 await self._catch_up(leader, st)
             except Exception as exc:
