@@ -84,7 +84,7 @@ class Daemon:
             if self.peer is not None and self.peer.twins():
                 from replication.peer.sources import TwinWait
                 sources.append(("twins", TwinWait(self.peer.lower_live_twins,
-                                                  self.peer.client)))
+                                                  self.peer.fetch_client)))
             sources.append(("backup", backup))
         if sources:
             from replication.peer.sources import TieredChunkSource
@@ -146,8 +146,8 @@ class Daemon:
             quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
             self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)
             return JobChunkSource(self.fs, peer)
-        return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(), peer.client,
-                               peer.report_bad)
+        return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(),
+                               peer.fetch_client, peer.report_bad, others=peer.other_ranks)
 
     def _build_backup(self) -> Any:
         """The backup tier and its policy (``backup=``); returns its chunk source."""

@@ -34,18 +34,21 @@ class BackupChunkSource:
         self.limiter = trio.CapacityLimiter(concurrency)
         self.corrupt = 0
 
-    async def fetch(self, digest: str) -> bytes:
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
         try:
             return await trio.to_thread.run_sync(self.store.get_chunk, digest,
                                                  limiter=self.limiter, abandon_on_cancel=True)
         except ChunkCorrupt as exc:
             self.corrupt += 1
             log.error("backup chunk %s failed verification: %s", digest[:16], exc)
-            raise FsError(errno.EIO, f"backup chunk {digest[:16]} is corrupt") from None
+            why = "corrupt"
         except NotFound:
-            raise FsError(errno.EIO, f"backup chunk {digest[:16]} is missing") from None
+            why = "missing"
         except BackupError as exc:
-            raise FsError(errno.EIO, f"backup chunk {digest[:16]}: {exc}") from None
+            why = str(exc)
+        if tried is not None:
+            tried.append(f"backup: {why}")
+        raise FsError(errno.EIO, f"backup chunk {digest[:16]}: {why}")
 
 
 class Prefetcher:

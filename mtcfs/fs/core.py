@@ -36,7 +36,7 @@ from mtcfs.chunking import chunk_count, chunk_span
 from mtcfs.errors import FsError
 from mtcfs.fs.capacity import CapacityOps
 from mtcfs.fs.checkpoints import CheckpointOps
-from mtcfs.fs.faultin import FaultInOps
+from mtcfs.fs.faultin import FETCH_DEADLINE_S, FaultInOps
 from mtcfs.fs.files import FileOps
 from mtcfs.fs.jobns import JobNamespaceOps
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -93,6 +93,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.last_write = 0.0
         self.cpu_limiter = trio.CapacityLimiter(2)
         self._fetch_limiter = trio.CapacityLimiter(8)
+        #: Seconds a read waits for a missing chunk before EIO (fs/faultin.py).
+        self.fetch_deadline_s = FETCH_DEADLINE_S
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
@@ -417,10 +419,16 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
 
     def _release_version(self, v: Version) -> None:
         """Free a version that is no longer current, once nothing uses it."""
+        if self.versions.get(v.vid) is not v:
+            # Replaced by a namespace snapshot install (fs/jobns.py): the handles and reads
+            # that held it read on through its descriptor; the last one closes it.
+            if not (v.handles or v.pins) and v.fd >= 0:
+                os.close(v.fd)
+                v.fd = -1
+            return
         if v.current or v.handles or v.pins or v.sealing is not None:
             return
-        if self.versions.pop(v.vid, None) is None:
-            return
+        del self.versions[v.vid]
         self._hand_over_last_copies(v)
         if v.fd >= 0:
             os.close(v.fd)

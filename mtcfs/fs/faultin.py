@@ -18,6 +18,13 @@ from mtcfs.fs.model import ROOT_INO, Inode, Version
 
 log = logging.getLogger("mtcfs.fs.core")
 
+#: Seconds a read waits for one missing chunk, every source included (the local replica
+#: store, the writer, its replicas, every other member, the backup tier), before it fails
+#: with EIO. Each source is asked once per fetch and a source that does not answer is given
+#: up on after its own, shorter, deadline (replication/peer/sources.py), so this bound is
+#: reached only when every source is slow or gone. docs/reliability.md.
+FETCH_DEADLINE_S = 60.0
+
 
 class FaultInOps:
     """Fault-in: waiting for, fetching, verifying and writing chunks that are not in RAM yet."""
@@ -33,8 +40,14 @@ class FaultInOps:
     async def fault_in(self, v: Version, off: int, size: int) -> None:
         """Wait until bytes ``[off, off+size)`` of ``v`` are in the data file.
 
+        Each missing chunk is fetched at most once at a time (other readers of it wait for
+        that fetch) and within :attr:`fetch_deadline_s` seconds of the first ask, every
+        source included.
+
         Raises:
-            FsError: EIO when a chunk cannot be fetched or fails verification.
+            FsError: EIO when a chunk cannot be fetched in time, from any source, or fails
+                verification; the message names the file and the sources tried, and the
+                error is counted (``fault_errors``) and listed by ``mtcfs status``.
         """
         cs = v.chunk_size
         first, last = off // cs, (off + max(size, 1) - 1) // cs
@@ -59,51 +72,92 @@ class FaultInOps:
             raise errors[0]
 
     async def _fetch_chunk(self, v: Version, idx: int) -> None:
+        """Bring chunk ``idx`` of ``v`` here, or join the fetch already under way.
+
+        Never loops: the fetch this call starts or joins either fills the chunk or fails,
+        and a wait for another reader's fetch ends at this reader's own deadline.
+        """
         key = (v.vid, idx)
+        deadline = trio.current_time() + self.fetch_deadline_s
         while idx in v.missing:
             ev = self._inflight.get(key)
             if ev is not None:
-                await ev.wait()
-                if idx in v.missing and key not in self._inflight:
-                    raise FsError(errno.EIO, f"chunk {idx} of version {v.vid} unavailable")
+                with trio.move_on_at(deadline):
+                    await ev.wait()
+                if idx in v.missing and (key not in self._inflight
+                                         or trio.current_time() >= deadline):
+                    raise FsError(errno.EIO, f"{self._what(v, idx)}: the fetch this read "
+                                  "waited for failed (see the error before)")
                 continue
             ev = self._inflight[key] = trio.Event()
             try:
-                await self._fetch_chunk_once(v, idx)
+                await self._fetch_chunk_once(v, idx, deadline)  # fills the chunk or raises
             finally:
                 del self._inflight[key]
                 ev.set()
+            return
 
-    async def _fetch_chunk_once(self, v: Version, idx: int) -> None:
+    def _what(self, v: Version, idx: int) -> str:
+        """``read of PATH, chunk I (DIGEST)``: what a fault-in error names."""
+        ino = self.inodes.get(v.ino)
+        path = self.path_of(ino) if ino is not None else None
+        return (f"read of {path if path is not None else f'version {v.vid}'}, chunk {idx}"
+                f" ({v.chunks[idx][:16]})")
+
+    async def _fetch_chunk_once(self, v: Version, idx: int, deadline: float) -> None:
+        """Fetch, verify and store chunk ``idx`` of ``v`` before ``deadline`` (trio time).
+
+        Raises:
+            FsError: EIO, logged and counted, when no source served it in time.
+        """
         digest = v.chunks[idx]
         _off, length = chunk_span(idx, v.size, v.chunk_size)
+        tried: list[str] = []
         v.pins += 1
         try:
-            async with self._fetch_limiter:
-                data = await self._chunk_bytes(digest, length)
-            await self._store_chunk(v, idx, data)
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    async with self._fetch_limiter:
+                        data = await self._chunk_bytes(digest, length, tried)
+                    await self._store_chunk(v, idx, data)
+                    return
+                except FsError as exc:
+                    why = exc.strerror or "failed"
+            if scope.cancelled_caught:
+                why = f"no source served it within {self.fetch_deadline_s:g} s"
         finally:
             v.pins -= 1
             self._release_version(v)
+        self.counters.fault_errors += 1
+        why = f"{self._what(v, idx)}: {why}; tried: {'; '.join(tried) or 'nothing'}"
+        self._error(why)
+        raise FsError(errno.EIO, why)
 
     async def _store_chunk(self, v: Version, idx: int, data: bytes) -> None:
         """Write verified bytes of chunk ``idx`` of ``v`` into its data file, if still missing.
 
-        The caller pins ``v``.
+        The caller pins ``v``. A version that is no longer registered (a namespace snapshot
+        installed meanwhile replaced every version object; the handle or read that pins it
+        still reads it through its open descriptor) gets the bytes in that descriptor and
+        nothing else: it is no longer the store's to count or index.
         """
-        if idx not in v.missing or v.vid not in self.versions:
+        if idx not in v.missing:
             return
+        registered = self.versions.get(v.vid) is v
+        if not registered and v.fd < 0:
+            raise FsError(errno.EIO, "the file was replaced while its data was fetched")
         off, length = chunk_span(idx, v.size, v.chunk_size)
-        await trio.to_thread.run_sync(os.pwrite, self._fd(v), data, off,
-                                      limiter=self.cpu_limiter)
+        fd = self._fd(v) if registered else v.fd
+        await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
         if idx in v.missing:
             v.missing.discard(idx)
-            self.used += length
             self.counters.chunks_faulted += 1
             self.counters.bytes_faulted += length
-            self._note_chunk(v.chunks[idx], v.vid, idx)
-            with self.db.transaction():
-                self._write_version(v)
+            if self.versions.get(v.vid) is v:
+                self.used += length
+                self._note_chunk(v.chunks[idx], v.vid, idx)
+                with self.db.transaction():
+                    self._write_version(v)
 
     async def deliver_chunk(self, digest: str, data: bytes,
                             where: list[tuple[Version, int]]) -> int:
@@ -133,8 +187,14 @@ class FaultInOps:
                 self._release_version(v)
         return filled
 
-    async def _chunk_bytes(self, digest: str, length: int) -> bytes:
-        """Bytes of chunk ``digest``: a local copy if one exists, else the chunk source."""
+    async def _chunk_bytes(self, digest: str, length: int, tried: list[str]) -> bytes:
+        """Bytes of chunk ``digest``: a local copy if one exists, else the chunk source.
+
+        ``tried`` collects one line per source asked (for the error at the deadline).
+
+        Raises:
+            FsError: EIO when no copy is valid (the message says what each source said).
+        """
         loc = self._chunk_locations.get(digest)
         if loc is not None:
             src = self.versions.get(loc[0])
@@ -149,19 +209,12 @@ class FaultInOps:
                     self.unpin([src])
                 if data is not None:
                     return data
+                tried.append("local store: corrupt")
         if self.chunk_source is None:
-            self.counters.fault_errors += 1
-            raise FsError(errno.EIO, f"chunk {digest[:16]} is in no tier this node can reach")
-        try:
-            data = await self.chunk_source.fetch(digest)
-        except FsError as exc:
-            self.counters.fault_errors += 1
-            self._error(f"fault-in of chunk {digest[:16]} failed: {exc.strerror}")
-            raise
+            raise FsError(errno.EIO, "in no tier this node can reach")
+        data = await self.chunk_source.fetch(digest, tried)
         if len(data) != length:
-            self.counters.fault_errors += 1
-            self._error(f"chunk {digest[:16]} has {len(data)} bytes, expected {length}")
-            raise FsError(errno.EIO, "chunk length mismatch")
+            raise FsError(errno.EIO, f"a source served {len(data)} bytes, expected {length}")
         return data
 
     def read_chunk_at(self, v: Version, off: int, length: int, digest: str | None) -> bytes | None:

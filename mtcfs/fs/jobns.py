@@ -371,8 +371,9 @@ class JobNamespaceOps:
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
             for v in self.versions.values():
-                if v.handles:
-                    self._fd(v)  # open handles read on through their descriptor
+                if v.handles or v.pins:
+                    # open handles and reads under way read on through their descriptor
+                    self._fd(v)
                 elif v.fd >= 0:
                     os.close(v.fd)
                     v.fd = -1

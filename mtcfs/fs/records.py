@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 class ChunkSource(Protocol):
-    """Where missing chunks come from (backup tier, later peers). Wired by the daemon."""
+    """Where missing chunks come from (peers, the backup tier). Wired by the daemon."""
 
-    async def fetch(self, digest: str) -> bytes:
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
         """Return the chunk's bytes, already verified against ``digest``.
+
+        Args:
+            digest: the chunk's hex blake3.
+            tried: if given, one line is appended per source asked, as it is asked or
+                given up on (``"rank 2: unreachable"``), so that a caller whose deadline
+                ends the fetch can say what was tried.
 
         Raises:
             FsError: EIO when no source has a valid copy.

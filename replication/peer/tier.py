@@ -52,7 +52,7 @@ from replication.peer.membership import Membership
 from replication.peer.records import MemberInfo, StepRef
 from replication.peer.replica_store import ReplicaStore
 from replication.peer.service import PeerServer, serve
-from replication.peer.sources import FsLocalChunks
+from replication.peer.sources import ATTEMPT_S, FsLocalChunks
 from replication.peer.tier_membership import MembershipRounds
 from replication.peer.tier_replication import PeerLink, Replication
 
@@ -188,27 +188,48 @@ class PeerTier(MembershipRounds, Replication):
         Raises:
             PeerUnavailable: no address is known for it, or it is cut off (injected fault).
         """
+        return self._client(rank, "quick" if quick else "default")
+
+    def fetch_client(self, rank: int) -> PeerClient:
+        """The client that fault-in fetches chunks from ``rank`` with: one attempt, every
+        call within :data:`~replication.peer.sources.ATTEMPT_S` seconds (the chunk sources
+        ask the next source instead of retrying).
+
+        Raises:
+            PeerUnavailable: as :meth:`client`.
+        """
+        return self._client(rank, "fetch")
+
+    def other_ranks(self) -> list[int]:
+        """Every other rank with a known address, lowest first."""
+        return [r for r in sorted(self.addresses) if r != self.rank]
+
+    def _client(self, rank: int, kind: str) -> PeerClient:
         addr = self.addresses.get(rank)
         if addr is None:
             raise PeerUnavailable(f"rank {rank}", "no address known yet")
         if rank in self.partitioned:
             raise PeerUnavailable(addr, f"rank {rank} is cut off from this node (injected fault)")
-        key = f"{addr}#quick" if quick else addr
+        key = f"{addr}#{kind}"
         with self._clients_lock:  # called from many worker threads at once
             if self._stop.is_set():
                 raise PeerUnavailable(addr, "this node is shutting down")
             c = self.clients.get(key)
             if c is None:
-                if quick:
-                    c = PeerClient(addr, self.cfg.job, self.rank, timeout=2.0, stop=self._stop,
-                                   retry=RetryPolicy(max_attempts=1, base_delay=0.1,
-                                                     max_delay=0.1))
-                else:
-                    c = PeerClient(addr, self.cfg.job, self.rank, timeout=10.0, stop=self._stop,
-                                   retry=RetryPolicy(max_attempts=3, base_delay=0.1,
-                                                     max_delay=1.0))
-                self.clients[key] = c
+                c = self.clients[key] = self._new_client(addr, kind)
         return c
+
+    def _new_client(self, addr: str, kind: str) -> PeerClient:
+        job, rank, stop = self.cfg.job, self.rank, self._stop
+        if kind == "quick":
+            return PeerClient(addr, job, rank, timeout=2.0, stop=stop,
+                              retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
+        if kind == "fetch":
+            return PeerClient(addr, job, rank, timeout=ATTEMPT_S, stream_timeout=ATTEMPT_S,
+                              stop=stop,
+                              retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
+        return PeerClient(addr, job, rank, timeout=10.0, stop=stop,
+                          retry=RetryPolicy(max_attempts=3, base_delay=0.1, max_delay=1.0))
 
     def report_bad(self, rank: int, message: str) -> None:
         self.bad_peers[rank] = self.bad_peers.get(rank, 0) + 1

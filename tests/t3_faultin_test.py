@@ -1,0 +1,143 @@
+"""Fault-in driven in-process (no FUSE): a read of missing chunks ends with the right bytes or
+EIO within its deadline, whatever happens to the namespace or the sources meanwhile.
+
+The sources here are small in-memory ChunkSource fakes, so that a fetch can be held at an
+exact point; the same paths run for real through FUSE and gRPC in t9 and t11.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import trio
+
+from mtcfs.chunking import chunk_hash
+from mtcfs.errors import FsError
+from mtcfs.fs.core import Filesystem
+from mtcfs.fs.jobns import EMPTY_BLAKE3
+from mtcfs.fs.model import ROOT_INO
+from mtcfs.store import Store
+
+CS = 64 * 1024
+
+
+class HeldSource:
+    """A ChunkSource that serves ``chunks`` once ``release`` is set; counts fetches."""
+
+    def __init__(self, chunks: dict[str, bytes]) -> None:
+        self.chunks = chunks
+        self.release = trio.Event()
+        self.asked = trio.Event()
+        self.fetches = 0
+
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
+        self.fetches += 1
+        self.asked.set()
+        await self.release.wait()
+        if digest not in self.chunks:
+            raise FsError(errno.EIO, f"chunk {digest[:16]}: nobody has it")
+        return self.chunks[digest]
+
+
+def snapshot_with(data: bytes, writer: int, seq: int) -> dict:
+    """A job namespace snapshot holding ``step_5/f``, written by rank ``writer``."""
+    chunks = [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
+    version = {"size": len(data), "chunk_size": CS, "chunks": chunks,
+               "blake3": EMPTY_BLAKE3, "rank": writer}
+    entry = {"mode": 0o40755, "uid": 0, "gid": 0, "mtime_ns": 1, "target": ""}
+    return {"epoch": 1, "seq": seq, "next_ino": 10, "steps": [],
+            "entries": [dict(entry, ino=2, parent=ROOT_INO, name="step_5", kind="dir"),
+                        dict(entry, ino=3, parent=2, name="f", kind="file", mode=0o100644,
+                             version=version)]}
+
+
+def run(body, tmp_path, rank: int = 1) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            fs = Filesystem(Store(str(tmp_path / "store"), "job", CS), capacity=1 << 30,
+                            chunk_size=CS, job="job", rank=rank)
+            fs.start(n)
+            try:
+                await body(fs)
+            finally:
+                n.cancel_scope.cancel()
+                fs.close()
+                fs.store.close()
+    trio.run(main)
+
+
+def test_a_snapshot_install_during_a_fetch_does_not_make_the_read_fetch_forever(tmp_path):
+    """The hang of ../shared/evidence/dead-writer-hang: a read of another rank's file was
+    faulting a chunk in when the node installed the job's snapshot. The install replaced
+    every Version object; the fetched bytes were dropped because the read's version was no
+    longer registered, and the fetch loop asked again, forever (each time the dead writer
+    first). The read must get its bytes, fetched once."""
+    data = os.urandom(2 * CS + 5)
+    chunks = {chunk_hash(data[i:i + CS]): data[i:i + CS] for i in range(0, len(data), CS)}
+
+    async def body(fs: Filesystem) -> None:
+        fs.ns_install(snapshot_with(data, writer=2, seq=5))
+        src = fs.chunk_source = HeldSource(chunks)
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        got: list[bytes] = []
+
+        async def reader() -> None:
+            got.append(await fs.read(fh, 0, len(data)))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            await src.asked.wait()
+            fs.ns_install(snapshot_with(data, writer=2, seq=9))  # the same file, new objects
+            src.release.set()
+            with trio.fail_after(10):
+                while not got:
+                    await trio.sleep(0.01)
+        assert got == [data]
+        assert src.fetches == len(chunks)  # each chunk once: nothing fetched again
+        await fs.release(fh)
+        # A new open reads the installed version, which the fetches filled too or fetch again.
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        with trio.fail_after(10):
+            assert await fs.read(fh, 0, len(data)) == data
+        await fs.release(fh)
+    run(body, tmp_path)
+
+
+def test_a_fetch_that_never_answers_fails_the_read_with_eio_within_the_deadline(tmp_path):
+    """A source that hangs (a SIGSTOPped peer behind a partition) costs a read the fault-in
+    deadline, then EIO naming the file, never more."""
+    data = os.urandom(CS)
+
+    async def body(fs: Filesystem) -> None:
+        fs.ns_install(snapshot_with(data, writer=2, seq=5))
+        fs.chunk_source = HeldSource({})  # never released
+        fs.fetch_deadline_s = 0.5
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        with trio.fail_after(10):
+            with pytest.raises(FsError) as exc:
+                await fs.read(fh, 0, len(data))
+        assert exc.value.errno == errno.EIO
+        assert "step_5/f" in fs.errors[-1] and "0.5 s" in fs.errors[-1]
+        assert fs.counters.fault_errors == 1
+        await fs.release(fh)
+    run(body, tmp_path)
+
+
+def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
+    data = os.urandom(CS)
+    chunks = {chunk_hash(data): data}
+
+    async def body(fs: Filesystem) -> None:
+        fs.ns_install(snapshot_with(data, writer=2, seq=5))
+        fs.chunk_source = src = HeldSource({})
+        src.release.set()
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        with pytest.raises(FsError) as exc:
+            await fs.read(fh, 0, len(data))
+        assert exc.value.errno == errno.EIO and "step_5/f" in fs.errors[-1]
+        src.chunks = chunks  # the source came back
+        assert await fs.read(fh, 0, len(data)) == data
+        await fs.release(fh)
+    run(body, tmp_path)
