@@ -14,6 +14,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from support.gcs import gcs_emulator  # noqa: E402,F401 (a fixture for every test file)
 from support.mount import Mount  # noqa: E402
+from support.watchdog import WatchdogPlugin  # noqa: E402
+
+
+def pytest_configure(config):
+    # The per-test watchdog: a test that overruns its deadline has its FUSE connections
+    # aborted and its daemons killed, so it fails instead of hanging (support/watchdog.py).
+    if not config.pluginmanager.has_plugin("mtcfs-watchdog"):
+        config.pluginmanager.register(WatchdogPlugin(config), "mtcfs-watchdog")
 
 
 def pytest_collection_modifyitems(config, items):

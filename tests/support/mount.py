@@ -1,7 +1,9 @@
 """Real mounts for tests: start ``mtcfs`` in a subprocess, wait, unmount, kill, remount.
 
 Every mount a test makes is torn down by the fixture, even when the daemon hangs or was
-SIGKILLed (the FUSE connection is aborted through fusectl, then lazily unmounted).
+SIGKILLed (the FUSE connection is aborted through fusectl, then lazily unmounted). Every
+started Mount is also registered with the test watchdog (support/watchdog.py), which ends
+it if the test overruns its deadline, so a daemon that never answers cannot hang the suite.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: F401 (re-exported to tests)
+
+from .watchdog import WATCHDOG
 
 VENV_BIN = Path(sys.executable).parent
 MTCFS = [sys.executable, "-m", "mtcfs"]
@@ -44,11 +48,13 @@ class Mount:
 
     def start(self, timeout: float = 60.0) -> "Mount":
         self.mnt.mkdir(parents=True, exist_ok=True)
+        WATCHDOG.register(self)  # until cleanup(); refused once the test's watchdog fired
         r = subprocess.run(MTCFS + [self.job, str(self.mnt), "-o", self.option_string()],
                            capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
             raise RuntimeError(f"mount failed ({r.returncode}): {r.stderr.strip()}\n{self.log()}")
         self.pid = self.status()["pid"]
+        WATCHDOG.after_start(self)
         return self
 
     def path(self, *parts: str) -> Path:
@@ -117,6 +123,7 @@ class Mount:
             except ProcessLookupError:
                 pass
         force_unmount(str(self.mnt))
+        WATCHDOG.unregister(self)
 
     def log(self) -> str:
         try:
