@@ -367,6 +367,13 @@ def cmd_status(a: argparse.Namespace) -> None:
             print(f"            last error: {b['last_error']}")
     else:
         print("  backup:   none configured")
+    reads = st.get("reads") or {}
+    if reads.get("failed"):
+        print(f"  reads:    {reads['failed']} chunk fetches failed with EIO (no source within "
+              f"{reads['deadline_s']:g} s); last: {reads['last_failure']}")
+    if reads.get("suspect_peers"):
+        print(f"  reads:    asked last (failed a fetch lately): ranks "
+              f"{', '.join(map(str, reads['suspect_peers']))}")
     r = st.get("restore")
     if r and (r.get("step") or r["pending_chunks"]):
         print(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "

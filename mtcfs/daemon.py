@@ -524,6 +524,10 @@ class Daemon:
                     "files": s["files"], "checkpoints": len(fs.steps)},
             "counters": vars(fs.counters).copy(),
             "errors": list(fs.errors),
+            "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,
+                      "last_failure": fs.last_fault_error,
+                      "suspect_peers": list(getattr(self._peer_source(), "suspects",
+                                                    list)())},
             "backup": None, "restore": None,
         }
         if self.backup is not None:
@@ -543,6 +547,14 @@ class Daemon:
         if self.mtc is not None:
             out["mtc"] = self.mtc.status()
         return out
+
+    def _peer_source(self) -> Any:
+        """The chunk source that asks peers (for its suspects), or None."""
+        src = self.fs.chunk_source if self.fs is not None else None
+        for _name, s in getattr(src, "sources", [("", src)]):
+            if hasattr(s, "suspects"):
+                return s
+        return None
 
     async def checkpoints(self) -> list[dict[str, Any]]:
         fs = self.fs

@@ -54,7 +54,8 @@ _COUNTER_HELP = {
     "seals": "File versions sealed (hashed) after their last close.",
     "chunks_faulted": "Chunks brought into RAM from another tier.",
     "bytes_faulted": "Bytes brought into RAM from another tier.",
-    "fault_errors": "Chunk fetches that failed (no tier had a valid copy).",
+    "fault_errors": "Chunk fetches by reads that failed with EIO (no source served a valid "
+                    "copy within the fault-in deadline).",
     "enospc": "Writes refused because the RAM tier was full.",
     "evicted_steps": "Checkpoints evicted from RAM.",
 }
@@ -76,6 +77,13 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
             ram.get("checkpoints"))
     out.add("mtcfs_errors", "gauge", "Errors currently listed by mtcfs status.",
             len(status.get("errors") or []))
+    reads = status.get("reads") or {}
+    out.add("mtcfs_read_deadline_seconds", "gauge",
+            "Seconds a read waits for a missing chunk, every source included, before EIO.",
+            reads.get("deadline_s"))
+    out.add("mtcfs_suspect_peers", "gauge",
+            "Peers asked last for chunks because they failed a fetch lately.",
+            len(reads.get("suspect_peers") or []))
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
     backup = status.get("backup")

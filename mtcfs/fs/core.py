@@ -95,6 +95,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._fetch_limiter = trio.CapacityLimiter(8)
         #: Seconds a read waits for a missing chunk before EIO (fs/faultin.py).
         self.fetch_deadline_s = FETCH_DEADLINE_S
+        #: The last fault-in that failed: what it read, why, the sources tried (status).
+        self.last_fault_error = ""
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None

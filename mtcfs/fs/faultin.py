@@ -130,6 +130,7 @@ class FaultInOps:
             self._release_version(v)
         self.counters.fault_errors += 1
         why = f"{self._what(v, idx)}: {why}; tried: {'; '.join(tried) or 'nothing'}"
+        self.last_fault_error = why
         self._error(why)
         raise FsError(errno.EIO, why)
 

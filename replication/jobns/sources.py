@@ -44,8 +44,9 @@ class JobChunkSource(PeerChunkSource):
                 tried.append(f"replica store here: {exc}")
         origin = self.fs.chunk_origins.get(digest)
         first: list[int] = []
-        if origin is not None and origin != self.tier.rank:
-            first = [origin] + [r for r in self.tier.peers_of(origin) if r != self.tier.rank]
+        if origin is not None:  # the writer (another rank), then its replicas
+            first = [r for r in [origin, *self.tier.peers_of(origin)] if r != self.tier.rank]
+        if first:
             # by digest and by reader: N nodes reading one chunk (a large .metadata) ask
             # different holders
             start = (int(digest[:8], 16) + self.tier.rank) % len(first)

@@ -35,7 +35,7 @@ async def restore_from_peers(fs: Any, tier: Any, *,
 
     Args:
         fs: the filesystem core (``pending_fault_in``, ``deliver_chunk``).
-        tier: the node's PeerTier (``restore_holders``, ``peer_ranks``, ``client``,
+        tier: the node's PeerTier (``restore_holders``, ``peer_ranks``, ``bulk_client``,
             ``report_bad``).
         on_chunk: called on the loop for each chunk stored (status counters).
 
@@ -62,7 +62,7 @@ async def restore_from_peers(fs: Any, tier: Any, *,
 
     def stream(rank: int, digests: list[str], got: set[str]) -> None:
         """Worker thread: one holder, a list of digests, batch by batch."""
-        client = tier.client(rank)
+        client = tier.bulk_client(rank)
         for i in range(0, len(digests), BATCH):
             for h, data in client.get_chunks(digests[i:i + BATCH]):
                 got.add(h)

@@ -58,6 +58,10 @@ from replication.peer.tier_replication import PeerLink, Replication
 
 log = logging.getLogger(__name__)
 
+#: Seconds one GetChunks call of a bulk restore (16 chunks, 64 MiB at the default chunk
+#: size) may take: at least ~1 MB/s, or the holder's share goes to the others.
+BULK_CALL_S = 60.0
+
 @dataclass
 class TierConfig:
     """What the mount options say about the job (see docs/usage.md)."""
@@ -200,6 +204,17 @@ class PeerTier(MembershipRounds, Replication):
         """
         return self._client(rank, "fetch")
 
+    def bulk_client(self, rank: int) -> PeerClient:
+        """The client a bulk restore streams chunks from ``rank`` with: one attempt, each
+        call of up to :data:`~replication.peer.bulk.BATCH` chunks within
+        :data:`BULK_CALL_S` seconds (chunks not received go to another holder next round,
+        then to fault-in, which tries every source).
+
+        Raises:
+            PeerUnavailable: as :meth:`client`.
+        """
+        return self._client(rank, "bulk")
+
     def other_ranks(self) -> list[int]:
         """Every other rank with a known address, lowest first."""
         return [r for r in sorted(self.addresses) if r != self.rank]
@@ -224,8 +239,9 @@ class PeerTier(MembershipRounds, Replication):
         if kind == "quick":
             return PeerClient(addr, job, rank, timeout=2.0, stop=stop,
                               retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
-        if kind == "fetch":
-            return PeerClient(addr, job, rank, timeout=ATTEMPT_S, stream_timeout=ATTEMPT_S,
+        if kind in ("fetch", "bulk"):
+            return PeerClient(addr, job, rank, timeout=ATTEMPT_S,
+                              stream_timeout=ATTEMPT_S if kind == "fetch" else BULK_CALL_S,
                               stop=stop,
                               retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
         return PeerClient(addr, job, rank, timeout=10.0, stop=stop,
