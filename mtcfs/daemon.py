@@ -76,6 +76,7 @@ class Daemon:
         capacity = o.size or default_capacity(self.store.path)
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
+        self.fs.fetch_deadline_s = o.read_timeout
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
             sources.append(("peers", self._build_peer()))

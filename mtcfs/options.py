@@ -177,6 +177,9 @@ class MountOptions:
     #: alone); "live": every live member. After parsing: "majority" when nodes >= 3, else
     #: "live", unless given; None with scope=node.
     ns_quorum: str | None = None
+    #: Seconds a read waits for data that is not on this node (fault-in from peers or the
+    #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
+    read_timeout: float = 60.0
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
     mtc: bool = False
     #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
@@ -322,6 +325,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if value not in ("node", "job"):
                         raise ValueError("expected node or job")
                     o.scope = value
+                elif name == "read_timeout" and value:
+                    o.read_timeout = parse_duration(value)
+                    if not 1 <= o.read_timeout <= 3600:
+                        raise ValueError("must be between 1s and 1h")
                 elif name == "ns_quorum" and value:
                     if value not in NS_QUORUMS:
                         raise ValueError(f"expected {' or '.join(NS_QUORUMS)}")
@@ -434,4 +441,5 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator"}
+          "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
+          "read_timeout"}

@@ -41,14 +41,14 @@ class BackupChunkSource:
         except ChunkCorrupt as exc:
             self.corrupt += 1
             log.error("backup chunk %s failed verification: %s", digest[:16], exc)
-            why = "corrupt"
+            why, code = "corrupt", errno.EIO
         except NotFound:
-            why = "missing"
-        except BackupError as exc:
-            why = str(exc)
+            why, code = "missing", errno.EIO
+        except BackupError as exc:  # unreachable, after the backend's retries
+            why, code = str(exc), errno.EAGAIN
         if tried is not None:
             tried.append(f"backup: {why}")
-        raise FsError(errno.EIO, f"backup chunk {digest[:16]}: {why}")
+        raise FsError(code, f"backup chunk {digest[:16]}: {why}")
 
 
 class Prefetcher:

@@ -24,6 +24,11 @@ def test_parse_full_option_set():
     assert o.allow_other and o.debug
 
 
+def test_read_timeout():
+    assert parse_mount_options("j", "/m", []).read_timeout == 60
+    assert parse_mount_options("j", "/m", ["read_timeout=2m"]).read_timeout == 120
+
+
 def test_checkpoint_count_interval():
     o = parse_mount_options("j", "/m", ["backup=file:///b,backup_interval=5ckpt"])
     assert o.backup_interval.checkpoints == 5 and o.backup_interval.seconds is None
@@ -39,7 +44,9 @@ def test_sizes(text, bytes_):
     ("size=lots", "size=lots"), ("bogus=1", "bogus"), ("keep=0", "keep=0"),
     ("backup=s3://x", "backup=s3://x"), ("backup=file://relative", "backup=file://relative"),
     ("backup_interval=often", "backup_interval=often"), ("chunk_size=3M", "chunk_size=3M"),
-    ("allow_other=1", "allow_other=1"), ("restore=yesterday", "restore=yesterday")])
+    ("allow_other=1", "allow_other=1"), ("restore=yesterday", "restore=yesterday"),
+    ("read_timeout=0.5", "read_timeout=0.5"), ("read_timeout=2h", "read_timeout=2h"),
+    ("read_timeout=soon", "read_timeout=soon")])
 def test_bad_option_names_the_option(opt, word):
     with pytest.raises(OptionError) as ei:
         parse_mount_options("j", "/m", [opt])

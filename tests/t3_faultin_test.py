@@ -138,6 +138,65 @@ def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
             await fs.read(fh, 0, len(data))
         assert exc.value.errno == errno.EIO and "step_5/f" in fs.errors[-1]
         src.chunks = chunks  # the source came back
+        # The kernel's READ again right after the failure (readahead, then the read
+        # itself) fails at once, not after a second deadline...
+        with pytest.raises(FsError):
+            await fs.read(fh, 0, len(data))
+        assert src.fetches == 1
+        # ...and a read after refetch_after_s asks again.
+        fs.refetch_after_s = 0.2
+        await trio.sleep(0.3)
         assert await fs.read(fh, 0, len(data)) == data
+        await fs.release(fh)
+    run(body, tmp_path)
+
+
+class FlakySource:
+    """A ChunkSource whose sources are unreachable (EAGAIN) for the first ``down`` asks."""
+
+    def __init__(self, chunks: dict[str, bytes], down: int) -> None:
+        self.chunks = chunks
+        self.down = down
+        self.fetches = 0
+
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
+        self.fetches += 1
+        if self.fetches <= self.down:
+            if tried is not None:
+                tried.append("rank 2: unreachable")
+            raise FsError(errno.EAGAIN, "no peer served a valid copy")
+        return self.chunks[digest]
+
+
+def test_a_source_that_comes_back_within_the_deadline_serves_the_read(tmp_path):
+    """Unreachable sources (a node restarting) are asked again, after short pauses, until
+    the deadline; a source that answers 'not here' (EIO) is not (the previous test)."""
+    data = os.urandom(CS)
+
+    async def body(fs: Filesystem) -> None:
+        fs.ns_install(snapshot_with(data, writer=2, seq=5))
+        fs.chunk_source = src = FlakySource({chunk_hash(data): data}, down=3)
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        with trio.fail_after(10):
+            assert await fs.read(fh, 0, len(data)) == data
+        assert src.fetches == 4 and fs.counters.fault_errors == 0
+        await fs.release(fh)
+    run(body, tmp_path)
+
+
+def test_unreachable_sources_until_the_deadline_are_eio_naming_them(tmp_path):
+    data = os.urandom(CS)
+
+    async def body(fs: Filesystem) -> None:
+        fs.ns_install(snapshot_with(data, writer=2, seq=5))
+        fs.chunk_source = src = FlakySource({}, down=10 ** 6)
+        fs.fetch_deadline_s = 2.0
+        fh, _keep = await fs.open(3, os.O_RDONLY)
+        with trio.fail_after(10):
+            with pytest.raises(FsError) as exc:
+                await fs.read(fh, 0, len(data))
+        assert exc.value.errno == errno.EIO
+        assert 2 < src.fetches < 10  # passes repeat, with pauses between them
+        assert "rank 2: unreachable" in fs.last_fault_error and "step_5/f" in fs.last_fault_error
         await fs.release(fh)
     run(body, tmp_path)

@@ -36,7 +36,7 @@ from mtcfs.chunking import chunk_count, chunk_span
 from mtcfs.errors import FsError
 from mtcfs.fs.capacity import CapacityOps
 from mtcfs.fs.checkpoints import CheckpointOps
-from mtcfs.fs.faultin import FETCH_DEADLINE_S, FaultInOps
+from mtcfs.fs.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
 from mtcfs.fs.files import FileOps
 from mtcfs.fs.jobns import JobNamespaceOps
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -97,6 +97,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.fetch_deadline_s = FETCH_DEADLINE_S
         #: The last fault-in that failed: what it read, why, the sources tried (status).
         self.last_fault_error = ""
+        #: (vid, chunk index) -> (trio time, error) of fetches that failed lately; a new
+        #: fetch of the same chunk within ``refetch_after_s`` fails at once (fs/faultin.py).
+        self._failed_fetches: dict[tuple[int, int], tuple[float, str]] = {}
+        self.refetch_after_s = REFETCH_AFTER_S
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None

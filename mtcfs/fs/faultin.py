@@ -24,6 +24,10 @@ log = logging.getLogger("mtcfs.fs.core")
 #: up on after its own, shorter, deadline (replication/peer/sources.py), so this bound is
 #: reached only when every source is slow or gone. docs/reliability.md.
 FETCH_DEADLINE_S = 60.0
+#: Seconds after a failed fetch of a chunk during which a new fetch of it fails at once with
+#: the same error. The kernel sends a READ again right after one failed (a readahead, then
+#: the read itself); without this, one read(2) could wait the deadline twice.
+REFETCH_AFTER_S = 5.0
 
 
 class FaultInOps:
@@ -78,7 +82,13 @@ class FaultInOps:
         and a wait for another reader's fetch ends at this reader's own deadline.
         """
         key = (v.vid, idx)
-        deadline = trio.current_time() + self.fetch_deadline_s
+        now = trio.current_time()
+        deadline = now + self.fetch_deadline_s
+        failed = self._failed_fetches.get(key)
+        if failed is not None and idx in v.missing and key not in self._inflight:
+            if now - failed[0] < self.refetch_after_s:
+                raise FsError(errno.EIO, failed[1])
+            del self._failed_fetches[key]
         while idx in v.missing:
             ev = self._inflight.get(key)
             if ev is not None:
@@ -107,31 +117,55 @@ class FaultInOps:
     async def _fetch_chunk_once(self, v: Version, idx: int, deadline: float) -> None:
         """Fetch, verify and store chunk ``idx`` of ``v`` before ``deadline`` (trio time).
 
+        One pass asks every source once. When a pass ends with no copy and some source could
+        not be asked (EAGAIN from the chunk source: unreachable, no answer in time), passes
+        repeat after a short pause (0.25 s doubling to 4 s) until the deadline: a node that
+        restarts, a partition that heals. When every source answered and none holds a
+        valid copy (EIO), the read fails at once.
+
         Raises:
             FsError: EIO, logged and counted, when no source served it in time.
         """
         digest = v.chunks[idx]
         _off, length = chunk_span(idx, v.size, v.chunk_size)
-        tried: list[str] = []
+        tried: list[str] = []  # what each source said in this pass
+        last: list[str] = []  # ... and in the last whole pass
+        passes = 0
+        why = ""
         v.pins += 1
         try:
             with trio.move_on_at(deadline) as scope:
-                try:
-                    async with self._fetch_limiter:
-                        data = await self._chunk_bytes(digest, length, tried)
-                    await self._store_chunk(v, idx, data)
-                    return
-                except FsError as exc:
-                    why = exc.strerror or "failed"
+                while True:
+                    passes += 1
+                    last, tried = tried, []
+                    try:
+                        async with self._fetch_limiter:
+                            data = await self._chunk_bytes(digest, length, tried)
+                        await self._store_chunk(v, idx, data)
+                        return
+                    except FsError as exc:
+                        why = exc.strerror or "failed"
+                        if exc.errno != errno.EAGAIN:
+                            break
+                    await trio.sleep(min(0.25 * 2 ** (passes - 1), 4.0))
             if scope.cancelled_caught:
                 why = f"no source served it within {self.fetch_deadline_s:g} s"
+                if last:  # the deadline cut this pass: say what the last whole one heard
+                    tried = last + [t for t in tried if t not in last]
         finally:
             v.pins -= 1
             self._release_version(v)
         self.counters.fault_errors += 1
-        why = f"{self._what(v, idx)}: {why}; tried: {'; '.join(tried) or 'nothing'}"
+        asked = f" (every source asked {passes} times)" if passes > 1 else ""
+        why = (f"{self._what(v, idx)}: {why}{asked}; tried: "
+               f"{'; '.join(tried) or 'nothing'}")
         self.last_fault_error = why
         self._error(why)
+        now = trio.current_time()
+        for k in [k for k, (t, _w) in self._failed_fetches.items()
+                  if now - t >= self.refetch_after_s]:
+            del self._failed_fetches[k]
+        self._failed_fetches[(v.vid, idx)] = (now, why)
         raise FsError(errno.EIO, why)
 
     async def _store_chunk(self, v: Version, idx: int, data: bytes) -> None:
@@ -194,7 +228,8 @@ class FaultInOps:
         ``tried`` collects one line per source asked (for the error at the deadline).
 
         Raises:
-            FsError: EIO when no copy is valid (the message says what each source said).
+            FsError: EAGAIN when no copy came and some source could not be asked, EIO when
+                every source answered and none has a valid copy.
         """
         loc = self._chunk_locations.get(digest)
         if loc is not None:

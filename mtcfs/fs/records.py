@@ -20,7 +20,9 @@ class ChunkSource(Protocol):
                 ends the fetch can say what was tried.
 
         Raises:
-            FsError: EIO when no source has a valid copy.
+            FsError: EIO when every source answered and none has a valid copy; EAGAIN when
+                none served it and some source could not be asked (unreachable, no answer
+                in time): asking again later may succeed.
         """
         ...
 

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from mtcfs.errors import FsError
-from replication.peer.errors import PeerChunkCorrupt, PeerError
+from replication.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,11 @@ class PeerChunkSource:
         """Ask each rank of ``order`` once (suspects last) until one serves a valid copy.
 
         Raises:
-            FsError: EIO when none does.
+            FsError: EAGAIN when none did and one could not be reached or did not answer
+                in time, else EIO.
         """
         tried = [] if tried is None else tried
+        transient = False
         for rank in self._best_first(order):
             data: bytes | None = None
             with trio.move_on_after(self.attempt_s) as scope:
@@ -172,11 +174,13 @@ class PeerChunkSource:
                     log.info("chunk %s from rank %d: %s", digest[:16], rank, exc)
                     self._suspect(rank)
                     tried.append(f"rank {rank}: {exc}")
+                    transient = transient or isinstance(exc, PeerUnavailable)
                     continue
             if scope.cancelled_caught:
                 log.info("chunk %s from rank %d: no answer within %g s", digest[:16], rank,
                          self.attempt_s)
                 self._suspect(rank)
+                transient = True
                 tried.append(f"rank {rank}: no answer within {self.attempt_s:g} s")
                 continue
             if data is None:
@@ -187,7 +191,7 @@ class PeerChunkSource:
             return data
         if not order:
             tried.append("peers: none to ask")
-        raise FsError(errno.EIO, "no peer served a valid copy")
+        raise FsError(errno.EAGAIN if transient else errno.EIO, "no peer served a valid copy")
 
     def _suspect(self, rank: int) -> None:
         self._suspect_until[rank] = time.monotonic() + SUSPECT_S
@@ -218,6 +222,7 @@ class TieredChunkSource:
 
     async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
         tried = [] if tried is None else tried
+        transient = False
         for name, src in self.sources:
             before = len(tried)
             try:
@@ -225,10 +230,11 @@ class TieredChunkSource:
             except FsError as exc:
                 if len(tried) == before:  # the source said nothing of its own
                     tried.append(f"{name}: {exc.strerror}")
+                transient = transient or exc.errno == errno.EAGAIN
                 continue
             self.served[name] += 1
             return data
-        raise FsError(errno.EIO, "no tier served a valid copy")
+        raise FsError(errno.EAGAIN if transient else errno.EIO, "no tier served a valid copy")
 
 
 class TwinWait:
