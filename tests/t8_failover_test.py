@@ -220,3 +220,35 @@ def test_no_source_at_all_is_eio_within_the_bound_and_named_in_status(make_clust
         assert c.status(0)["reads"]["failed"] > reads["failed"]  # tried again
     finally:
         os.kill(pid1, signal.SIGCONT)
+
+
+def test_scope_node_a_replacement_reads_past_a_hung_holder_from_the_backup_tier(
+        make_cluster, tmp_path):
+    """scope=node, 3 nodes, rank 1's data replicated to rank 2 and backed up. Rank 1 is
+    replaced on an empty store while rank 2 hangs (SIGSTOP): the replacement's mount comes
+    up, and its files read bit-exact from the backup tier within the bound (rank 2 is asked
+    once per chunk at most, for at most ATTEMPT_S, then last)."""
+    c = make_cluster(3, options={"replicas": 1, "chunk_size": "1M",
+                                 "backup": f"file://{tmp_path / 'bucket'}",
+                                 "backup_interval": "1ckpt"})
+    data = os.urandom(SIZE)
+    d = c.node(1).path("step_7")
+    d.mkdir()
+    (d / "w.bin").write_bytes(data)
+    (d / "commit_success.txt").write_bytes(b"ok")  # commits step_7
+    c.node(1).wait_state("step_7/w.bin", "backed-up", timeout=60)
+    c.node(2).wait_for(lambda: _replica_copies(c.node(2), data) == 3, 60, "the replica")
+    c.kill9(1)
+    c.wipe(1)
+    pid2 = _stop(c, 2)
+    try:
+        t0 = time.monotonic()
+        c.restart(1, timeout=180)
+        got, took = _timed_read(c.node(1), "step_7/w.bin")
+        assert got == data, got
+        assert took < BOUND_S, took
+        st = c.status(1)
+        assert st["restore"]["chunks_from"]["backup"] >= 1, st["restore"]
+        print(f"replacement up in {time.monotonic() - t0 - took:.1f} s, read {took:.1f} s")
+    finally:
+        os.kill(pid2, signal.SIGCONT)
