@@ -167,6 +167,38 @@ def test_the_writers_replica_alone_when_the_writer_hangs(make_cluster):
         os.kill(pid, signal.SIGCONT)
 
 
+def test_the_daemon_serves_other_requests_while_a_read_waits(make_cluster):
+    """The writer and its replica both hang: a read of the writer's file waits on them. The
+    reading node meanwhile answers lookups, listings and reads of other files and mtcfs
+    status at once (a namespace change would wait for the hung members, as scope=job orders
+    it: docs/consistency.md); when the two come back (SIGCONT) the waiting read gets its
+    bytes (its passes over the sources repeat until read_timeout)."""
+    c, data = _cluster_with_step(make_cluster)
+    mine = os.urandom(100_000)
+    c.node(0).path("step_5", "own").write_bytes(mine)
+    pids = [_stop(c, WRITER), _stop(c, REPLICA)]
+    out: list = []
+    try:
+        reader = threading.Thread(target=lambda: out.append(
+            _timed_read(c.node(0), "step_5/__2_0.distcp")), daemon=True)
+        reader.start()
+        time.sleep(1.0)
+        assert not out, "the read should be waiting on the hung nodes"
+        for what, call in [
+                ("listdir", lambda: sorted(os.listdir(c.node(0).path("step_5")))),
+                ("read", lambda: c.node(0).path("step_5", "own").read_bytes() == mine),
+                ("status", lambda: c.status(0)["reads"])]:
+            t0 = time.monotonic()
+            assert call() is not None
+            assert time.monotonic() - t0 < 3, f"{what} waited behind the read"
+        assert not out
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    reader.join(BOUND_S + 15)
+    assert out and out[0][0] == data, out[0][0] if out else "no answer"
+
+
 def test_another_member_alone(make_cluster):
     """Rank 1 read the file (its RAM store holds it); the writer is dead and its replica
     corrupt: the reader on rank 0 gets the chunks from rank 1, a member that neither wrote
