@@ -9,16 +9,9 @@ import trio
 
 from mtcfs.chunking import chunk_hash
 from mtcfs.errors import FsError
-from mtcfs.fs.core import Filesystem
 from mtcfs.fs.model import ROOT_INO
 from mtcfs.store import Store, StoreError
-
-CS = 64 * 1024
-
-
-def open_fs(path, capacity=1 << 30):
-    return Filesystem(Store(str(path), "job", CS), capacity=capacity, chunk_size=CS, job="job")
-
+from support.corefs import CS, open_fs, run
 
 async def write_file(fs, parent, name, data, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC):
     fh, attr = await fs.create(parent, name, 0o644, flags, 0, 0)
@@ -31,20 +24,6 @@ async def write_file(fs, parent, name, data, flags=os.O_WRONLY | os.O_CREAT | os
 async def sealed(fs, ino):
     with trio.fail_after(10):
         return await fs.wait_sealed(fs.inodes[ino])
-
-
-def run(fn, tmp_path):
-    async def main():
-        async with trio.open_nursery() as n:
-            fs = open_fs(tmp_path / "store")
-            fs.start(n)
-            try:
-                await fn(fs)
-            finally:
-                n.cancel_scope.cancel()
-                fs.close()
-                fs.store.close()
-    trio.run(main)
 
 
 def test_seal_chunks_and_file_hash(tmp_path):

@@ -18,9 +18,8 @@ from mtcfs.errors import FsError
 from mtcfs.fs.core import Filesystem
 from mtcfs.fs.jobns import EMPTY_BLAKE3
 from mtcfs.fs.model import ROOT_INO
-from mtcfs.store import Store
+from support.corefs import CS, run
 
-CS = 64 * 1024
 
 
 class HeldSource:
@@ -53,19 +52,13 @@ def snapshot_with(data: bytes, writer: int, seq: int) -> dict:
                              version=version)]}
 
 
-def run(body, tmp_path, rank: int = 1) -> None:
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            fs = Filesystem(Store(str(tmp_path / "store"), "job", CS), capacity=1 << 30,
-                            chunk_size=CS, job="job", rank=rank)
-            fs.start(n)
-            try:
-                await body(fs)
-            finally:
-                n.cancel_scope.cancel()
-                fs.close()
-                fs.store.close()
-    trio.run(main)
+async def open_remote(fs: Filesystem, data: bytes, source) -> int:
+    """Install a snapshot where ``step_5/f`` (inode 3) holds ``data``, written by rank 2
+    (every chunk missing here), set ``source`` as the chunk source; open it for reading."""
+    fs.ns_install(snapshot_with(data, writer=2, seq=5))
+    fs.chunk_source = source
+    fh, _keep = await fs.open(3, os.O_RDONLY)
+    return fh
 
 
 def test_a_snapshot_install_during_a_fetch_does_not_make_the_read_fetch_forever(tmp_path):
@@ -78,9 +71,7 @@ def test_a_snapshot_install_during_a_fetch_does_not_make_the_read_fetch_forever(
     chunks = {chunk_hash(data[i:i + CS]): data[i:i + CS] for i in range(0, len(data), CS)}
 
     async def body(fs: Filesystem) -> None:
-        fs.ns_install(snapshot_with(data, writer=2, seq=5))
-        src = fs.chunk_source = HeldSource(chunks)
-        fh, _keep = await fs.open(3, os.O_RDONLY)
+        fh = await open_remote(fs, data, src := HeldSource(chunks))
         got: list[bytes] = []
 
         async def reader() -> None:
@@ -102,7 +93,7 @@ def test_a_snapshot_install_during_a_fetch_does_not_make_the_read_fetch_forever(
         with trio.fail_after(10):
             assert await fs.read(fh, 0, len(data)) == data
         await fs.release(fh)
-    run(body, tmp_path)
+    run(body, tmp_path, rank=1)
 
 
 def test_a_fetch_that_never_answers_fails_the_read_with_eio_within_the_deadline(tmp_path):
@@ -111,10 +102,8 @@ def test_a_fetch_that_never_answers_fails_the_read_with_eio_within_the_deadline(
     data = os.urandom(CS)
 
     async def body(fs: Filesystem) -> None:
-        fs.ns_install(snapshot_with(data, writer=2, seq=5))
-        fs.chunk_source = HeldSource({})  # never released
         fs.fetch_deadline_s = 0.5
-        fh, _keep = await fs.open(3, os.O_RDONLY)
+        fh = await open_remote(fs, data, HeldSource({}))  # never released
         with trio.fail_after(10):
             with pytest.raises(FsError) as exc:
                 await fs.read(fh, 0, len(data))
@@ -122,7 +111,7 @@ def test_a_fetch_that_never_answers_fails_the_read_with_eio_within_the_deadline(
         assert "step_5/f" in fs.errors[-1] and "0.5 s" in fs.errors[-1]
         assert fs.counters.fault_errors == 1
         await fs.release(fh)
-    run(body, tmp_path)
+    run(body, tmp_path, rank=1)
 
 
 def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
@@ -130,10 +119,8 @@ def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
     chunks = {chunk_hash(data): data}
 
     async def body(fs: Filesystem) -> None:
-        fs.ns_install(snapshot_with(data, writer=2, seq=5))
-        fs.chunk_source = src = HeldSource({})
+        fh = await open_remote(fs, data, src := HeldSource({}))
         src.release.set()
-        fh, _keep = await fs.open(3, os.O_RDONLY)
         with pytest.raises(FsError) as exc:
             await fs.read(fh, 0, len(data))
         assert exc.value.errno == errno.EIO and "step_5/f" in fs.errors[-1]
@@ -148,7 +135,7 @@ def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
         await trio.sleep(0.3)
         assert await fs.read(fh, 0, len(data)) == data
         await fs.release(fh)
-    run(body, tmp_path)
+    run(body, tmp_path, rank=1)
 
 
 class FlakySource:
@@ -174,24 +161,20 @@ def test_a_source_that_comes_back_within_the_deadline_serves_the_read(tmp_path):
     data = os.urandom(CS)
 
     async def body(fs: Filesystem) -> None:
-        fs.ns_install(snapshot_with(data, writer=2, seq=5))
-        fs.chunk_source = src = FlakySource({chunk_hash(data): data}, down=3)
-        fh, _keep = await fs.open(3, os.O_RDONLY)
+        fh = await open_remote(fs, data, src := FlakySource({chunk_hash(data): data}, down=3))
         with trio.fail_after(10):
             assert await fs.read(fh, 0, len(data)) == data
         assert src.fetches == 4 and fs.counters.fault_errors == 0
         await fs.release(fh)
-    run(body, tmp_path)
+    run(body, tmp_path, rank=1)
 
 
 def test_unreachable_sources_until_the_deadline_are_eio_naming_them(tmp_path):
     data = os.urandom(CS)
 
     async def body(fs: Filesystem) -> None:
-        fs.ns_install(snapshot_with(data, writer=2, seq=5))
-        fs.chunk_source = src = FlakySource({}, down=10 ** 6)
         fs.fetch_deadline_s = 2.0
-        fh, _keep = await fs.open(3, os.O_RDONLY)
+        fh = await open_remote(fs, data, src := FlakySource({}, down=10 ** 6))
         with trio.fail_after(10):
             with pytest.raises(FsError) as exc:
                 await fs.read(fh, 0, len(data))
@@ -199,4 +182,4 @@ def test_unreachable_sources_until_the_deadline_are_eio_naming_them(tmp_path):
         assert 2 < src.fetches < 10  # passes repeat, with pauses between them
         assert "rank 2: unreachable" in fs.last_fault_error and "step_5/f" in fs.last_fault_error
         await fs.release(fh)
-    run(body, tmp_path)
+    run(body, tmp_path, rank=1)
