@@ -35,7 +35,7 @@ bench-mtc:
 # Chaos run (examples/chaos.py, docs/reliability.md): 4 daemons on loopback, scope=node then
 # scope=job, a DCP-style save loop and a seeded schedule of faults (kill -9 with replacement,
 # SIGSTOP, partitions, corrupted chunks in every tier, backup outages); prints a table per
-# scope and exits 1 on any invariant violation (30 faults per scope: about 10 minutes).
+# scope and exits 1 on any invariant violation (30 faults per scope: 5-10 minutes).
 # make chaos ARGS="--seed 7 --scope job --minutes 20"
 .PHONY: chaos
 chaos:
