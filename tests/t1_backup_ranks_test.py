@@ -29,7 +29,8 @@ from replication.backup.layout import (
     check_rank, chunk_key, complete_key, manifest_key, parse_rank_step_key, parse_step_key,
     parse_sweep_key, step_dir, sweep_key,
 )
-from replication.backup.sweeps import SweepJournal, SweepRecord
+from replication.backup.chunk_index import ChunkIndex
+from replication.backup.sweeps import SweepJournal, SweepRecord, SweepTracker
 from replication.scheduler import BackupService
 
 CHUNK = 64 * 1024
@@ -417,6 +418,33 @@ def test_crashed_sweeper_makes_uploaders_list_again(tmp_path) -> None:
     stats = st.put_step(make_step(40, {"y": y}, chunks=chunks), chunks.__getitem__)
     assert stats.chunks_uploaded == 1 and st.stats()["index_reloads"] == reloads + 1
     assert journal.prune(NOW + 10**15) == 2 and journal.keys() == set()
+
+
+def test_a_sweep_end_lost_to_an_outage_is_recorded_at_the_sweepers_next_sync(tmp_path) -> None:
+    """Found by the chaos run (seed 11, scope=node): the backup tier went away while a sweep
+    finished, so its end was never recorded, and every other rank's uploads waited for that
+    'running' sweep until its deadline plus the slack (20 minutes) before marking steps
+    complete. The sweeper now records the end again at its own next sync (its next upload)."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    be = FileBackend(bucket)
+    journal = SweepJournal(be)
+    rec = journal.begin(2, NOW)
+    gone = tmp_path / "away"
+    bucket.rename(gone)
+    bucket.write_bytes(b"")  # the outage: nothing can recreate the directory meanwhile
+    with pytest.raises(BackupError):
+        journal.finish(rec, [chunk_hash(b"x")], NOW + 1)
+    assert journal.finish_pending() == 1  # still out
+    bucket.unlink()
+    gone.rename(bucket)
+    others = SweepJournal(FileBackend(bucket))
+    got = others.read(rec.key)
+    assert got is not None and not got.done  # what other nodes wait on
+    SweepTracker(journal, ChunkIndex(be)).sync()
+    got = others.read(rec.key)
+    assert got is not None and got.done and got.deleted == (chunk_hash(b"x"),)
+    assert journal.finish_pending() == 0
 
 
 def test_commit_step_reports_a_chunk_a_sweep_deleted(tmp_path) -> None:

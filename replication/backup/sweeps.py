@@ -49,6 +49,9 @@ is :data:`DEADLINE_SLACK_S` past its deadline is taken as a crashed sweep whose 
 unknown, and the uploader lists ``chunks/`` again. So does an uploader that has not synced
 for ``JOURNAL_KEEP_S / 2`` (records it never saw may have been pruned), and one whose open
 record vanished. Clocks of the nodes must agree to within :data:`DEADLINE_SLACK_S`.
+A sweeper that could not record its end (the bucket failed just then) keeps the finished
+record and writes it again at each of its own syncs until that succeeds, so the others wait
+until its next upload after the outage, not until the deadline.
 
 The residual window: a sweeper whose delete request is stuck in retries past its deadline
 plus the slack. Keep the retry deadline of the backend below :data:`DEADLINE_SLACK_S`.
@@ -70,7 +73,7 @@ from dataclasses import dataclass, field
 
 from replication.backup.backend import Backend
 from replication.backup.chunk_index import ChunkIndex
-from replication.backup.errors import NotFound
+from replication.backup.errors import BackupError, NotFound
 from replication.backup.layout import SWEEPS_PREFIX, check_hash, parse_sweep_key, sweep_key
 
 log = logging.getLogger(__name__)
@@ -143,6 +146,10 @@ class SweepJournal:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._lock = threading.Lock()
+        #: This process's sweeps whose end could not be recorded (the backend failed):
+        #: key -> the finished record, written again by :meth:`finish_pending`.
+        self._unrecorded: dict[str, SweepRecord] = {}
 
     def keys(self) -> set[str]:
         """Names of the records there now (one listing). Raises BackupError on failure."""
@@ -194,8 +201,37 @@ class SweepJournal:
         done = SweepRecord(key=rec.key, rank=rec.rank, started_ns=rec.started_ns,
                            deadline_ns=rec.deadline_ns, done=True, finished_ns=now_ns,
                            deleted=tuple(deleted))
-        self._backend.put(done.key, done.to_bytes())
+        try:
+            self._backend.put(done.key, done.to_bytes())
+        except BackupError:
+            with self._lock:  # written again by finish_pending(), at this node's next sync
+                self._unrecorded[done.key] = done
+            raise
         return done
+
+    def finish_pending(self) -> int:
+        """Record again the ends of this process's sweeps that :meth:`finish` could not
+        record (a backend outage at the end of a sweep). Until then every other node's
+        uploader waits for the sweep (up to its deadline plus the slack, 20 minutes by
+        default); this runs at every :meth:`SweepTracker.sync` of this node, so the wait
+        ends with this node's next upload after the outage. Returns how many are still
+        unrecorded; backend errors are logged, not raised.
+        """
+        with self._lock:
+            todo = list(self._unrecorded.values())
+        for done in todo:
+            try:
+                self._backend.put(done.key, done.to_bytes())
+            except BackupError as exc:
+                log.warning("still cannot record the end of sweep %s in %s: %s", done.key,
+                            self._backend.describe(), exc)
+                continue
+            log.info("recorded the end of sweep %s in %s after all", done.key,
+                     self._backend.describe())
+            with self._lock:
+                self._unrecorded.pop(done.key, None)
+        with self._lock:
+            return len(self._unrecorded)
 
     def prune(self, now_ns: int, keep_s: float = JOURNAL_KEEP_S) -> int:
         """Delete records of sweeps that started more than ``keep_s`` ago; return how many.
@@ -273,6 +309,7 @@ class SweepTracker:
         Raises:
             BackupError: if the backend fails.
         """
+        self._journal.finish_pending()  # our own sweeps others may be waiting for
         with self._lock:
             if self._last_sync is None or \
                     self._monotonic() - self._last_sync > JOURNAL_KEEP_S / 2:
