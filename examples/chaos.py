@@ -34,7 +34,10 @@ for p in (str(REPO), str(REPO / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from support.chaos import FAULT_KINDS, READ_BOUND_S, ChaosConfig, run_chaos  # noqa: E402
+from mtcfs.fs.faultin import FETCH_DEADLINE_S  # noqa: E402
+from support.chaos import (  # noqa: E402
+    BOUND_MARGIN_S, FAULT_KINDS, READ_BOUND_S, ChaosConfig, run_chaos,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"fault kinds to draw from (default all: {','.join(FAULT_KINDS)})")
     ap.add_argument("--file-size", type=int, default=2_500_000,
                     help="bytes per rank file, about (2500000)")
-    ap.add_argument("--read-bound", type=float, default=READ_BOUND_S,
-                    help=f"invariant: no read waits longer (default {READ_BOUND_S:.0f} s)")
+    ap.add_argument("--read-timeout", type=float, default=FETCH_DEADLINE_S,
+                    help=f"the mounts' read_timeout, s (default {FETCH_DEADLINE_S:g})")
+    ap.add_argument("--read-bound", type=float, default=None,
+                    help=f"invariant: no read waits longer, s (default: the larger of "
+                         f"read_timeout and 60 s, plus {BOUND_MARGIN_S:g} s: "
+                         f"{READ_BOUND_S:.0f} s at the default read_timeout)")
     ap.add_argument("--strict-local-ram", action="store_true",
                     help="also read files through the node whose RAM copy was corrupted "
                          "(mtcfs serves its own RAM unverified: expect violations)")
@@ -71,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for scope in scopes:
         cfg = ChaosConfig(seed=a.seed, nodes=a.nodes, scope=scope, faults=faults,
                           minutes=a.minutes, backup=a.backup, kinds=kinds,
-                          file_size=a.file_size, read_bound_s=a.read_bound,
+                          file_size=a.file_size, read_timeout_s=a.read_timeout,
+                          read_bound_s=a.read_bound,
                           strict_local_ram=a.strict_local_ram, verbose=not a.quiet)
         print(f"=== chaos: scope={scope}, seed {a.seed}, {a.nodes} nodes", flush=True)
         res = run_chaos(cfg)

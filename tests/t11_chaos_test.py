@@ -24,7 +24,7 @@ FAULTS = len(FAULT_KINDS) + 3
 
 @pytest.mark.parametrize("scope,seed", [("node", 11), ("job", 12)])
 def test_chaos_short(shm_dir, scope, seed):
-    cfg = ChaosConfig(seed=seed, nodes=4, scope=scope, faults=FAULTS,
+    cfg = ChaosConfig(seed=seed, nodes=4, scope=scope, faults=FAULTS, read_timeout_s=15,
                       max_wall_s=300)
     res = run_chaos(cfg, root=shm_dir / "chaos")
     report = res.report()

@@ -27,7 +27,7 @@ FETCH_DEADLINE_S = 60.0
 #: Seconds after a failed fetch of a chunk during which a new fetch of it fails at once with
 #: the same error. The kernel sends a READ again right after one failed (a readahead, then
 #: the read itself); without this, one read(2) could wait the deadline twice.
-REFETCH_AFTER_S = 5.0
+REFETCH_AFTER_S = 2.0
 
 
 class FaultInOps:
