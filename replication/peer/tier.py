@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 #: size) may take: at least ~1 MB/s, or the holder's share goes to the others.
 BULK_CALL_S = 60.0
 
+
 @dataclass
 class TierConfig:
     """What the mount options say about the job (see docs/usage.md)."""
