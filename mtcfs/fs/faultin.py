@@ -94,10 +94,13 @@ class FaultInOps:
             if ev is not None:
                 with trio.move_on_at(deadline):
                     await ev.wait()
-                if idx in v.missing and (key not in self._inflight
-                                         or trio.current_time() >= deadline):
-                    raise FsError(errno.EIO, f"{self._what(v, idx)}: the fetch this read "
-                                  "waited for failed (see the error before)")
+                if idx in v.missing and key not in self._inflight:
+                    failed = self._failed_fetches.get(key)  # the fetch we joined failed
+                    raise FsError(errno.EIO, failed[1] if failed else
+                                  f"{self._what(v, idx)}: the fetch this read waited for failed")
+                if idx in v.missing and trio.current_time() >= deadline:
+                    raise FsError(errno.EIO, f"{self._what(v, idx)}: another read's fetch "
+                                  f"did not end within {self.fetch_deadline_s:g} s")
                 continue
             ev = self._inflight[key] = trio.Event()
             try:
