@@ -218,6 +218,8 @@ class MountOptions:
     jax_coordinator: str | None = None
     #: Seconds ``mtcfs`` waits for the mount to come up before it stops its daemon (exit 1).
     mount_timeout: float = DEFAULT_MOUNT_TIMEOUT
+    #: Each option's text as given (name -> value), for messages that name it.
+    given: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.backup_interval is None:
@@ -402,6 +404,7 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
             raise OptionError(f"bad option backup={o.backup}: file:// needs an absolute path"
                               " (file:///path)")
     _check_peer_tier(o, given)
+    o.given = given
     return o
 
 
