@@ -15,7 +15,9 @@ import argparse
 import json
 import logging
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -76,9 +78,19 @@ def cmd_mount(argv: list[str]) -> None:
     if os.path.ismount(opts.mountpoint):
         _die(f"{opts.mountpoint} is already a mount point", 1)
     opts.mountpoint = os.path.abspath(opts.mountpoint)
+    from mtcfs.store import StoreError, check_size, check_store_dir, filesystem_warning
+    try:  # before anything is created: a foreign directory is never touched
+        check_store_dir(opts.store, opts.mountpoint)
+        check_size(opts.store, opts.size, opts.given.get("size"))
+    except StoreError as exc:
+        _die(str(exc), EXIT_USAGE)
+    except OSError as exc:
+        _die(f"bad option store={opts.store}: {exc.strerror or exc}", EXIT_USAGE)
+    warning = filesystem_warning(opts.store)["warning"]
+    if warning:
+        print(f"mtcfs: {warning}", file=sys.stderr)
 
     from mtcfs.daemon import Daemon
-    from mtcfs.store import StoreError
     if opts.foreground:
         _setup_logging(opts.debug, None)
         daemon = Daemon(opts)
@@ -90,15 +102,19 @@ def cmd_mount(argv: list[str]) -> None:
         trio.run(daemon.run, lambda: None)
         return
 
+    # The signals that would end this command while it waits are held until the daemon is
+    # forked and the handlers that stop it are in place: no moment leaves a daemon alone.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     rfd, wfd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         os.close(wfd)
-        with os.fdopen(rfd, "rb") as r:
-            msg = r.read().decode(errors="replace")
-        if msg.startswith("OK"):
-            sys.exit(0)
-        _die(msg.strip() or "the daemon exited before the mount was ready")
+        _wait_for_daemon(pid, rfd, opts)  # exits
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    _end_with(parent)
     # Child: a daemon in its own session, logging into the store directory.
     os.close(rfd)
     os.setsid()
@@ -126,6 +142,7 @@ def cmd_mount(argv: list[str]) -> None:
         def ready() -> None:
             status.write(b"OK")
             status.close()
+            _end_with(None)  # mounted: the daemon now outlives the command
         import trio
         try:
             trio.run(daemon.run, ready)
@@ -137,6 +154,107 @@ def cmd_mount(argv: list[str]) -> None:
     finally:
         logging.shutdown()
         os._exit(code)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with(parent: int | None) -> None:
+    """In the daemon before its mount is ready: get SIGTERM when the ``mtcfs`` command that
+    started it dies (even by SIGKILL), so it never lives on alone; ``None``: no longer."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, 0 if parent is None else signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the command's own handlers still stop it
+        return
+    if parent is not None and os.getppid() != parent:  # it died before prctl
+        os._exit(1)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _reap(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for child ``pid`` to exit; True once it has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _stop_daemon(pid: int, mountpoint: str) -> None:
+    """Stop a daemon whose mount did not come up: SIGTERM to it and its session, SIGKILL
+    after 5 s, each waited for at most 5 s; then clear the mount should it have been made
+    at the last moment."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for kill in (os.killpg, os.kill):  # the group once it has called setsid()
+            try:
+                kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if _reap(pid, 5.0):
+            break
+    if mountinfo.is_mounted(mountpoint):
+        mountinfo.force_unmount(mountpoint)
+
+
+def _wait_for_daemon(pid: int, rfd: int, opts: Any) -> None:
+    """In the command after fork(): wait, at most ``mount_timeout`` seconds, for the daemon
+    to report its mount ready, and exit 0. Exits 1 with the daemon's error when it failed;
+    when the time is up (exit 1) or the command gets SIGINT, SIGTERM or SIGHUP (exit 128 +
+    the signal), stops the daemon and leaves nothing mounted."""
+    def interrupted(signum: int, _frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, interrupted)
+    msg = b""
+    why: int | str | None = None
+    deadline = time.monotonic() + opts.mount_timeout
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "timeout"
+                break
+            if select.select([rfd], [], [], min(left, 1.0))[0]:
+                chunk = os.read(rfd, 65536)
+                if not chunk:
+                    break
+                msg += chunk
+    except _Interrupted as exc:
+        why = exc.signum
+    for sig in _STOP_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+    text = msg.decode(errors="replace")
+    if text.startswith("OK"):
+        sys.exit(0)
+    log_path = os.path.join(opts.store, "mtcfs.log")
+    if why is None:  # the daemon failed and says why; it exits by itself
+        if not _reap(pid, 10.0):
+            _stop_daemon(pid, opts.mountpoint)
+        _die(text.strip() or f"the daemon exited before the mount was ready (see {log_path})")
+    _stop_daemon(pid, opts.mountpoint)
+    if why == "timeout":
+        given = opts.given.get("mount_timeout", f"{opts.mount_timeout:g}s")
+        _die(f"the mount did not come up within mount_timeout={given}: its daemon was "
+             f"stopped and nothing is mounted (see {log_path})")
+    assert isinstance(why, int)
+    _die(f"interrupted by {signal.Signals(why).name} while waiting for the mount: its daemon "
+         "was stopped and nothing is mounted", 128 + why)
 
 
 # ---------------------------------------------------------------------- client side
@@ -354,6 +472,8 @@ def cmd_status(a: argparse.Namespace) -> None:
         return
     ram = st["ram"]
     print(f"job {st['job']} at {st['mountpoint']} (pid {st['pid']}, store {st['store']})")
+    if (st.get("store_fs") or {}).get("warning"):
+        print(f"  store:    {st['store_fs']['warning']}")
     print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
           f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
     b = st.get("backup")

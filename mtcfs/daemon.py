@@ -25,7 +25,7 @@ from mtcfs.fs.model import ROOT_INO
 from mtcfs.fuse_ops import Operations
 from mtcfs.mountinfo import device_of
 from mtcfs.options import MountOptions
-from mtcfs.store import Store
+from mtcfs.store import Store, check_size, filesystem_warning
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class Daemon:
         self.ns: Any = None  # scope=job: the job's namespace log
         self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
         self.mtc_service: Any = None
+        #: The store's filesystem: {"type", "mount", "warning"} (warning None on tmpfs).
+        self.store_fs: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ building
 
@@ -72,7 +74,11 @@ class Daemon:
             StoreError, ValueError: the store or backup URL cannot be used.
         """
         o = self.opts
-        self.store = Store(o.store, o.job, o.chunk_size)
+        check_size(o.store, o.size)  # also checked by the CLI, with the option as given
+        self.store = Store(o.store, o.job, o.chunk_size, mountpoint=o.mountpoint)
+        self.store_fs = filesystem_warning(self.store.path)
+        if self.store_fs["warning"]:
+            log.warning("%s", self.store_fs["warning"])
         capacity = o.size or default_capacity(self.store.path)
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
@@ -529,7 +535,7 @@ class Daemon:
                       "last_failure": fs.last_fault_error,
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",
                                                     list)())},
-            "backup": None, "restore": None,
+            "backup": None, "restore": None, "store_fs": self.store_fs,
         }
         if self.backup is not None:
             b = self.backup.status.to_json()

@@ -9,6 +9,7 @@ fusectl (so blocked requests fail at once) and detaches the mount lazily. It is 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 FUSECTL = "/sys/fs/fuse/connections"
@@ -23,6 +24,35 @@ def _mount_fields(mountpoint: str | os.PathLike[str]) -> list[str] | None:
             if fields[4] == mp:
                 found = fields  # the last one is the top of a stack of mounts
     return found
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts() -> list[tuple[str, str]]:
+    """Every mount as (mount point, filesystem type, e.g. ``"tmpfs"`` or ``"fuse.mtcfs"``),
+    in /proc/self/mountinfo order (a later one may cover an earlier one)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            out.append((_unescape(fields[4]), fields[sep + 1]))
+    return out
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(mount point, filesystem type) of the mount that holds ``path``, found from the
+    path's text without touching it (``path`` may not exist yet; symlinks of its existing
+    part are resolved)."""
+    p = os.path.realpath(path)
+    best = ("/", "")
+    for mp, fstype in mounts():
+        if (p == mp or p.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
+            best = (mp, fstype)
+    return best
 
 
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:

@@ -41,8 +41,25 @@ PLACEMENTS = ("ring", "group")
 NS_QUORUMS = ("majority", "live")
 
 
+#: The largest ``size=`` read at all (1024P = 1 EiB); the CLI also refuses a size larger
+#: than the store's filesystem.
+MAX_SIZE = 1024 ** 6
+#: Bounds of the counted options (docs/usage.md, the options table).
+MAX_NODES = 65536
+MAX_KEEP = 1000
+MAX_BACKUP_KEEP = 100_000
+MAX_REPLICAS = 16
+MAX_INTERVAL_S = 30 * 86400
+MAX_INTERVAL_CKPTS = 1_000_000
+MAX_STEP = 2 ** 63 - 1
+#: How long ``mtcfs`` waits for its daemon's mount to come up (``mount_timeout=``), seconds.
+DEFAULT_MOUNT_TIMEOUT = 120.0
+
+
 def parse_size(text: str) -> int:
     """``"60G"`` -> bytes. Suffixes K, M, G, T, P are powers of 1024; "KiB"/"KB" also read.
+
+    Exact for any length of digits (no float overflow; ``1.5G`` is 1610612736).
 
     Raises:
         ValueError: not a size.
@@ -51,7 +68,9 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"expected a size like 512M or 60G, got {text!r}")
     mult = 1024 ** "_kmgtp".index((m.group(2) or "_").lower())
-    return int(float(m.group(1)) * mult)
+    whole, _, frac = m.group(1).partition(".")
+    frac = frac[:30]  # beyond a byte's precision
+    return (int(whole + frac) * mult) // 10 ** len(frac)
 
 
 def parse_duration(text: str) -> float:
@@ -128,13 +147,26 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
 
 
 def parse_backup_interval(text: str) -> BackupInterval:
+    """``"10m"`` -> every 600 s, ``"5ckpt"`` -> every 5th complete checkpoint.
+
+    Raises:
+        ValueError: not a duration or count, a duration outside 1s..30d, or a count outside
+            1..1000000ckpt.
+    """
     m = _CKPT_RE.match(text.strip())
     if m:
         n = int(m.group(1))
         if n < 1:
             raise ValueError("a checkpoint count must be at least 1ckpt")
+        if n > MAX_INTERVAL_CKPTS:
+            raise ValueError(f"a checkpoint count must be at most {MAX_INTERVAL_CKPTS}ckpt")
         return BackupInterval(seconds=None, checkpoints=n)
-    return BackupInterval(seconds=parse_duration(text), checkpoints=None)
+    seconds = parse_duration(text)
+    if seconds < 1:
+        raise ValueError("must be at least 1s")
+    if seconds > MAX_INTERVAL_S:
+        raise ValueError("must be at most 30d")
+    return BackupInterval(seconds=seconds, checkpoints=None)
 
 
 @dataclass
@@ -184,6 +216,10 @@ class MountOptions:
     mtc: bool = False
     #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
     jax_coordinator: str | None = None
+    #: Seconds ``mtcfs`` waits for the mount to come up before it stops its daemon (exit 1).
+    mount_timeout: float = DEFAULT_MOUNT_TIMEOUT
+    #: Each option's text as given (name -> value), for messages that name it.
+    given: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.backup_interval is None:
@@ -210,13 +246,19 @@ def default_store(job: str) -> str:
     return os.path.join("/dev/shm/mtcfs", job)
 
 
-def _int(name: str, value: str, lo: int) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise OptionError(f"bad option {name}={value}: expected an integer") from None
+def _int(name: str, value: str, lo: int, hi: int) -> int:
+    """The integer option ``name=value`` (plain decimal digits) in ``lo..hi``.
+
+    Raises:
+        OptionError: not an integer, or outside ``lo..hi``.
+    """
+    if not re.fullmatch(r"[0-9]{1,30}", value.strip()):
+        raise OptionError(f"bad option {name}={value}: expected an integer")
+    n = int(value)
     if n < lo:
         raise OptionError(f"bad option {name}={value}: must be at least {lo}")
+    if n > hi:
+        raise OptionError(f"bad option {name}={value}: must be at most {hi}")
     return n
 
 
@@ -259,6 +301,9 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                 if name in _GENERIC or name.startswith("x-") or name == "comment":
                     continue
                 if name in _KNOWN and has_value:
+                    if name in given and name not in _LISTS:  # last wins would drop one
+                        raise OptionError(f"bad option {item}: {name} given twice "
+                                          f"({name}={given[name]}, {item})")
                     given[name] = value
                 if name == "ro" and flag:
                     o.read_only = True
@@ -268,6 +313,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.size = parse_size(value)
                     if o.size <= 0:
                         raise ValueError("must be positive")
+                    if o.size > MAX_SIZE:
+                        raise ValueError("must be at most 1024P")
                 elif name == "backup" and value:
                     if not (value.startswith("gs://") or value.startswith("file://")):
                         raise ValueError("expected gs://bucket/prefix or file:///path")
@@ -275,26 +322,28 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                 elif name == "backup_interval" and value:
                     o.backup_interval = parse_backup_interval(value)
                 elif name == "backup_keep" and value:
-                    o.backup_keep = _int(name, value, 1)
+                    o.backup_keep = _int(name, value, 1, MAX_BACKUP_KEEP)
                 elif name == "keep" and value:
-                    o.keep = _int(name, value, 1)
+                    o.keep = _int(name, value, 1, MAX_KEEP)
                 elif name == "chunk_size" and value:
                     cs = parse_size(value)
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):
                         raise ValueError("must be a power of two between 64K and 256M")
                     o.chunk_size = cs
                 elif name == "restore" and value:
-                    if value not in ("latest", "none") and not value.isdigit():
-                        raise ValueError("expected latest, none or a step number")
+                    if value not in ("latest", "none") and not (
+                            re.fullmatch(r"[0-9]{1,19}", value) and int(value) <= MAX_STEP):
+                        raise ValueError("expected latest, none or a step number "
+                                         f"(0..{MAX_STEP})")
                     o.restore = value
                 elif name == "allow_other" and flag:
                     o.allow_other = True
                 elif name == "debug" and flag:
                     o.debug = True
                 elif name == "rank" and value:
-                    o.rank = _int(name, value, 0)
+                    o.rank = _int(name, value, 0, MAX_NODES - 1)
                 elif name == "nodes" and value:
-                    o.nodes = _int(name, value, 1)
+                    o.nodes = _int(name, value, 1, MAX_NODES)
                 elif name == "listen" and value:
                     o.listen = parse_address(value)
                 elif name == "coordinator" and value:
@@ -308,13 +357,13 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     _extend(o, given, "topology", value, first=True)
                     extending = "topology"
                 elif name == "replicas" and value:
-                    o.replicas = _int(name, value, 0)
+                    o.replicas = _int(name, value, 0, MAX_REPLICAS)
                 elif name == "placement" and value:
                     if value not in PLACEMENTS:
                         raise ValueError(f"expected {' or '.join(PLACEMENTS)}")
                     o.placement = value
                 elif name == "assume_data_parallelism" and value:
-                    o.assume_data_parallelism = _int(name, value, 1)
+                    o.assume_data_parallelism = _int(name, value, 1, MAX_NODES)
                 elif name == "huge_model" and flag:
                     o.huge_model = True
                 elif name == "mtc" and flag:
@@ -329,6 +378,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.read_timeout = parse_duration(value)
                     if not 1 <= o.read_timeout <= 3600:
                         raise ValueError("must be between 1s and 1h")
+                elif name == "mount_timeout" and value:
+                    o.mount_timeout = parse_duration(value)
+                    if not 1 <= o.mount_timeout <= 3600:
+                        raise ValueError("must be between 1s and 1h")
                 elif name == "ns_quorum" and value:
                     if value not in NS_QUORUMS:
                         raise ValueError(f"expected {' or '.join(NS_QUORUMS)}")
@@ -336,17 +389,22 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                 else:
                     raise OptionError(f"unknown option {item!r}" if name not in _KNOWN
                                       else f"bad option {item!r}: "
-                                      + ("takes no value" if not flag else "needs a value"))
+                                      + ("takes no value" if name in _FLAGS
+                                         else "needs a value"))
             except ValueError as exc:
                 if isinstance(exc, OptionError):
                     raise
                 raise OptionError(f"bad option {item}: {exc}") from None
+    if o.size is not None and o.size < o.chunk_size:
+        raise OptionError(f"bad option size={given['size']}: smaller than one chunk "
+                          f"(chunk_size={given.get('chunk_size', o.chunk_size)})")
     if o.backup and o.backup.startswith("file://"):
         path = o.backup[len("file://"):]
         if not path.startswith("/"):
             raise OptionError(f"bad option backup={o.backup}: file:// needs an absolute path"
                               " (file:///path)")
     _check_peer_tier(o, given)
+    o.given = given
     return o
 
 
@@ -442,4 +500,9 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
-          "read_timeout"}
+          "read_timeout", "mount_timeout"}
+#: The list options: a token that is no option continues them, and a later ``peers=`` or
+#: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
+_LISTS = {"peers", "topology"}
+#: The options that take no value; they may be repeated (``debug,debug`` means debug).
+_FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc"}

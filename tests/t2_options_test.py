@@ -270,3 +270,66 @@ def test_mtc_option_errors_name_the_option(opts, words):
         parse(opts)
     for w in words:
         assert w in str(e.value)
+
+
+# ---------------------------------------------------------------------- bounds, repeats (#12)
+
+@pytest.mark.parametrize("opts,words", [
+    ("nodes=1000000000,coordinator=h:1", ["nodes=1000000000", "at most 65536"]),
+    ("keep=1000000", ["keep=1000000", "at most 1000"]),
+    ("backup=file:///b,backup_keep=99999999", ["backup_keep=99999999", "at most 100000"]),
+    ("replicas=1000", ["replicas=1000", "at most 16"]),
+    ("backup=file:///b,backup_interval=0", ["backup_interval=0", "at least 1s"]),
+    ("backup=file:///b,backup_interval=400d", ["backup_interval=400d", "at most 30d"]),
+    ("backup=file:///b,backup_interval=9999999ckpt", ["backup_interval=9999999ckpt",
+                                                      "at most 1000000ckpt"]),
+    ("restore=99999999999999999999999", ["restore=99999999999999999999999"]),
+    ("size=99999999999999999999999999P", ["size=99999999999999999999999999P", "at most"]),
+    ("size=" + "9" * 400, ["size=999", "at most"]),
+    ("size=1M", ["size=1M", "chunk_size"]),
+    ("keep=1_0", ["keep=1_0", "integer"]),
+    ("mount_timeout=0", ["mount_timeout=0", "between 1s and 1h"]),
+])
+def test_out_of_range_values_are_refused(opts, words):
+    """Every number has bounds that make sense; past them: a one-line error naming it."""
+    with pytest.raises(OptionError) as ei:
+        parse(opts)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_values_at_the_bounds_are_accepted():
+    o = parse("nodes=65536,coordinator=h:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h")
+    assert (o.nodes, o.keep, o.replicas, o.size) == (65536, 1000, 16, 1024 ** 6)
+    assert o.mount_timeout == 3600 and parse("").mount_timeout == 120
+    o = parse("backup=file:///b,backup_interval=30d,backup_keep=100000")
+    assert o.backup_interval.seconds == 30 * 86400 and o.backup_keep == 100000
+
+
+@pytest.mark.parametrize("opts", [["size=4G,size=8G"], ["size=4G", "size=4G"],
+                                  ["store=/dev/shm/a,store=/dev/shm/b"], ["keep=2,keep=3"],
+                                  ["nodes=2,coordinator=h:1", "coordinator=h:2"]])
+def test_an_option_given_twice_is_an_error(opts):
+    with pytest.raises(OptionError) as ei:
+        parse(*opts)
+    assert "given twice" in str(ei.value)
+
+
+def test_flags_may_repeat_and_lists_still_continue():
+    assert parse("debug,debug", "allow_other", "allow_other").debug
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},topology=zone=a,block=3")
+    assert len(o.peers) == 3 and o.topology == {"zone": "a", "block": "3"}
+    # a list option given again starts afresh (test_topology_labels_continue_across_commas)
+    assert parse("nodes=2,peers=a:1,b:1", "peers=c:1,d:1").peers == ["c:1", "d:1"]
+
+
+@pytest.mark.parametrize("opt,why", [("size=", "needs a value"), ("store=", "needs a value"),
+                                     ("size", "needs a value"), ("keep=", "needs a value"),
+                                     ("allow_other=", "takes no value"),
+                                     ("debug=1", "takes no value")])
+def test_empty_value_says_needs_a_value(opt, why):
+    with pytest.raises(OptionError) as ei:
+        parse(opt)
+    assert why in str(ei.value) and opt in str(ei.value)
