@@ -12,10 +12,21 @@ import os
 
 from mtcfs.chunking import chunk_count
 from mtcfs.errors import FsError
-from mtcfs.fs.model import ROOT_INO, Version
+import trio
+
+from mtcfs.fs.model import ROOT_INO, Handle, Version
 from mtcfs.fs.records import StepRecord
 
 log = logging.getLogger("mtcfs.fs.core")
+
+#: The largest file, in bytes (beyond: EFBIG). Holes cost nothing against size=, but a
+#: file is hashed whole when sealed, holes included (about 2 GB/s): 1 TiB is minutes.
+MAX_FILE_SIZE = 1 << 40
+#: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
+#: whose last close(2) was seen (the kernel sends RELEASE after close returns).
+RELEASE_WAIT_S = 1.0
+#: Allocation unit assumed for a reservation (tmpfs allocates pages).
+PAGE = 4096
 
 
 class CapacityOps:
@@ -23,12 +34,66 @@ class CapacityOps:
 
     # ------------------------------------------------------------------ capacity
 
+    def _account(self, v: Version) -> None:
+        """Measure what the data file of ``v`` really holds (st_blocks) and count the change
+        against size=: the accounting rule (docs/architecture.md, "Capacity")."""
+        try:
+            alloc = os.fstat(self._fd(v)).st_blocks * 512
+        except OSError:
+            return
+        self.used += alloc - v.alloc
+        v.alloc = alloc
+
+    def _new_bytes(self, v: Version, off: int, end: int) -> int:
+        """At most how many bytes writing ``[off, end)`` of ``v`` adds to the store: the pages
+        of the range from its first hole on (none when the range is all data)."""
+        start = off
+        if off < v.size:
+            try:
+                start = os.lseek(self._fd(v), off, os.SEEK_HOLE)
+            except OSError:
+                start = off
+            if start >= end:
+                return 0
+        return (-(-end // PAGE) - start // PAGE) * PAGE
+
+    def _releases_in_flight(self) -> list[Handle]:
+        out = []
+        for h in self.handles.values():
+            if isinstance(h, Handle) and h.closed:
+                ino = self.inodes.get(h.ino)
+                if ino is not None and ino.nlink == 0:
+                    out.append(h)
+        return out
+
+    async def settle_releases(self) -> None:
+        """Wait (at most RELEASE_WAIT_S) for the RELEASE of unlinked files already closed:
+        their space comes back then. A handle is waited for once."""
+        pending = self._releases_in_flight()
+        if not pending:
+            return
+        with trio.move_on_after(RELEASE_WAIT_S):
+            while any(self.handles.get(h.fh) is h for h in pending):
+                ev = self.__dict__.setdefault("_released", trio.Event())
+                await ev.wait()
+        for h in pending:
+            h.closed = False  # still open past the wait (mapped, or held): not waited again
+
+    def _released_one(self) -> None:
+        ev = self.__dict__.pop("_released", None)
+        if ev is not None:
+            ev.set()
+
     async def _reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
 
         Raises:
             FsError: ENOSPC when eviction cannot free enough.
         """
+        shared = self.shared_used()
+        if self.used + shared + nbytes <= self.capacity:
+            return
+        await self.settle_releases()
         shared = self.shared_used()
         if self.used + shared + nbytes <= self.capacity:
             return
@@ -65,7 +130,7 @@ class CapacityOps:
         total = 0
         for _p, ino in self.walk(self.inodes[s.ino]):
             if ino.is_file:
-                total += self.versions[ino.vid].local_bytes()  # type: ignore[index]
+                total += self.versions[ino.vid].alloc  # type: ignore[index]
         return total
 
     def evict(self, need: int | None = None) -> list[str]:
@@ -109,7 +174,6 @@ class CapacityOps:
             for v in self._step_versions(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
-                before = v.local_bytes()
                 self._hand_over_last_copies(v)
                 for d in v.chunks:  # first, so that other local copies take over at once
                     self._forget_chunk(d, v.vid)
@@ -117,7 +181,7 @@ class CapacityOps:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)
                 v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-                self.used -= before
+                self._account(v)
                 self._write_version(v)
 
     def _delete_tree(self, s: StepRecord) -> None:
@@ -137,7 +201,8 @@ class CapacityOps:
             self._maybe_free_inode(ino)
 
     def statfs(self) -> dict[str, int]:
-        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's)."""
+        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's). ``used`` is
+        what the store's data files really hold (holes cost nothing), plus the replicas."""
         shared = self.shared_used()
         return {"capacity": self.capacity, "used": self.used + shared, "replicas": shared,
                 "free": max(0, self.capacity - self.used - shared), "files": len(self.inodes)}

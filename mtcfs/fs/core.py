@@ -199,7 +199,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                          if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
                 self.steps.pop(name)
                 db.execute("DELETE FROM steps WHERE name=?", (name,))
-        self.used = sum(v.local_bytes() for v in self.versions.values())
+        for v in self.versions.values():  # what counts against size=: capacity.py, _account
+            v.alloc = os.stat(self.store.data_path(v.vid)).st_blocks * 512
+        self.used = sum(v.alloc for v in self.versions.values())
         for v in self.versions.values():
             self._index_chunks(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
@@ -396,27 +398,53 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.inodes[ino.ino] = ino
         return ino
 
-    def _new_version(self, ino: Inode, copy_from: Version | None = None) -> Version:
+    def _new_version(self, ino: Inode, copy_from: Version | None = None,
+                     take_over: Version | None = None) -> Version:
+        """A new version of ``ino``: empty, a copy of ``copy_from`` (its data extents only:
+        holes stay holes), or ``take_over``'s data file itself (a second name for it; the
+        caller makes sure nothing else uses that version, which goes at ``_set_current``)."""
         v = Version(vid=self._alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
-        fd = self.store.open_data(v.vid, create=True)
-        os.ftruncate(fd, 0)
-        v.fd = fd
-        if copy_from is not None and copy_from.size:
-            src = self._fd(copy_from)
-            left, off = copy_from.size, 0
-            while left:
-                n = os.copy_file_range(src, fd, left, off, off)
-                if n <= 0:
-                    break
-                left -= n
-                off += n
-            v.size = copy_from.size
-            v.missing = set(copy_from.missing)
-            v.chunk_size = copy_from.chunk_size
-            self.used += v.local_bytes()
+        src = take_over or copy_from
+        if take_over is not None:
+            os.link(self.store.data_path(take_over.vid), self.store.data_path(v.vid))
+            v.fd = self.store.open_data(v.vid)
+        else:
+            fd = self.store.open_data(v.vid, create=True)
+            os.ftruncate(fd, 0)
+            v.fd = fd
+            if copy_from is not None and copy_from.size:
+                self._copy_extents(self._fd(copy_from), fd, copy_from.size)
+        if src is not None and src.size:
+            v.size = src.size
+            v.missing = set(src.missing)
+            v.chunk_size = src.chunk_size
+        self._account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         return v
+
+    @staticmethod
+    def _copy_extents(src: int, dst: int, size: int) -> None:
+        """Copy the first ``size`` bytes of ``src`` to ``dst``, data extents only."""
+        off = 0
+        while off < size:
+            try:
+                data = os.lseek(src, off, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            if data >= size:
+                break
+            end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+            pos = data
+            while pos < end:
+                n = os.copy_file_range(src, dst, end - pos, pos, pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, "copy of a version's data ended early")
+                pos += n
+            off = end
+        os.ftruncate(dst, size)
 
     def _fd(self, v: Version) -> int:
         if v.fd < 0:
@@ -432,14 +460,24 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 os.close(v.fd)
                 v.fd = -1
             return
-        if v.current or v.handles or v.pins or v.sealing is not None:
+        if v.current or v.handles or v.pins:
+            return
+        if v.sealing is not None:
+            # Only its seal (hashing in a worker thread) holds it: give its pages back now
+            # (an unlinked file's space is free when unlink returns); the seal drops its
+            # result and frees the rest.
+            if not v.dropped and v.fd >= 0:
+                v.dropped = True
+                os.ftruncate(v.fd, 0)
+                self._account(v)
             return
         del self.versions[v.vid]
         self._hand_over_last_copies(v)
         if v.fd >= 0:
             os.close(v.fd)
             v.fd = -1
-        self.used -= v.local_bytes()
+        self.used -= v.alloc
+        v.alloc = 0
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
         self.store.remove_data(v.vid)
         for d in v.chunks:

@@ -192,7 +192,7 @@ class FaultInOps:
             self.counters.chunks_faulted += 1
             self.counters.bytes_faulted += length
             if self.versions.get(v.vid) is v:
-                self.used += length
+                self._account(v)
                 self._note_chunk(v.chunks[idx], v.vid, idx)
                 with self.db.transaction():
                     self._write_version(v)

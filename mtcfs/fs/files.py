@@ -16,6 +16,7 @@ import trio
 
 from mtcfs.chunking import hash_fd
 from mtcfs.errors import FsError
+from mtcfs.fs.capacity import MAX_FILE_SIZE
 from mtcfs.fs.model import Attr, Handle, Inode, Version
 from mtcfs.fs.records import now_ns as _now_ns
 
@@ -27,24 +28,44 @@ class FileOps:
 
     # ------------------------------------------------------------------ files
 
-    def _writable_version(self, ino: Inode, *, trunc: bool) -> Version:
-        """The version a new writer writes to: the open one, or a new copy-on-write one."""
-        cur = self.versions[ino.vid] if ino.vid is not None else None
-        if cur is not None and not cur.sealed and cur.sealing is None:
-            if trunc and cur.size:
-                os.ftruncate(self._fd(cur), 0)
-                self.used -= cur.local_bytes()
-                cur.size = 0
-                cur.missing.clear()
-                cur.gen += 1
-            return cur
-        if cur is not None and not trunc and cur.missing:
-            raise FsError(errno.EAGAIN, "file is still being restored")
-        with self.db.transaction():
-            v = self._new_version(ino, copy_from=None if trunc else cur)
-            self._set_current(ino, v)
-            self._write_inode(ino)
-        return v
+    async def _writable_version(self, ino: Inode, *, trunc: bool) -> Version:
+        """The version a new writer writes to: the open one, or a new copy-on-write one.
+
+        The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
+        sealed version nothing else uses is not copied: the new version takes its data
+        file over.
+        """
+        for _attempt in range(3):
+            cur = self.versions[ino.vid] if ino.vid is not None else None
+            if cur is not None and not cur.sealed and cur.sealing is None:
+                if trunc and cur.size:
+                    os.ftruncate(self._fd(cur), 0)
+                    cur.size = 0
+                    cur.missing.clear()
+                    cur.gen += 1
+                    self._account(cur)
+                return cur
+            if cur is not None and not trunc and cur.missing:
+                raise FsError(errno.EAGAIN, "file is still being restored")
+            take = (cur is not None and not trunc and self.ns_log is None and cur.sealed
+                    and not (cur.handles or cur.pins or cur.sealing is not None
+                             or cur.publishing))
+            need = cur.alloc if cur is not None and not trunc and not take else 0
+            if need and self.used + self.shared_used() + need > self.capacity:
+                cur.pins += 1  # not evicted while we wait for room
+                try:
+                    await self._reserve(need)
+                finally:
+                    cur.pins -= 1
+                continue  # the state may have moved during the wait: look again
+            with self.db.transaction():
+                v = self._new_version(ino, copy_from=None if trunc or take else cur,
+                                      take_over=cur if take else None)
+                self._set_current(ino, v)
+                self._write_inode(ino)
+            return v
+        self.counters.enospc += 1
+        raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
 
     async def open(self, num: int, flags: int) -> tuple[int, bool]:
         """Open a file. Returns ``(fh, keep_cache)``.
@@ -64,7 +85,7 @@ class FileOps:
         if writable and not trunc:
             await self._fault_in_all(ino)
         if writable:
-            v = self._writable_version(ino, trunc=trunc)
+            v = await self._writable_version(ino, trunc=trunc)
             v.writers += 1
             if trunc:
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
@@ -158,12 +179,15 @@ class FileOps:
             raise FsError(errno.EBADF)
         v = h.version
         if v.sealed:
-            v = self._reopen_sealed(h)
+            v = await self._reopen_sealed(h)
         if h.append:
             off = v.size
         end = off + len(buf)
-        if end > v.size:
-            await self._reserve(end - v.size)
+        if end > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
+        need = self._new_bytes(v, off, end)
+        if need:
+            await self._reserve(need)
         try:
             n = os.pwrite(self._fd(v), buf, off)
         except OSError as exc:
@@ -172,8 +196,8 @@ class FileOps:
                 raise FsError(errno.ENOSPC, "store directory is full") from None
             raise
         if end > v.size:
-            self.used += end - v.size
             v.size = end
+        self._account(v)
         v.gen += 1
         self.counters.bytes_written += n
         self.last_write = time.monotonic()
@@ -193,6 +217,8 @@ class FileOps:
                 unreachable past its deadline).
         """
         h = self._handle(fh)
+        if final:
+            h.closed = True  # its RELEASE follows (capacity.py: settle_releases)
         if self.ns_log is None or not h.writable or not final:
             return
         v = h.version
@@ -213,14 +239,16 @@ class FileOps:
             out.update(k for k, n in self.aliases.items() if n == h.ino)
         return out
 
-    def _reopen_sealed(self, h: Handle) -> Version:
+    async def _reopen_sealed(self, h: Handle) -> Version:
         """A write through a handle whose version was sealed at an earlier close(2) of a
         duplicate descriptor (scope=job): continue in a new copy-on-write version."""
         old = h.version
         ino = self._inode(h.ino)
         if ino.vid != old.vid:
             raise FsError(errno.ESTALE, "the file was replaced since this descriptor was opened")
-        v = self._writable_version(ino, trunc=False)
+        v = await self._writable_version(ino, trunc=False)
+        if h.version is not old:
+            return h.version  # reopened by another write of this handle meanwhile
         old.writers -= 1
         old.handles -= 1
         v.writers += 1
@@ -245,13 +273,17 @@ class FileOps:
         ino = self.inodes.get(h.ino)
         if h.writable:
             v.writers -= 1
-            self._after_write_close(v)
         if ino is not None:
             ino.opens -= 1
-            self._maybe_free_inode(ino)
+            self._maybe_free_inode(ino)  # an unlinked file's space comes back here
+        if h.writable:
+            self._after_write_close(v)
         self._release_version(v)
+        self._released_one()
 
     def _after_write_close(self, v: Version) -> None:
+        if not v.current or self.versions.get(v.vid) is not v:
+            return  # freed (unlinked) or replaced: nothing to seal
         if v.writers == 0 and not v.sealed and v.sealing is None and self._nursery is not None:
             v.sealing = trio.Event()
             self._nursery.start_soon(self._seal, v)
@@ -274,10 +306,12 @@ class FileOps:
                     res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
                                                         limiter=self.cpu_limiter)
                 except OSError as exc:
+                    if v.dropped:
+                        return  # freed while hashing (core: _release_version)
                     v.seal_error = str(exc)
                     self._error(f"seal of version {v.vid} failed: {exc}")
                     return
-                if v.vid not in self.versions:
+                if v.vid not in self.versions or v.dropped:
                     return
                 if v.writers > allow_writers:
                     return  # reopened for writing; the next close seals again

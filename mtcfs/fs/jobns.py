@@ -311,7 +311,7 @@ class JobNamespaceOps:
                 if blake3.blake3(piece).hexdigest() == d:
                     os.pwrite(fd, piece, off)
                     v.missing.discard(i)
-                    self.used += length
+        self._account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         for d in chunks:
@@ -424,7 +424,7 @@ class JobNamespaceOps:
                 if mine is not None:
                     v = mine[0]  # being written here: it stays, and its close publishes it
                     self.versions[v.vid] = v
-                    self.used += v.local_bytes()
+                    self.used += v.alloc
                     self._write_version(v)
                     if v.sealed:
                         self._index_chunks(v)
@@ -438,8 +438,8 @@ class JobNamespaceOps:
                         os.close(v.fd)
                         v.fd = -1
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
-                        self.used += v.size - v.local_bytes()
                         v.missing.clear()
+                        self._account(v)
                     self._write_version(v)
                     self._index_chunks(v)
                     ino.vid = v.vid
@@ -462,7 +462,7 @@ class JobNamespaceOps:
             for v in aside:
                 v.current = False
                 self.versions[v.vid] = v
-                self.used += v.local_bytes()
+                self.used += v.alloc
                 self._write_version(v)
                 if v.sealed:
                     self._index_chunks(v)

@@ -57,6 +57,12 @@ class Version:
     origin: int = -1
     #: scope=job: its publish op is on its way (sealed, not yet known job-wide).
     publishing: bool = False
+    #: Bytes its data file really holds in the store (st_blocks x 512, as last measured):
+    #: what counts against size= (holes cost nothing). See ``CapacityOps._account``.
+    alloc: int = 0
+    #: Freed while its seal was hashing (its pages given back at once); the seal drops its
+    #: result.
+    dropped: bool = False
 
     def missing_bytes(self) -> int:
         cs = self.chunk_size
@@ -144,6 +150,8 @@ class Handle:
     version: Version
     writable: bool
     append: bool = False
+    #: close(2) of its last descriptor was seen (final FLUSH): its RELEASE is on its way.
+    closed: bool = False
 
 
 @dataclass

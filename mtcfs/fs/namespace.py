@@ -16,6 +16,7 @@ import trio
 
 from mtcfs.errors import FsError
 from mtcfs.fs import steps as stepnames
+from mtcfs.fs.capacity import MAX_FILE_SIZE
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.fs.records import now_ns as _now_ns
 
@@ -122,6 +123,8 @@ class NamespaceOps:
         return self.attr(ino)
 
     async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None:
+        if size > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
         h = self.handles.get(fh) if fh is not None else None
         if isinstance(h, Handle) and h.writable and h.version.vid == ino.vid:
             v = h.version
@@ -129,7 +132,7 @@ class NamespaceOps:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self._fault_in_all(ino)
-            v = self._writable_version(ino, trunc=(size == 0))
+            v = await self._writable_version(ino, trunc=(size == 0))
             v.writers += 1
             try:
                 await self._resize(v, size)
@@ -140,15 +143,13 @@ class NamespaceOps:
         await self._resize(v, size)
 
     async def _resize(self, v: Version, size: int) -> None:
-        if size > v.size:
-            await self._reserve(size - v.size)
+        # Growing adds a hole, which costs nothing against size= (capacity.py: _account).
         if v.missing:
             await self.fault_in(v, 0, v.size)
-        old_local = v.local_bytes()
         os.ftruncate(self._fd(v), size)
         v.size = size
         v.gen += 1
-        self.used += v.local_bytes() - old_local
+        self._account(v)
 
     def _dir_for_new_name(self, parent: int, name: bytes) -> Inode:
         """The directory ``parent``, once ``name`` is checked valid and free in it.

@@ -1,0 +1,117 @@
+"""What counts against size=: the bytes the store really holds (issue 12, items 7, 8, 9).
+
+Holes cost nothing (as on tmpfs), a rewrite keeps them holes, the store's real use (du of its
+data files) never exceeds size=, and an unlinked file's space is back when unlink returns.
+"""
+
+import errno
+import os
+
+import pytest
+
+MiB = 1024 * 1024
+
+
+def store_bytes(m):
+    """What the store's data files really hold (du): st_blocks, not st_size."""
+    d = m.store / "data"
+    return sum(os.stat(d / n).st_blocks * 512 for n in os.listdir(d))
+
+
+def free_bytes(m):
+    st = os.statvfs(m.mnt)
+    return st.f_bavail * st.f_frsize
+
+
+def test_sparse_file_and_its_rewrite_keep_holes(make_mount):
+    m = make_mount(size="32M")
+    p = m.path("sparse.bin")
+    with open(p, "wb") as f:  # 2 bytes at 64 MiB: twice size=, all of it a hole
+        f.seek(64 * MiB)
+        f.write(b"ab")
+    assert os.stat(p).st_size == 64 * MiB + 2
+    m.wait_for(lambda: m.status()["counters"]["seals"] >= 1, 30, "the seal")
+    with open(p, "r+b") as f:  # a rewrite (copy-on-write) must not fill the hole
+        f.seek(128 * MiB)
+        f.write(b"cd")
+    assert os.stat(p).st_size == 128 * MiB + 2
+    assert store_bytes(m) < 1 * MiB
+    assert free_bytes(m) >= 31 * MiB
+    assert m.status()["ram"]["used"] < 1 * MiB
+    with open(p, "rb") as f:
+        assert f.read(4096) == bytes(4096)
+        f.seek(64 * MiB - 10)
+        assert f.read(12) == bytes(10) + b"ab"
+        f.seek(128 * MiB - 1)
+        assert f.read() == b"\0cd"
+
+
+def test_real_use_never_exceeds_size(make_mount):
+    m = make_mount(size="32M")
+    data = os.urandom(20 * MiB)
+    p = m.path("big.bin")
+    p.write_bytes(data)
+    m.wait_for(lambda: m.status()["counters"]["seals"] >= 1, 30, "the seal")
+    # A reader holds the sealed version: a rewrite must copy it, and 2 x 20 MiB > 32 MiB.
+    with open(p, "rb") as reader:
+        with pytest.raises(OSError) as ei:
+            with open(p, "r+b") as f:
+                f.write(b"X")
+        assert ei.value.errno == errno.ENOSPC
+        assert reader.read(10) == data[:10]
+        st = m.status()
+        assert st["ram"]["used"] <= 32 * MiB
+        assert store_bytes(m) <= 32 * MiB
+    # Nobody else holds it: the rewrite takes the old data over, no second copy.
+    with open(p, "r+b") as f:
+        f.write(b"X")
+    assert p.read_bytes() == b"X" + data[1:]
+    assert m.status()["ram"]["used"] <= 32 * MiB
+    assert store_bytes(m) <= 21 * MiB
+    # Writes past size= in real terms still get ENOSPC, and status stays within size=.
+    with pytest.raises(OSError) as ei:
+        with open(m.path("more.bin"), "wb") as f:
+            for _ in range(16):
+                f.write(os.urandom(1 * MiB))
+    assert ei.value.errno == errno.ENOSPC
+    assert m.status()["ram"]["used"] <= 32 * MiB
+    assert store_bytes(m) <= 32 * MiB
+
+
+def test_huge_sparse_truncate(make_mount):
+    m = make_mount(size="32M")
+    p = m.path("huge.bin")
+    p.write_bytes(b"x")
+    free = free_bytes(m)
+    os.truncate(p, 1024 * MiB)  # holes cost nothing: far past size= is fine
+    assert os.stat(p).st_size == 1024 * MiB
+    assert free_bytes(m) >= free - 64 * 1024
+    with open(p, "rb") as f:
+        f.seek(512 * MiB)
+        assert f.read(8) == bytes(8)
+    # Past the largest file mtcfs seals (docs/usage.md): EFBIG, as POSIX allows.
+    with pytest.raises(OSError) as ei:
+        os.truncate(p, 999_999_999_999_999)
+    assert ei.value.errno == errno.EFBIG
+    assert os.stat(p).st_size == 1024 * MiB
+    assert store_bytes(m) < 1 * MiB
+
+
+def test_unlink_after_enospc_gives_space_back_at_once(make_mount):
+    m = make_mount(size="64M")
+    chunk = os.urandom(4 * MiB)
+    for i in range(20):
+        p = m.path("fill.bin")
+        with pytest.raises(OSError) as ei:
+            with open(p, "wb") as f:
+                for _ in range(25):  # 100 MiB
+                    f.write(chunk)
+        assert ei.value.errno == errno.ENOSPC
+        os.unlink(p)
+        free = free_bytes(m)
+        assert free >= 63 * MiB, f"round {i}: {free} bytes free right after the unlink"
+        q = m.path("small.bin")
+        with open(q, "wb") as f:
+            f.write(b"0123456789")
+        assert q.read_bytes() == b"0123456789"
+        os.unlink(q)
