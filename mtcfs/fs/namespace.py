@@ -25,6 +25,9 @@ def _text(name: bytes) -> str:
 
 log = logging.getLogger("mtcfs.fs.core")
 
+#: File types mknod makes as special files (metadata-only inodes).
+SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
+
 #: scope=job: seconds the root's getattr waits for the namespace before it answers from
 #: this node's copy (see ``getattr``).
 ROOT_FRESH_S = 1.0
@@ -44,10 +47,7 @@ class NamespaceOps:
         elif name == b"..":
             child = self.inodes.get(d.parent or ROOT_INO, d)
         else:
-            num = d.children.get(name)  # type: ignore[union-attr]
-            if num is None:
-                raise FsError(errno.ENOENT)
-            child = self.inodes[num]
+            child = self._child(d, name)
         child.lookups += 1
         return self.attr(child)
 
@@ -193,6 +193,39 @@ class NamespaceOps:
         with self.db.transaction():
             ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
             ino.target = target
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            self._touch_dir(d)
+        return ino
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Attr:
+        """A FIFO, socket, character or block device node: metadata only (no version).
+
+        Raises:
+            FsError: EINVAL for another file type (regular files are created by create,
+                directories by mkdir); the errors of a new name.
+        """
+        if stat.S_IFMT(mode) not in SPECIAL_TYPES:
+            raise FsError(errno.EINVAL)
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        if self.ns_log is not None:
+            return await self._ns_new_entry({"op": "mknod", "parent": parent, "name": name,
+                                             "mode": mode, "rdev": rdev, "uid": uid,
+                                             "gid": gid})
+        ino = self._mknod_now(parent, name, mode, rdev, uid, gid)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                   gid: int) -> Inode:
+        d = self._dir_for_new_name(parent, name)
+        if stat.S_IFMT(mode) not in SPECIAL_TYPES:
+            raise FsError(errno.EINVAL)
+        with self.db.transaction():
+            ino = self._new_inode("special", stat.S_IFMT(mode) | (mode & 0o7777), uid, gid)
+            ino.rdev = rdev
             self._link(d, name, ino)
             self._write_inode(ino)
             self._touch_dir(d)
