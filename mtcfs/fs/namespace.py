@@ -242,7 +242,18 @@ class NamespaceOps:
         if ino.is_dir:
             raise FsError(errno.EPERM)
         if self.ns_log is not None:
-            raise FsError(errno.EOPNOTSUPP, "hard links are not supported in scope=job")
+            # Ordered job-wide like any other name (an op of the namespace log).
+            await self.ns_log.submit({"op": "link", "ino": ino.ino,
+                                      "new_parent": self._dir(new_parent).ino,
+                                      "new_name": _text(new_name)})
+        else:
+            self._link_now(ino, new_parent, new_name)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None:
+        if ino.is_dir:
+            raise FsError(errno.EPERM)
         d = self._dir_for_new_name(new_parent, new_name)
         with self.db.transaction():
             self._link(d, new_name, ino)
@@ -250,8 +261,6 @@ class NamespaceOps:
             ino.ctime_ns = _now_ns()
             self._write_inode(ino)
             self._touch_dir(d)
-        ino.lookups += 1
-        return self.attr(ino)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         if self.ns_log is not None:
