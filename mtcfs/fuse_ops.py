@@ -11,6 +11,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -61,7 +62,7 @@ def entry(a: Attr, timeout: float | None = None) -> pyfuse3.EntryAttributes:
     e.st_nlink = a.nlink
     e.st_uid = a.uid
     e.st_gid = a.gid
-    e.st_rdev = 0
+    e.st_rdev = a.rdev
     e.st_size = a.size
     e.st_blksize = a.blksize
     e.st_blocks = a.blocks
@@ -148,9 +149,9 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: Any) -> pyfuse3.EntryAttributes:
-        import stat as st
-        if not st.S_ISREG(mode):
-            raise FsError(errno.EOPNOTSUPP)
+        if not stat.S_ISREG(mode):  # a FIFO, socket or device node (metadata only)
+            return self._entry(await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid,
+                                                   ctx.gid))
         fh, a = await self.fs.create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL,
                                      ctx.uid, ctx.gid)
         await self.fs.release(fh)

@@ -2,7 +2,7 @@
 
 A :class:`FileManifest` describes one sealed version of one file: its path relative to the
 job root, size, mode, mtime and chunk list. A :class:`StepManifest` is the set of entries
-(files, directories, symlinks) below one checkpoint directory at the moment it was taken;
+(files, directories, symlinks, special files) below one checkpoint directory at the moment it was taken;
 it is what the backup tier stores per step and what a restore rebuilds the namespace from.
 
 Both serialise to plain JSON so that a human can read a backup bucket with ``gsutil cat``.
@@ -11,10 +11,21 @@ Both serialise to plain JSON so that a human can read a backup bucket with ``gsu
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+
+#: Special file types a manifest names (``Entry.node``) -> their S_IFMT bits.
+SPECIAL_MODES = {"fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "char": stat.S_IFCHR,
+                 "block": stat.S_IFBLK}
+
+
+def special_node(mode: int) -> str:
+    """The ``Entry.node`` name of a special file's ``st_mode``."""
+    fmt = stat.S_IFMT(mode)
+    return next(k for k, v in SPECIAL_MODES.items() if v == fmt)
 
 
 class ManifestError(ValueError):
@@ -27,7 +38,8 @@ class Entry:
 
     Attributes:
         path: path relative to the job root, '/'-separated, never absolute, no '..'.
-        kind: "file", "dir" or "symlink".
+        kind: "file", "dir", "symlink" or "special" (a FIFO, socket or device node:
+            metadata only, no data).
         mode: permission bits (st_mode & 0o7777).
         mtime_ns: modification time in nanoseconds since the epoch.
         size: file size in bytes (0 for dirs; target length for symlinks).
@@ -35,6 +47,11 @@ class Entry:
         chunks: hex blake3 digests, in file order (files only).
         blake3: hex blake3 digest of the whole file (files only).
         target: symlink target (symlinks only).
+        node: the special file's type, one of :data:`SPECIAL_MODES` (special only).
+        rdev: the device number of a "char" or "block" node (special only).
+
+    ``node`` and ``rdev`` are written only for special entries, so a manifest without
+    special files is the same JSON as before they existed.
     """
 
     path: str
@@ -46,10 +63,14 @@ class Entry:
     chunks: tuple[str, ...] = ()
     blake3: str = ""
     target: str = ""
+    node: str = ""
+    rdev: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["chunks"] = list(self.chunks)
+        if self.kind != "special":
+            del d["node"], d["rdev"]
         return d
 
     @classmethod
@@ -61,6 +82,7 @@ class Entry:
                 chunk_size=int(d.get("chunk_size", 0)),
                 chunks=tuple(str(c) for c in d.get("chunks", ())),
                 blake3=str(d.get("blake3", "")), target=str(d.get("target", "")),
+                node=str(d.get("node", "")), rdev=int(d.get("rdev", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"bad manifest entry {d!r}: {exc}") from exc
@@ -72,8 +94,10 @@ class Entry:
         parts = self.path.split("/")
         if not self.path or self.path.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise ManifestError(f"bad path in manifest: {self.path!r}")
-        if self.kind not in ("file", "dir", "symlink"):
+        if self.kind not in ("file", "dir", "symlink", "special"):
             raise ManifestError(f"bad entry kind {self.kind!r} for {self.path!r}")
+        if self.kind == "special" and self.node not in SPECIAL_MODES:
+            raise ManifestError(f"bad special file type {self.node!r} for {self.path!r}")
         if self.kind == "file":
             if self.size < 0 or self.chunk_size <= 0 and self.size > 0:
                 raise ManifestError(f"bad size/chunk_size for {self.path!r}")

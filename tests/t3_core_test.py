@@ -187,3 +187,45 @@ def test_a_sealed_marker_whose_commit_was_lost_commits_at_start(tmp_path):
         assert "step_10" in fs.steps and fs.steps["step_10"].source == ".metadata"
     run(write, tmp_path)
     run(check, tmp_path)
+
+
+def test_a_schema_1_store_opens_and_takes_special_files(tmp_path):
+    """A store written before special files existed (no inodes.rdev, schema_version 1)
+    loads with everything in it, and then holds FIFOs and device nodes across a restart."""
+    import sqlite3
+    import stat
+
+    data = os.urandom(2 * CS + 5)
+
+    async def first(fs):
+        await sealed(fs, await write_file(fs, ROOT_INO, b"a", data))
+        await fs.symlink(ROOT_INO, b"l", b"a", 0, 0)
+    run(first, tmp_path)
+    db = sqlite3.connect(tmp_path / "store" / "meta.sqlite3")
+    db.execute("ALTER TABLE inodes DROP COLUMN rdev")
+    db.execute("UPDATE kv SET value='1' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+
+    async def second(fs):
+        root = fs.inodes[ROOT_INO]
+        fh, _ = await fs.open(root.children[b"a"], os.O_RDONLY)
+        assert await fs.read(fh, 0, 10 * CS) == data
+        await fs.release(fh)
+        assert await fs.readlink(root.children[b"l"]) == b"a"
+        assert fs.db.get_kv("schema_version") == "2"
+        await fs.mknod(ROOT_INO, b"p", stat.S_IFIFO | 0o644, 0, 0, 0)
+        await fs.mknod(ROOT_INO, b"c", stat.S_IFCHR | 0o600, os.makedev(4, 5), 0, 0)
+        with pytest.raises(FsError) as exc:
+            await fs.mknod(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0, 0)
+        assert exc.value.errno == errno.EINVAL
+    run(second, tmp_path)
+
+    async def third(fs):
+        root = fs.inodes[ROOT_INO]
+        p = fs.attr(fs.inodes[root.children[b"p"]])
+        c = fs.attr(fs.inodes[root.children[b"c"]])
+        assert stat.S_ISFIFO(p.mode) and p.rdev == 0 and p.size == 0
+        assert stat.S_ISCHR(c.mode) and c.rdev == os.makedev(4, 5)
+        assert stat.S_IMODE(c.mode) == 0o600
+    run(third, tmp_path)

@@ -1243,6 +1243,144 @@ def test_locks(fsdir):
         os.close(fd2)
 
 
+# ---------------------------------------------------------------------- long names, special files
+
+LONG = "n" * 256  # one byte over NAME_MAX
+
+_LONG_NAME_CALLS = {
+    "stat": lambda d: os.stat(d / LONG),
+    "chmod": lambda d: os.chmod(d / LONG, 0o600),
+    "chown": lambda d: os.chown(d / LONG, os.getuid(), os.getgid()),
+    "lchown": lambda d: os.lchown(d / LONG, os.getuid(), os.getgid()),
+    "truncate": lambda d: os.truncate(d / LONG, 0),
+    "link": lambda d: os.link(d / LONG, d / "x"),
+    "rename": lambda d: os.rename(d / LONG, d / "x"),
+    "rmdir": lambda d: os.rmdir(d / LONG),
+    "unlink": lambda d: os.unlink(d / LONG),
+    "create": lambda d: os.close(os.open(d / LONG, os.O_CREAT | os.O_WRONLY, 0o644)),
+    "mkdir": lambda d: os.mkdir(d / LONG),
+    "mkfifo": lambda d: os.mkfifo(d / LONG),
+    "link_to": lambda d: os.link(d / "f", d / LONG),
+    "rename_to": lambda d: os.rename(d / "f", d / LONG),
+    "symlink": lambda d: os.symlink("f", d / LONG),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_LONG_NAME_CALLS))
+def test_name_longer_than_255_bytes_is_enametoolong(fsdir, call):
+    """A name over NAME_MAX is ENAMETOOLONG whatever the call, also when nothing has that
+    name (a lookup of it must not answer ENOENT)."""
+    (fsdir / "f").write_bytes(b"f")
+    assert err(_LONG_NAME_CALLS[call], fsdir) == errno.ENAMETOOLONG
+    assert sorted(os.listdir(fsdir)) == ["f"]
+    # 255 bytes is still a valid name.
+    ok = fsdir / ("n" * 255)
+    ok.write_bytes(b"ok")
+    assert ok.read_bytes() == b"ok"
+
+
+_SPECIAL = [("fifo", stat.S_IFIFO, 0), ("chr", stat.S_IFCHR, os.makedev(1, 3)),
+            ("blk", stat.S_IFBLK, os.makedev(7, 200))]
+
+
+def _make_specials(d: Path) -> dict[str, tuple[int, int, int]]:
+    """A FIFO, a character and a block device node and a bound Unix socket in ``d``;
+    name -> (file type, permission bits, rdev) as created."""
+    out = {}
+    os.mkfifo(d / "fifo", 0o640)
+    out["fifo"] = (stat.S_IFIFO, 0o640, 0)
+    for name, fmt, rdev in _SPECIAL[1:]:
+        os.mknod(d / name, fmt | 0o600, rdev)
+        out[name] = (fmt, 0o600, rdev)
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(str(d / "sock"))
+    finally:
+        s.close()
+    out["sock"] = (stat.S_IFSOCK, stat.S_IMODE(os.lstat(d / "sock").st_mode), 0)
+    return out
+
+
+def _check_specials(d: Path, made: dict[str, tuple[int, int, int]],
+                    nlinks: dict[str, int] | None = None) -> None:
+    for name, (fmt, perm, rdev) in made.items():
+        st = os.lstat(d / name)
+        assert stat.S_IFMT(st.st_mode) == fmt, name
+        assert stat.S_IMODE(st.st_mode) == perm, name
+        assert st.st_rdev == rdev, name
+        assert st.st_size == 0 and st.st_nlink == (nlinks or {}).get(name, 1), name
+
+
+def test_fifo_socket_and_device_nodes(fsdir):
+    """mkfifo, mknod of character and block devices and a Unix socket's bind create the
+    node; stat shows its type, mode and rdev; it renames, chmods and unlinks like a file."""
+    made = _make_specials(fsdir)
+    _check_specials(fsdir, made)
+    assert sorted(os.listdir(fsdir)) == ["blk", "chr", "fifo", "sock"]
+    assert err(os.mkfifo, fsdir / "fifo") == errno.EEXIST
+    assert err(os.mknod, fsdir / "chr", stat.S_IFCHR | 0o600, os.makedev(1, 3)) == errno.EEXIST
+    # The FIFO is a pipe (the kernel serves it; no data reaches the filesystem).
+    fd = os.open(fsdir / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(fd, b"through the pipe")
+        assert os.read(fd, 100) == b"through the pipe"
+    finally:
+        os.close(fd)
+    assert os.stat(fsdir / "fifo").st_size == 0
+    # A server on the socket's path is reached through it.
+    import socket
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(fsdir / "sock")
+        srv.bind(str(fsdir / "sock"))
+        srv.listen(1)
+        cli = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        cli.connect(str(fsdir / "sock"))
+        conn, _ = srv.accept()
+        cli.sendall(b"hello")
+        assert conn.recv(5) == b"hello"
+        conn.close()
+        cli.close()
+    finally:
+        srv.close()
+    os.chmod(fsdir / "chr", 0o644)
+    assert stat.S_IMODE(os.stat(fsdir / "chr").st_mode) == 0o644
+    assert os.stat(fsdir / "chr").st_rdev == os.makedev(1, 3)
+    os.rename(fsdir / "blk", fsdir / "blk2")
+    assert stat.S_ISBLK(os.lstat(fsdir / "blk2").st_mode)
+    assert os.lstat(fsdir / "blk2").st_rdev == os.makedev(7, 200)
+    os.link(fsdir / "fifo", fsdir / "fifo.link")
+    assert os.lstat(fsdir / "fifo").st_nlink == 2
+    assert os.lstat(fsdir / "fifo.link").st_ino == os.lstat(fsdir / "fifo").st_ino
+    assert err(os.truncate, fsdir / "chr", 0) in (errno.EINVAL, errno.EACCES, errno.ENXIO)
+    os.unlink(fsdir / "fifo.link")
+    for name in ("fifo", "chr", "blk2", "sock"):
+        os.unlink(fsdir / name)
+    assert os.listdir(fsdir) == []
+
+
+def test_mtcfs_special_files_survive_a_remount(make_mount):
+    m = make_mount()
+    (m.mnt / "d").mkdir()
+    made = _make_specials(m.mnt / "d")
+    os.link(m.mnt / "d" / "chr", m.mnt / "chr.link")
+    before = {n: os.lstat(m.mnt / "d" / n) for n in made}
+    m.stop()
+    m.start()
+    _check_specials(m.mnt / "d", made, {"chr": 2})
+    for n, st in before.items():
+        assert os.lstat(m.mnt / "d" / n).st_ino == st.st_ino
+        assert os.lstat(m.mnt / "d" / n).st_mtime_ns == st.st_mtime_ns
+    assert os.lstat(m.mnt / "chr.link").st_nlink == 2
+    fd = os.open(m.mnt / "d" / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    os.write(fd, b"x")
+    assert os.read(fd, 1) == b"x"
+    os.close(fd)
+    shutil.rmtree(m.mnt / "d")
+    os.unlink(m.mnt / "chr.link")
+
+
 # ---------------------------------------------------------------------- mtcfs only
 
 def test_mtcfs_statfs_capacity(shared_mount):

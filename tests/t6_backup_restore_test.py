@@ -307,3 +307,36 @@ def test_mtcfs_backup_now_and_status(make_mount, tmp_path):
     assert m.status()["backup"]["pending"] == []
     _lose_node(m)
     assert_same(state, _load(m, "step_1", state))
+
+
+def test_special_files_round_trip_through_the_backup(make_mount, tmp_path):
+    """FIFOs, sockets and device nodes in a checkpoint are metadata of its step manifest:
+    a node restored from the backup tier has them back with their type, mode and rdev."""
+    import socket
+    import stat
+
+    m = _mount(make_mount, f"file://{tmp_path}/backup")
+    d = m.path("step_7")
+    d.mkdir()
+    (d / "sub").mkdir()
+    (d / "data.bin").write_bytes(b"x" * 300_000)
+    os.mkfifo(d / "sub" / "fifo", 0o620)
+    os.mknod(d / "chr", stat.S_IFCHR | 0o640, os.makedev(1, 5))
+    os.mknod(d / "blk", stat.S_IFBLK | 0o600, os.makedev(7, 3))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(d / "sock"))
+    s.close()
+    want = {n: os.lstat(d / n) for n in ("sub/fifo", "chr", "blk", "sock")}
+    (d / "commit_success.txt").write_bytes(b"ok")
+    m.wait_state("step_7", "backed-up", timeout=60)
+    _lose_node(m)
+    assert sorted(os.listdir(m.path("step_7"))) == ["blk", "chr", "commit_success.txt",
+                                                    "data.bin", "sock", "sub"]
+    for n, st in want.items():
+        got = os.lstat(m.path("step_7", n))
+        assert got.st_mode == st.st_mode, n
+        assert got.st_rdev == st.st_rdev, n
+        assert got.st_mtime_ns == st.st_mtime_ns, n
+        assert got.st_size == 0, n
+    assert m.path("step_7", "data.bin").read_bytes() == b"x" * 300_000
+    assert m.status()["errors"] == []

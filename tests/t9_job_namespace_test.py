@@ -430,3 +430,63 @@ def test_touching_a_file_open_for_writing_changes_its_mtime_everywhere(make_clus
     for r in range(2):
         assert os.stat(c.node(r).path("marker")).st_mtime_ns == when, r
         assert c.node(r).path("marker").read_bytes() == b"done"
+
+
+def test_special_files_and_hard_links_are_job_wide(make_cluster):
+    """FIFOs, device nodes, sockets and hard links made on one node are seen by every
+    node (ops of the namespace log), and by a node that rejoins with its store wiped (the
+    namespace snapshot carries them)."""
+    import socket
+    import stat
+
+    c = make_cluster(2, options=JOB)
+    d0 = c.node(0).path("step_1")
+    d0.mkdir()
+    os.mkfifo(d0 / "fifo", 0o640)
+    os.mknod(d0 / "chr", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(d0 / "sock"))
+    s.close()
+    (d0 / "a").write_bytes(b"one")
+    os.link(d0 / "a", d0 / "b")
+    os.link(d0 / "fifo", d0 / "fifo2")
+
+    def check(r, nlink_a=2):
+        d = c.node(r).path("step_1")
+        assert stat.S_ISFIFO(os.lstat(d / "fifo").st_mode), r
+        assert stat.S_IMODE(os.lstat(d / "fifo").st_mode) == 0o640, r
+        assert os.lstat(d / "fifo").st_nlink == 2, r
+        assert os.lstat(d / "fifo2").st_ino == os.lstat(d / "fifo").st_ino, r
+        assert stat.S_ISCHR(os.lstat(d / "chr").st_mode), r
+        assert os.lstat(d / "chr").st_rdev == os.makedev(1, 3), r
+        assert stat.S_ISSOCK(os.lstat(d / "sock").st_mode), r
+        assert os.stat(d / "b").st_nlink == nlink_a, r
+        if nlink_a == 2:
+            assert os.stat(d / "a").st_ino == os.stat(d / "b").st_ino, r
+
+    check(0)
+    check(1)
+    d1 = c.node(1).path("step_1")
+    assert (d1 / "b").read_bytes() == b"one"
+    # Written through one name on one node: the other name on the other node reads it.
+    (d1 / "b").write_bytes(b"two")
+    assert (d0 / "a").read_bytes() == b"two"
+    assert err_of(os.link, d1 / "a", d0 / "b") == errno.EEXIST
+    assert err_of(os.link, d1, c.node(1).path("dirlink")) == errno.EPERM
+    # A node that comes back with nothing gets them from the namespace snapshot.
+    c.restart(1, wipe=True)
+    check(1)
+    assert c.node(1).path("step_1", "a").read_bytes() == b"two"
+    os.unlink(c.node(1).path("step_1", "a"))
+    check(0, nlink_a=1)
+    assert (d0 / "b").read_bytes() == b"two"
+    os.unlink(d0 / "fifo2")
+    assert os.lstat(c.node(1).path("step_1", "fifo")).st_nlink == 1
+
+
+def err_of(fn, *args) -> int:
+    try:
+        fn(*args)
+    except OSError as exc:
+        return exc.errno
+    return 0

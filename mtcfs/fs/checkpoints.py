@@ -19,7 +19,7 @@ from mtcfs.errors import FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Inode, Version
 from mtcfs.fs.records import StepRecord, now_ns as _now_ns
-from mtcfs.manifest import Entry, StepManifest
+from mtcfs.manifest import SPECIAL_MODES, Entry, StepManifest, special_node
 
 log = logging.getLogger("mtcfs.fs.core")
 
@@ -193,6 +193,9 @@ class CheckpointOps:
             elif ino.kind == "symlink":
                 entries.append(Entry(path, "symlink", perm, ino.mtime_ns, size=len(ino.target),
                                      target=ino.target.decode(errors="surrogateescape")))
+            elif ino.kind == "special":  # metadata only: carried as such, no data
+                entries.append(Entry(path, "special", perm, ino.mtime_ns,
+                                     node=special_node(ino.mode), rdev=ino.rdev))
             else:
                 v = self.versions[ino.vid]  # type: ignore[index]
                 if v.origin >= 0:
@@ -314,6 +317,9 @@ class CheckpointOps:
                 elif e.kind == "symlink":
                     ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
                     ino.target = e.target.encode(errors="surrogateescape")
+                elif e.kind == "special":
+                    ino = self._new_inode("special", SPECIAL_MODES[e.node] | e.mode, uid, gid)
+                    ino.rdev = e.rdev
                 else:
                     ino = self._new_inode("file", stat.S_IFREG | e.mode, uid, gid)
                     v = Version(vid=self._alloc_vid(), ino=ino.ino, size=e.size,

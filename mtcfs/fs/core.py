@@ -138,9 +138,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._next_ino = int(db.get_kv("next_ino") or 2)
         self._next_vid = int(db.get_kv("next_vid") or 1)
         for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
-                              " ctime_ns, target, vid, parent, name FROM inodes"):
+                              " ctime_ns, target, vid, parent, name, rdev FROM inodes"):
             ino = Inode(*row[:9], target=row[9] or b"", vid=row[10], parent=row[11] or 0,
-                        name=row[12] or b"")
+                        name=row[12] or b"", rdev=row[13])
             if ino.is_dir:
                 ino.children = {}
             self.inodes[ino.ino] = ino
@@ -249,9 +249,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def _write_inode(self, ino: Inode) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO inodes(ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
-            " ctime_ns, target, vid, parent, name) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " ctime_ns, target, vid, parent, name, rdev) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (ino.ino, ino.kind, ino.mode, ino.uid, ino.gid, ino.nlink, ino.atime_ns, ino.mtime_ns,
-             ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name))
+             ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name, ino.rdev))
 
     def _write_version(self, v: Version) -> None:
         self.db.execute(
@@ -314,7 +314,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         elif ino.is_dir:
             size = 4096
         return Attr(ino.kid or ino.ino, ino.mode, ino.nlink, ino.uid, ino.gid, size,
-                    ino.atime_ns, ino.mtime_ns, ino.ctime_ns)
+                    ino.atime_ns, ino.mtime_ns, ino.ctime_ns, rdev=ino.rdev)
 
     def path_of(self, ino: Inode) -> str | None:
         """Path relative to the job root ('' for the root), None if unlinked."""
@@ -372,11 +372,12 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         """The inode ``name`` names in directory ``d``.
 
         Raises:
-            FsError: ENOENT.
+            FsError: ENOENT; ENAMETOOLONG for a name no entry can have (over NAME_MAX
+                bytes), as the kernel's own filesystems answer a lookup of one.
         """
         num = d.children.get(name)  # type: ignore[union-attr]
         if num is None:
-            raise FsError(errno.ENOENT)
+            raise FsError(errno.ENAMETOOLONG if len(name) > NAME_MAX else errno.ENOENT)
         return self.inodes[num]
 
     def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:

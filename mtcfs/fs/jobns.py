@@ -20,6 +20,8 @@ Op kinds and fields (names are strings, surrogate-escaped; ``rank`` is the origi
 mkdir       parent, name, mode, uid, gid -> {"ino"}
 create      parent, name, mode, uid, gid, excl -> {"ino", "existed"}
 symlink     parent, name, target, uid, gid -> {"ino"}
+mknod       parent, name, mode (with the S_IFMT bits), rdev, uid, gid -> {"ino"}
+link        ino, new_parent, new_name (a hard link; never of a directory)
 unlink      parent, name
 rmdir       parent, name
 rename      parent, name, new_parent, new_name, flags
@@ -171,6 +173,19 @@ class JobNamespaceOps:
                                 op["uid"], op["gid"])
         return {"ino": ino.ino}
 
+    def _apply_mknod(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._mknod_now(op["parent"], _name(op["name"]), op["mode"], op["rdev"],
+                              op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_link(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or ino.nlink <= 0:
+            raise FsError(errno.ENOENT)
+        self._ns_dir(op["new_parent"])
+        self._link_now(ino, op["new_parent"], _name(op["new_name"]))
+
     def _apply_create(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
         d = self._ns_dir(op["parent"])
         name = _name(op["name"])
@@ -196,7 +211,8 @@ class JobNamespaceOps:
     def _apply_unlink(self, op: dict[str, Any], keep: list[Version]) -> None:
         self._ns_dir(op["parent"])
         victim = self._child(self._dir(op["parent"]), _name(op["name"]))
-        self._keep_if_open(victim, keep)
+        if victim.nlink <= 1:  # another hard link keeps the content reachable
+            self._keep_if_open(victim, keep)
         self._unlink_now(op["parent"], _name(op["name"]))
 
     def _apply_rmdir(self, op: dict[str, Any], keep: list[Version]) -> None:
@@ -207,7 +223,7 @@ class JobNamespaceOps:
         self._ns_dir(op["parent"])
         dst = self._ns_dir(op["new_parent"])
         victim = dst.children.get(_name(op["new_name"]))  # type: ignore[union-attr]
-        if victim is not None and victim in self.inodes:
+        if victim is not None and victim in self.inodes and self.inodes[victim].nlink <= 1:
             self._keep_if_open(self.inodes[victim], keep)
         self._rename_now(op["parent"], _name(op["name"]), op["new_parent"],
                          _name(op["new_name"]), op["flags"])
@@ -325,13 +341,15 @@ class JobNamespaceOps:
         """The whole namespace as a JSON-able dict (for a node that joins)."""
         epoch, seq = self.ns_position()
         out: list[dict[str, Any]] = []
-        for path, ino in self.walk(self.inodes[ROOT_INO]):
-            if ino.ino == ROOT_INO:
-                continue
-            e: dict[str, Any] = {"ino": ino.ino, "parent": ino.parent, "name": _text(ino.name),
+        for parent, name, ino in self._dentries():
+            # one entry per name: a hard-linked inode comes once per link, each with the
+            # same ino (ns_install links the later ones to the first)
+            e: dict[str, Any] = {"ino": ino.ino, "parent": parent, "name": _text(name),
                                  "kind": ino.kind, "mode": ino.mode, "uid": ino.uid,
                                  "gid": ino.gid, "mtime_ns": ino.mtime_ns,
                                  "target": _text(ino.target)}
+            if ino.rdev:
+                e["rdev"] = ino.rdev
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
                 if v.sealed and v.sealing is None and not v.writers:
@@ -345,6 +363,19 @@ class JobNamespaceOps:
                   "committed_ns": s.committed_ns} for s in self.steps.values()]
         return {"epoch": epoch, "seq": seq, "next_ino": self._next_ino, "entries": out,
                 "steps": steps}
+
+    def _dentries(self) -> list[tuple[int, bytes, Inode]]:
+        """Every (parent ino, name, inode) of the namespace, parents before children."""
+        out: list[tuple[int, bytes, Inode]] = []
+        stack = [self.inodes[ROOT_INO]]
+        while stack:
+            d = stack.pop()
+            for name, num in sorted(d.children.items()):  # type: ignore[union-attr]
+                child = self.inodes[num]
+                out.append((d.ino, name, child))
+                if child.is_dir:
+                    stack.append(child)
+        return out
 
     def ns_install(self, snap: dict[str, Any]) -> None:
         """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
@@ -393,12 +424,21 @@ class JobNamespaceOps:
             self.used = 0
             root = self._new_root()
             self.inodes[ROOT_INO] = root
+            names: dict[int, set[tuple[int, bytes]]] = {}
+            for e in snap["entries"]:
+                names.setdefault(e["ino"], set()).add((e["parent"], _name(e["name"])))
             for e in snap["entries"]:
                 parent = self.inodes[e["parent"]]
                 kind = e["kind"]
+                linked = self.inodes.get(e["ino"])
+                if linked is not None and kind != "dir":  # another name of an inode here
+                    self._link(parent, _name(e["name"]), linked)
+                    linked.nlink += 1
+                    self._write_inode(linked)
+                    continue
                 ino = Inode(e["ino"], kind, e["mode"], e["uid"], e["gid"],
                             2 if kind == "dir" else 1, e["mtime_ns"], e["mtime_ns"],
-                            e["mtime_ns"], target=_name(e["target"]),
+                            e["mtime_ns"], target=_name(e["target"]), rdev=e.get("rdev", 0),
                             children={} if kind == "dir" else None)
                 rt = runtime.get(ino.ino)
                 if rt is not None and rt[0] == kind:
@@ -411,8 +451,7 @@ class JobNamespaceOps:
                     parent.nlink += 1
                 ver = e.get("version")
                 mine = writing.get(ino.ino)
-                if mine is not None and (kind != "file" or mine[1:3] != (e["parent"],
-                                                                         _name(e["name"]))):
+                if mine is not None and (kind != "file" or mine[1:3] not in names[ino.ino]):
                     mine = None
                 if mine is not None and mine[0].publishing and not mine[0].writers and \
                         ver != mine[3] and not (ver is not None and ver["rank"] == self.rank

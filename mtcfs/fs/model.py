@@ -75,7 +75,12 @@ class Version:
 
 @dataclass(eq=False)
 class Inode:
-    """A file, directory or symlink.
+    """A file, directory, symlink or special file.
+
+    ``kind`` is "file", "dir", "symlink" or "special": a FIFO, socket, character or block
+    device node (the type is in ``mode``'s S_IFMT bits, the device number in ``rdev``). A
+    special file is metadata only: the kernel serves its I/O (a pipe, a socket, a driver)
+    and never sends it to the filesystem, so it has no version, no data and no chunks.
 
     Attributes:
         children: name -> ino, for directories only.
@@ -95,6 +100,8 @@ class Inode:
     mtime_ns: int
     ctime_ns: int
     target: bytes = b""
+    #: device number of a character or block device node (0 otherwise)
+    rdev: int = 0
     vid: int | None = None
     parent: int = 0
     name: bytes = b""
@@ -135,6 +142,7 @@ class Attr:
     mtime_ns: int
     ctime_ns: int
     blksize: int = BLKSIZE
+    rdev: int = 0
 
     @property
     def blocks(self) -> int:

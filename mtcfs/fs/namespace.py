@@ -26,6 +26,9 @@ def _text(name: bytes) -> str:
 
 log = logging.getLogger("mtcfs.fs.core")
 
+#: File types mknod makes as special files (metadata-only inodes).
+SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
+
 #: scope=job: seconds the root's getattr waits for the namespace before it answers from
 #: this node's copy (see ``getattr``).
 ROOT_FRESH_S = 1.0
@@ -45,10 +48,7 @@ class NamespaceOps:
         elif name == b"..":
             child = self.inodes.get(d.parent or ROOT_INO, d)
         else:
-            num = d.children.get(name)  # type: ignore[union-attr]
-            if num is None:
-                raise FsError(errno.ENOENT)
-            child = self.inodes[num]
+            child = self._child(d, name)
         child.lookups += 1
         return self.attr(child)
 
@@ -199,6 +199,39 @@ class NamespaceOps:
             self._touch_dir(d)
         return ino
 
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Attr:
+        """A FIFO, socket, character or block device node: metadata only (no version).
+
+        Raises:
+            FsError: EINVAL for another file type (regular files are created by create,
+                directories by mkdir); the errors of a new name.
+        """
+        if stat.S_IFMT(mode) not in SPECIAL_TYPES:
+            raise FsError(errno.EINVAL)
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            rdev = 0
+        if self.ns_log is not None:
+            return await self._ns_new_entry({"op": "mknod", "parent": parent, "name": name,
+                                             "mode": mode, "rdev": rdev, "uid": uid,
+                                             "gid": gid})
+        ino = self._mknod_now(parent, name, mode, rdev, uid, gid)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                   gid: int) -> Inode:
+        d = self._dir_for_new_name(parent, name)
+        if stat.S_IFMT(mode) not in SPECIAL_TYPES:
+            raise FsError(errno.EINVAL)
+        with self.db.transaction():
+            ino = self._new_inode("special", stat.S_IFMT(mode) | (mode & 0o7777), uid, gid)
+            ino.rdev = rdev
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            self._touch_dir(d)
+        return ino
+
     async def readlink(self, num: int) -> bytes:
         ino = self._inode(num)
         if ino.kind != "symlink":
@@ -210,7 +243,18 @@ class NamespaceOps:
         if ino.is_dir:
             raise FsError(errno.EPERM)
         if self.ns_log is not None:
-            raise FsError(errno.EOPNOTSUPP, "hard links are not supported in scope=job")
+            # Ordered job-wide like any other name (an op of the namespace log).
+            await self.ns_log.submit({"op": "link", "ino": ino.ino,
+                                      "new_parent": self._dir(new_parent).ino,
+                                      "new_name": _text(new_name)})
+        else:
+            self._link_now(ino, new_parent, new_name)
+        ino.lookups += 1
+        return self.attr(ino)
+
+    def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None:
+        if ino.is_dir:
+            raise FsError(errno.EPERM)
         d = self._dir_for_new_name(new_parent, new_name)
         with self.db.transaction():
             self._link(d, new_name, ino)
@@ -218,8 +262,6 @@ class NamespaceOps:
             ino.ctime_ns = _now_ns()
             self._write_inode(ino)
             self._touch_dir(d)
-        ino.lookups += 1
-        return self.attr(ino)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         if self.ns_log is not None:

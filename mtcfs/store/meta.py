@@ -17,11 +17,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-SCHEMA_VERSION = 1
+#: 2: inodes.rdev and kind 'special' (FIFOs, sockets, device nodes); a version-1 store
+#: gains the column at open (migrated in place, every existing inode rdev 0).
+SCHEMA_VERSION = 2
 
 SCHEMA = """
--- One row per inode. kind: 'file' | 'dir' | 'symlink'.
--- vid: current version of a file (NULL for dirs and symlinks).
+-- One row per inode. kind: 'file' | 'dir' | 'symlink' | 'special' (a FIFO, socket or
+--   device node: metadata only, the type in mode's S_IFMT bits; schema 2).
+-- vid: current version of a file (NULL for dirs, symlinks and special files).
 -- parent/name: for dirs, THE parent dentry; for files, the most recent link (used only to
 --   compute a path for manifests and step detection; hard links live in dentries).
 CREATE TABLE IF NOT EXISTS inodes (
@@ -37,7 +40,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     target    BLOB,                      -- symlink target, NULL otherwise
     vid       INTEGER,
     parent    INTEGER,                   -- 0 for the root and for unlinked inodes
-    name      BLOB
+    name      BLOB,
+    rdev      INTEGER NOT NULL DEFAULT 0 -- device number of a device node (schema 2)
 );
 -- Directory entries. The root is ino 1 and has no entry.
 CREATE TABLE IF NOT EXISTS dentries (
@@ -105,8 +109,12 @@ class MetaDB:
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(versions)")}
         if "origin" not in cols:  # scope=job: the rank that wrote a version (-1: this node)
             self.conn.execute("ALTER TABLE versions ADD COLUMN origin INTEGER NOT NULL DEFAULT -1")
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(inodes)")}
+        if "rdev" not in cols:  # schema 1 -> 2: special files
+            self.conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
         self._depth = 0
-        if self.get_kv("schema_version") is None:
+        version = self.get_kv("schema_version")
+        if version is None or int(version) < SCHEMA_VERSION:
             self.set_kv("schema_version", str(SCHEMA_VERSION))
 
     def close(self) -> None:

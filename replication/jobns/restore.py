@@ -16,7 +16,7 @@ import stat
 from typing import Any
 
 from mtcfs.fs.model import ROOT_INO
-from mtcfs.manifest import StepManifest
+from mtcfs.manifest import SPECIAL_MODES, StepManifest
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,14 @@ def snapshot_from_manifests(manifests: list[StepManifest]) -> dict[str, Any]:
             add(parent, "dir", 0o755, mtime_ns)
         inos[path] = len(inos) + 1
         kinds[path] = kind
-        fmt = {"dir": stat.S_IFDIR, "file": stat.S_IFREG, "symlink": stat.S_IFLNK}[kind]
+        fmt = {"dir": stat.S_IFDIR, "file": stat.S_IFREG, "symlink": stat.S_IFLNK}.get(kind)
+        if kind == "special":  # a FIFO, socket or device node: metadata only
+            fmt = SPECIAL_MODES[extra["node"]]
         entries.append({"ino": inos[path], "parent": inos[parent], "name": name, "kind": kind,
                         "mode": fmt | mode, "uid": uid, "gid": gid, "mtime_ns": mtime_ns,
                         "target": extra.get("target", ""), **(
-                            {"version": extra["version"]} if "version" in extra else {})})
+                            {"version": extra["version"]} if "version" in extra else {}), **(
+                            {"rdev": extra["rdev"]} if extra.get("rdev") else {})})
 
     add(m0.step, "dir", 0o755, m0.created_ns)
     for m in sorted(manifests, key=lambda m: m.rank or 0):
@@ -65,7 +68,8 @@ def snapshot_from_manifests(manifests: list[StepManifest]) -> dict[str, Any]:
                     "size": e.size, "chunk_size": e.chunk_size, "chunks": list(e.chunks),
                     "blake3": e.blake3, "rank": m.rank or 0, "sealed": True})
             else:
-                add(e.path, e.kind, e.mode, e.mtime_ns, target=e.target or "")
+                add(e.path, e.kind, e.mode, e.mtime_ns, target=e.target or "", node=e.node,
+                    rdev=e.rdev)
     return {"epoch": 1, "seq": 1, "next_ino": len(inos) + 1, "entries": entries,
             "steps": [{"name": m0.step, "number": m0.step_number, "ino": inos[m0.step],
                        "source": "restore", "committed_ns": m0.created_ns}]}
