@@ -129,6 +129,7 @@ class ScrubOps:
                 if not todo or idx not in todo:
                     return idx not in v.missing
         if idx in v.missing or not v.sealed:
+            self._verified(v.vid, idx)  # evicted or dropped: it comes back verified
             return False
         ev = self._verifying[key] = trio.Event()
         v.pins += 1
@@ -139,11 +140,7 @@ class ScrubOps:
                                                limiter=self.cpu_limiter)
             if idx in v.missing:
                 return False
-            todo = self._unverified.get(v.vid)
-            if todo is not None:
-                todo.discard(idx)
-                if not todo:
-                    del self._unverified[v.vid]
+            self._verified(v.vid, idx)
             if not ok:
                 self._mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
             return ok
@@ -153,6 +150,14 @@ class ScrubOps:
             v.pins -= 1
             self._release_version(v)
 
+    def _verified(self, vid: int, idx: int) -> None:
+        """Chunk ``idx`` of version ``vid`` needs no first-read hash any more."""
+        todo = self._unverified.get(vid)
+        if todo is not None:
+            todo.discard(idx)
+            if not todo:
+                del self._unverified[vid]
+
     def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
         """Chunk ``idx`` of ``v`` does not match its hash: make it missing (fault-in then
         fetches it from another tier), drop its bytes, count it and log it."""
@@ -161,11 +166,7 @@ class ScrubOps:
         off, length = chunk_span(idx, v.size, v.chunk_size)
         registered = self.versions.get(v.vid) is v
         v.missing.add(idx)
-        todo = self._unverified.get(v.vid)
-        if todo is not None:
-            todo.discard(idx)
-            if not todo:
-                del self._unverified[v.vid]
+        self._verified(v.vid, idx)
         if v.fd >= 0:
             punch_hole(v.fd, off, length)
         self.counters.corrupt_chunks += 1
