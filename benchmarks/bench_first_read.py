@@ -41,7 +41,14 @@ def _dd(src: str, dst: str) -> float:
     return int(m.group(1)) / float(m.group(2))
 
 
-def one(tree: str, src: str, root: Path) -> float:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one(tree: str, src: str, root: Path) -> tuple[float, float]:
+    """(cold read bytes/s, daemon CPU seconds spent serving it)."""
     store, mnt = root / "store", root / "mnt"
     shutil.rmtree(root, ignore_errors=True)
     mnt.mkdir(parents=True)
@@ -56,7 +63,10 @@ def one(tree: str, src: str, root: Path) -> float:
             time.sleep(0.1)
         _mtcfs(tree, "umount", str(mnt))
         _mtcfs(tree, "bench", str(mnt), "-o", opts)  # the restart
-        return _dd(str(mnt / "f"), "/dev/null")
+        pid = json.loads(_mtcfs(tree, "status", str(mnt), "--json").stdout)["pid"]
+        cpu0 = _cpu_s(pid)
+        rate = _dd(str(mnt / "f"), "/dev/null")
+        return rate, _cpu_s(pid) - cpu0
     finally:
         subprocess.run([PY, "-m", "mtcfs", "umount", str(mnt)], capture_output=True,
                        env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)
@@ -78,15 +88,20 @@ def main() -> None:
         for _ in range(int(a.gib * 1024)):
             f.write(os.urandom(1 << 20))
     res: dict[str, list[float]] = {"before": [], "after": []}
+    cpu: dict[str, list[float]] = {"before": [], "after": []}
     try:
         for _ in range(a.reps):
             for name, tree in (("before", a.before), ("after", a.after)):
-                res[name].append(one(tree, src, base / name) / 1e9)
+                rate, secs = one(tree, src, base / name)
+                res[name].append(rate / 1e9)
+                cpu[name].append(secs / a.gib)
     finally:
         os.unlink(src)
     out = {k: {"median_GBps": round(statistics.median(v), 2),
                "spread_pct": round(50 * (max(v) - min(v)) / statistics.median(v)),
-               "runs": [round(x, 2) for x in v]} for k, v in res.items()}
+               "runs": [round(x, 2) for x in v],
+               "daemon_cpu_s_per_gib": round(statistics.median(cpu[k]), 2)}
+           for k, v in res.items()}
     out["ratio"] = round(out["after"]["median_GBps"] / out["before"]["median_GBps"], 2)
     out["gib"], out["load_avg"] = a.gib, os.getloadavg()
     print(json.dumps(out, indent=1))
