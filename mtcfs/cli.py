@@ -464,6 +464,25 @@ def cmd_metrics(a: argparse.Namespace) -> None:
     sys.stdout.write(prometheus_text(_request(sock, "status")))
 
 
+def format_scrub_status(sc: dict) -> str:
+    """The ``scrub:`` line of ``mtcfs status`` (fs/scrub.py)."""
+    if not sc.get("interval_s"):
+        when = "off (scrub_interval=0)"
+    else:
+        when = f"every {sc['interval_s']:g} s at {_human(sc['rate'])}/s"
+    if sc.get("running"):
+        pct = 100 * sc["done_bytes"] / sc["total_bytes"] if sc["total_bytes"] else 100
+        now = f"running, {pct:.0f}% of {_human(sc['total_bytes'])}"
+    elif sc.get("last_finished"):
+        now = (f"last pass {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(sc['last_finished']))}"
+               f" ({sc['last_chunks']} chunks in {sc['last_seconds']:g} s, "
+               f"{sc['last_corrupt']} corrupt)")
+    else:
+        now = "no pass yet"
+    return (f"  scrub:    {when}; {now}; {sc['corrupt_chunks']} corrupt chunks found since "
+            f"start; {sc['unverified_chunks']} chunks not yet verified since start")
+
+
 def cmd_status(a: argparse.Namespace) -> None:
     sock, _ = control_socket(a.mountpoint)
     st = _request(sock, "status")
@@ -494,6 +513,8 @@ def cmd_status(a: argparse.Namespace) -> None:
     if reads.get("suspect_peers"):
         print(f"  reads:    asked last (failed a fetch lately): ranks "
               f"{', '.join(map(str, reads['suspect_peers']))}")
+    if st.get("scrub"):
+        print(format_scrub_status(st["scrub"]))
     r = st.get("restore")
     if r and (r.get("step") or r["pending_chunks"]):
         print(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "

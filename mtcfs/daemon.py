@@ -83,6 +83,7 @@ class Daemon:
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         self.fs.fetch_deadline_s = o.read_timeout
+        self.fs.scrub_interval_s, self.fs.scrub_rate = o.scrub_interval, o.scrub_rate
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
             sources.append(("peers", self._build_peer()))
@@ -374,6 +375,7 @@ class Daemon:
                     await self.mtc.write_init_info()
                 await n.start(control.serve, self.store.control_socket, self.handle)
                 n.start_soon(self._signals, n)
+                n.start_soon(self.fs.scrub_loop)
                 if self.backup is not None:
                     n.start_soon(self.backup.run)
                 if self.prefetcher is not None:
@@ -536,6 +538,9 @@ class Daemon:
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",
                                                     list)())},
             "backup": None, "restore": None, "store_fs": self.store_fs,
+            "scrub": {**fs.scrub_state, "interval_s": fs.scrub_interval_s,
+                      "rate": fs.scrub_rate, "corrupt_chunks": fs.counters.corrupt_chunks,
+                      "unverified_chunks": fs.unverified_chunks()},
         }
         if self.backup is not None:
             b = self.backup.status.to_json()

@@ -58,6 +58,8 @@ _COUNTER_HELP = {
                     "copy within the fault-in deadline).",
     "enospc": "Writes refused because the RAM tier was full.",
     "evicted_steps": "Checkpoints evicted from RAM.",
+    "corrupt_chunks": "Chunks in RAM found not to match their hash (first read after a start,"
+                      " scrub, mtcfs verify); dropped and fetched from another tier.",
 }
 
 
@@ -86,6 +88,18 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
             len(reads.get("suspect_peers") or []))
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
+    scrub = status.get("scrub") or {}
+    out.add("mtcfs_scrub_passes_total", "counter", "Scrub passes over the RAM tier finished.",
+            scrub.get("passes"))
+    out.add("mtcfs_scrub_last_finished_timestamp_seconds", "gauge",
+            "Unix time the last scrub pass finished.", scrub.get("last_finished"))
+    out.add("mtcfs_scrub_running", "gauge", "1 while a scrub pass runs.", scrub.get("running"))
+    out.add("mtcfs_scrub_done_bytes", "gauge", "Bytes hashed so far by the scrub pass running"
+            " (or the last one).", scrub.get("done_bytes"))
+    out.add("mtcfs_scrub_total_bytes", "gauge", "Bytes the scrub pass running (or the last one)"
+            " hashes.", scrub.get("total_bytes"))
+    out.add("mtcfs_unverified_chunks", "gauge", "Chunks in RAM not hashed since the daemon"
+            " started (verified on first read).", scrub.get("unverified_chunks"))
     backup = status.get("backup")
     if backup:
         out.add("mtcfs_backup_backups_total", "counter", "Checkpoints backed up.",

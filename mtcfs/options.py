@@ -212,6 +212,10 @@ class MountOptions:
     #: Seconds a read waits for data that is not on this node (fault-in from peers or the
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
+    #: Seconds between background scrub passes over the RAM tier (0: no scrub) and the
+    #: bytes per second a pass may read (docs/reliability.md, mtcfs/fs/scrub.py).
+    scrub_interval: float = 24 * 3600.0
+    scrub_rate: int = 100 * 1024 * 1024
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
     mtc: bool = False
     #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
@@ -382,6 +386,14 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.mount_timeout = parse_duration(value)
                     if not 1 <= o.mount_timeout <= 3600:
                         raise ValueError("must be between 1s and 1h")
+                elif name == "scrub_interval" and value:
+                    o.scrub_interval = 0.0 if value in ("0", "off") else parse_duration(value)
+                    if o.scrub_interval and not 1 <= o.scrub_interval <= 30 * 86400:
+                        raise ValueError("must be off (0) or between 1s and 30d")
+                elif name == "scrub_rate" and value:
+                    o.scrub_rate = parse_size(value.removesuffix("/s"))
+                    if not 1 << 20 <= o.scrub_rate <= 100 << 30:
+                        raise ValueError("must be between 1M and 100G (bytes per second)")
                 elif name == "ns_quorum" and value:
                     if value not in NS_QUORUMS:
                         raise ValueError(f"expected {' or '.join(NS_QUORUMS)}")
@@ -500,7 +512,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
-          "read_timeout", "mount_timeout"}
+          "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology"}

@@ -44,6 +44,7 @@ from mtcfs.fs.namespace import NamespaceOps
 from mtcfs.fs.own_files import OwnFileOps
 from mtcfs.fs.records import ChunkSource, Counters, StepRecord
 from mtcfs.fs.records import now_ns as _now_ns
+from mtcfs.fs.scrub import ScrubOps
 from mtcfs.fs.xattrs import XattrOps
 from mtcfs.store import Store
 
@@ -55,7 +56,7 @@ NAME_MAX = 255
 
 
 class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
-                 JobNamespaceOps, OwnFileOps):
+                 JobNamespaceOps, OwnFileOps, ScrubOps):
     """The core of one mount.
 
     Args:
@@ -123,6 +124,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.chunk_origins: dict[str, int] = {}
         self._next_kid = 1 << 48
         self._load()
+        self._init_scrub()  # fs/scrub.py: what is in RAM now is verified on first read
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -38,7 +38,7 @@ class FaultInOps:
     async def _fault_in_all(self, ino: Inode) -> None:
         """Bring every chunk of the current version here (before a copy-on-write)."""
         v = self.versions.get(ino.vid) if ino.vid is not None else None
-        if v is not None and v.missing:
+        if v is not None and (v.missing or self.needs_verify(v)):
             await self.fault_in(v, 0, v.size)
 
     async def fault_in(self, v: Version, off: int, size: int) -> None:
@@ -53,6 +53,8 @@ class FaultInOps:
                 verification; the message names the file and the sources tried, and the
                 error is counted (``fault_errors``) and listed by ``mtcfs status``.
         """
+        if self.needs_verify(v):  # first read since start: hash before serving (fs/scrub.py)
+            await self._verify_range(v, off, size)
         cs = v.chunk_size
         first, last = off // cs, (off + max(size, 1) - 1) // cs
         wanted = [i for i in range(first, last + 1) if i in v.missing]
@@ -249,6 +251,7 @@ class FaultInOps:
                 if data is not None:
                     return data
                 tried.append("local store: corrupt")
+                self._mark_corrupt(src, loc[1], "a local copy read for fault-in")
         if self.chunk_source is None:
             raise FsError(errno.EIO, "in no tier this node can reach")
         data = await self.chunk_source.fetch(digest, tried)

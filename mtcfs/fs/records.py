@@ -59,6 +59,8 @@ class Counters:
     fault_errors: int = 0
     enospc: int = 0
     evicted_steps: int = 0
+    #: chunks in RAM found not to match their hash (first read, scrub, verify; fs/scrub.py)
+    corrupt_chunks: int = 0
 
 
 #: Linux's CLOCK_REALTIME_COARSE (the time module does not name it).

@@ -1,0 +1,157 @@
+"""Corruption in the RAM tier (issue 12, item 5): a byte changed in a data file under the
+store is never served.
+
+* changed while the daemon was down: the first read after the start verifies the chunk, and
+  gets the right bytes from the backup tier (file://), which also repairs the store; with no
+  other source the read fails with EIO, never the wrong bytes;
+* changed behind the running daemon's back: the background scrub (``scrub_interval=``)
+  finds it within its interval and repairs it from the backup tier; a later read returns the
+  right bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+CHUNK = 256 * 1024
+
+
+def _data(n: int, seed: int) -> bytes:
+    import random
+    return random.Random(seed).randbytes(n)
+
+
+def _write_step(m, step: str, data: bytes) -> None:
+    d = m.path(step)
+    d.mkdir()
+    (d / "model.bin").write_bytes(data)
+    (d / "commit_success.txt").write_bytes(b"ok")
+    m.wait_for(lambda: any(c["step"] == step for c in m.checkpoints()), 30, f"{step} committed")
+
+
+def _wait_backed_up(m, step: str) -> None:
+    m.wait_for(lambda: any(c["step"] == step and c["backup"] == "complete"
+                           for c in m.checkpoints()), 60, f"{step} backed up")
+
+
+def _data_file(store: Path, step: str, name: str = "model.bin") -> Path:
+    """The data file of ``step/name`` (read from the store's metadata, daemon down or not)."""
+    db = sqlite3.connect(f"file:{store / 'meta.sqlite3'}?mode=ro", uri=True)
+    try:
+        (top,) = db.execute("SELECT ino FROM inodes WHERE parent=1 AND name=?",
+                            (step.encode(),)).fetchone()
+        (vid,) = db.execute("SELECT vid FROM inodes WHERE parent=? AND name=?",
+                            (top, name.encode())).fetchone()
+    finally:
+        db.close()
+    return store / "data" / str(vid)
+
+
+def _flip(path: Path, off: int) -> None:
+    """Flip one bit at ``off`` of ``path`` in place, as bit rot would."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0x10]), off)
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(path: Path) -> None:
+    """Drop the kernel's page cache of one file of the mount, so the next read asks the
+    daemon."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_byte_changed_while_down_is_refetched_from_the_backup_on_first_read(make_mount, tmp_path):
+    data = _data(3 * CHUNK + 1000, 1)
+    m = make_mount("n", backup=f"file://{tmp_path}/backup", backup_interval="1ckpt",
+                   chunk_size="256K")
+    _write_step(m, "step_100", data)
+    _wait_backed_up(m, "step_100")
+    m.stop()
+    f = _data_file(m.store, "step_100")
+    _flip(f, CHUNK + 12345)  # chunk 1
+    m.start()
+    got = m.path("step_100", "model.bin").read_bytes()
+    assert got == data  # bit-exact: the corrupt chunk came from the backup tier
+    assert f.read_bytes() == data  # and the store is repaired
+    st = m.status()
+    assert st["counters"]["corrupt_chunks"] == 1
+    assert any("step_100/model.bin" in e and "chunk 1" in e for e in st["errors"])
+    r = m.cli("verify", str(m.mnt), check=False)
+    assert r.returncode == 0, r.stdout
+    metrics = m.cli("metrics", str(m.mnt)).stdout
+    assert "mtcfs_corrupt_chunks_total" in metrics
+
+
+def test_a_byte_changed_while_down_with_no_other_source_is_eio_not_wrong_bytes(make_mount):
+    data = _data(3 * CHUNK + 1000, 2)
+    m = make_mount("n", chunk_size="256K")
+    _write_step(m, "step_100", data)
+    m.stop()
+    _flip(_data_file(m.store, "step_100"), 2 * CHUNK + 7)  # chunk 2
+    m.start()
+    p = m.path("step_100", "model.bin")
+    with open(p, "rb", buffering=0) as fh:
+        assert os.pread(fh.fileno(), CHUNK, 0) == data[:CHUNK]  # good chunks are served
+        with pytest.raises(OSError) as exc:
+            os.pread(fh.fileno(), CHUNK, 2 * CHUNK)
+        assert exc.value.errno == errno.EIO
+        with pytest.raises(OSError) as exc:  # and again: known bad, never served
+            os.pread(fh.fileno(), 100, 2 * CHUNK + 5)
+        assert exc.value.errno == errno.EIO
+    st = m.status()
+    assert st["counters"]["corrupt_chunks"] == 1
+    assert "step_100/model.bin, chunk 2" in st["reads"]["last_failure"]
+
+
+def test_the_scrub_finds_a_byte_changed_behind_the_daemon_and_repairs_it(make_mount, tmp_path):
+    data = _data(4 * CHUNK, 3)
+    m = make_mount("n", backup=f"file://{tmp_path}/backup", backup_interval="1ckpt",
+                   chunk_size="256K", scrub_interval="1s")
+    _write_step(m, "step_100", data)
+    _wait_backed_up(m, "step_100")
+    p = m.path("step_100", "model.bin")
+    assert p.read_bytes() == data
+    f = _data_file(m.store, "step_100")
+    passes = m.status()["scrub"]["passes"]
+    _flip(f, 3 * CHUNK + 99)  # chunk 3, behind the running daemon's back
+    t0 = time.monotonic()
+    m.wait_for(lambda: m.status()["counters"]["corrupt_chunks"] >= 1, 20, "the scrub to find it")
+    found_s = time.monotonic() - t0
+    m.wait_for(lambda: f.read_bytes() == data, 20, "the store repaired")
+    st = m.status()
+    assert st["scrub"]["passes"] > passes and st["scrub"]["last_finished"]
+    assert found_s < 10, found_s
+    assert any("step_100/model.bin" in e and "chunk 3" in e for e in st["errors"])
+    _drop_cache(p)
+    assert p.read_bytes() == data
+    assert "scrub:" in m.cli("status", str(m.mnt)).stdout
+
+
+def test_the_scrub_marks_a_corrupt_chunk_it_cannot_repair_and_reads_fail(make_mount):
+    data = _data(2 * CHUNK, 4)
+    m = make_mount("n", chunk_size="256K", scrub_interval="1s")
+    _write_step(m, "step_100", data)
+    p = m.path("step_100", "model.bin")
+    f = _data_file(m.store, "step_100")
+    _flip(f, 10)  # chunk 0
+    m.wait_for(lambda: m.status()["counters"]["corrupt_chunks"] >= 1, 20, "the scrub to find it")
+    _drop_cache(p)
+    with open(p, "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as exc:
+            os.pread(fh.fileno(), CHUNK, 0)
+        assert exc.value.errno == errno.EIO
+        assert os.pread(fh.fileno(), CHUNK, CHUNK) == data[CHUNK:]
