@@ -77,6 +77,10 @@ class Daemon:
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         self.fs.fetch_deadline_s = o.read_timeout
+        # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
+        # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
+        self.fs.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
+            else not o.backup
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
             sources.append(("peers", self._build_peer()))
@@ -522,7 +526,9 @@ class Daemon:
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
-                    "files": s["files"], "checkpoints": len(fs.steps)},
+                    "files": s["files"], "checkpoints": len(fs.steps),
+                    "evict_unsaved": fs.evict_unsaved,
+                    "deleted_unsaved": list(fs.unsaved_deleted)},
             "counters": vars(fs.counters).copy(),
             "errors": list(fs.errors),
             "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,

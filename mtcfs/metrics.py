@@ -58,6 +58,10 @@ _COUNTER_HELP = {
                     "copy within the fault-in deadline).",
     "enospc": "Writes refused because the RAM tier was full.",
     "evicted_steps": "Checkpoints evicted from RAM.",
+    "deleted_unsaved_steps": "Checkpoints deleted from RAM under memory pressure while no"
+                             " other tier held them (lost; evict_unsaved=yes).",
+    "evicted_leftovers": "Incomplete leftovers of saves a crash interrupted, deleted under"
+                         " memory pressure.",
 }
 
 

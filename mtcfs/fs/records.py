@@ -59,6 +59,10 @@ class Counters:
     fault_errors: int = 0
     enospc: int = 0
     evicted_steps: int = 0
+    #: Committed steps deleted from RAM under memory pressure while no other tier held them.
+    deleted_unsaved_steps: int = 0
+    #: Incomplete leftovers of saves a crash interrupted, deleted under memory pressure.
+    evicted_leftovers: int = 0
 
 
 #: Linux's CLOCK_REALTIME_COARSE (the time module does not name it).
