@@ -19,7 +19,12 @@ import errno
 import hashlib
 import os
 import random
+import re
 import shutil
+
+import pytest
+
+from mtcfs.cli import _request, control_socket
 import time
 
 MiB = 1 << 20
@@ -131,3 +136,167 @@ def test_kill9_loop_with_backup(make_mount, shm_dir):
     # since had finished.
     last = m.status()["backup"]
     assert last["last_finished"] is not None and last["last_step"] is not None, last
+
+
+# --------------------------------------------------------------- one test per cause found
+
+
+def _file(path, nbytes: int, seed: int) -> bytes:
+    data = random.Random(seed).randbytes(nbytes)
+    with open(path, "wb") as f:
+        for off in range(0, nbytes, 4 * MiB):
+            f.write(data[off:off + 4 * MiB])
+    return data
+
+
+def _commit(m, name: str, nbytes: int, seed: int) -> bytes:
+    os.makedirs(m.path(name), exist_ok=True)
+    data = _file(m.path(name, "shard.distcp"), nbytes, seed)
+    m.path(name, ".metadata").write_bytes(b"meta " + name.encode())
+    m.wait_for(lambda: name in {r["step"] for r in m.checkpoints()}, 30, f"{name} to commit")
+    return data
+
+
+def _backup_state(m, name: str) -> str | None:
+    return {r["step"]: r["backup"] for r in m.checkpoints()}.get(name)
+
+
+def test_pending_backup_resumes_after_kill9(make_mount, shm_dir):
+    """A backup a SIGKILL interrupted is resumed after the remount, although a newer step
+    committed meanwhile (before: only the newest was backed up; the interrupted one stayed
+    'pending' for ever, and mtcfs status said the backup had run 'never')."""
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    m = make_mount("node", size="1G", backup=f"file://{bucket}", backup_interval="1ckpt",
+                   keep=2, backup_keep=100)
+    first = _commit(m, "step_0", 8 * MiB, 0)
+    m.wait_for(lambda: _backup_state(m, "step_0") == "complete", 30, "the first backup")
+    sock = control_socket(str(m.mnt))[0]
+
+    def uploading() -> str | None:  # in-process: a CLI run takes longer than the upload
+        return _request(sock, "status")["backup"]["uploading"]
+
+    for attempt in range(1, 6):  # the upload must still run when the kill comes
+        name, newer = f"step_{2 * attempt - 1}", f"step_{2 * attempt}"
+        os.mkdir(m.path(name))
+        big = _file(m.path(name, "shard.distcp"), 160 * MiB, attempt)
+        m.path(name, ".metadata").write_bytes(b"big")
+        m.wait_for(lambda: uploading() == name or _backup_state(m, name) == "complete", 30,
+                   "the upload to start")
+        os.mkdir(m.path(newer))
+        m.path(newer, ".metadata").write_bytes(b"newer")
+        m.wait_for(lambda: _request(sock, "status")["ram"]["checkpoints"] == 2 * attempt + 1,
+                   10, f"{newer} to commit")
+        if uploading() == name:
+            m.kill9()
+            break
+    else:
+        pytest.skip("every upload finished before the kill could come")
+    m.start()
+    # The interrupted step is backed up, then the newest; status names the last backup.
+    m.wait_for(lambda: _backup_state(m, name) == "complete", 60, f"the backup of {name}")
+    m.wait_for(lambda: _backup_state(m, newer) == "complete", 60,
+               "the backup of the newest step")
+    assert m.path(name, "shard.distcp").read_bytes() == big
+    assert m.path("step_0", "shard.distcp").read_bytes() == first
+
+
+def test_status_shows_last_backup_after_kill9(make_mount, shm_dir):
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    m = make_mount("node", size="256M", backup=f"file://{bucket}", backup_interval="1ckpt")
+    _commit(m, "step_1", 4 * MiB, 1)
+    m.wait_for(lambda: _backup_state(m, "step_1") == "complete", 30, "the backup")
+    m.kill9()
+    m.start()
+    b = m.status()["backup"]
+    assert b["last_step"] == "step_1" and b["last_finished"] is not None, b
+    assert "never" not in m.cli("status", str(m.mnt)).stdout
+
+
+def test_crash_leftovers_never_push_out_a_committed_step(make_mount):
+    """The torn leftover of a save the crash interrupted is deleted under pressure before
+    any committed step (before: it stayed, and the committed step_1 was deleted)."""
+    m = make_mount("node", size="72M", keep=1)
+    s1 = _commit(m, "step_1", 20 * MiB, 1)
+    os.mkdir(m.path("step_2"))
+    fd = os.open(m.path("step_2", "shard.distcp"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, random.Random(2).randbytes(20 * MiB))
+    os.fsync(fd)  # out of the kernel's cache: the leftover takes its room in the store
+    m.kill9()  # mid-save: no .metadata
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    m.start()
+    s3 = _commit(m, "step_3", 20 * MiB, 3)
+    os.mkdir(m.path("step_4"))
+    s4 = _file(m.path("step_4", "shard.distcp"), 20 * MiB, 4)
+    assert not m.path("step_2").exists()
+    assert m.path("step_1", "shard.distcp").read_bytes() == s1
+    assert m.path("step_3", "shard.distcp").read_bytes() == s3
+    assert m.path("step_4", "shard.distcp").read_bytes() == s4
+    st = m.status()
+    assert st["counters"]["evicted_leftovers"] == 1
+    assert st["counters"]["deleted_unsaved_steps"] == 0
+    assert "incomplete leftover of a save a crash interrupted" in m.log()
+
+
+def test_eviction_goes_oldest_first(make_mount):
+    """An older step that cannot go now (open) is not replaced by a newer one: the write
+    waits for it (ENOSPC); once it is closed, it is the one that goes."""
+    m = make_mount("node", size="72M", keep=1)
+    s1 = _commit(m, "step_1", 20 * MiB, 1)
+    s2 = _commit(m, "step_2", 20 * MiB, 2)
+    s3 = _commit(m, "step_3", 20 * MiB, 3)
+    os.mkdir(m.path("step_4"))
+    with open(m.path("step_1", "shard.distcp"), "rb") as held:
+        with pytest.raises(OSError) as ei:
+            _file(m.path("step_4", "shard.distcp"), 20 * MiB, 4)
+        assert ei.value.errno == errno.ENOSPC
+        assert m.path("step_2", "shard.distcp").read_bytes() == s2
+        assert held.read() == s1
+    os.unlink(m.path("step_4", "shard.distcp"))
+    s4 = _file(m.path("step_4", "shard.distcp"), 20 * MiB, 4)
+    assert not m.path("step_1").exists()
+    assert m.path("step_2", "shard.distcp").read_bytes() == s2
+    assert m.path("step_3", "shard.distcp").read_bytes() == s3
+    assert m.path("step_4", "shard.distcp").read_bytes() == s4
+
+
+def test_unsaved_step_never_deleted_silently(make_mount, shm_dir):
+    """With backup=, a committed step awaiting its backup is never deleted to make room:
+    ENOSPC. With evict_unsaved=yes it may be, oldest first, with a warning in the log and
+    in mtcfs status, and counted in the metrics."""
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    m = make_mount("a", size="56M", keep=1, backup=f"file://{bucket}",
+                   backup_interval="100ckpt")
+    s1 = _commit(m, "step_1", 20 * MiB, 1)
+    s2 = _commit(m, "step_2", 20 * MiB, 2)
+    os.mkdir(m.path("step_3"))
+    with pytest.raises(OSError) as ei:
+        _file(m.path("step_3", "shard.distcp"), 20 * MiB, 3)
+    assert ei.value.errno == errno.ENOSPC
+    assert m.path("step_1", "shard.distcp").read_bytes() == s1
+    assert m.path("step_2", "shard.distcp").read_bytes() == s2
+    assert m.status()["counters"]["deleted_unsaved_steps"] == 0
+
+    bucket2 = shm_dir / "bucket2"
+    bucket2.mkdir()
+    n = make_mount("b", size="56M", keep=1, backup=f"file://{bucket2}",
+                   backup_interval="100ckpt", evict_unsaved="yes")
+    _commit(n, "step_1", 20 * MiB, 1)
+    t2 = _commit(n, "step_2", 20 * MiB, 2)
+    os.mkdir(n.path("step_3"))
+    t3 = _file(n.path("step_3", "shard.distcp"), 20 * MiB, 3)
+    assert not n.path("step_1").exists()
+    assert n.path("step_2", "shard.distcp").read_bytes() == t2
+    assert n.path("step_3", "shard.distcp").read_bytes() == t3
+    st = n.status()
+    assert st["counters"]["deleted_unsaved_steps"] == 1
+    assert st["ram"]["deleted_unsaved"] == ["step_1"]
+    assert "WARNING" in n.cli("status", str(n.mnt)).stdout
+    metrics = n.cli("metrics", str(n.mnt)).stdout
+    assert re.search(r"^mtcfs_deleted_unsaved_steps_total(\{[^}]*\})? 1$", metrics, re.M), metrics
+    assert "deleted checkpoint step_1 from RAM under memory pressure" in n.log()
