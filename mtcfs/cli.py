@@ -495,6 +495,10 @@ def cmd_status(a: argparse.Namespace) -> None:
         print(f"  store:    {st['store_fs']['warning']}")
     print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
           f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
+    if ram.get("deleted_unsaved"):
+        print(f"  WARNING: {len(ram['deleted_unsaved'])} checkpoint(s) no other tier held were"
+              f" deleted under memory pressure (evict_unsaved=yes), last: "
+              f"{', '.join(ram['deleted_unsaved'][-5:])}")
     b = st.get("backup")
     if b:
         last = "never" if not b["last_finished"] else time.strftime(

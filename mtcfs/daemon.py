@@ -84,6 +84,10 @@ class Daemon:
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         self.fs.fetch_deadline_s = o.read_timeout
         self.fs.scrub_interval_s, self.fs.scrub_rate = o.scrub_interval, o.scrub_rate
+        # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
+        # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
+        self.fs.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
+            else not o.backup
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
             sources.append(("peers", self._build_peer()))
@@ -530,7 +534,9 @@ class Daemon:
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
-                    "files": s["files"], "checkpoints": len(fs.steps)},
+                    "files": s["files"], "checkpoints": len(fs.steps),
+                    "evict_unsaved": fs.evict_unsaved,
+                    "deleted_unsaved": list(fs.unsaved_deleted)},
             "counters": vars(fs.counters).copy(),
             "errors": list(fs.errors),
             "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,

@@ -60,6 +60,10 @@ _COUNTER_HELP = {
     "evicted_steps": "Checkpoints evicted from RAM.",
     "corrupt_chunks": "Chunks in RAM found not to match their hash (first read after a start,"
                       " scrub, mtcfs verify); dropped and fetched from another tier.",
+    "deleted_unsaved_steps": "Checkpoints deleted from RAM under memory pressure while no"
+                             " other tier held them (lost; evict_unsaved=yes).",
+    "evicted_leftovers": "Incomplete leftovers of saves a crash interrupted, deleted under"
+                         " memory pressure.",
 }
 
 

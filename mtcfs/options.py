@@ -181,6 +181,9 @@ class MountOptions:
     backup_interval: BackupInterval = None  # type: ignore[assignment]
     backup_keep: int = 3
     keep: int = 2
+    #: Under memory pressure, delete committed checkpoints no other tier holds (True) or
+    #: refuse the write with ENOSPC (False); None: False when backup= is set, else True.
+    evict_unsaved: bool | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
     restore: str = "latest"
     allow_other: bool = False
@@ -329,6 +332,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.backup_keep = _int(name, value, 1, MAX_BACKUP_KEEP)
                 elif name == "keep" and value:
                     o.keep = _int(name, value, 1, MAX_KEEP)
+                elif name == "evict_unsaved" and value:
+                    if value not in ("yes", "no"):
+                        raise ValueError("expected yes or no")
+                    o.evict_unsaved = value == "yes"
                 elif name == "chunk_size" and value:
                     cs = parse_size(value)
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):
@@ -509,6 +516,7 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
 
 
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
+          "evict_unsaved",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",

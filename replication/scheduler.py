@@ -8,7 +8,7 @@ and a failing bucket only delays the next attempt (jittered backoff).
 
 This module knows the filesystem core only through the duck-typed methods it calls
 (``steps``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``, ``mark_backed_up``,
-``unpin``, ``evict``, ``subscribe``); it never imports it (imports point down).
+``backup_pending``, ``set_backup_pending``, ``unpin``, ``evict``, ``subscribe``); it never imports it (imports point down).
 """
 
 from __future__ import annotations
@@ -101,6 +101,19 @@ class BackupService:
         self._force_failed = False
         self._request_lock = trio.Lock()  # one explicit request at a time
         fs.subscribe(self._on_event)
+        done = [s for s in fs.steps.values() if s.backed_up_ns is not None]
+        if done:
+            # What mtcfs status shows as the last backup survives a restart (a SIGKILL).
+            last = max(done, key=lambda s: s.backed_up_ns)
+            self.status.last_step, self.status.last_finished = last.name, last.backed_up_ns / 1e9
+        #: A backup a crash interrupted (recorded in the store when it started): resumed
+        #: first, whatever the interval says; the chunks it had uploaded are not sent again.
+        self._resume: str | None = None
+        pending = fs.backup_pending()
+        rec = fs.steps.get(pending) if pending else None
+        if rec is not None and rec.backed_up_ns is None:
+            self._resume = pending
+            log.info("resuming the backup of %s that a crash interrupted", pending)
         if self.candidate() is not None:
             # A step committed before this daemon started (restart, crash, backup= added
             # later) and never backed up: it is due now, whatever the count says.
@@ -152,9 +165,16 @@ class BackupService:
     async def run(self) -> None:
         failures = 0
         while True:
-            rec = None
+            rec, counted = None, self._commits_since
             if self._force not in (None, "__newest__"):
                 rec = self.fs.steps.get(self._force)
+            elif self._resume is not None:
+                rec, counted = self.fs.steps.get(self._resume), 0
+                self._resume = None
+                if rec is not None and rec.backed_up_ns is not None:
+                    rec = None
+                if rec is None:
+                    continue
             elif self._due():
                 rec = self.candidate()
             if rec is None:
@@ -168,7 +188,7 @@ class BackupService:
                 continue
             # Commits counted so far are answered by this backup; any that land while it
             # waits for its step to seal are not (they are newer steps, due next).
-            ok = await self._backup(rec, self._commits_since)
+            ok = await self._backup(rec, counted)
             if ok is None:  # chunks still being restored: not an error, try again soon
                 if self._force is not None:
                     self.status.last_error = (f"backup of {rec.name}: some of its chunks are "
@@ -221,6 +241,7 @@ class BackupService:
         self._commits_since = max(0, self._commits_since - counted)
         rec.backing_up = True
         self.status.uploading = rec.name
+        self.fs.set_backup_pending(rec.name)
         t0 = time.monotonic()
         try:
             stats = await trio.to_thread.run_sync(
@@ -242,6 +263,7 @@ class BackupService:
             rec.backing_up = False
             self.status.uploading = None
         self.fs.mark_backed_up(rec.name, pinned)
+        self.fs.set_backup_pending(None)
         self._last_number = rec.number  # the newest step: the interval counts from here
         self.fs.unpin(pinned)
         st = self.status

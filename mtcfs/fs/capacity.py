@@ -10,11 +10,12 @@ import errno
 import logging
 import os
 
-from mtcfs.chunking import chunk_count
-from mtcfs.errors import FsError
 import trio
 
-from mtcfs.fs.model import ROOT_INO, Handle, Version
+from mtcfs.chunking import chunk_count
+from mtcfs.errors import FsError
+from mtcfs.fs import steps as stepnames
+from mtcfs.fs.model import ROOT_INO, Handle, Inode, Version
 from mtcfs.fs.records import StepRecord
 
 log = logging.getLogger("mtcfs.fs.core")
@@ -104,10 +105,14 @@ class CapacityOps:
                           f" of peer replicas, of {self.capacity} bytes)")
 
     def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
-        """Committed steps that may leave RAM, oldest first.
+        """Committed steps that may leave RAM, in the order they leave it.
 
         Never the newest committed step, never one being backed up; without memory pressure
         also never one of the newest ``keep`` steps, and only steps already backed up.
+        Under pressure, steps the backup tier holds (their data leaves RAM, nothing is
+        lost) go first, oldest first; then, only when :attr:`evict_unsaved` allows it, the
+        steps no other tier holds (deleted), oldest first, stopping at the first one that
+        cannot go now (open, or being backed up) rather than deleting a newer one.
         """
         ordered = sorted(self.steps.values(), key=lambda s: (s.number, s.committed_ns))
         if not ordered:
@@ -115,16 +120,25 @@ class CapacityOps:
         protected = {ordered[-1].name}
         if not pressure:
             protected.update(s.name for s in ordered[-self.keep:] if self.keep > 0)
-        out = []
+        saved, unsaved = [], []
         for s in ordered:
-            if s.name in protected or s.backing_up:
+            if s.name in protected:
                 continue
-            if not pressure and s.backed_up_ns is None:
+            if s.backed_up_ns is None:
+                if pressure:
+                    unsaved.append(s)
                 continue
-            if self._step_local_bytes(s) == 0 and s.backed_up_ns is not None:
+            if s.backing_up or self._step_local_bytes(s) == 0:
                 continue
-            out.append(s)
-        return out
+            saved.append(s)
+        if not self.evict_unsaved:
+            return saved
+        lossy = []
+        for s in unsaved:
+            if s.backing_up or any(v.handles for v in self._step_versions(s)):
+                break  # oldest first: never a newer unsaved step in its place
+            lossy.append(s)
+        return saved + lossy
 
     def _step_local_bytes(self, s: StepRecord) -> int:
         total = 0
@@ -133,12 +147,55 @@ class CapacityOps:
                 total += self.versions[ino.vid].alloc  # type: ignore[index]
         return total
 
+    def crash_leftovers(self) -> list[Inode]:
+        """Top-level directories a save killed by a crash left behind, oldest step first.
+
+        A leftover is a directory with a step name (or an Orbax temporary name) that was
+        already there, uncommitted, when this daemon loaded the store, and has not changed
+        since (a job writing into it again makes it a save in progress, never a leftover);
+        none of its files is open. (A marker a crash left unsealed commits its step when it
+        is sealed after mount, so such a directory is then no leftover.)
+        """
+        root = self.inodes[ROOT_INO]
+        out = []
+        for name, num in root.children.items():  # type: ignore[union-attr]
+            d = self.inodes.get(num)
+            key = name.decode(errors="surrogateescape")
+            if d is None or not d.is_dir or key in self.steps or num not in self._leftover_dirs:
+                continue
+            if stepnames.step_number(name) is None and not stepnames.is_orbax_tmp(name):
+                continue
+            ok = True
+            for _p, ino in self.walk(d):
+                if ino.ino not in self._inos_at_load or ino.mtime_ns > self._loaded_ns or (
+                        ino.is_file and ino.vid is not None and (
+                            self.versions[ino.vid].handles or self.versions[ino.vid].writers)):
+                    ok = False
+                    break
+            if ok:
+                out.append(d)
+        out.sort(key=lambda d: (stepnames.step_number(d.name) or 0, d.ino))
+        return out
+
+    def _evict_leftovers(self, need: int, start_used: int) -> None:
+        for d in self.crash_leftovers():
+            if start_used - self.used >= need:
+                return
+            name = d.name.decode(errors="surrogateescape")
+            self._delete_dir_tree(d)
+            self._leftover_dirs.discard(d.ino)
+            self.counters.evicted_leftovers += 1
+            log.warning("deleted %s from RAM under memory pressure: the incomplete leftover of"
+                        " a save a crash interrupted (never committed)", name)
+
     def evict(self, need: int | None = None) -> list[str]:
         """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure).
 
         A step that is in the backup keeps its namespace and drops its data (read again, it
-        is faulted back in); a step that is not is deleted. With ``need`` (bytes) stops once
-        enough is free; without, applies the keep= policy.
+        is faulted back in); a step that is not is deleted (only under pressure, and only
+        with ``evict_unsaved``: counted, logged and shown in status as a warning). With
+        ``need`` (bytes), first deletes the incomplete leftovers of saves a crash
+        interrupted, and stops once enough is free; without, applies the keep= policy.
 
         Returns:
             names of the evicted steps.
@@ -146,6 +203,8 @@ class CapacityOps:
         pressure = need is not None
         freed_names = []
         start_used = self.used
+        if pressure and self.ns_log is None:
+            self._evict_leftovers(need, start_used)  # type: ignore[arg-type]
         for s in self.evictable_steps(pressure=pressure):
             if pressure and start_used - self.used >= need:  # type: ignore[operator]
                 break
@@ -159,6 +218,12 @@ class CapacityOps:
                 self._drop_step_data(s)
             else:
                 self._delete_tree(s)
+                self.counters.deleted_unsaved_steps += 1
+                msg = (f"deleted checkpoint {s.name} from RAM under memory pressure: no other"
+                       " tier held it (not backed up); it is lost (evict_unsaved=yes)")
+                log.warning("%s", msg)
+                self.unsaved_deleted.append(s.name)
+                self.unsaved_deleted[:] = self.unsaved_deleted[-20:]
             freed_names.append(s.name)
             self.counters.evicted_steps += 1
             log.info("evicted checkpoint %s from RAM (%s)", s.name,
@@ -185,7 +250,12 @@ class CapacityOps:
                 self._write_version(v)
 
     def _delete_tree(self, s: StepRecord) -> None:
-        top = self.inodes[s.ino]
+        self._delete_dir_tree(self.inodes[s.ino])
+
+    def _delete_dir_tree(self, top: Inode) -> None:
+        """Delete the top-level directory ``top`` and everything below (a step is forgotten
+        with its directory)."""
+        name = top.name
         items = list(self.walk(top))
         with self.db.transaction():
             for _path, ino in reversed(items):
@@ -196,7 +266,7 @@ class CapacityOps:
                     self._unlink_entry(parent, name)
                     self._drop_link(ino, parent, name)
             self._touch_dir(self.inodes[ROOT_INO])
-        self._emit("invalidate_entry", (ROOT_INO, s.name.encode(errors="surrogateescape"), top.ino))
+        self._emit("invalidate_entry", (ROOT_INO, name, top.ino))
         for _path, ino in items:
             self._maybe_free_inode(ino)
 

@@ -288,6 +288,15 @@ class CheckpointOps:
                 rec.backed_up_ns = _now_ns()
                 self._write_step(rec)
 
+    def backup_pending(self) -> str | None:
+        """The step whose backup started and had not completed when the daemon stopped."""
+        return self.db.get_kv("backup_pending") or None
+
+    def set_backup_pending(self, name: str | None) -> None:
+        """Record (durably) that the backup of ``name`` started; None: it completed."""
+        with self.db.transaction():
+            self.db.set_kv("backup_pending", name or "")
+
     def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
         """Create the namespace of a step with no data yet (restore).
 

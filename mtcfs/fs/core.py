@@ -123,6 +123,16 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
         self.chunk_origins: dict[str, int] = {}
         self._next_kid = 1 << 48
+        #: Under memory pressure, delete committed steps no other tier holds (oldest first,
+        #: with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``).
+        self.evict_unsaved = True
+        #: The last steps deleted that way (status shows them as a warning).
+        self.unsaved_deleted: list[str] = []
+        #: Crash leftovers (fs/capacity.py ``crash_leftovers``): when the store was loaded,
+        #: the inodes there were then, and the top-level directories then uncommitted.
+        self._loaded_ns = 0
+        self._inos_at_load: set[int] = set()
+        self._leftover_dirs: set[int] = set()
         self._load()
         self._init_scrub()  # fs/scrub.py: what is in RAM now is verified on first read
 
@@ -204,6 +214,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         for v in self.versions.values():  # what counts against size=: capacity.py, _account
             v.alloc = os.stat(self.store.data_path(v.vid)).st_blocks * 512
         self.used = sum(v.alloc for v in self.versions.values())
+        self._loaded_ns = _now_ns()
+        self._inos_at_load = set(self.inodes)
+        self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
+                               if name.decode(errors="surrogateescape") not in self.steps}
         for v in self.versions.values():
             self._index_chunks(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from

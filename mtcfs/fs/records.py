@@ -61,6 +61,10 @@ class Counters:
     evicted_steps: int = 0
     #: chunks in RAM found not to match their hash (first read, scrub, verify; fs/scrub.py)
     corrupt_chunks: int = 0
+    #: Committed steps deleted from RAM under memory pressure while no other tier held them.
+    deleted_unsaved_steps: int = 0
+    #: Incomplete leftovers of saves a crash interrupted, deleted under memory pressure.
+    evicted_leftovers: int = 0
 
 
 #: Linux's CLOCK_REALTIME_COARSE (the time module does not name it).
