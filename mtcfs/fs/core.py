@@ -489,6 +489,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 self._account(v)
             return
         del self.versions[v.vid]
+        self._unverified.pop(v.vid, None)  # fs/scrub.py: nothing left to verify
         self._hand_over_last_copies(v)
         if v.fd >= 0:
             os.close(v.fd)

@@ -479,6 +479,9 @@ class JobNamespaceOps:
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
                         v.missing.clear()
                         self._account(v)
+                        # Chunks not hashed since this daemon started stay so under the new
+                        # version: a rejoin after a restart takes this path (fs/scrub.py).
+                        self._carry_unverified(old, v)
                     self._write_version(v)
                     self._index_chunks(v)
                     ino.vid = v.vid

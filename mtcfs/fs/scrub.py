@@ -140,6 +140,10 @@ class ScrubOps:
                                                limiter=self.cpu_limiter)
             if idx in v.missing:
                 return False
+            if self.versions.get(v.vid) is not v:
+                # Replaced while we hashed (a snapshot install took its data file over, or
+                # it was freed): the file may have changed under us; no verdict on it.
+                return ok
             self._verified(v.vid, idx)
             if not ok:
                 self._mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
@@ -149,6 +153,13 @@ class ScrubOps:
             ev.set()
             v.pins -= 1
             self._release_version(v)
+
+    def _carry_unverified(self, old: Version, new: Version) -> None:
+        """``new`` took over the data file of ``old`` (scope=job snapshot install): the
+        chunks of ``old`` not hashed since start are unverified under ``new``."""
+        todo = self._unverified.pop(old.vid, None)
+        if todo:
+            self._unverified[new.vid] = set(todo)
 
     def _verified(self, vid: int, idx: int) -> None:
         """Chunk ``idx`` of version ``vid`` needs no first-read hash any more."""
