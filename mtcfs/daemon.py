@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 #: Read-ahead for the mount's backing device info, in KiB: lets the kernel send 1 MiB read
 #: requests instead of 128 KiB ones (library-fs-ops.md: cold reads ~35% faster).
 READ_AHEAD_KB = 4096
+#: The bound on a restore before the mount comes up (restore=, or scope=job from the backup
+#: tier), seconds: past it the mount comes up without it (logged). Below mount_timeout=.
+RESTORE_AT_MOUNT_S = 120
 
 
 def default_capacity(store_path: str) -> int:
@@ -200,7 +203,7 @@ class Daemon:
             return
         want = None if self.opts.restore == "latest" else int(self.opts.restore)
         try:
-            with trio.fail_after(120):
+            with trio.fail_after(RESTORE_AT_MOUNT_S):
                 if self.peer is not None:
                     await self.restore_from_job(want)
                 else:
@@ -224,14 +227,17 @@ class Daemon:
             return
         t0 = time.monotonic()
         try:
-            manifests = await trio.to_thread.run_sync(latest_job_step, self.backup_store,
-                                                      self.opts.nodes)
+            with trio.fail_after(RESTORE_AT_MOUNT_S):  # the mount comes up even so
+                manifests = await trio.to_thread.run_sync(
+                    latest_job_step, self.backup_store, self.opts.nodes,
+                    abandon_on_cancel=True)
             if manifests is None:
                 log.info("nothing to restore: no step is complete for every rank in the backup")
                 return
             fs.ns_install(snapshot_from_manifests(manifests))
-        except Exception as exc:
-            fs._error(f"restore of the job namespace from the backup tier failed: {exc}")
+        except (Exception, trio.TooSlowError) as exc:
+            fs._error(f"restore of the job namespace from the backup tier failed: "
+                      f"{exc or 'no answer within %d s' % RESTORE_AT_MOUNT_S}")
             return
         ns.reset_position()
         for v in fs.versions.values():

@@ -53,7 +53,10 @@ MAX_INTERVAL_S = 30 * 86400
 MAX_INTERVAL_CKPTS = 1_000_000
 MAX_STEP = 2 ** 63 - 1
 #: How long ``mtcfs`` waits for its daemon's mount to come up (``mount_timeout=``), seconds.
-DEFAULT_MOUNT_TIMEOUT = 120.0
+#: Above the sum of what the daemon itself bounds before it mounts: the store's lock (5 s),
+#: scope=job's join (60 s) and a restore at mount (120 s, daemon.RESTORE_AT_MOUNT_S), with
+#: room for loading a large store; a mount that used to come up never times out by default.
+DEFAULT_MOUNT_TIMEOUT = 300.0
 
 
 def parse_size(text: str) -> int:

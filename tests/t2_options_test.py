@@ -303,7 +303,7 @@ def test_out_of_range_values_are_refused(opts, words):
 def test_values_at_the_bounds_are_accepted():
     o = parse("nodes=65536,coordinator=h:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h")
     assert (o.nodes, o.keep, o.replicas, o.size) == (65536, 1000, 16, 1024 ** 6)
-    assert o.mount_timeout == 3600 and parse("").mount_timeout == 120
+    assert o.mount_timeout == 3600 and parse("").mount_timeout == 300
     o = parse("backup=file:///b,backup_interval=30d,backup_keep=100000")
     assert o.backup_interval.seconds == 30 * 86400 and o.backup_keep == 100000
 
