@@ -46,6 +46,7 @@ from mtcfs.fs.records import ChunkSource, Counters, StepRecord
 from mtcfs.fs.records import now_ns as _now_ns
 from mtcfs.fs.xattrs import XattrOps
 from mtcfs.store import Store
+from mtcfs.store.fdcache import FdCache
 
 __all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
 
@@ -79,6 +80,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.inodes: dict[int, Inode] = {}
         self.versions: dict[int, Version] = {}
         self.handles: dict[int, Handle | DirHandle] = {}
+        #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
+        self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
         self.used = 0
         self.counters = Counters()
@@ -216,10 +219,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
 
     def close(self) -> None:
         """Close data file descriptors (the store itself is closed by its owner)."""
-        for v in self.versions.values():
-            if v.fd >= 0:
-                os.close(v.fd)
-                v.fd = -1
+        self.fds.close_all()
 
     def subscribe(self, observer: Callable[[str, Any], None]) -> None:
         """Register ``observer(event, obj)``; events: 'sealed' (Version), 'committed'
@@ -399,17 +399,22 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def _new_version(self, ino: Inode, copy_from: Version | None = None) -> Version:
         v = Version(vid=self._alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
         fd = self.store.open_data(v.vid, create=True)
+        self.fds.adopt(v, fd)
         os.ftruncate(fd, 0)
-        v.fd = fd
         if copy_from is not None and copy_from.size:
-            src = self._fd(copy_from)
-            left, off = copy_from.size, 0
-            while left:
-                n = os.copy_file_range(src, fd, left, off, off)
-                if n <= 0:
-                    break
-                left -= n
-                off += n
+            src = self.fds.lease(copy_from)  # two descriptors in use: neither is evicted
+            self.fds.lease(v)
+            try:
+                left, off = copy_from.size, 0
+                while left:
+                    n = os.copy_file_range(src, fd, left, off, off)
+                    if n <= 0:
+                        break
+                    left -= n
+                    off += n
+            finally:
+                self.fds.unlease(v, fd)
+                self.fds.unlease(copy_from, src)
             v.size = copy_from.size
             v.missing = set(copy_from.missing)
             v.chunk_size = copy_from.chunk_size
@@ -419,26 +424,23 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         return v
 
     def _fd(self, v: Version) -> int:
-        if v.fd < 0:
-            v.fd = self.store.open_data(v.vid)
-        return v.fd
+        """``v``'s data file descriptor, for use on the loop before the next ``await``
+        (across one, or in a thread: ``self.fds.lease``)."""
+        return self.fds.get(v)
 
     def _release_version(self, v: Version) -> None:
         """Free a version that is no longer current, once nothing uses it."""
         if self.versions.get(v.vid) is not v:
             # Replaced by a namespace snapshot install (fs/jobns.py): the handles and reads
             # that held it read on through its descriptor; the last one closes it.
-            if not (v.handles or v.pins) and v.fd >= 0:
-                os.close(v.fd)
-                v.fd = -1
+            if not (v.handles or v.pins):
+                self.fds.drop(v)
             return
         if v.current or v.handles or v.pins or v.sealing is not None:
             return
         del self.versions[v.vid]
         self._hand_over_last_copies(v)
-        if v.fd >= 0:
-            os.close(v.fd)
-            v.fd = -1
+        self.fds.drop(v)
         self.used -= v.local_bytes()
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
         self.store.remove_data(v.vid)
