@@ -524,6 +524,8 @@ class Daemon:
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps)},
             "counters": vars(fs.counters).copy(),
+            "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,
+                    "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
             "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,
                       "last_failure": fs.last_fault_error,

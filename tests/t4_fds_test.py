@@ -61,7 +61,10 @@ def test_thousands_of_files_under_a_low_fd_limit(make_mount):
         assert os.getxattr(step / f"f{i:05d}", "user.mtcfs.blake3").decode() == \
             blake3.blake3(content(i)).hexdigest()
     assert daemon_fds(m.pid) < NOFILE
-    assert m.status()["ram"]["files"] >= FILES
+    st = m.status()
+    assert st["ram"]["files"] >= FILES
+    assert st["fds"]["limit"] == NOFILE // 4 and st["fds"]["open"] <= st["fds"]["limit"]
+    assert st["fds"]["evictions"] > 0
 
     # Readers in several threads over more files than the descriptor cache holds.
     errors: list[str] = []
