@@ -27,15 +27,22 @@ import argparse
 import datetime
 import os
 import resource
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (REPO, SCRATCH_SHM, RssSampler, machine_info, mtcfs_mount,
-                               scratch_dir, write_json)
+from benchmarks.common import (
+    REPO,
+    SCRATCH_SHM,
+    RssSampler,
+    git_state,
+    machine_info,
+    mtcfs_mount,
+    scratch_dir,
+    write_json,
+)
 
 
 def content(i: int, nbytes: int) -> bytes:
@@ -99,11 +106,7 @@ def main() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     res: dict[str, Any] = {"bench": "files", "files": n, "bytes": nbytes,
                            "machine": machine_info(), "tmpfs": {}, "mtcfs": {}}
-    try:
-        res["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                    capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    res["git"] = git_state()
     print(f"tmpfs: {n} files of {nbytes} B", flush=True)
     with scratch_dir(SCRATCH_SHM, "files-tmpfs") as root:
         (root / "step_1").mkdir()

@@ -76,3 +76,35 @@ def test_leases_survive_eviction_and_drop(tmp_path):
     fds.close_all()
     assert len(fds) == 0 and all(v.fd == -1 for v in vs)
     assert len(os.listdir("/proc/self/fd")) <= base
+
+
+def test_kept_descriptor_outlives_its_path_until_dropped(tmp_path):
+    """A version a namespace install replaced keeps reading what it opened, even once its
+    path names other data; evictions pass it by; drop closes it."""
+    for vid in range(20):
+        (tmp_path / str(vid)).write_bytes(f"old {vid}".encode())
+    fds = FdCache(lambda vid: os.open(str(tmp_path / str(vid)), os.O_RDWR | os.O_CLOEXEC), 4)
+    vs = [V(i) for i in range(20)]
+    fds.keep(vs[0])
+    os.replace(tmp_path / "1", tmp_path / "0")  # the path now names other data
+    for v in vs[2:]:
+        fds.get(v)
+    assert vs[0].fd >= 0 and os.pread(vs[0].fd, 100, 0) == b"old 0"
+    assert len(fds) == 4 + 1
+    fds.unkeep(vs[0])
+    for v in vs[2:7]:  # evicted meanwhile: opened again, evicting the oldest
+        fds.get(v)
+    assert vs[0].fd == -1 and len(fds) == 4  # evictable again
+    kept = vs[3]
+    fds.keep(kept)
+    fd = fds.lease(kept)
+    fds.drop(kept)
+    assert kept.fd == -1 and os.pread(fd, 100, 0) == b"old 3"  # leased: still open
+    fds.unlease(kept, fd)
+    try:
+        os.fstat(fd)
+        closed = False
+    except OSError:
+        closed = True
+    assert closed
+    fds.close_all()

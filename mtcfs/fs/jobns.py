@@ -471,6 +471,9 @@ class JobNamespaceOps:
                 self.steps[rec.name] = rec
                 self._write_step(rec)
             new = {v.vid for v in self.versions.values()}
+            for v in self.fds.kept():  # still registered (being written here): evictable
+                if self.versions.get(v.vid) is v:
+                    self.fds.unkeep(v)
             for vid in self.store.data_vids() - new:
                 self.store.remove_data(vid)  # open descriptors still read what they opened
             self._next_ino = snap["next_ino"]

@@ -114,6 +114,18 @@ class FdCache:
             self._lru.pop(v, None)
             self._kept.add(v)
 
+    def kept(self) -> list[Any]:
+        """The versions whose descriptors :meth:`keep` holds."""
+        with self._lock:
+            return list(self._kept)
+
+    def unkeep(self, v: Any) -> None:
+        """``v``'s path names its data again: its descriptor may be evicted (loop)."""
+        with self._lock:
+            if v in self._kept:
+                self._kept.discard(v)
+                self._lru[v] = None
+
     def drop(self, v: Any) -> None:
         """``v``'s data is going: close its descriptor now, or at its last lease (loop)."""
         with self._lock:
