@@ -92,3 +92,39 @@ def test_thousands_of_files_under_a_low_fd_limit(make_mount):
         f.write(b"X")
     assert (step / "f00007").read_bytes() == b"X" + content(7)[1:]
     assert daemon_fds(m.pid) < NOFILE
+
+
+def test_backup_and_restore_of_thousands_of_files_under_a_low_fd_limit(make_mount, tmp_path):
+    """The backup reads every file of the step through worker threads (chunk_reader), the
+    restore creates them all with no data (import_step) and faults them in (prefetch and
+    reads): none of it may need a descriptor per file."""
+    import shutil
+
+    n = 2000
+    m = make_mount(start=False, backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+    start_limited(m)
+    step = m.path("step_1")
+    os.mkdir(step)
+    for i in range(n):
+        (step / f"f{i:05d}").write_bytes(content(i))
+    m.cli("seal", str(step))
+    m.wait_state("step_1", "backed-up", timeout=120)
+    assert daemon_fds(m.pid) < NOFILE
+
+    m.stop()  # the node is lost: the RAM tier comes back from the backup
+    shutil.rmtree(m.store)
+    start_limited(m)
+    assert sorted(os.listdir(step)) == [f"f{i:05d}" for i in range(n)]
+    for i in range(0, n, 3):  # reads fault in while the prefetcher restores the rest
+        assert (step / f"f{i:05d}").read_bytes() == content(i)
+
+    def restored():
+        st = m.status()
+        return st if st["restore"]["pending_chunks"] == 0 else None
+    st = m.wait_for(restored, 120, "restore prefetch to finish")
+    assert st["restore"]["corrupt_chunks"] == 0 and st["errors"] == []
+    for i in range(n):
+        assert (step / f"f{i:05d}").read_bytes() == content(i)
+    assert m.state("step_1") == "backed-up"
+    assert daemon_fds(m.pid) < NOFILE
+    assert st["fds"]["open"] <= st["fds"]["limit"]
