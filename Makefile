@@ -24,6 +24,13 @@ bench-peer:
 bench-namespace:
 	$(PYTHON) -m benchmarks.bench_namespace $(ARGS)
 
+# Many small files (benchmarks/bench_files.py): 100,000 files created, listed, read back,
+# remounted and read again; tmpfs baseline, daemon RSS and descriptors (a few minutes).
+# make bench-files ARGS="--files 20000 --nofile 256"
+.PHONY: bench-files
+bench-files:
+	$(PYTHON) -m benchmarks.bench_files $(ARGS)
+
 # Orbax multi-tier checkpointing (benchmarks/bench_mtc.py): 2 daemons with mount option mtc,
 # restart to the restore marker from a peer and from file://, bytes between data-parallel
 # replicas (about 6 minutes at 1 GiB per node, 3 repeats).

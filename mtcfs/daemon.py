@@ -544,6 +544,8 @@ class Daemon:
                     "evict_unsaved": fs.evict_unsaved,
                     "deleted_unsaved": list(fs.unsaved_deleted)},
             "counters": vars(fs.counters).copy(),
+            "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,
+                    "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
             "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,
                       "last_failure": fs.last_fault_error,

@@ -20,6 +20,7 @@ from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Inode, Version
 from mtcfs.fs.records import StepRecord, now_ns as _now_ns
 from mtcfs.manifest import SPECIAL_MODES, Entry, StepManifest, special_node
+from mtcfs.store.fdcache import FdCache
 
 log = logging.getLogger("mtcfs.fs.core")
 
@@ -231,8 +232,7 @@ class CheckpointOps:
         (when verifying), or that is not in RAM.
         """
         where: dict[str, tuple[Version, int]] = {}
-        for v in versions:
-            self._fd(v)  # opened here, on the loop: the reader runs in worker threads
+        for v in versions:  # each read leases a descriptor (read_chunk_at)
             for i, d in enumerate(v.chunks):
                 if i not in v.missing:
                     where.setdefault(d, (v, i))
@@ -337,7 +337,7 @@ class CheckpointOps:
                                 missing=set(range(len(e.chunks))), backed_up=backed_up)
                     fd = self.store.open_data(v.vid, create=True)
                     os.ftruncate(fd, v.size)
-                    v.fd = fd
+                    os.close(fd)  # opened again when read (fdcache.py)
                     self.versions[v.vid] = v
                     self._write_version(v)
                     ino.vid = v.vid
@@ -369,10 +369,9 @@ class CheckpointOps:
         versions = [v for v in self.versions.values() if v.sealed]
         for v in versions:
             v.pins += 1
-            self._fd(v)
         try:
             work = [(v, i) for v in versions for i in range(len(v.chunks)) if i not in v.missing]
-            bad = await trio.to_thread.run_sync(self._rehash, work, progress,
+            bad = await trio.to_thread.run_sync(self._rehash, work, progress, self.fds,
                                                 limiter=self.cpu_limiter)
         finally:
             self.unpin(versions)
@@ -390,14 +389,19 @@ class CheckpointOps:
         return out
 
     @staticmethod
-    def _rehash(work: list[tuple[Version, int]],
-                progress: Callable[[int, int], None] | None) -> list[tuple[Version, int]]:
+    def _rehash(work: list[tuple[Version, int]], progress: Callable[[int, int], None] | None,
+                fds: FdCache) -> list[tuple[Version, int]]:
         """Worker-thread half of :meth:`verify`: the (version, chunk) pairs that mismatch."""
         total = sum(chunk_span(i, v.size, v.chunk_size)[1] for v, i in work)
         done, bad = 0, []
         for v, i in work:
             off, length = chunk_span(i, v.size, v.chunk_size)
-            if chunk_hash(os.pread(v.fd, length, off)) != v.chunks[i]:
+            fd = fds.lease(v)
+            try:
+                data = os.pread(fd, length, off)
+            finally:
+                fds.unlease(v, fd)
+            if chunk_hash(data) != v.chunks[i]:
                 bad.append((v, i))
             done += length
             if progress:

@@ -47,6 +47,7 @@ from mtcfs.fs.records import now_ns as _now_ns
 from mtcfs.fs.scrub import ScrubOps
 from mtcfs.fs.xattrs import XattrOps
 from mtcfs.store import Store
+from mtcfs.store.fdcache import FdCache
 
 __all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
 
@@ -80,6 +81,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.inodes: dict[int, Inode] = {}
         self.versions: dict[int, Version] = {}
         self.handles: dict[int, Handle | DirHandle] = {}
+        #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
+        self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
         self.used = 0
         self.counters = Counters()
@@ -234,10 +237,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
 
     def close(self) -> None:
         """Close data file descriptors (the store itself is closed by its owner)."""
-        for v in self.versions.values():
-            if v.fd >= 0:
-                os.close(v.fd)
-                v.fd = -1
+        self.fds.close_all()
 
     def subscribe(self, observer: Callable[[str, Any], None]) -> None:
         """Register ``observer(event, obj)``; events: 'sealed' (Version), 'committed'
@@ -424,13 +424,19 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         src = take_over or copy_from
         if take_over is not None:
             os.link(self.store.data_path(take_over.vid), self.store.data_path(v.vid))
-            v.fd = self.store.open_data(v.vid)
+            self.fds.adopt(v, self.store.open_data(v.vid))
         else:
             fd = self.store.open_data(v.vid, create=True)
+            self.fds.adopt(v, fd)
             os.ftruncate(fd, 0)
-            v.fd = fd
             if copy_from is not None and copy_from.size:
-                self._copy_extents(self._fd(copy_from), fd, copy_from.size)
+                sfd = self.fds.lease(copy_from)  # two descriptors in use: neither is evicted
+                dfd = self.fds.lease(v)
+                try:
+                    self._copy_extents(sfd, dfd, copy_from.size)
+                finally:
+                    self.fds.unlease(v, dfd)
+                    self.fds.unlease(copy_from, sfd)
         if src is not None and src.size:
             v.size = src.size
             v.missing = set(src.missing)
@@ -464,18 +470,17 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         os.ftruncate(dst, size)
 
     def _fd(self, v: Version) -> int:
-        if v.fd < 0:
-            v.fd = self.store.open_data(v.vid)
-        return v.fd
+        """``v``'s data file descriptor, for use on the loop before the next ``await``
+        (across one, or in a thread: ``self.fds.lease``)."""
+        return self.fds.get(v)
 
     def _release_version(self, v: Version) -> None:
         """Free a version that is no longer current, once nothing uses it."""
         if self.versions.get(v.vid) is not v:
             # Replaced by a namespace snapshot install (fs/jobns.py): the handles and reads
             # that held it read on through its descriptor; the last one closes it.
-            if not (v.handles or v.pins) and v.fd >= 0:
-                os.close(v.fd)
-                v.fd = -1
+            if not (v.handles or v.pins):
+                self.fds.drop(v)
             return
         if v.current or v.handles or v.pins:
             return
@@ -483,17 +488,15 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             # Only its seal (hashing in a worker thread) holds it: give its pages back now
             # (an unlinked file's space is free when unlink returns); the seal drops its
             # result and frees the rest.
-            if not v.dropped and v.fd >= 0:
+            if not v.dropped:
                 v.dropped = True
-                os.ftruncate(v.fd, 0)
+                os.ftruncate(self._fd(v), 0)
                 self._account(v)
             return
         del self.versions[v.vid]
         self._unverified.pop(v.vid, None)  # fs/scrub.py: nothing left to verify
         self._hand_over_last_copies(v)
-        if v.fd >= 0:
-            os.close(v.fd)
-            v.fd = -1
+        self.fds.drop(v)
         self.used -= v.alloc
         v.alloc = 0
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))

@@ -187,8 +187,13 @@ class FaultInOps:
         if not registered and v.fd < 0:
             raise FsError(errno.EIO, "the file was replaced while its data was fetched")
         off, length = chunk_span(idx, v.size, v.chunk_size)
-        fd = self._fd(v) if registered else v.fd
-        await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
+        if registered:
+            self._fd(v)  # cached for the reads that follow
+        fd = self.fds.lease(v)  # stays open while the thread writes
+        try:
+            await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
+        finally:
+            self.fds.unlease(v, fd)
         if idx in v.missing:
             v.missing.discard(idx)
             self.counters.chunks_faulted += 1
@@ -242,7 +247,7 @@ class FaultInOps:
             if src is not None and loc[1] not in src.missing:
                 off, _ = chunk_span(loc[1], src.size, src.chunk_size)
                 self._fd(src)
-                src.pins += 1  # its descriptor must stay open while the thread reads
+                src.pins += 1  # its data file must stay while the thread reads
                 try:
                     data = await trio.to_thread.run_sync(self.read_chunk_at, src, off, length,
                                                          digest, limiter=self.cpu_limiter)
@@ -262,11 +267,15 @@ class FaultInOps:
     def read_chunk_at(self, v: Version, off: int, length: int, digest: str | None) -> bytes | None:
         """Read ``length`` bytes at ``off`` of ``v`` and verify them against ``digest``.
 
-        Thread-safe: the caller opens ``v``'s descriptor on the loop and pins ``v`` so that it
-        stays open. Returns None on a mismatch: a chunk whose hash does not match is never
-        served.
+        Thread-safe: the caller pins ``v`` on the loop so that its data file stays; the
+        descriptor is leased for the read (fdcache.py). Returns None on a mismatch: a chunk
+        whose hash does not match is never served.
         """
-        data = os.pread(v.fd, length, off)
+        fd = self.fds.lease(v)
+        try:
+            data = os.pread(fd, length, off)
+        finally:
+            self.fds.unlease(v, fd)
         if digest is not None and chunk_hash(data) != digest:
             log.error("local chunk %s of version %d does not match its hash", digest[:16], v.vid)
             return None

@@ -301,10 +301,13 @@ class FileOps:
         try:
             while True:
                 gen, size = v.gen, v.size
-                fd = self._fd(v)
                 try:
-                    res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
-                                                        limiter=self.cpu_limiter)
+                    fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
+                    try:
+                        res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
+                                                            limiter=self.cpu_limiter)
+                    finally:
+                        self.fds.unlease(v, fd)
                 except OSError as exc:
                     if v.dropped:
                         return  # freed while hashing (core: _release_version)

@@ -317,8 +317,8 @@ class JobNamespaceOps:
                     blake3=op["blake3"], missing=set(range(len(chunks))),
                     origin=self._origin(op))
         fd = self.store.open_data(v.vid, create=True)
+        self.fds.adopt(v, fd)
         os.ftruncate(fd, v.size)
-        v.fd = fd
         data = base64.b64decode(op["data"]) if op.get("data") is not None else None
         if data is not None and len(data) == v.size:
             for i, d in enumerate(chunks):
@@ -403,11 +403,11 @@ class JobNamespaceOps:
                 self.db.execute(f"DELETE FROM {table}")
             for v in self.versions.values():
                 if v.handles or v.pins:
-                    # open handles and reads under way read on through their descriptor
-                    self._fd(v)
-                elif v.fd >= 0:
-                    os.close(v.fd)
-                    v.fd = -1
+                    # open handles and reads under way read on through their descriptor,
+                    # never evicted: its path may name other data after the install
+                    self.fds.keep(v)
+                else:
+                    self.fds.drop(v)
             # what the kernel and open descriptors know of inodes that stay
             runtime = {n: (i.kind, i.lookups, i.opens, i.last_open_vid, i.kid)
                        for n, i in self.inodes.items()}
@@ -474,8 +474,7 @@ class JobNamespaceOps:
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
                     if old is not None:  # take over the old data file
-                        os.close(v.fd)
-                        v.fd = -1
+                        self.fds.drop(v)
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
                         v.missing.clear()
                         self._account(v)
@@ -514,6 +513,9 @@ class JobNamespaceOps:
                 self.steps[rec.name] = rec
                 self._write_step(rec)
             new = {v.vid for v in self.versions.values()}
+            for v in self.fds.kept():  # still registered (being written here): evictable
+                if self.versions.get(v.vid) is v:
+                    self.fds.unkeep(v)
             for vid in self.store.data_vids() - new:
                 self.store.remove_data(vid)  # open descriptors still read what they opened
             self._next_ino = snap["next_ino"]

@@ -135,9 +135,12 @@ class ScrubOps:
         v.pins += 1
         try:
             off, length = chunk_span(idx, v.size, v.chunk_size)
-            fd = self._fd(v)
-            ok = await trio.to_thread.run_sync(_hash_matches, fd, off, length, v.chunks[idx],
-                                               limiter=self.cpu_limiter)
+            fd = self.fds.lease(v)  # open while the thread hashes (store/fdcache.py)
+            try:
+                ok = await trio.to_thread.run_sync(_hash_matches, fd, off, length,
+                                                   v.chunks[idx], limiter=self.cpu_limiter)
+            finally:
+                self.fds.unlease(v, fd)
             if idx in v.missing:
                 return False
             if self.versions.get(v.vid) is not v:
@@ -178,8 +181,12 @@ class ScrubOps:
         registered = self.versions.get(v.vid) is v
         v.missing.add(idx)
         self._verified(v.vid, idx)
-        if v.fd >= 0:
-            punch_hole(v.fd, off, length)
+        if registered or v.fd >= 0:  # (a replaced version's path may name other data)
+            fd = self.fds.lease(v)
+            try:
+                punch_hole(fd, off, length)
+            finally:
+                self.fds.unlease(v, fd)
         self.counters.corrupt_chunks += 1
         ino = self.inodes.get(v.ino)
         path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None
