@@ -115,3 +115,32 @@ def test_unlink_after_enospc_gives_space_back_at_once(make_mount):
             f.write(b"0123456789")
         assert q.read_bytes() == b"0123456789"
         os.unlink(q)
+
+
+def test_a_fault_in_never_takes_the_store_past_size(make_mount, tmp_path):
+    """Reading back a checkpoint that left RAM brings its chunks in: that counts against
+    size= like a write (ENOSPC when nothing can make room), never past it."""
+    m = make_mount(size="32M", chunk_size="1M", keep="1",
+                   backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+    data = os.urandom(20 * MiB)
+    for step, payload in (("step_1", data), ("step_2", b"small")):
+        d = m.path(step)
+        d.mkdir()
+        (d / "model.bin").write_bytes(payload)
+        (d / "commit_success.txt").write_bytes(b"ok")
+        m.wait_for(lambda: any(c["step"] == step and c["backup"] == "complete"
+                               for c in m.checkpoints()), 60, f"{step} backed up")
+    m.cli("gc", str(m.mnt))  # step_1 leaves RAM (it is in the backup)
+    m.wait_for(lambda: m.status()["ram"]["used"] < 2 * MiB, 30, "step_1 out of RAM")
+    m.path("scratch.bin").write_bytes(os.urandom(24 * MiB))  # no checkpoint: stays
+    p = m.path("step_1", "model.bin")
+    fd = os.open(p, os.O_RDONLY)  # the kernel's page cache still has it from the write
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    with pytest.raises(OSError) as ei:
+        p.read_bytes()
+    assert ei.value.errno == errno.ENOSPC
+    assert m.status()["ram"]["used"] <= 32 * MiB
+    assert store_bytes(m) <= 32 * MiB
+    os.unlink(m.path("scratch.bin"))  # with room again, the read works
+    assert p.read_bytes() == data

@@ -91,18 +91,18 @@ class CapacityOps:
         Raises:
             FsError: ENOSPC when eviction cannot free enough.
         """
-        shared = self.shared_used()
+        shared = self.shared_used() + self.in_flight
         if self.used + shared + nbytes <= self.capacity:
             return
         await self.settle_releases()
-        shared = self.shared_used()
+        shared = self.shared_used() + self.in_flight
         if self.used + shared + nbytes <= self.capacity:
             return
         self.evict(need=self.used + shared + nbytes - self.capacity)
         if self.used + shared + nbytes > self.capacity:
             self.counters.enospc += 1
             raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} bytes of files and {shared}"
-                          f" of peer replicas, of {self.capacity} bytes)")
+                          f" of peer replicas and chunks being fetched, of {self.capacity} bytes)")
 
     def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
         """Committed steps that may leave RAM, in the order they leave it.

@@ -85,6 +85,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
         self.used = 0
+        #: Bytes set aside for chunks being written by fault-in threads (not yet in ``used``).
+        self.in_flight = 0
         self.counters = Counters()
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)

@@ -149,6 +149,8 @@ class FaultInOps:
                         await self._store_chunk(v, idx, data)
                         return
                     except FsError as exc:
+                        if exc.errno == errno.ENOSPC:
+                            raise  # no room in RAM for it: the reader gets ENOSPC
                         why = exc.strerror or "failed"
                         if exc.errno != errno.EAGAIN:
                             break
@@ -188,12 +190,28 @@ class FaultInOps:
             raise FsError(errno.EIO, "the file was replaced while its data was fetched")
         off, length = chunk_span(idx, v.size, v.chunk_size)
         if registered:
-            self._fd(v)  # cached for the reads that follow
+            # Bytes brought into RAM count against size= like a write (capacity.py, the
+            # accounting rule): room first, ENOSPC when nothing can make it.
+            # Held until the bytes are counted: fetches write in threads, side by side.
+            need = self._new_bytes(v, off, off + length)
+            await self._reserve(need)
+            if idx not in v.missing:
+                return  # stored by another fetch while we waited
+            if self.versions.get(v.vid) is not v:  # replaced while we waited for room
+                need = 0
+                if v.fd < 0:
+                    raise FsError(errno.EIO, "the file was replaced while its data was fetched")
+            else:
+                self._fd(v)  # cached for the reads that follow
+        else:
+            need = 0
+        self.in_flight += need
         fd = self.fds.lease(v)  # stays open while the thread writes
         try:
             await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
         finally:
             self.fds.unlease(v, fd)
+            self.in_flight -= need
         if idx in v.missing:
             v.missing.discard(idx)
             self.counters.chunks_faulted += 1
