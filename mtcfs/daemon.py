@@ -407,7 +407,9 @@ class Daemon:
             self._nursery = None
             if self.peer is not None:  # no gRPC thread may touch the core once it is closed
                 self.peer.stop()
-            self.fs.close()
+            # Clean only once pyfuse3.main returned (unmounted, or a stop signal): an
+            # exception out of the serving loop is recorded as a crash.
+            self.fs.close(clean=not mounted)
             self.store.close()
 
     async def _restore_bulk(self) -> None:

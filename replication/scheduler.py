@@ -164,19 +164,25 @@ class BackupService:
 
     async def run(self) -> None:
         failures = 0
+        #: After an attempt at the interrupted backup that did not complete, a due newer
+        #: step goes next (then the interrupted one again): a step that cannot be backed up
+        #: now never holds back the backup of the newest.
+        resume_waits = False
         while True:
             rec, counted = None, self._commits_since
+            if self._resume is not None:
+                r = self.fs.steps.get(self._resume)
+                if r is None or r.backed_up_ns is not None:
+                    # Deleted, no longer a committed step, or backed up meanwhile.
+                    self._resume, resume_waits = None, False
+                    self.fs.set_backup_pending(None)
             if self._force not in (None, "__newest__"):
                 rec = self.fs.steps.get(self._force)
-            elif self._resume is not None:
+            elif self._resume is not None and not (resume_waits and self._due()):
                 rec, counted = self.fs.steps.get(self._resume), 0
-                self._resume = None
-                if rec is not None and rec.backed_up_ns is not None:
-                    rec = None
-                if rec is None:
-                    continue
             elif self._due():
                 rec = self.candidate()
+            resume_waits = False
             if rec is None:
                 if self._force is not None:
                     self._force = None
@@ -189,6 +195,13 @@ class BackupService:
             # Commits counted so far are answered by this backup; any that land while it
             # waits for its step to seal are not (they are newer steps, due next).
             ok = await self._backup(rec, counted)
+            if self._resume == rec.name:
+                if ok:  # done (or the step is gone): the interrupted backup is over
+                    self._resume = None
+                    if self.fs.backup_pending() == rec.name:
+                        self.fs.set_backup_pending(None)
+                else:  # kept, and tried again after the wait or backoff below
+                    resume_waits = True
             if ok is None:  # chunks still being restored: not an error, try again soon
                 if self._force is not None:
                     self.status.last_error = (f"backup of {rec.name}: some of its chunks are "
@@ -238,10 +251,12 @@ class BackupService:
             return None
         manifest, pinned = self.fs.snapshot_step(rec.name)
         self._last_start = time.monotonic()
-        self._commits_since = max(0, self._commits_since - counted)
+        taken = min(counted, self._commits_since)  # given back if the upload fails
+        self._commits_since -= taken
         rec.backing_up = True
         self.status.uploading = rec.name
-        self.fs.set_backup_pending(rec.name)
+        # The backup to resume after a kill: the interrupted one, until it completes.
+        self.fs.set_backup_pending(self._resume or rec.name)
         t0 = time.monotonic()
         try:
             stats = await trio.to_thread.run_sync(
@@ -252,18 +267,20 @@ class BackupService:
             self.status.failures += 1
             self.status.last_error = f"backup of {rec.name}: {exc}"
             self.fs.unpin(pinned)
+            self._commits_since += taken  # still due: retried after the backoff
             return False
         except Exception as exc:  # a bug in a reader must not take the mount down
             log.exception("backup of %s failed unexpectedly", rec.name)
             self.status.failures += 1
             self.status.last_error = f"backup of {rec.name}: {type(exc).__name__}: {exc}"
             self.fs.unpin(pinned)
+            self._commits_since += taken  # still due: retried after the backoff
             return False
         finally:
             rec.backing_up = False
             self.status.uploading = None
         self.fs.mark_backed_up(rec.name, pinned)
-        self.fs.set_backup_pending(None)
+        self.fs.set_backup_pending(None if self._resume in (None, rec.name) else self._resume)
         self._last_number = rec.number  # the newest step: the interval counts from here
         self.fs.unpin(pinned)
         st = self.status

@@ -583,7 +583,8 @@ def test_backup_service_passes_share(tmp_path) -> None:
                           backing_up=False)
     calls: list[str] = []
     fs = SimpleNamespace(
-        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True, step_in_ram=lambda r: True,
+        steps={m.step: rec}, subscribe=lambda cb: None, backup_pending=lambda: None,
+        set_backup_pending=lambda name: None, step_sealed=lambda r: True, step_in_ram=lambda r: True,
         snapshot_step=lambda name: (m, []), chunk_reader=lambda pinned: chunks.__getitem__,
         unpin=lambda pinned: None, evict=list,
         mark_backed_up=lambda name, pinned: calls.append(name),
@@ -627,7 +628,8 @@ def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
         return read
 
     fs = SimpleNamespace(
-        steps={m.step: rec}, subscribe=lambda cb: None, step_sealed=lambda r: True, step_in_ram=lambda r: not version.missing,
+        steps={m.step: rec}, subscribe=lambda cb: None, backup_pending=lambda: None,
+        set_backup_pending=lambda name: None, step_sealed=lambda r: True, step_in_ram=lambda r: not version.missing,
         snapshot_step=lambda name: (m, [version]), chunk_reader=reader,
         unpin=lambda pinned: None, evict=list,
         mark_backed_up=lambda name, pinned: calls.append(name),
@@ -664,7 +666,8 @@ def test_backup_interval_in_training_steps(tmp_path) -> None:
     def step(n, backed=False, source="orbax-rename"):
         return SimpleNamespace(name=str(n), number=n, committed_ns=n,
                                backed_up_ns=1 if backed else None, source=source)
-    fs = SimpleNamespace(steps={"100": step(100, backed=True)}, subscribe=lambda fn: None)
+    fs = SimpleNamespace(steps={"100": step(100, backed=True)}, subscribe=lambda fn: None,
+                         backup_pending=lambda: None, set_backup_pending=lambda name: None)
     svc = BackupService(fs, BackupStore(FileBackend(tmp_path), rank=0), interval_s=600.0,
                         every_ckpts=None, keep_backups=2, url="u", interval_text="10m")
     svc.every_steps = 50

@@ -300,3 +300,136 @@ def test_unsaved_step_never_deleted_silently(make_mount, shm_dir):
     metrics = n.cli("metrics", str(n.mnt)).stdout
     assert re.search(r"^mtcfs_deleted_unsaved_steps_total(\{[^}]*\})? 1$", metrics, re.M), metrics
     assert "deleted checkpoint step_1 from RAM under memory pressure" in n.log()
+
+
+# ------------------------------------------- what is (not) a crash leftover (review of i12)
+
+
+def _plain(m, name: str, nbytes: int, seed: int) -> bytes:
+    """A torch.save / HF ``checkpoint-N`` save: plain files, committed by ``mtcfs seal``
+    (not sealed here: the job ended before it ran it)."""
+    os.makedirs(m.path(name), exist_ok=True)
+    return _file(m.path(name, "model.bin"), nbytes, seed)
+
+
+def _refused(m, name: str, nbytes: int, seed: int) -> None:
+    os.makedirs(m.path(name), exist_ok=True)
+    with pytest.raises(OSError) as ei:
+        _file(m.path(name, "model.bin"), nbytes, seed)
+    assert ei.value.errno == errno.ENOSPC
+
+
+def test_unsealed_plain_step_is_no_leftover_after_clean_unmount(make_mount):
+    """The review's reproduction: a finished, unsealed checkpoint-N (the user's only copy)
+    survives a clean unmount and a remount under pressure (before: a write of the next
+    save deleted it as 'the incomplete leftover of a save a crash interrupted')."""
+    m = make_mount("node", size="8M", evict_unsaved="no")
+    c100 = _plain(m, "checkpoint-100", 5_000_000, 100)
+    m.stop()
+    m.start()
+    _refused(m, "checkpoint-200", 5_000_000, 200)
+    assert m.path("checkpoint-100", "model.bin").read_bytes() == c100
+    st = m.status()
+    assert st["counters"]["evicted_leftovers"] == 0
+    assert "incomplete leftover" not in m.log()
+
+
+def test_plain_step_is_no_leftover_even_after_a_crash(make_mount):
+    """A directory of plain files is never a leftover, even if the daemon was killed: no
+    library defines it as unfinished (it may be finished and await ``mtcfs seal``)."""
+    m = make_mount("node", size="8M", evict_unsaved="no")
+    c100 = _plain(m, "checkpoint-100", 5_000_000, 100)
+    m.kill9()
+    m.start()
+    _refused(m, "checkpoint-200", 5_000_000, 200)
+    assert m.path("checkpoint-100", "model.bin").read_bytes() == c100
+    assert m.status()["counters"]["evicted_leftovers"] == 0
+
+
+def test_unfinished_dcp_save_is_no_leftover_after_clean_unmount(make_mount):
+    """An unfinished DCP save (``*.distcp``, no ``.metadata``) is a leftover only if the
+    daemon before did not stop cleanly: after a clean unmount no crash interrupted it."""
+    m = make_mount("node", size="8M", evict_unsaved="no")
+    os.mkdir(m.path("step_1"))
+    s1 = _file(m.path("step_1", "__0_0.distcp"), 5_000_000, 1)
+    m.stop()
+    m.start()
+    _refused(m, "step_2", 5_000_000, 2)
+    assert m.path("step_1", "__0_0.distcp").read_bytes() == s1
+    assert m.status()["counters"]["evicted_leftovers"] == 0
+
+
+def test_step_whose_marker_reseals_after_kill_is_no_leftover(make_mount):
+    """A DCP step whose ``.metadata`` was still unsealed at a SIGKILL is sealed again after
+    the start (behind the re-hash of its shards): in those seconds it is not committed yet,
+    but it holds its marker, so it is never a leftover (before: it was, and a write under
+    pressure in that window deleted the newest complete checkpoint)."""
+    import trio
+
+    from mtcfs.chunking import DEFAULT_CHUNK_SIZE
+    from support.corefs import Filesystem, Store
+
+    m = make_mount("node", size="64M", evict_unsaved="no")
+    os.mkdir(m.path("step_1"))
+    _file(m.path("step_1", "__0_0.distcp"), 4 * MiB, 1)
+    meta = os.open(m.path("step_1", ".metadata"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(meta, b"meta step_1")
+    os.fsync(meta)
+    # An unfinished DCP save and an Orbax temporary directory: leftovers after the kill.
+    os.mkdir(m.path("step_2"))
+    _file(m.path("step_2", "__0_0.distcp"), 1 * MiB, 2)
+    os.mkdir(m.path("3.orbax-checkpoint-tmp-17"))
+    _file(m.path("3.orbax-checkpoint-tmp-17", "array"), 1 * MiB, 3)
+    for rel in ("step_1/__0_0.distcp", "step_2/__0_0.distcp", "3.orbax-checkpoint-tmp-17/array"):
+        m.wait_state(rel, "local", timeout=30)  # sealed before the kill
+    m.kill9()
+    try:
+        os.close(meta)
+    except OSError:
+        pass
+
+    async def main() -> None:
+        # The store as the next daemon loads it; the check runs before the re-seal ends.
+        fs = Filesystem(Store(str(m.store), m.job, DEFAULT_CHUNK_SIZE), capacity=64 * MiB,
+                        chunk_size=DEFAULT_CHUNK_SIZE, job=m.job)
+        try:
+            assert "step_1" not in fs.steps
+            async with trio.open_nursery() as n:
+                fs.start(n)
+                seen.append({d.name for d in fs.crash_leftovers()})
+                with trio.fail_after(30):  # then the re-seal commits it
+                    while "step_1" not in fs.steps:
+                        await trio.sleep(0.01)
+                seen.append({d.name for d in fs.crash_leftovers()})
+                n.cancel_scope.cancel()
+        finally:
+            fs.close()
+            fs.store.close()
+    seen: list[set[bytes]] = []
+    trio.run(main)
+    assert seen == [{b"step_2", b"3.orbax-checkpoint-tmp-17"}] * 2, seen
+
+
+def test_interrupted_backup_retried_until_it_completes(make_mount, shm_dir):
+    """The backup a kill interrupted stays the one to resume until it completes: a first
+    attempt after the restart that fails (a bucket error) is retried with the backoff
+    (before: it was forgotten after that attempt; only the newest step was backed up and
+    the interrupted one never was)."""
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    broken = bucket / "chunks"
+    broken.write_bytes(b"not a directory: every chunk upload fails")
+    m = make_mount("node", size="256M", backup=f"file://{bucket}", backup_interval="100ckpt",
+                   keep=2, backup_keep=100)
+    s1 = _commit(m, "step_1", 4 * MiB, 1)
+    r = m.cli("backup", str(m.mnt), "--step", "step_1", check=False)
+    assert r.returncode != 0, r.stdout  # failed: recorded as the backup in progress
+    s2 = _commit(m, "step_2", 4 * MiB, 2)
+    m.kill9()
+    m.start()  # resumes step_1 first: fails while the bucket is broken
+    m.wait_for(lambda: m.status()["backup"]["failures"] >= 2, 30, "failed attempts")
+    broken.unlink()
+    m.wait_for(lambda: _backup_state(m, "step_1") == "complete", 90, "the backup of step_1")
+    m.wait_for(lambda: _backup_state(m, "step_2") == "complete", 90, "the backup of step_2")
+    assert m.path("step_1", "shard.distcp").read_bytes() == s1
+    assert m.path("step_2", "shard.distcp").read_bytes() == s2

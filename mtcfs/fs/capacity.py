@@ -150,12 +150,18 @@ class CapacityOps:
     def crash_leftovers(self) -> list[Inode]:
         """Top-level directories a save killed by a crash left behind, oldest step first.
 
-        A leftover is a directory with a step name (or an Orbax temporary name) that was
-        already there, uncommitted, when this daemon loaded the store, and has not changed
-        since (a job writing into it again makes it a save in progress, never a leftover);
-        none of its files is open. (A marker a crash left unsealed commits its step when it
-        is sealed after mount, so such a directory is then no leftover.)
+        A directory is a leftover only if all hold (docs/usage.md, "Capacity and eviction"):
+        (a) the daemon before this one did not stop cleanly (``previous_crash``; a store
+        created fresh had no run before); (b) it is, by its library's own definition, an
+        unfinished save (fs/steps.py): a DCP step directory of ``*.distcp`` shards without
+        ``.metadata``, or an Orbax temporary directory; a directory of plain files
+        (torch.save, HF ``checkpoint-N``, committed by ``mtcfs seal``) never is; (c) it
+        holds no commit marker file, and no file that is unsealed, being sealed, open or
+        pinned; (d) nothing in it changed since the store was loaded (a job writing into it
+        again makes it a save in progress). It was uncommitted at load and still is.
         """
+        if not self._leftover_dirs:
+            return []
         root = self.inodes[ROOT_INO]
         out = []
         for name, num in root.children.items():  # type: ignore[union-attr]
@@ -163,19 +169,38 @@ class CapacityOps:
             key = name.decode(errors="surrogateescape")
             if d is None or not d.is_dir or key in self.steps or num not in self._leftover_dirs:
                 continue
-            if stepnames.step_number(name) is None and not stepnames.is_orbax_tmp(name):
+            if stepnames.is_orbax_tmp(name):
+                dcp = False
+            elif stepnames.step_number(name) is not None:
+                dcp = True
+            else:
                 continue
-            ok = True
-            for _p, ino in self.walk(d):
-                if ino.ino not in self._inos_at_load or ino.mtime_ns > self._loaded_ns or (
-                        ino.is_file and ino.vid is not None and (
-                            self.versions[ino.vid].handles or self.versions[ino.vid].writers)):
-                    ok = False
-                    break
-            if ok:
+            if self._unfinished_save(d, dcp=dcp):
                 out.append(d)
-        out.sort(key=lambda d: (stepnames.step_number(d.name) or 0, d.ino))
+        out.sort(key=lambda d: (stepnames.step_number(d.name) or
+                                stepnames.orbax_tmp_step(d.name) or 0, d.ino))
         return out
+
+    def _unfinished_save(self, top: Inode, *, dcp: bool) -> bool:
+        """Rules (b) to (d) of :meth:`crash_leftovers` for the directory ``top``."""
+        shards = False
+        for _p, ino in self.walk(top):
+            if ino.ino not in self._inos_at_load or ino.mtime_ns > self._loaded_ns:
+                return False  # (d) changed since load
+            if ino is top:
+                continue
+            if ino.name in stepnames.COMMIT_FILES:
+                return False  # (c) a commit marker, sealed or not (it may be sealed yet)
+            if ino.is_file:
+                v = self.versions.get(ino.vid) if ino.vid is not None else None
+                if v is None or not v.sealed or v.sealing is not None or v.handles \
+                        or v.writers or v.pins:
+                    return False  # (c)
+            if dcp:  # (b) DCP writes its files flat in the step directory
+                if not ino.is_file or ino.parent != top.ino or not stepnames.is_dcp_file(ino.name):
+                    return False
+                shards = shards or ino.name != stepnames.DCP_METADATA_TMP
+        return shards or not dcp
 
     def _evict_leftovers(self, need: int, start_used: int) -> None:
         for d in self.crash_leftovers():

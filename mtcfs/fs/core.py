@@ -54,6 +54,9 @@ __all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+#: kv key of the store: "1" once a daemon stopped cleanly, "0" while one serves (a crash
+#: leaves it so). See Filesystem.close and crash_leftovers (fs/capacity.py).
+CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
 class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
@@ -138,6 +141,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._loaded_ns = 0
         self._inos_at_load: set[int] = set()
         self._leftover_dirs: set[int] = set()
+        #: The daemon before this one did not stop cleanly (set by _load).
+        self.previous_crash = False
         self._load()
         self._init_scrub()  # fs/scrub.py: what is in RAM now is verified on first read
 
@@ -147,7 +152,13 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         """Load the namespace from SQLite and repair what a crash may have left."""
         db = self.db
         now = _now_ns()
-        if db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None:
+        fresh = db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None
+        # (a) of crash_leftovers (fs/capacity.py): did the daemon before stop cleanly? "1":
+        # it did (close(clean=True)); "0": it was serving and never got there (a crash). A
+        # store created fresh had no run before; one from before this flag counts as clean
+        # (nothing in it is deleted as a crash leftover).
+        self.previous_crash = not fresh and db.get_kv(CLEAN_SHUTDOWN_KEY) == "0"
+        if fresh:
             with db.transaction():
                 self._new_root()
                 db.set_kv("next_ino", "2")
@@ -222,7 +233,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._loaded_ns = _now_ns()
         self._inos_at_load = set(self.inodes)
         self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
-                               if name.decode(errors="surrogateescape") not in self.steps}
+                               if name.decode(errors="surrogateescape") not in self.steps} \
+            if self.previous_crash else set()
         for v in self.versions.values():
             self._index_chunks(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
@@ -231,14 +243,22 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def start(self, nursery: trio.Nursery) -> None:
         """Attach the core to a nursery for its background work; seals what a crash left open."""
         self._nursery = nursery
+        # Serving from now on: until close(clean=True), a stop is a crash.
+        self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
         for v in self._unsealed_at_load:
             nursery.start_soon(self._seal, v)
         self._unsealed_at_load.clear()
         if self.ns_log is None:
             self._commit_sealed_markers()
 
-    def close(self) -> None:
-        """Close data file descriptors (the store itself is closed by its owner)."""
+    def close(self, clean: bool = False) -> None:
+        """Close data file descriptors (the store itself is closed by its owner).
+
+        ``clean``: the daemon stops cleanly (unmounted, or a stop signal); recorded in the
+        store, so that the next start knows no crash interrupted a save (crash_leftovers).
+        """
+        if clean:
+            self.db.set_kv(CLEAN_SHUTDOWN_KEY, "1")
         self.fds.close_all()
 
     def subscribe(self, observer: Callable[[str, Any], None]) -> None:

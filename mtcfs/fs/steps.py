@@ -12,6 +12,16 @@ Trainer use). It is **committed** (complete on this node) when the library commi
 - Orbax multi-tier restore: ``rename(<job>-s<step>-n<rank>-w0.restore -> <step>)`` at the
   job root, the step the replicator restored (mount option ``mtc``);
 - explicitly: ``mtcfs seal PATH``.
+
+An **unfinished save**, by its library's own definition (what a crash leaves; see
+``crash_leftovers`` in fs/capacity.py and docs/usage.md, "Capacity and eviction"):
+
+- PyTorch DCP: a step directory holding ``*.distcp`` shards (and perhaps ``.metadata.tmp``)
+  and no ``.metadata``;
+- Orbax: a ``<step>.orbax-checkpoint-tmp-<ts>`` directory (not yet renamed).
+
+A directory of plain files (torch.save, HF ``checkpoint-N``) is never one: such a save is
+committed by ``mtcfs seal``, and may be finished although not sealed.
 """
 
 from __future__ import annotations
@@ -23,6 +33,11 @@ _STEP_RE = re.compile(
 
 #: Temporary directory names Orbax writes a step into before its commit rename.
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+
+#: DCP's shard files (``__<rank>_<n>.distcp``) and the temporary name of its ``.metadata``
+#: (written, then renamed, last).
+DCP_SHARD_SUFFIX = ".distcp"
+DCP_METADATA_TMP = b".metadata.tmp"
 
 #: File names whose seal inside a step directory commits the step, with the source label.
 COMMIT_FILES = {
@@ -69,3 +84,23 @@ def is_orbax_tmp(name: str | bytes) -> bool:
     if isinstance(name, bytes):
         name = name.decode(errors="replace")
     return ORBAX_TMP_MARK in name
+
+
+def orbax_tmp_step(name: str | bytes) -> int | None:
+    """The step number of an Orbax temporary directory name, or None.
+
+    >>> orbax_tmp_step("100.orbax-checkpoint-tmp-17"), orbax_tmp_step("100")
+    (100, None)
+    """
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    if ORBAX_TMP_MARK not in name:
+        return None
+    return step_number(name.split(ORBAX_TMP_MARK, 1)[0])
+
+
+def is_dcp_file(name: str | bytes) -> bool:
+    """True for the files DCP writes before its ``.metadata``: shards, ``.metadata.tmp``."""
+    if isinstance(name, str):
+        name = name.encode(errors="surrogateescape")
+    return name.endswith(DCP_SHARD_SUFFIX.encode()) or name == DCP_METADATA_TMP
