@@ -333,3 +333,11 @@ def test_empty_value_says_needs_a_value(opt, why):
     with pytest.raises(OptionError) as ei:
         parse(opt)
     assert why in str(ei.value) and opt in str(ei.value)
+
+
+def test_failpoints_parse_and_refuse_what_they_do_not_know():
+    from mtcfs.failpoints import parse
+    assert parse("") == {}
+    assert parse("backup.put_chunk=sleep(0.5); a=sleep(2)") == {"backup.put_chunk": 0.5, "a": 2.0}
+    with pytest.raises(ValueError, match="NAME=sleep"):
+        parse("backup.put_chunk=crash")

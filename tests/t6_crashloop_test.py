@@ -161,37 +161,36 @@ def _backup_state(m, name: str) -> str | None:
     return {r["step"]: r["backup"] for r in m.checkpoints()}.get(name)
 
 
-def test_pending_backup_resumes_after_kill9(make_mount, shm_dir):
+def test_pending_backup_resumes_after_kill9(make_mount, shm_dir, monkeypatch):
     """A backup a SIGKILL interrupted is resumed after the remount, although a newer step
     committed meanwhile (before: only the newest was backed up; the interrupted one stayed
     'pending' for ever, and mtcfs status said the backup had run 'never')."""
     bucket = shm_dir / "bucket"
     bucket.mkdir()
+    # Each chunk upload pauses (mtcfs/failpoints.py): the upload of step_1 (10 chunks) is
+    # certain to be running when the kill comes, however fast the machine.
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "backup.put_chunk=sleep(0.5)")
     m = make_mount("node", size="1G", backup=f"file://{bucket}", backup_interval="1ckpt",
-                   keep=2, backup_keep=100)
-    first = _commit(m, "step_0", 8 * MiB, 0)
+                   keep=2, backup_keep=100, chunk_size="4M")
+    first = _commit(m, "step_0", 4 * MiB, 0)
     m.wait_for(lambda: _backup_state(m, "step_0") == "complete", 30, "the first backup")
     sock = control_socket(str(m.mnt))[0]
 
     def uploading() -> str | None:  # in-process: a CLI run takes longer than the upload
         return _request(sock, "status")["backup"]["uploading"]
 
-    for attempt in range(1, 6):  # the upload must still run when the kill comes
-        name, newer = f"step_{2 * attempt - 1}", f"step_{2 * attempt}"
-        os.mkdir(m.path(name))
-        big = _file(m.path(name, "shard.distcp"), 160 * MiB, attempt)
-        m.path(name, ".metadata").write_bytes(b"big")
-        m.wait_for(lambda: uploading() == name or _backup_state(m, name) == "complete", 30,
-                   "the upload to start")
-        os.mkdir(m.path(newer))
-        m.path(newer, ".metadata").write_bytes(b"newer")
-        m.wait_for(lambda: _request(sock, "status")["ram"]["checkpoints"] == 2 * attempt + 1,
-                   10, f"{newer} to commit")
-        if uploading() == name:
-            m.kill9()
-            break
-    else:
-        pytest.skip("every upload finished before the kill could come")
+    name, newer = "step_1", "step_2"
+    os.mkdir(m.path(name))
+    big = _file(m.path(name, "shard.distcp"), 40 * MiB, 1)
+    m.path(name, ".metadata").write_bytes(b"big")
+    m.wait_for(lambda: uploading() == name, 30, "the upload to start")
+    os.mkdir(m.path(newer))
+    m.path(newer, ".metadata").write_bytes(b"newer")
+    m.wait_for(lambda: _request(sock, "status")["ram"]["checkpoints"] == 3, 10,
+               f"{newer} to commit")
+    assert uploading() == name and _backup_state(m, name) != "complete"
+    m.kill9()
+    monkeypatch.delenv("MTCFS_FAILPOINTS")
     m.start()
     # The interrupted step is backed up, then the newest; status names the last backup.
     m.wait_for(lambda: _backup_state(m, name) == "complete", 60, f"the backup of {name}")

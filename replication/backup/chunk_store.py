@@ -43,6 +43,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 from mtcfs.chunking import chunk_hash, chunk_span
+from mtcfs.failpoints import failpoint
 from mtcfs.manifest import StepManifest
 from replication.backup.backend import Backend
 from replication.backup.chunk_index import ChunkIndex
@@ -257,6 +258,7 @@ class BackupStore:
                     self._counters.add("chunks_deduped")
                     return 0
                 blob = encode_chunk(data, self._level)
+                failpoint("backup.put_chunk")  # tests: a kill during an upload
                 self._backend.put(key, blob)
                 stored = True
             finally:
