@@ -59,6 +59,8 @@ class Daemon:
         self.prefetcher: Any = None
         self.peer: Any = None
         self._bulk_restore = False
+        #: The stop signal the daemon got (SIGTERM, SIGINT, SIGHUP), if any: it unmounts.
+        self._stop_signal: int | None = None
         self._nursery: trio.Nursery | None = None
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
@@ -403,7 +405,9 @@ class Daemon:
                 mounted = False
                 n.cancel_scope.cancel()
         finally:
-            pyfuse3.close(unmount=mounted)
+            # Unmounted by the kernel (umount): nothing left to do; stopped by a signal
+            # (pyfuse3.terminate) or an error: unmount, never leave a dead connection behind.
+            pyfuse3.close(unmount=mounted or self._stop_signal is not None)
             self._nursery = None
             if self.peer is not None:  # no gRPC thread may touch the core once it is closed
                 self.peer.stop()
@@ -435,6 +439,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for sig in sigs:
                 log.info("signal %d: unmounting", sig)
+                self._stop_signal = sig
                 pyfuse3.terminate()
 
     async def _tune_readahead(self, ops: Operations) -> None:

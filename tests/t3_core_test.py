@@ -229,3 +229,29 @@ def test_a_schema_1_store_opens_and_takes_special_files(tmp_path):
         assert stat.S_ISCHR(c.mode) and c.rdev == os.makedev(4, 5)
         assert stat.S_IMODE(c.mode) == 0o600
     run(third, tmp_path)
+
+
+def test_stopping_while_a_seal_hashes_ends_and_the_next_start_seals(tmp_path):
+    """The daemon stops (its nursery is cancelled) while a seal hashes in a thread: the
+    nursery ends (before: the seal's clean-up started a new seal in the cancelled nursery,
+    for ever), and the next start seals the file."""
+    data = os.urandom(64 * CS)
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                fs = open_fs(tmp_path / "store")
+                fs.start(n)
+                ino = await write_file(fs, ROOT_INO, b"a", data)
+                v = fs.versions[fs.inodes[ino].vid]
+                assert v.sealing is not None  # the seal was started at release
+                n.cancel_scope.cancel()
+        fs.close()
+        fs.store.close()
+    trio.run(main)
+
+    async def again(fs):
+        (num,) = [n for name, n in fs.inodes[ROOT_INO].children.items() if name == b"a"]
+        v = await sealed(fs, num)
+        assert v is not None and v.blake3 == blake3.blake3(data).hexdigest()
+    run(again, tmp_path)

@@ -212,3 +212,26 @@ def test_kill9_with_backup_pending_backs_up_after_remount(make_mount, gcs_emulat
         proxy.configure(fail_first=0, fail_rate=0.0)  # the bucket is back
         m.start()
         m.wait_state("step_1", "backed-up", timeout=10)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_unmounts_and_keeps_every_file(make_mount, sig):
+    """A stop signal to the daemon (systemd's stop, a Ctrl-C in the foreground) unmounts:
+    nothing stays in the mount table as a dead connection, and a remount serves every file
+    (before: the daemon exited and left 'Transport endpoint is not connected' behind)."""
+    import signal
+    import time
+
+    from mtcfs.mountinfo import is_mounted
+    m = make_mount("node")
+    data = os.urandom(3 * MiB)
+    m.path("f.bin").write_bytes(data)
+    pid = m.pid
+    os.kill(pid, getattr(signal, sig))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the daemon did not stop"
+    assert not is_mounted(str(m.mnt)), "the mount was left behind"
+    m.start()
+    assert m.path("f.bin").read_bytes() == data

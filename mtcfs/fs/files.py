@@ -298,6 +298,7 @@ class FileOps:
         if v.sealing is None:
             v.sealing = trio.Event()
         done = v.sealing
+        cancelled = False
         try:
             while True:
                 gen, size = v.gen, v.size
@@ -343,11 +344,14 @@ class FileOps:
                 if self.ns_log is None:
                     with self.db.transaction():
                         self._maybe_commit_by_file(ino)
+        except trio.Cancelled:
+            cancelled = True  # the daemon stops: the next start seals it (core: _repair)
+            raise
         finally:
             v.sealing = None
             done.set()
             if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
-                    and not allow_writers:
+                    and not allow_writers and not cancelled:
                 self._after_write_close(v)
             self._release_version(v)
 
