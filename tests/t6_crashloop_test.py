@@ -21,11 +21,11 @@ import os
 import random
 import re
 import shutil
+import time
 
 import pytest
 
 from mtcfs.cli import _request, control_socket
-import time
 
 MiB = 1 << 20
 PIECE = 1 * MiB
@@ -87,7 +87,8 @@ def test_kill9_loop_with_backup(make_mount, shm_dir):
     m = make_mount("node", size=size, backup=f"file://{bucket}", backup_interval="1ckpt",
                    keep=2, backup_keep=1000)
     committed: dict[str, dict[str, bytes]] = {}
-    enospc = 0
+    enospc = kills = 0
+    t0 = time.monotonic()
     for i in range(1, iters + 1):
         name = f"step_{i}"
         est = 3 * (mib[0] + mib[1]) // 2 * MiB
@@ -110,6 +111,7 @@ def test_kill9_loop_with_backup(make_mount, shm_dir):
         if files is not None:
             committed[name] = files
         if m.pid is None:  # killed: the store comes back
+            kills += 1
             m.start()
     assert committed, "the seed gave no committed step; pick another"
     newest = max(committed, key=lambda n: int(n.split("_")[1]))
@@ -121,6 +123,7 @@ def test_kill9_loop_with_backup(make_mount, shm_dir):
 
     listed = {r["step"]: r for r in m.checkpoints()}
     lost = []
+    verified = 0
     for name, files in committed.items():
         if not m.path(name).is_dir():
             lost.append(f"{name} ({listed.get(name, {}).get('backup', 'not in the backup')})")
@@ -128,9 +131,13 @@ def test_kill9_loop_with_backup(make_mount, shm_dir):
         for fname, data in files.items():
             got = m.path(name, fname).read_bytes()
             assert len(got) == len(data) and _sha(got) == _sha(data), f"{name}/{fname}"
+            verified += len(got)
     assert not lost, f"committed steps gone from the mount: {lost}\n{m.log()[-3000:]}"
     st = m.status()
     assert st["counters"]["deleted_unsaved_steps"] == 0 and not st["ram"]["deleted_unsaved"]
+    print(f"crash loop seed={seed}: {iters} saves, {kills} kills, {len(committed)} steps "
+          f"committed, {verified / MiB:.0f} MiB verified bit-exact, {enospc} saves refused "
+          f"(ENOSPC) while the backup caught up, {time.monotonic() - t0:.0f} s")
     assert enospc <= iters // 2, f"{enospc} saves refused"
     # What a user checks: mtcfs status names the last backup, even one a daemon killed
     # since had finished.
