@@ -96,21 +96,24 @@ def test_a_byte_changed_while_down_is_refetched_from_the_backup_on_first_read(ma
     assert "mtcfs_corrupt_chunks_total" in metrics
 
 
-def test_a_byte_changed_while_down_with_no_other_source_is_eio_not_wrong_bytes(make_mount):
-    data = _data(3 * CHUNK + 1000, 2)
-    m = make_mount("n", chunk_size="256K")
+@pytest.mark.parametrize("chunk", [CHUNK, 64 * 1024], ids=["thread", "inline"])
+def test_a_byte_changed_while_down_with_no_other_source_is_eio_not_wrong_bytes(make_mount,
+                                                                             chunk):
+    # (chunks up to 64 KiB are hashed on the daemon's loop, larger ones in a thread)
+    data = _data(3 * chunk + 1000, 2)
+    m = make_mount("n", chunk_size=f"{chunk // 1024}K")
     _write_step(m, "step_100", data)
     m.stop()
-    _flip(_data_file(m.store, "step_100"), 2 * CHUNK + 7)  # chunk 2
+    _flip(_data_file(m.store, "step_100"), 2 * chunk + 7)  # chunk 2
     m.start()
     p = m.path("step_100", "model.bin")
     with open(p, "rb", buffering=0) as fh:
-        assert os.pread(fh.fileno(), CHUNK, 0) == data[:CHUNK]  # good chunks are served
+        assert os.pread(fh.fileno(), chunk, 0) == data[:chunk]  # good chunks are served
         with pytest.raises(OSError) as exc:
-            os.pread(fh.fileno(), CHUNK, 2 * CHUNK)
+            os.pread(fh.fileno(), chunk, 2 * chunk)
         assert exc.value.errno == errno.EIO
         with pytest.raises(OSError) as exc:  # and again: known bad, never served
-            os.pread(fh.fileno(), 100, 2 * CHUNK + 5)
+            os.pread(fh.fileno(), 100, 2 * chunk + 5)
         assert exc.value.errno == errno.EIO
     st = m.status()
     assert st["counters"]["corrupt_chunks"] == 1
