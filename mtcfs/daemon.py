@@ -216,7 +216,8 @@ class Daemon:
             else:
                 fs._error(f"restore at mount failed: {exc.strerror}")
         except (Exception, trio.TooSlowError) as exc:
-            fs._error(f"restore at mount failed: {exc}")
+            why = str(exc) or f"not done within {RESTORE_AT_MOUNT_S} s"
+            fs._error(f"restore at mount failed: {why}")
 
     async def _job_restore_from_backup(self) -> None:
         """scope=job, about to lead with an empty namespace that no member can fill (every
@@ -239,7 +240,7 @@ class Daemon:
             fs.ns_install(snapshot_from_manifests(manifests))
         except (Exception, trio.TooSlowError) as exc:
             fs._error(f"restore of the job namespace from the backup tier failed: "
-                      f"{exc or 'no answer within %d s' % RESTORE_AT_MOUNT_S}")
+                      f"{str(exc) or f'no answer within {RESTORE_AT_MOUNT_S} s'}")
             return
         ns.reset_position()
         for v in fs.versions.values():
@@ -376,6 +377,7 @@ class Daemon:
         ops = Operations(self.fs, self.opts.mountpoint)
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
         mounted = True
+        closed = False
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
@@ -403,11 +405,17 @@ class Daemon:
                 ready()
                 await pyfuse3.main()
                 mounted = False
+                if self._stop_signal is not None:
+                    # Unmount now, not after the nursery ends: a seal hashing a large file
+                    # in a thread may hold it for minutes, the mount unserved meanwhile.
+                    pyfuse3.close(unmount=True)
+                    closed = True
                 n.cancel_scope.cancel()
         finally:
             # Unmounted by the kernel (umount): nothing left to do; stopped by a signal
             # (pyfuse3.terminate) or an error: unmount, never leave a dead connection behind.
-            pyfuse3.close(unmount=mounted or self._stop_signal is not None)
+            if not closed:
+                pyfuse3.close(unmount=mounted or self._stop_signal is not None)
             self._nursery = None
             if self.peer is not None:  # no gRPC thread may touch the core once it is closed
                 self.peer.stop()

@@ -58,6 +58,8 @@ _COUNTER_HELP = {
                     "copy within the fault-in deadline).",
     "enospc": "Writes refused because the RAM tier was full.",
     "evicted_steps": "Checkpoints evicted from RAM.",
+    "fault_in_over_size": "Chunks a read brought into a full RAM tier that no eviction could"
+                          " make room for (the tier goes past size= until evictions catch up).",
     "corrupt_chunks": "Chunks in RAM found not to match their hash (first read after a start,"
                       " scrub, mtcfs verify); dropped and fetched from another tier.",
     "deleted_unsaved_steps": "Checkpoints deleted from RAM under memory pressure while no"

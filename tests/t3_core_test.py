@@ -255,3 +255,35 @@ def test_stopping_while_a_seal_hashes_ends_and_the_next_start_seals(tmp_path):
         v = await sealed(fs, num)
         assert v is not None and v.blake3 == blake3.blake3(data).hexdigest()
     run(again, tmp_path)
+
+
+def test_a_corrupt_chunk_of_a_replaced_version_still_open_is_never_served(tmp_path):
+    """scope=job: a snapshot install replaces every version object, and a handle open
+    across it reads on through the old object's kept descriptor. A chunk of it that fails
+    its first-read hash is missing on that object (fault-in then fetches it, here from no
+    source: EIO), never served (before: no verdict was given, and the read served it)."""
+    data = os.urandom(3 * CS)
+
+    async def write(fs):
+        ino = await write_file(fs, ROOT_INO, b"a", data)
+        await sealed(fs, ino)
+    run(write, tmp_path)
+    (vid,) = [int(n) for n in os.listdir(tmp_path / "store" / "data")]
+    path = tmp_path / "store" / "data" / str(vid)
+    raw = bytearray(path.read_bytes())
+    raw[CS + 3] ^= 0x40  # chunk 1, while no daemon runs
+    path.write_bytes(bytes(raw))
+
+    async def read(fs):
+        v = fs.versions[vid]
+        assert fs.needs_verify(v)
+        fs.fds.keep(v)  # what an install does for a version a handle still reads
+        v.handles += 1
+        del fs.versions[vid]  # ... and the install replaced it
+        fs.fetch_deadline_s = 1
+        await fs.fault_in(v, 0, CS)  # chunk 0 is good
+        with pytest.raises(FsError) as exc:
+            await fs.fault_in(v, CS, CS)
+        assert exc.value.errno == errno.EIO
+        assert 1 in v.missing and fs.counters.corrupt_chunks == 1
+    run(read, tmp_path)

@@ -85,24 +85,36 @@ class CapacityOps:
         if ev is not None:
             ev.set()
 
-    async def _reserve(self, nbytes: int) -> None:
+    async def _reserve(self, nbytes: int, *, best_effort: bool = False) -> bool:
         """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
 
+        ``best_effort``: when eviction cannot free enough, return False instead of raising
+        (a fault-in: the read is served even so, docs/usage.md). Returns True with room.
+
         Raises:
-            FsError: ENOSPC when eviction cannot free enough.
+            FsError: ENOSPC when eviction cannot free enough (unless ``best_effort``).
         """
         shared = self.shared_used() + self.in_flight
         if self.used + shared + nbytes <= self.capacity:
-            return
+            return True
         await self.settle_releases()
         shared = self.shared_used() + self.in_flight
         if self.used + shared + nbytes <= self.capacity:
-            return
-        self.evict(need=self.used + shared + nbytes - self.capacity)
+            return True
+        unsaved = self.evict_unsaved
+        if best_effort:  # a read never deletes a checkpoint no other tier holds
+            self.evict_unsaved = False
+        try:
+            self.evict(need=self.used + shared + nbytes - self.capacity)
+        finally:
+            self.evict_unsaved = unsaved
         if self.used + shared + nbytes > self.capacity:
+            if best_effort:
+                return False
             self.counters.enospc += 1
             raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} bytes of files and {shared}"
                           f" of peer replicas and chunks being fetched, of {self.capacity} bytes)")
+        return True
 
     def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
         """Committed steps that may leave RAM, in the order they leave it.

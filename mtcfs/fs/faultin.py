@@ -149,8 +149,6 @@ class FaultInOps:
                         await self._store_chunk(v, idx, data)
                         return
                     except FsError as exc:
-                        if exc.errno == errno.ENOSPC:
-                            raise  # no room in RAM for it: the reader gets ENOSPC
                         why = exc.strerror or "failed"
                         if exc.errno != errno.EAGAIN:
                             break
@@ -191,10 +189,17 @@ class FaultInOps:
         off, length = chunk_span(idx, v.size, v.chunk_size)
         if registered:
             # Bytes brought into RAM count against size= like a write (capacity.py, the
-            # accounting rule): room first, ENOSPC when nothing can make it.
+            # accounting rule): room is made first, by eviction. A read is never refused
+            # for room, though: when nothing can be evicted the chunk goes in past size=
+            # (logged, counted), and later evictions take it back (docs/usage.md).
             # Held until the bytes are counted: fetches write in threads, side by side.
             need = self._new_bytes(v, off, off + length)
-            await self._reserve(need)
+            if not await self._reserve(need, best_effort=True):
+                self.counters.fault_in_over_size += 1
+                if self.counters.fault_in_over_size == 1 or \
+                        self.counters.fault_in_over_size % 1000 == 0:
+                    log.warning("RAM tier full and nothing can be evicted: chunks read in "
+                                "go past size= (%d so far)", self.counters.fault_in_over_size)
             if idx not in v.missing:
                 return  # stored by another fetch while we waited
             if self.versions.get(v.vid) is not v:  # replaced while we waited for room

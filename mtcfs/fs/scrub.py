@@ -99,7 +99,8 @@ class ScrubOps:
         return v.vid in self._unverified
 
     def unverified_chunks(self) -> int:
-        return sum(len(s) for s in self._unverified.values())
+        """Chunks of registered versions not hashed since start (status, metrics)."""
+        return sum(len(s) for vid, s in self._unverified.items() if vid in self.versions)
 
     async def _verify_range(self, v: Version, off: int, size: int) -> None:
         """Hash the unverified chunks of ``v`` that ``[off, off+size)`` touches; the ones
@@ -136,6 +137,8 @@ class ScrubOps:
         if idx in v.missing or not v.sealed:
             self._verified(v.vid, idx)  # evicted or dropped: it comes back verified
             return False
+        if self.versions.get(v.vid) is not v and v.fd < 0:
+            return False  # replaced and no longer held: its path may name other data
         ev = self._verifying[key] = trio.Event()
         v.pins += 1
         try:
@@ -154,8 +157,17 @@ class ScrubOps:
             if idx in v.missing:
                 return False
             if self.versions.get(v.vid) is not v:
-                # Replaced while we hashed (a snapshot install took its data file over, or
-                # it was freed): the file may have changed under us; no verdict on it.
+                # Replaced (a snapshot install) but still read through a handle's kept
+                # descriptor: a mismatch is never served; the chunk becomes missing on this
+                # object only (no hole punched: the inode may be another version's now),
+                # and fault-in writes good bytes through that descriptor.
+                if not ok:
+                    v.missing.add(idx)
+                    self.counters.corrupt_chunks += 1
+                    how = "scrub" if scrub else "first read after start"
+                    self._error(f"corrupt chunk in the RAM tier ({how}): version {v.vid} "
+                                f"(replaced, still open), chunk {idx}; to be fetched from "
+                                "another tier")
                 return ok
             self._verified(v.vid, idx)
             if not ok:
@@ -170,7 +182,8 @@ class ScrubOps:
     def _carry_unverified(self, old: Version, new: Version) -> None:
         """``new`` took over the data file of ``old`` (scope=job snapshot install): the
         chunks of ``old`` not hashed since start are unverified under ``new``."""
-        todo = self._unverified.pop(old.vid, None)
+        held = old.handles or old.pins  # still read through its kept descriptor
+        todo = self._unverified.get(old.vid) if held else self._unverified.pop(old.vid, None)
         if todo:
             self._unverified[new.vid] = set(todo)
 
@@ -222,7 +235,11 @@ class ScrubOps:
             self.scrub_state["next"] = time.time() + self.scrub_interval_s
             await trio.sleep(self.scrub_interval_s)
             self.scrub_state["next"] = None
-            await self.scrub_pass()
+            try:
+                await self.scrub_pass()
+            except Exception as exc:  # a pass that failed is logged; the next one runs
+                self._error(f"scrub pass failed: {exc!r}")
+                self.scrub_state["running"] = False
 
     async def scrub_pass(self) -> int:
         """Hash every chunk held in RAM of every sealed version, at most ``scrub_rate``

@@ -147,8 +147,13 @@ class FdCache:
             vs = list(self._lru) + list(self._kept)
             self._lru.clear()
             self._kept.clear()
-            fds = [v.fd for v in vs]
+            fds = []
             for v in vs:
+                n = self._leases.pop(v, 0)
+                if n:  # a thread abandoned at shutdown still reads it: its unlease closes
+                    self._dropped[v.fd] = n
+                else:
+                    fds.append(v.fd)
                 v.fd = -1
         for fd in fds:
             os.close(fd)
