@@ -235,3 +235,39 @@ def test_a_stop_signal_unmounts_and_keeps_every_file(make_mount, sig):
     assert not is_mounted(str(m.mnt)), "the mount was left behind"
     m.start()
     assert m.path("f.bin").read_bytes() == data
+
+
+def test_kill9_while_a_rewrite_replaces_a_version_loses_nothing(make_mount, monkeypatch):
+    """SIGKILL inside the transaction that replaces a sealed version (a rewrite opened
+    without O_TRUNC: the new version takes the old one's data file over): the old data file
+    is unlinked only after that transaction commits, so the rolled-back store still has the
+    old bytes (before: the file was unlinked before COMMIT, and the old version came back
+    with no data at all)."""
+    import signal
+    import time
+
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "core.release_in_transaction=sleep(30)")
+    m = make_mount("node")
+    data = os.urandom(3 * MiB)
+    p = m.path("f.bin")
+    p.write_bytes(data)
+    m.wait_for(lambda: m.status()["counters"]["seals"] >= 1, 30, "the seal")
+    pid = m.pid
+
+    def rewrite() -> None:  # blocks in the daemon's failpoint, then gets ENOTCONN
+        try:
+            with open(p, "r+b") as f:
+                f.write(b"X")
+        except OSError:
+            pass
+    import threading
+    t = threading.Thread(target=rewrite, daemon=True)
+    t.start()
+    time.sleep(1.0)  # the open reaches the failpoint (it pauses 30 s there)
+    assert t.is_alive(), "the rewrite's open returned: the failpoint was not reached"
+    os.kill(pid, signal.SIGKILL)
+    m.kill9()
+    t.join(10)
+    monkeypatch.delenv("MTCFS_FAILPOINTS")
+    m.start()
+    assert p.read_bytes() == data

@@ -23,6 +23,7 @@ Concurrency protocol: a coroutine may only rely on in-memory state it read after
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -34,6 +35,7 @@ import trio
 
 from mtcfs.chunking import chunk_count, chunk_span
 from mtcfs.errors import FsError
+from mtcfs.failpoints import failpoint
 from mtcfs.fs.capacity import CapacityOps
 from mtcfs.fs.checkpoints import CheckpointOps
 from mtcfs.fs.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
@@ -522,7 +524,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.used -= v.alloc
         v.alloc = 0
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
-        self.store.remove_data(v.vid)
+        # The data file goes once the deletion of its row is committed (store/meta.py).
+        self.db.after_commit(functools.partial(self.store.remove_data, v.vid))
+        failpoint("core.release_in_transaction")  # tests: a crash before that commit
         for d in v.chunks:
             self._forget_chunk(d, v.vid)
 

@@ -13,7 +13,7 @@ meaning and sentinel values are commented there.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -113,6 +113,7 @@ class MetaDB:
         if "rdev" not in cols:  # schema 1 -> 2: special files
             self.conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
         self._depth = 0
+        self._after_commit: list[Callable[[], None]] = []
         version = self.get_kv("schema_version")
         if version is None or int(version) < SCHEMA_VERSION:
             self.set_kv("schema_version", str(SCHEMA_VERSION))
@@ -132,10 +133,26 @@ class MetaDB:
             self._depth -= 1
             if self._depth == 0:
                 self.conn.execute("ROLLBACK")
+                self._after_commit.clear()  # what the rows still name stays
             raise
         self._depth -= 1
         if self._depth == 0:
             self.conn.execute("COMMIT")
+            todo, self._after_commit = self._after_commit, []
+            for fn in todo:
+                fn()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the transaction in progress has committed (at once outside one).
+
+        For what must not happen before the rows that name it are gone: a data file is
+        unlinked only after its version's row is deleted for good, so a crash between the
+        two leaves an orphan file (removed at the next load), never a row without its file.
+        """
+        if self._depth == 0:
+            fn()
+        else:
+            self._after_commit.append(fn)
 
     def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)
