@@ -207,8 +207,10 @@ def test_coordinator_dies_and_a_wiped_replacement_restores_from_peers(make_clust
         return held if held == ["step_10", "step_20"] else None
 
     wait(held_by_rank0, 20, "rank 0 holds rank 2's step_10 and step_20 again", c, (0, 2))
+    # (rank 2's count of a step can read 0 for a moment while it re-checks the replacement:
+    # seen once in a full run under load; the state must settle on replicated, bounded)
     for step in ("step_10", "step_20"):
-        assert c.state(2, step) == "replicated 1/1"
+        c.wait_replicated(2, step, timeout=20)
 
 
 # -- 3. a partition heals ----------------------------------------------------------------------
