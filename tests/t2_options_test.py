@@ -138,6 +138,16 @@ def test_replicas_placement_data_parallelism():
     assert parse("replicas=5").replicas == 5  # one node: replicas is ignored, not checked
 
 
+def _refused_in_one_line(opts: str, words: list[str]) -> None:
+    """``opts`` is refused with a one-line OptionError that contains every one of ``words``."""
+    with pytest.raises(OptionError) as ei:
+        parse(opts)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
 @pytest.mark.parametrize("opts,words", [
     ("rank=3,nodes=3,coordinator=h:1", ["rank=3", "0..2"]),
     ("rank=1", ["rank=1", "0..0"]),
@@ -172,12 +182,7 @@ def test_replicas_placement_data_parallelism():
     ("peers", ["peers"]),
 ])
 def test_peer_option_errors_name_the_option(opts, words):
-    with pytest.raises(OptionError) as ei:
-        parse(opts)
-    msg = str(ei.value)
-    assert "\n" not in msg
-    for w in words:
-        assert w in msg
+    _refused_in_one_line(opts, words)
 
 
 # ---------------------------------------------------------------------- status output
@@ -292,12 +297,7 @@ def test_mtc_option_errors_name_the_option(opts, words):
 ])
 def test_out_of_range_values_are_refused(opts, words):
     """Every number has bounds that make sense; past them: a one-line error naming it."""
-    with pytest.raises(OptionError) as ei:
-        parse(opts)
-    msg = str(ei.value)
-    assert "\n" not in msg
-    for w in words:
-        assert w in msg, (w, msg)
+    _refused_in_one_line(opts, words)
 
 
 def test_values_at_the_bounds_are_accepted():

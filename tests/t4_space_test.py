@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from support.mount import drop_page_cache
+
 MiB = 1024 * 1024
 
 
@@ -136,9 +138,7 @@ def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path)
     m.wait_for(lambda: m.status()["ram"]["used"] < 14 * MiB, 30, "step_1 out of RAM")
     m.path("scratch.bin").write_bytes(os.urandom(16 * MiB))  # no checkpoint: stays
     p = m.path("step_1", "model.bin")
-    fd = os.open(p, os.O_RDONLY)  # the kernel's page cache still has it from the write
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    drop_page_cache(p)  # the kernel's page cache still has it from the write
     assert p.read_bytes() == data["step_1"]  # 12 + 16 + 12 MiB > 32 MiB: served anyway
     st = m.status()
     assert st["counters"]["fault_in_over_size"] > 0 and st["counters"]["fault_errors"] == 0

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from support.ckpt import (assert_same, chunk_digests, dcp_load_like, dcp_state,  # noqa: E402
                           tensor_state, torch_train_state, zeros_like_state)
 from support.gcs import FlakyProxy  # noqa: E402
+from support.mount import drop_page_cache  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -246,15 +247,6 @@ def test_resave_into_backed_up_step_is_backed_up_again(make_mount, tmp_path):
     assert_same(new, _load(m, "step_1", new))
 
 
-def _drop_page_cache(path) -> None:
-    """Forget this file's cached pages, so the next read reaches the daemon."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_evicted_step_is_faulted_back_in(make_mount, tmp_path):
     m = make_mount("node", backup=f"file://{tmp_path}/backup", backup_interval="1ckpt",
                    chunk_size="256K", keep=2)
@@ -269,7 +261,7 @@ def test_evicted_step_is_faulted_back_in(make_mount, tmp_path):
     assert m.state("step_1/__0_0.distcp") == "remote"
     before = m.status()["counters"]["chunks_faulted"]
     for name in os.listdir(m.path("step_1")):
-        _drop_page_cache(m.path("step_1", name))
+        drop_page_cache(m.path("step_1", name))
     assert_same(states[1], _load(m, "step_1", states[1]))
     assert m.status()["counters"]["chunks_faulted"] > before  # really read from the backup
     for n in (2, 3):
@@ -288,7 +280,7 @@ def test_every_visible_checkpoint_stays_readable(make_mount, tmp_path):
     for step in sorted(os.listdir(m.mnt)):
         n = int(step.split("_")[1])
         for name in os.listdir(m.path(step)):
-            _drop_page_cache(m.path(step, name))
+            drop_page_cache(m.path(step, name))
         assert_same(states[n], _load(m, step, states[n]))
 
 

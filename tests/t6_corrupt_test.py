@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from support.mount import drop_page_cache
+
 MiB = 1 << 20
 CHUNK = 256 * 1024
 
@@ -60,16 +62,6 @@ def _flip(path: Path, off: int) -> None:
     try:
         b = os.pread(fd, 1, off)
         os.pwrite(fd, bytes([b[0] ^ 0x10]), off)
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(path: Path) -> None:
-    """Drop the kernel's page cache of one file of the mount, so the next read asks the
-    daemon."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
@@ -139,7 +131,7 @@ def test_the_scrub_finds_a_byte_changed_behind_the_daemon_and_repairs_it(make_mo
     assert st["scrub"]["passes"] > passes and st["scrub"]["last_finished"]
     assert found_s < 10, found_s
     assert any("step_100/model.bin" in e and "chunk 3" in e for e in st["errors"])
-    _drop_cache(p)
+    drop_page_cache(p)
     assert p.read_bytes() == data
     assert "scrub:" in m.cli("status", str(m.mnt)).stdout
 
@@ -152,7 +144,7 @@ def test_the_scrub_marks_a_corrupt_chunk_it_cannot_repair_and_reads_fail(make_mo
     f = _data_file(m.store, "step_100")
     _flip(f, 10)  # chunk 0
     m.wait_for(lambda: m.status()["counters"]["corrupt_chunks"] >= 1, 20, "the scrub to find it")
-    _drop_cache(p)
+    drop_page_cache(p)
     with open(p, "rb", buffering=0) as fh:
         with pytest.raises(OSError) as exc:
             os.pread(fh.fileno(), CHUNK, 0)

@@ -24,6 +24,15 @@ VENV_BIN = Path(sys.executable).parent
 MTCFS = [sys.executable, "-m", "mtcfs"]
 
 
+def drop_page_cache(path) -> None:
+    """Forget the kernel's cached pages of one file of a mount, so that the next read of it
+    reaches the daemon."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
 class Mount:
     """One mtcfs mount for a test.
 
