@@ -64,7 +64,7 @@ def test_sync_save_max_to_keep_and_restore(mount):
         assert mount.state(s) == "local"
     rows = mount.checkpoints()
     assert [r["step"] for r in rows] == ["2", "3"]
-    assert all(r["committed_by"] == "orbax-rename" and r["ram"] == "complete" for r in rows)
+    assert all(r["committed_by"] == "orbax-rename" and r["ram"] == "complete" for r in rows), rows
 
     # A new manager over the same directory (a restarted job) sees the same steps.
     with ocp.CheckpointManager(str(mount.mnt), options=opts) as mgr:

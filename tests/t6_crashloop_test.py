@@ -164,6 +164,14 @@ def _commit(m, name: str, nbytes: int, seed: int) -> bytes:
     return data
 
 
+def _evicted(m, name: str) -> None:
+    """Wait (bounded) until the step ``name`` the daemon deleted is gone from the mount too:
+    the daemon tells the kernel to forget the name asynchronously (pyfuse3's
+    invalidate_entry_async, as it may not block inside the write that needed the room), so
+    a lookup right after that write may still hit the kernel's cached entry for a moment."""
+    m.wait_for(lambda: not m.path(name).exists(), timeout=10, what=f"{name} gone from the mount")
+
+
 def _backup_state(m, name: str) -> str | None:
     return {r["step"]: r["backup"] for r in m.checkpoints()}.get(name)
 
@@ -238,7 +246,7 @@ def test_crash_leftovers_never_push_out_a_committed_step(make_mount):
     s3 = _commit(m, "step_3", 20 * MiB, 3)
     os.mkdir(m.path("step_4"))
     s4 = _file(m.path("step_4", "shard.distcp"), 20 * MiB, 4)
-    assert not m.path("step_2").exists()
+    _evicted(m, "step_2")
     assert m.path("step_1", "shard.distcp").read_bytes() == s1
     assert m.path("step_3", "shard.distcp").read_bytes() == s3
     assert m.path("step_4", "shard.distcp").read_bytes() == s4
@@ -264,7 +272,7 @@ def test_eviction_goes_oldest_first(make_mount):
         assert held.read() == s1
     os.unlink(m.path("step_4", "shard.distcp"))
     s4 = _file(m.path("step_4", "shard.distcp"), 20 * MiB, 4)
-    assert not m.path("step_1").exists()
+    _evicted(m, "step_1")
     assert m.path("step_2", "shard.distcp").read_bytes() == s2
     assert m.path("step_3", "shard.distcp").read_bytes() == s3
     assert m.path("step_4", "shard.distcp").read_bytes() == s4
@@ -296,7 +304,7 @@ def test_unsaved_step_never_deleted_silently(make_mount, shm_dir):
     t2 = _commit(n, "step_2", 20 * MiB, 2)
     os.mkdir(n.path("step_3"))
     t3 = _file(n.path("step_3", "shard.distcp"), 20 * MiB, 3)
-    assert not n.path("step_1").exists()
+    _evicted(n, "step_1")
     assert n.path("step_2", "shard.distcp").read_bytes() == t2
     assert n.path("step_3", "shard.distcp").read_bytes() == t3
     st = n.status()
