@@ -65,6 +65,7 @@ class Daemon:
         self.started = time.time()
         self.restore_info: dict[str, Any] = {}
         self.ns: Any = None  # scope=job: the job's namespace log
+        self.etcd: Any = None  # coord=etcd: the job's etcd client
         self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
         self.mtc_service: Any = None
         #: The store's filesystem: {"type", "mount", "warning"} (warning None on tmpfs).
@@ -160,8 +161,16 @@ class Daemon:
             from replication.jobns.log import JobNamespace
             from replication.jobns.service import Transport
             from replication.jobns.sources import JobChunkSource
-            quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
-            self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)
+            if o.coord:
+                from replication.coord.etcd import Etcd
+                from replication.jobns.etcd_log import EtcdNamespace
+                self.etcd = Etcd(o.coord)
+                self.ns = self.fs.ns_log = EtcdNamespace(
+                    self.fs, self.etcd, f"/mtcfs/{o.job}/", o.rank,
+                    seed=lambda: self._job_restore_from_backup(seeding=True))
+            else:
+                quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
+                self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)
             return JobChunkSource(self.fs, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(),
                                peer.fetch_client, peer.report_bad, others=peer.other_ranks)
@@ -219,14 +228,19 @@ class Daemon:
             why = str(exc) or f"not done within {RESTORE_AT_MOUNT_S} s"
             fs._error(f"restore at mount failed: {why}")
 
-    async def _job_restore_from_backup(self) -> None:
+    async def _job_restore_from_backup(self, seeding: bool = False) -> None:
         """scope=job, about to lead with an empty namespace that no member can fill (every
-        RAM tier was lost): install the newest step the backup tier holds for every rank."""
+        RAM tier was lost): install the newest step the backup tier holds for every rank.
+        ``seeding``: this node is about to seed an empty etcd keyspace with its (empty)
+        namespace (coord=etcd; replication/jobns/etcd_log.py)."""
         from replication.jobns.restore import latest_job_step, snapshot_from_manifests
         fs, ns = self.fs, self.ns
         assert fs is not None and ns is not None and self.peer is not None
-        if self.backup_store is None or self.opts.restore == "none" or ns.seq or \
-                fs.inodes[ROOT_INO].children or self.peer.coordinator != self.opts.rank:
+        if self.backup_store is None or self.opts.restore == "none" or \
+                fs.inodes[ROOT_INO].children:
+            return
+        if not seeding and (self.opts.coord or ns.seq or
+                            self.peer.coordinator != self.opts.rank):
             return
         t0 = time.monotonic()
         try:
@@ -354,7 +368,7 @@ class Daemon:
         assert self.fs is not None and self.store is not None
         if self.peer is not None:
             token = trio.lowlevel.current_trio_token()
-            if self.ns is not None:
+            if self.ns is not None and not self.opts.coord:
                 from replication.jobns.service import register
                 self.peer.extra_services.append(register(self.ns, self.opts.job, token))
             if self.mtc_service is not None:
@@ -366,6 +380,8 @@ class Daemon:
         finally:
             if self.peer is not None:
                 self.peer.stop()
+            if self.etcd is not None:
+                self.etcd.close()
 
     async def _run(self, ready: Callable[[], None]) -> None:
         assert self.fs is not None and self.store is not None

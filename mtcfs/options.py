@@ -215,6 +215,9 @@ class MountOptions:
     #: alone); "live": every live member. After parsing: "majority" when nodes >= 3, else
     #: "live", unless given; None with scope=node.
     ns_quorum: str | None = None
+    #: The job's etcd cluster (``coord=etcd://HOST:PORT,...``): client endpoints, or None.
+    #: With it, scope=job's namespace is ordered by etcd (docs/coordination.md).
+    coord: list[str] | None = None
     #: Seconds a read waits for data that is not on this node (fault-in from peers or the
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
@@ -366,6 +369,13 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.peers = []
                     _extend(o, given, "peers", value, first=True)
                     extending = "peers"
+                elif name == "coord" and value:
+                    if not value.startswith("etcd://"):
+                        raise ValueError("expected etcd://HOST:PORT[,HOST:PORT...]")
+                    o.coord = []
+                    _extend(o, given, "coord", value[len("etcd://"):], first=True)
+                    given["coord"] = value
+                    extending = "coord"
                 elif name == "topology" and value:
                     o.topology = {}
                     _extend(o, given, "topology", value, first=True)
@@ -449,6 +459,9 @@ def _extend(o: MountOptions, given: dict[str, str], list_name: str, text: str,
     try:
         if list_name == "topology":
             parse_labels(text, into=o.topology)
+        elif list_name == "coord":
+            assert o.coord is not None
+            o.coord.extend(parse_address(a) for a in _LIST_SEP_RE.split(text) if a.strip())
         else:
             assert o.peers is not None
             o.peers.extend(parse_address(a) for a in _LIST_SEP_RE.split(text) if a.strip())
@@ -500,9 +513,19 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     if o.scope == "job" and dp is not None and dp > 1:
         raise bad("scope", "assume_data_parallelism is for scope=node: in one job-wide "
                            "namespace identical files are one file")
+    if o.coord is not None:
+        if not o.coord:
+            raise bad("coord", "needs at least one etcd endpoint (etcd://HOST:PORT,...)")
+        if len(set(o.coord)) != len(o.coord):
+            raise bad("coord", "an etcd endpoint is given twice")
+        if not o.multi_node:
+            raise bad("coord", "is the agreement between several nodes: it needs nodes >= 2")
+        if o.ns_quorum is not None:
+            raise bad("ns_quorum", "etcd's own quorum orders the namespace with coord=: "
+                                   "leave ns_quorum out")
     if o.ns_quorum is not None and o.scope != "job":
         raise bad("ns_quorum", "orders the job-wide namespace: it needs scope=job")
-    if o.scope == "job" and o.ns_quorum is None:
+    if o.scope == "job" and o.ns_quorum is None and o.coord is None:
         o.ns_quorum = "majority" if o.nodes >= 3 else "live"
     if o.mtc and o.scope != "node":
         raise OptionError("option mtc needs scope=node: Orbax's multi-tier checkpointing "
@@ -522,10 +545,10 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "evict_unsaved",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
+          "coord", "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
-_LISTS = {"peers", "topology"}
+_LISTS = {"peers", "topology", "coord"}
 #: The options that take no value; they may be repeated (``debug,debug`` means debug).
 _FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc"}

@@ -1,7 +1,7 @@
-"""Tier-1 test: the committed generated code of proto/mtcfs_peer.proto is not stale.
+"""Tier-1 test: the committed generated code of proto/*.proto is not stale.
 
 Regenerates with scripts/gen_proto.sh into a temporary directory and compares with
-replication/peer/_pb/. When the installed grpcio-tools differs from the one the committed
+replication/peer/_pb/ and replication/coord/_pb/. When the installed grpcio-tools differs from the one the committed
 code was made with, lines that only carry the generator's version are ignored.
 """
 
@@ -15,7 +15,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("mtcfs_peer_pb2.py", "mtcfs_peer_pb2_grpc.py", "mtcfs_peer_pb2.pyi")
+GENERATED = {"peer": ("mtcfs_peer_pb2.py", "mtcfs_peer_pb2_grpc.py", "mtcfs_peer_pb2.pyi"),
+             "coord": ("etcd_v3_subset_pb2.py", "etcd_v3_subset_pb2_grpc.py",
+                       "etcd_v3_subset_pb2.pyi")}
 _VERSION_LINE = re.compile(
     r"^(# Protobuf Python Version: .*|GRPC_GENERATED_VERSION = .*|\s+\d+,)$")
 
@@ -33,18 +35,19 @@ def test_generated_code_is_current(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.run([str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True,
                    env=env, cwd=ROOT, timeout=120)
-    committed_dir = ROOT / "replication" / "peer" / "_pb"
-    same_tools = (_generator_version((committed_dir / "mtcfs_peer_pb2_grpc.py").read_text())
-                  == version("grpcio-tools"))
-    for name in GENERATED:
-        fresh = (tmp_path / name).read_text()
-        committed = (committed_dir / name).read_text()
-        if same_tools:
-            same = fresh == committed
-        else:
-            same = _strip_versions(fresh) == _strip_versions(committed)
-        assert same, (f"replication/peer/_pb/{name} is stale: run scripts/gen_proto.sh "
-                      f"and commit the result")
+    for part, names in GENERATED.items():
+        committed_dir = ROOT / "replication" / part / "_pb"
+        same_tools = (_generator_version((committed_dir / names[1]).read_text())
+                      == version("grpcio-tools"))
+        for name in names:
+            fresh = (tmp_path / part / name).read_text()
+            committed = (committed_dir / name).read_text()
+            if same_tools:
+                same = fresh == committed
+            else:
+                same = _strip_versions(fresh) == _strip_versions(committed)
+            assert same, (f"replication/{part}/_pb/{name} is stale: run scripts/gen_proto.sh "
+                          f"and commit the result")
 
 
 def test_generated_code_imports_as_a_package():
@@ -55,3 +58,15 @@ def test_generated_code_imports_as_a_package():
     assert names == {"HasChunks", "PutChunks", "GetChunks", "PublishManifest",
                      "ListManifests", "Heartbeat"}
     assert hasattr(pb_grpc, "PeerStub") and hasattr(pb_grpc, "add_PeerServicer_to_server")
+
+
+def test_etcd_stubs_use_etcds_service_names():
+    """The method paths on the wire are etcd's own (/etcdserverpb.KV/Range, ...)."""
+    from replication.coord._pb import etcd_v3_subset_pb2 as pb
+    assert pb.DESCRIPTOR.package == "etcdserverpb"
+    methods = {s: {m.name for m in pb.DESCRIPTOR.services_by_name[s].methods}
+               for s in ("KV", "Watch", "Lease", "Maintenance")}
+    assert methods == {"KV": {"Range", "Put", "DeleteRange", "Txn", "Compact"},
+                       "Watch": {"Watch"},
+                       "Lease": {"LeaseGrant", "LeaseRevoke", "LeaseKeepAlive"},
+                       "Maintenance": {"Status"}}

@@ -78,7 +78,8 @@ class Cluster:
 
     def __init__(self, root: Path, nodes: int, job: str = "testjob",
                  options: dict | None = None,
-                 per_rank_options: dict[int, dict] | None = None) -> None:
+                 per_rank_options: dict[int, dict] | None = None,
+                 learn_addresses: bool = False) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -90,6 +91,9 @@ class Cluster:
         self._options = {k: _opt(v) for k, v in (options or {}).items()}
         self._per_rank = {r: {k: _opt(v) for k, v in o.items()}
                           for r, o in (per_rank_options or {}).items()}
+        #: ``coordinator=`` (rank 0's address) instead of ``peers=``: the addresses are
+        #: learned at run time, as a new user's job does
+        self.learn_addresses = learn_addresses
         self._mounts = [self._new_mount(r) for r in range(nodes)]
         self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
 
@@ -97,9 +101,11 @@ class Cluster:
 
     def options(self, rank: int) -> dict[str, str | None]:
         """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
+        where = {"coordinator": self.addresses[0]} if self.learn_addresses else \
+            {"peers": ",".join(self.addresses)}
         return {**self._options,
                 "rank": str(rank), "nodes": str(self.nodes),
-                "peers": ",".join(self.addresses), "listen": self.addresses[rank],
+                **where, "listen": self.addresses[rank],
                 **self._per_rank.get(rank, {})}
 
     def _new_mount(self, rank: int) -> Mount:

@@ -1,0 +1,426 @@
+"""A small synchronous client of etcd's v3 gRPC API: KV, transactions, watches, leases.
+
+Every call blocks (run it in a worker thread, never on the trio loop) and has a deadline:
+a call that cannot be served by any endpoint within ``timeout_s`` raises
+:class:`EtcdUnavailable` with one line naming the endpoints and the last error. What it
+guarantees:
+
+* **Failover.** Endpoints are tried in turn; UNAVAILABLE and DEADLINE_EXCEEDED move to the
+  next one (an etcd member without a leader answers UNAVAILABLE). A call is retried only
+  where that is safe: reads always; writes only when the caller says the write is
+  idempotent (``retry=True``: a create-if-absent transaction, a put of the same value).
+* **Linearizable reads by default** (etcd's own default): a read returns at least every
+  write acknowledged before it began.
+* **Watches resume.** :meth:`Etcd.watch` returns an iterator of event batches, in revision
+  order, that reconnects (from the revision after the last one delivered) when a member
+  goes away, and raises :class:`EtcdCompacted` when etcd no longer holds that history.
+
+The wire messages are etcd's (proto/etcd_v3_subset.proto); docs/coordination.md says why
+mtcfs generates its own stubs instead of using a client library.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from replication.coord._pb import etcd_v3_subset_pb2 as pb
+from replication.coord._pb import etcd_v3_subset_pb2_grpc as pb_grpc
+
+#: Seconds one call may take, over every endpoint and retry, before it fails.
+CALL_TIMEOUT_S = 10.0
+#: Seconds one attempt on one endpoint may take: a member that lost its leader holds a
+#: request until etcd's own timeout (seconds), another member may already serve it.
+ATTEMPT_S = 2.0
+#: Largest message this client accepts (a range of many namespace keys).
+MAX_RECEIVE_BYTES = 256 * 1024 * 1024
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+KeyValue = pb.KeyValue
+Event = pb.Event
+
+
+class EtcdError(Exception):
+    """etcd refused a request (a permanent error: bad request, too large, ...)."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint served the request within its deadline."""
+
+
+class EtcdCompacted(EtcdError):
+    """A watch or read asked for history etcd compacted away.
+
+    Attributes:
+        compact_revision: the oldest revision etcd still holds.
+    """
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that makes a range or watch cover every key starting with
+    ``prefix`` (etcd's convention: the prefix with its last byte below 0xff incremented)."""
+    b = bytearray(prefix)
+    while b:
+        if b[-1] < 0xFF:
+            b[-1] += 1
+            return bytes(b)
+        b.pop()
+    return b"\0"
+
+
+# ------------------------------------------------------------------ building transactions
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> pb.RequestOp:
+    return pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease))
+
+
+def delete_op(key: bytes, range_end: bytes = b"") -> pb.RequestOp:
+    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=key,
+                                                                   range_end=range_end))
+
+
+def get_op(key: bytes, range_end: bytes = b"") -> pb.RequestOp:
+    return pb.RequestOp(request_range=pb.RangeRequest(key=key, range_end=range_end))
+
+
+def absent(key: bytes) -> pb.Compare:
+    """Holds when ``key`` does not exist (its create revision is 0)."""
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE, key=key,
+                      create_revision=0)
+
+
+def mod_is(key: bytes, revision: int) -> pb.Compare:
+    """Holds when ``key`` was last changed at ``revision`` (0: it does not exist)."""
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.MOD, key=key,
+                      mod_revision=revision)
+
+
+def value_is(key: bytes, value: bytes) -> pb.Compare:
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.VALUE, key=key, value=value)
+
+
+@dataclass
+class TxnResult:
+    """What a transaction did: whether its compares held, the store's revision after it
+    (the revision of its writes when it wrote), and the responses of the branch it ran."""
+
+    succeeded: bool
+    revision: int
+    responses: Sequence[pb.ResponseOp]
+
+
+@dataclass
+class WatchBatch:
+    """Events of one or more revisions, in order; ``revision``: the store's revision when
+    etcd sent them (every later event has a higher one). An empty batch is progress."""
+
+    events: Sequence[pb.Event]
+    revision: int
+
+
+class Etcd:
+    """A connection to one etcd cluster (thread-safe).
+
+    Args:
+        endpoints: ``host:port`` of the cluster's members (client URLs without scheme).
+        timeout_s: deadline of one call over all endpoints.
+    """
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoint")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._current = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _channel(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise EtcdUnavailable("the etcd client is closed")
+            ch = self._channels.get(endpoint)
+            if ch is None:
+                ch = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=[
+                    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                    ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
+                    ("grpc.keepalive_time_ms", 10_000),
+                    ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1_000),
+                ])
+            return ch
+
+    def _order(self) -> list[str]:
+        with self._lock:
+            i = self._current
+        return self.endpoints[i:] + self.endpoints[:i]
+
+    def _moved_from(self, endpoint: str) -> None:
+        with self._lock:
+            if self.endpoints[self._current] == endpoint:
+                self._current = (self._current + 1) % len(self.endpoints)
+
+    def _call(self, service: str, method: str, request: Any, *, retry: bool = True,
+              timeout_s: float | None = None) -> Any:
+        """Call ``service.method`` on the first endpoint that answers, within the deadline.
+
+        ``retry=False`` (a write that must not run twice): only a connection refused
+        before the request was sent moves on; anything else raises at once.
+        """
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        last: Exception | None = None
+        pause = 0.05
+        while True:
+            for endpoint in self._order():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                stub = getattr(pb_grpc, f"{service}Stub")(self._channel(endpoint))
+                try:
+                    return getattr(stub, method)(request, timeout=min(left, ATTEMPT_S),
+                                                 wait_for_ready=False)
+                except grpc.RpcError as exc:
+                    code = exc.code()  # type: ignore[attr-defined]
+                    if code not in _TRANSIENT:
+                        raise EtcdError(f"etcd {endpoint} refused {method}: "
+                                        f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+                    last = exc
+                    self._moved_from(endpoint)
+                    if not retry and not _never_sent(exc):
+                        raise EtcdUnavailable(
+                            f"etcd {endpoint}: {method} may or may not have been applied: "
+                            f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.5)
+        why = _why(last) if last is not None else "no time left"
+        raise EtcdUnavailable(f"etcd at {','.join(self.endpoints)} did not answer {method} "
+                              f"within {timeout_s or self.timeout_s:g} s ({why})")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+    # ------------------------------------------------------------------ KV
+
+    def get(self, key: bytes, *, serializable: bool = False) -> tuple[KeyValue | None, int]:
+        """The key's current value (None when absent) and the store's revision."""
+        r = self._call("KV", "Range", pb.RangeRequest(key=key, serializable=serializable))
+        return (r.kvs[0] if r.kvs else None), r.header.revision
+
+    def range(self, key: bytes, range_end: bytes, *, revision: int = 0, limit: int = 0,
+              keys_only: bool = False, count_only: bool = False,
+              sort_create: bool = False, descending: bool = False,
+              min_create_revision: int = 0,
+              serializable: bool = False) -> tuple[list[KeyValue], int, bool, int]:
+        """Keys in ``[key, range_end)``: (kvs, store revision, more, count).
+
+        Raises:
+            EtcdCompacted: ``revision`` is older than the oldest etcd holds.
+        """
+        req = pb.RangeRequest(key=key, range_end=range_end, revision=revision, limit=limit,
+                              keys_only=keys_only, count_only=count_only,
+                              serializable=serializable,
+                              min_create_revision=min_create_revision)
+        if sort_create:
+            req.sort_order = pb.RangeRequest.DESCEND if descending else pb.RangeRequest.ASCEND
+            req.sort_target = pb.RangeRequest.CREATE
+        try:
+            r = self._call("KV", "Range", req)
+        except EtcdError as exc:
+            if "compacted" in str(exc):
+                raise EtcdCompacted(str(exc), 0) from None
+            raise
+        return list(r.kvs), r.header.revision, r.more, r.count
+
+    def revision(self) -> int:
+        """The store's current revision, read linearizably (a read barrier: every write
+        acknowledged before this call has a revision <= the one returned)."""
+        r = self._call("KV", "Range", pb.RangeRequest(key=b"\0", count_only=True))
+        return int(r.header.revision)
+
+    def put(self, key: bytes, value: bytes, *, lease: int = 0, retry: bool = True) -> int:
+        """Set ``key``; returns the revision of the write."""
+        r = self._call("KV", "Put", pb.PutRequest(key=key, value=value, lease=lease),
+                       retry=retry)
+        return int(r.header.revision)
+
+    def delete(self, key: bytes, range_end: bytes = b"") -> int:
+        """Delete ``key`` (or ``[key, range_end)``); returns how many keys went."""
+        r = self._call("KV", "DeleteRange", pb.DeleteRangeRequest(key=key, range_end=range_end))
+        return int(r.deleted)
+
+    def txn(self, compare: Sequence[pb.Compare], success: Sequence[pb.RequestOp],
+            failure: Sequence[pb.RequestOp] = (), *, retry: bool = False) -> TxnResult:
+        """Run ``success`` when every compare holds, else ``failure``, atomically."""
+        r = self._call("KV", "Txn", pb.TxnRequest(compare=compare, success=success,
+                                                  failure=failure), retry=retry)
+        return TxnResult(bool(r.succeeded), int(r.header.revision), list(r.responses))
+
+    def compact(self, revision: int) -> None:
+        """Drop the history before ``revision`` (current keys stay)."""
+        try:
+            self._call("KV", "Compact", pb.CompactionRequest(revision=revision))
+        except EtcdError as exc:
+            if "compacted" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------------ leases
+
+    def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (id, granted TTL in seconds)."""
+        r = self._call("Lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl_s))
+        if r.error:
+            raise EtcdError(f"etcd refused a lease: {r.error}")
+        return int(r.ID), int(r.TTL)
+
+    def revoke(self, lease: int) -> None:
+        """End a lease now (its keys are deleted). A lease already gone is fine."""
+        try:
+            self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease))
+        except EtcdError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    def keepalive(self, lease: int) -> int:
+        """Renew a lease once; returns its TTL in seconds (<= 0: it expired)."""
+        deadline = time.monotonic() + self.timeout_s
+        last: Exception | None = None
+        for endpoint in self._order():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            stub = pb_grpc.LeaseStub(self._channel(endpoint))
+            try:
+                call = stub.LeaseKeepAlive(iter([pb.LeaseKeepAliveRequest(ID=lease)]),
+                                           timeout=left)
+                for r in call:
+                    return int(r.TTL)
+                return 0
+            except grpc.RpcError as exc:
+                last = exc
+                self._moved_from(endpoint)
+        raise EtcdUnavailable(f"etcd at {','.join(self.endpoints)} did not renew lease "
+                              f"{lease:x} ({_why(last) if last else 'no time left'})")
+
+    # ------------------------------------------------------------------ status and watch
+
+    def status(self, endpoint: str | None = None) -> pb.StatusResponse:
+        """One member's status (version, db size, leader, raft index)."""
+        if endpoint is None:
+            return self._call("Maintenance", "Status", pb.StatusRequest())
+        stub = pb_grpc.MaintenanceStub(self._channel(endpoint))
+        return stub.Status(pb.StatusRequest(), timeout=self.timeout_s)
+
+    def watch(self, key: bytes, range_end: bytes, start_revision: int,
+              stop: threading.Event | None = None, progress_s: float = 1.0) -> Iterator[WatchBatch]:
+        """Events of ``[key, range_end)`` from ``start_revision`` (inclusive), for ever.
+
+        Yields batches in revision order; when no event came for ``progress_s`` it asks
+        etcd for progress and yields an empty batch whose revision tells how far the
+        stream is. Reconnects to the next endpoint when one goes away (resuming after the
+        last revision delivered) and gives up after ``timeout_s`` without any endpoint.
+        Ends when ``stop`` is set.
+
+        Raises:
+            EtcdCompacted: etcd no longer holds the history from the resume revision.
+            EtcdUnavailable: no endpoint answered for ``timeout_s``.
+        """
+        stop = stop or threading.Event()
+        nxt = start_revision
+        down_since: float | None = None
+        last_err = ""
+        while not stop.is_set():
+            for endpoint in self._order():
+                if stop.is_set():
+                    return
+                requests: queue.Queue[Any] = queue.Queue()
+                requests.put(pb.WatchRequest(create_request=pb.WatchCreateRequest(
+                    key=key, range_end=range_end, start_revision=nxt, progress_notify=True)))
+
+                def gen() -> Iterator[Any]:
+                    while True:
+                        item = requests.get()
+                        if item is None:
+                            return
+                        yield item
+
+                stub = pb_grpc.WatchStub(self._channel(endpoint))
+                call = stub.Watch(gen())
+                pinger = threading.Thread(target=_progress_pinger,
+                                          args=(requests, stop, call, progress_s),
+                                          daemon=True, name="etcd-watch-progress")
+                pinger.start()
+                try:
+                    for r in call:
+                        if r.canceled:
+                            if r.compact_revision:
+                                raise EtcdCompacted(
+                                    f"etcd compacted the history before revision "
+                                    f"{r.compact_revision} (watch from {nxt})",
+                                    int(r.compact_revision))
+                            raise EtcdError(f"etcd cancelled a watch: {r.cancel_reason}")
+                        down_since = None
+                        if r.created and not r.events:
+                            continue
+                        if r.events:
+                            nxt = max(nxt, r.events[-1].kv.mod_revision + 1)
+                        yield WatchBatch(list(r.events), int(r.header.revision))
+                        if stop.is_set():
+                            return
+                except grpc.RpcError as exc:
+                    last_err = _why(exc)
+                    self._moved_from(endpoint)
+                finally:
+                    requests.put(None)
+                    call.cancel()
+                if down_since is None:
+                    down_since = time.monotonic()
+                elif time.monotonic() - down_since > self.timeout_s:
+                    raise EtcdUnavailable(f"etcd at {','.join(self.endpoints)}: watch lost "
+                                          f"for {self.timeout_s:g} s ({last_err})")
+                stop.wait(0.1)
+
+
+def _progress_pinger(requests: queue.Queue[Any], stop: threading.Event, call: Any,
+                     every_s: float) -> None:
+    """Ask for a progress notification every ``every_s`` while the watch runs."""
+    while call.is_active() and not stop.wait(every_s):
+        requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
+    call.cancel()
+
+
+def _never_sent(exc: grpc.RpcError) -> bool:
+    """Whether a failed call never reached a server (safe to send elsewhere)."""
+    details = (exc.details() or "").lower()  # type: ignore[attr-defined]
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (  # type: ignore[attr-defined]
+        "connection refused" in details or "failed to connect" in details
+        or "connect failed" in details or "no route" in details)
+
+
+def _why(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    if callable(code):
+        try:
+            return f"{code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        except Exception:  # not a finished call
+            pass
+    return str(exc)

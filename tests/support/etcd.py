@@ -1,0 +1,183 @@
+"""Real etcd servers for tests and benchmarks: Debian's ``etcd`` binary on loopback.
+
+* :class:`EtcdCluster` starts 1 or 3 members on free loopback ports with their data on
+  tmpfs, waits until the cluster serves a linearizable read, and can kill, pause and
+  restart a member (the fault tests: kill the etcd leader during a save).
+* ``etcd_server`` is a session-scoped pytest fixture (one member) shared by the tests;
+  each test uses its own key prefix (``etcd_prefix``), so they never see each other's keys.
+
+Nothing here reaches beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class EtcdCluster:
+    """``members`` etcd processes forming one cluster on loopback.
+
+    Attributes:
+        endpoints: client ``host:port`` of each member, in member order.
+        url: ``etcd://h:p,h:p,...`` (the form of the ``coord=`` mount option).
+    """
+
+    def __init__(self, root: Path, members: int = 1) -> None:
+        self.root = Path(root)
+        self.members = members
+        ports = _free_ports(2 * members)
+        self.client_ports = ports[:members]
+        self.peer_ports = ports[members:]
+        self.names = [f"m{i}" for i in range(members)]
+        self.procs: list[subprocess.Popen | None] = [None] * members
+        self.endpoints = [f"127.0.0.1:{p}" for p in self.client_ports]
+        self.url = "etcd://" + ",".join(self.endpoints)
+        self._initial = ",".join(f"{n}=http://127.0.0.1:{p}"
+                                 for n, p in zip(self.names, self.peer_ports))
+        self.token = f"mtcfs-test-{uuid.uuid4().hex[:8]}"
+
+    def _cmd(self, i: int) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        return [ETCD, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", self._initial, "--initial-cluster-token", self.token,
+                "--initial-cluster-state", "new",
+                # fast elections on loopback (the fault tests kill the leader)
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--logger", "zap", "--log-level", "error",
+                "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000"]
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
+        for i in range(self.members):
+            self.start_member(i)
+        self.wait_ready(timeout)
+        return self
+
+    def start_member(self, i: int) -> None:
+        log = open(self.root / f"{self.names[i]}.log", "ab")
+        self.procs[i] = subprocess.Popen(self._cmd(i), stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until a linearizable read succeeds (the cluster has a leader)."""
+        from replication.coord.etcd import Etcd, EtcdError
+        c = Etcd([e for i, e in enumerate(self.endpoints) if self.procs[i] is not None],
+                 timeout_s=2.0)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    c.revision()
+                    return
+                except EtcdError as exc:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"etcd did not come up: {exc}\n{self.logs()}")
+                    for i, p in enumerate(self.procs):
+                        if p is not None and p.poll() is not None:
+                            raise RuntimeError(f"etcd member {i} exited {p.returncode}\n"
+                                               f"{self.logs()}")
+                    time.sleep(0.1)
+        finally:
+            c.close()
+
+    def leader(self) -> int:
+        """Index of the member that leads now."""
+        from replication.coord.etcd import Etcd
+        c = Etcd(self.endpoints, timeout_s=2.0)
+        try:
+            for i, e in enumerate(self.endpoints):
+                if self.procs[i] is None:
+                    continue
+                try:
+                    st = c.status(e)
+                except Exception:  # noqa: BLE001 (a member that is down)
+                    continue
+                if st.leader == st.header.member_id:
+                    return i
+        finally:
+            c.close()
+        raise RuntimeError("no etcd member leads")
+
+    def kill_member(self, i: int) -> None:
+        p = self.procs[i]
+        if p is not None:
+            p.kill()
+            p.wait(10)
+            self.procs[i] = None
+
+    def pause_member(self, i: int) -> None:
+        p = self.procs[i]
+        assert p is not None
+        os.kill(p.pid, signal.SIGSTOP)
+
+    def resume_member(self, i: int) -> None:
+        p = self.procs[i]
+        assert p is not None
+        os.kill(p.pid, signal.SIGCONT)
+
+    def logs(self) -> str:
+        out = []
+        for n in self.names:
+            f = self.root / f"{n}.log"
+            if f.exists():
+                out.append(f"--- {n}\n" + f.read_text(errors="replace")[-2000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p is None:
+                continue
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            p.kill()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.procs[i] = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """One etcd member on loopback for the whole session (data on /dev/shm)."""
+    root = Path(tempfile.mkdtemp(prefix="mtcfs-etcd-", dir="/dev/shm"))
+    c = EtcdCluster(root, 1).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def etcd_prefix():
+    """A key prefix no other test uses."""
+    return f"/mtcfs-test/{uuid.uuid4().hex[:12]}/"

@@ -1,0 +1,160 @@
+"""Tier-9 tests: the scope=job namespace ordered by a real etcd (``coord=etcd://...``).
+
+Several real mounts on loopback, one etcd (the session's, each test with its own job name,
+hence its own key prefix) or a 3-member etcd cluster for the fault test. What a user checks:
+every node sees every other node's files as soon as their close(2) returned (close-to-open,
+job-wide), bytes bit-exact; a name created at the same time on several nodes has one
+winner; nodes that boot in any order, restart or are replaced join the same namespace.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+
+import pytest
+
+from support.etcd import EtcdCluster, etcd_server  # noqa: F401 (fixture)
+
+
+def _job() -> str:
+    return f"ej{uuid.uuid4().hex[:8]}"
+
+
+def _opts(etcd, **kw) -> dict:
+    return {"scope": "job", "replicas": 1, "coord": etcd.url, **kw}
+
+
+def _write(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _save_step(m, step: str, rank: int, nbytes: int) -> dict[str, bytes]:
+    """A DCP-like save by one rank: mkdir, a shard, then ``.metadata`` last."""
+    os.makedirs(m.path(step), exist_ok=True)
+    files = {f"__{rank}_0.distcp": os.urandom(nbytes), ".metadata": os.urandom(300)}
+    for name, data in files.items():
+        _write(m.path(step, name), data)
+    return files
+
+
+def test_nodes_booting_in_reverse_order_share_one_namespace(make_cluster, etcd_server):  # noqa: F811
+    """The issue's split: 4 nodes (addresses learned through coordinator=, as a new user
+    starts them) started rank 3 first, rank 0 last; a step rank 3 wrote right after must be
+    on every node at once. With the home-made log and ns_quorum=live it was missing on the
+    other three 5 s later in 3 runs of 3 (each node had led its own namespace)."""
+    c = make_cluster(4, start=False, job=_job(), options=_opts(etcd_server),
+                     learn_addresses=True)
+    for r in (3, 2, 1, 0):
+        c.start([r])
+    files = _save_step(c[3], "step_10", 3, 3 * 1024 * 1024 + 17)
+    for r in range(4):
+        assert sorted(os.listdir(c[r].path("step_10"))) == sorted(files), r
+        for name, data in files.items():
+            assert c[r].path("step_10", name).read_bytes() == data, (r, name)
+    st = c[0].status()["namespace"]
+    assert st["engine"] == "etcd" and st["unavailable_s"] is None
+
+
+def test_a_name_created_on_every_node_at_once_has_one_winner(make_cluster, etcd_server):  # noqa: F811
+    c = make_cluster(4, job=_job(), options=_opts(etcd_server))
+    results: dict[int, object] = {}
+    go = threading.Barrier(4)
+
+    def create(r: int) -> None:
+        go.wait()
+        try:
+            fd = os.open(c[r].path("only-one"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.write(fd, f"rank {r}".encode())
+            os.close(fd)
+            results[r] = "created"
+        except OSError as exc:
+            results[r] = exc.errno
+
+    threads = [threading.Thread(target=create, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    winners = [r for r, v in results.items() if v == "created"]
+    assert len(winners) == 1, results
+    assert sorted(v for v in results.values() if v != "created") == [errno.EEXIST] * 3
+    for r in range(4):
+        assert c[r].path("only-one").read_bytes() == f"rank {winners[0]}".encode()
+
+
+def test_rename_unlink_and_rmdir_are_decided_job_wide(make_cluster, etcd_server):  # noqa: F811
+    c = make_cluster(3, job=_job(), options=_opts(etcd_server))
+    os.mkdir(c[0].path("d"))
+    _write(c[1].path("d", "f"), b"one")
+    with pytest.raises(OSError) as ei:
+        os.rmdir(c[2].path("d"))
+    assert ei.value.errno == errno.ENOTEMPTY
+    os.rename(c[2].path("d", "f"), c[2].path("g"))
+    assert not c[0].path("d", "f").exists()
+    assert c[0].path("g").read_bytes() == b"one"
+    os.unlink(c[0].path("g"))
+    os.rmdir(c[1].path("d"))
+    for r in range(3):
+        assert os.listdir(c[r].mnt) == [], r
+    with pytest.raises(FileNotFoundError):
+        os.unlink(c[2].path("g"))
+
+
+def test_restarted_and_replaced_nodes_catch_up(make_cluster, etcd_server):  # noqa: F811
+    """A node killed while others change the namespace gets every op it missed when it
+    comes back with its store; a replacement with an empty store takes the namespace from
+    etcd and the bytes from its peers."""
+    c = make_cluster(3, job=_job(), options=_opts(etcd_server))
+    a = _save_step(c[0], "step_1", 0, 2 * 1024 * 1024)
+    c.kill9(2)
+    b = _save_step(c[1], "step_2", 1, 2 * 1024 * 1024)
+    os.rename(c[0].path("step_1"), c[0].path("step_1_old"))
+    c.restart(2)
+    for name, data in b.items():
+        assert c[2].path("step_2", name).read_bytes() == data
+    assert sorted(os.listdir(c[2].mnt)) == ["step_1_old", "step_2"]
+    c.kill9(1)
+    c.restart(1, wipe=True)
+    for name, data in a.items():
+        assert c[1].path("step_1_old", name).read_bytes() == data
+    for name, data in b.items():
+        assert c[1].path("step_2", name).read_bytes() == data
+
+
+def test_the_etcd_leader_killed_during_a_save_loses_nothing(make_cluster, shm_dir):
+    """Against a 3-member etcd: kill its leader while 3 nodes save; every call returns,
+    every node sees every file, bit-exact."""
+    etcd = EtcdCluster(shm_dir / "etcd3", 3).start()
+    try:
+        c = make_cluster(3, job=_job(), options=_opts(etcd))
+        saved: dict[int, dict[str, bytes]] = {}
+        errors: list[BaseException] = []
+
+        def save(r: int) -> None:
+            try:
+                out = {}
+                for i in range(6):
+                    out.update({f"s{i}/{k}": v for k, v in
+                                _save_step(c[r], f"s{i}", r, 256 * 1024).items()
+                                if k != ".metadata"})
+                saved[r] = out
+            except BaseException as exc:  # noqa: BLE001 (asserted below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=save, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        etcd.kill_member(etcd.leader())
+        for t in threads:
+            t.join(180)
+        assert not errors, errors
+        for r in range(3):
+            for src in range(3):
+                for rel, data in saved[src].items():
+                    assert c[r].path(*rel.split("/")).read_bytes() == data, (r, rel)
+    finally:
+        etcd.stop()
