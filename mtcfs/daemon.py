@@ -164,10 +164,12 @@ class Daemon:
             if o.coord:
                 from replication.coord.etcd import Etcd
                 from replication.jobns.etcd_log import EtcdNamespace
-                self.etcd = Etcd(o.coord)
+                from replication.coord.etcd import CALL_TIMEOUT_S
+                self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
                 self.ns = self.fs.ns_log = EtcdNamespace(
-                    self.fs, self.etcd, f"/mtcfs/{o.job}/", o.rank,
-                    seed=lambda: self._job_restore_from_backup(seeding=True))
+                    self.fs, self.etcd, o.coord_prefix or f"/mtcfs/{o.job}/", o.rank,
+                    seed=lambda: self._job_restore_from_backup(seeding=True),
+                    timeout_s=o.coord_timeout)
             else:
                 quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
                 self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)

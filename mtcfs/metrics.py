@@ -165,6 +165,12 @@ def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
             "Namespace changes made through this mount.", ns.get("ops_submitted", 0))
     out.add("mtcfs_namespace_takeovers_total", "counter",
             "Times this node took over the namespace.", ns.get("takeovers", 0))
+    out.add("mtcfs_namespace_unavailable_seconds", "gauge",
+            "Seconds this node has not been able to change or read the job's namespace "
+            "(0: it can).", ns.get("unavailable_s") or 0)
+    out.add("mtcfs_namespace_etcd_errors_total", "counter",
+            "Failed calls to etcd (coord=etcd).", ns.get("etcd_errors",
+            0 if ns.get("engine") == "etcd" else None))
 
 
 def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:

@@ -218,6 +218,10 @@ class MountOptions:
     #: The job's etcd cluster (``coord=etcd://HOST:PORT,...``): client endpoints, or None.
     #: With it, scope=job's namespace is ordered by etcd (docs/coordination.md).
     coord: list[str] | None = None
+    #: The key prefix of this job in etcd (``coord_prefix=``); None: ``/mtcfs/<job>/``.
+    coord_prefix: str | None = None
+    #: Seconds a namespace change or read waits for etcd before it fails with EIO.
+    coord_timeout: float = 60.0
     #: Seconds a read waits for data that is not on this node (fault-in from peers or the
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
@@ -376,6 +380,14 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     _extend(o, given, "coord", value[len("etcd://"):], first=True)
                     given["coord"] = value
                     extending = "coord"
+                elif name == "coord_prefix" and value:
+                    if not re.fullmatch(r"/[A-Za-z0-9._/-]{0,200}", value) or "//" in value:
+                        raise ValueError("expected an absolute key path such as /mtcfs/myjob")
+                    o.coord_prefix = value.rstrip("/") + "/"
+                elif name == "coord_timeout" and value:
+                    o.coord_timeout = parse_duration(value)
+                    if not 1 <= o.coord_timeout <= 3600:
+                        raise ValueError("must be between 1s and 1h")
                 elif name == "topology" and value:
                     o.topology = {}
                     _extend(o, given, "topology", value, first=True)
@@ -523,6 +535,10 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
         if o.ns_quorum is not None:
             raise bad("ns_quorum", "etcd's own quorum orders the namespace with coord=: "
                                    "leave ns_quorum out")
+    if o.coord_prefix is not None and o.coord is None:
+        raise bad("coord_prefix", "names keys in etcd: it needs coord=etcd://...")
+    if "coord_timeout" in given and o.coord is None:
+        raise bad("coord_timeout", "bounds the waits on etcd: it needs coord=etcd://...")
     if o.ns_quorum is not None and o.scope != "job":
         raise bad("ns_quorum", "orders the job-wide namespace: it needs scope=job")
     if o.scope == "job" and o.ns_quorum is None and o.coord is None:
@@ -545,7 +561,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "evict_unsaved",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "coord", "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
+          "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.

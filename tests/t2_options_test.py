@@ -341,3 +341,32 @@ def test_failpoints_parse_and_refuse_what_they_do_not_know():
     assert parse("backup.put_chunk=sleep(0.5); a=sleep(2)") == {"backup.put_chunk": 0.5, "a": 2.0}
     with pytest.raises(ValueError, match="NAME=sleep"):
         parse("backup.put_chunk=crash")
+
+
+def test_coord_lists_etcd_endpoints_across_commas():
+    o = parse_mount_options("j", "/m", [
+        "nodes=4,rank=1,scope=job,peers=h0:1,h1:1,h2:1,h3:1,"
+        "coord=etcd://e1:2379,e2:2379;e3:2379,coord_prefix=/jobs/j1/"])
+    assert o.coord == ["e1:2379", "e2:2379", "e3:2379"]
+    assert o.coord_prefix == "/jobs/j1/"
+    assert o.ns_quorum is None  # etcd's quorum orders the namespace
+    assert o.peers == ["h0:1", "h1:1", "h2:1", "h3:1"]
+
+
+@pytest.mark.parametrize("opts,words", [
+    ("nodes=2,coordinator=h:1,coord=http://e:1", ["coord=http://e:1", "etcd://"]),
+    ("coord=etcd://e:1", ["coord=etcd://e:1", "nodes >= 2"]),
+    ("nodes=2,coordinator=h:1,coord=etcd://e:1,e:1", ["coord=etcd://e:1,e:1", "twice"]),
+    ("nodes=2,coordinator=h:1,coord=etcd://nohost", ["coord", "nohost"]),
+    ("nodes=2,coordinator=h:1,scope=job,ns_quorum=live,coord=etcd://e:1",
+     ["ns_quorum=live", "leave ns_quorum out"]),
+    ("nodes=2,coordinator=h:1,coord_prefix=/x", ["coord_prefix=/x", "needs coord="]),
+    ("nodes=2,coordinator=h:1,coord=etcd://e:1,coord_prefix=rel", ["coord_prefix=rel"]),
+])
+def test_coord_errors_name_the_option(opts, words):
+    with pytest.raises(OptionError) as ei:
+        parse_mount_options("j", "/m", [opts])
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
+import time
 import uuid
 
 import pytest
@@ -57,6 +59,10 @@ def test_nodes_booting_in_reverse_order_share_one_namespace(make_cluster, etcd_s
             assert c[r].path("step_10", name).read_bytes() == data, (r, name)
     st = c[0].status()["namespace"]
     assert st["engine"] == "etcd" and st["unavailable_s"] is None
+    assert "namespace: scope=job, ordered by etcd at 127.0.0.1:" in \
+        c[1].cli("status", str(c[1].mnt)).stdout
+    metrics = c[2].cli("metrics", str(c[2].mnt)).stdout
+    assert re.search(r"^mtcfs_namespace_unavailable_seconds\{[^}]*\} 0$", metrics, re.M)
 
 
 def test_a_name_created_on_every_node_at_once_has_one_winner(make_cluster, etcd_server):  # noqa: F811
@@ -156,5 +162,40 @@ def test_the_etcd_leader_killed_during_a_save_loses_nothing(make_cluster, shm_di
             for src in range(3):
                 for rel, data in saved[src].items():
                     assert c[r].path(*rel.split("/")).read_bytes() == data, (r, rel)
+    finally:
+        etcd.stop()
+
+
+def test_etcd_down_namespace_calls_fail_with_eio_then_recover(make_cluster, shm_dir):
+    """etcd unreachable: a namespace change waits coord_timeout, then EIO in one call;
+    status says the namespace is unavailable and why; an open file's writes go on (the
+    data path does not touch etcd). etcd back: changes work again, nothing was lost."""
+    etcd = EtcdCluster(shm_dir / "etcd1", 1).start()
+    try:
+        c = make_cluster(2, job=_job(), options=_opts(etcd, coord_timeout="3s"))
+        files = _save_step(c[0], "step_1", 0, 1024 * 1024)
+        f = open(c[1].path("open-during-outage"), "wb")
+        f.write(b"a" * 4096)
+        etcd.kill_member(0)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as ei:
+            os.mkdir(c[0].path("step_2"))
+        assert ei.value.errno == errno.EIO, c[0].log()[-3000:]
+        assert time.monotonic() - t0 < 30
+        f.write(b"b" * 4096)  # the data path goes on
+        st = c[0].status()["namespace"]
+        assert st["unavailable_s"] is not None and st["last_error"], st
+        assert "UNAVAILABLE" in c[0].cli("status", str(c[0].mnt)).stdout
+        etcd.start_member(0)
+        etcd.wait_ready()
+        f.close()  # publishes once etcd answers again
+        os.makedirs(c[1].path("step_2"), exist_ok=True)
+        for r in range(2):
+            for name, data in files.items():
+                assert c[r].path("step_1", name).read_bytes() == data
+            assert c[r].path("open-during-outage").read_bytes() == b"a" * 4096 + b"b" * 4096
+            assert c[r].path("step_2").is_dir()
+        c[0].wait_for(lambda: c[0].status()["namespace"]["unavailable_s"] is None,
+                      timeout=30, what="namespace available again")
     finally:
         etcd.stop()

@@ -49,11 +49,9 @@ from replication.coord.etcd import (
 
 log = logging.getLogger(__name__)
 
-#: How long a submit keeps trying (etcd unreachable, or its op not yet applied here)
-#: before EIO.
-SUBMIT_DEADLINE_S = 60.0
-#: How long a read waits for this node's copy to be current before EIO.
-FRESH_DEADLINE_S = 60.0
+#: How long a submit keeps trying (etcd unreachable, or its op not yet applied here), and
+#: a read waits for this node's copy to be current, before EIO (``coord_timeout=``).
+DEADLINE_S = 60.0
 #: Seconds a node may spend copying an open file's data another node removed.
 KEEP_S = 4.0
 #: Largest snapshot part (etcd refuses requests above 1.5 MiB by default).
@@ -74,10 +72,13 @@ class EtcdNamespace:
         seed: optional async callable run before this node seeds an empty keyspace with an
             empty namespace (the daemon restores the job's newest step from the backup
             tier there).
+        timeout_s: how long a change or a read waits for etcd before EIO.
     """
 
-    def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None) -> None:
+    def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
+                 timeout_s: float = DEADLINE_S) -> None:
         self.fs = fs
+        self.timeout_s = timeout_s
         self.etcd = etcd
         self.rank = rank
         self.seed = seed
@@ -108,12 +109,12 @@ class EtcdNamespace:
         Raises:
             FsError: the errno that refused it (decided by its place in etcd's order), or
                 EIO when etcd did not take it, or this node did not apply it, within
-                SUBMIT_DEADLINE_S.
+                ``timeout_s``.
         """
         op = dict(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
         body = json.dumps(op, separators=(",", ":")).encode()
         key = self.op_prefix + f"{self.rank:06d}/{op['id']}".encode()
-        deadline = time.monotonic() + SUBMIT_DEADLINE_S
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 r = await trio.to_thread.run_sync(
@@ -142,9 +143,9 @@ class EtcdNamespace:
 
         Raises:
             FsError: EIO when etcd did not answer, or the ops did not arrive, within
-                FRESH_DEADLINE_S.
+                ``timeout_s``.
         """
-        deadline = time.monotonic() + FRESH_DEADLINE_S
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 newest = await self._barrier()
@@ -266,7 +267,7 @@ class EtcdNamespace:
             for v in versions:
                 try:
                     await self.fs.fault_in(v, 0, v.size)
-                except FsError as exc:
+                except Exception as exc:  # noqa: BLE001 (best effort, never fatal)
                     log.warning("cannot keep an open file's content: %s", exc)
 
     # ------------------------------------------------------------------ start and run
@@ -388,11 +389,14 @@ class EtcdNamespace:
                     log.warning("namespace watch: %s; catching up from etcd's keys", exc)
                 except EtcdError as exc:
                     self._failed(exc)
+                except Exception as exc:  # a bug must not take the mount down: retried
+                    log.exception("namespace watch failed")
+                    self._failed(exc)
                 await trio.sleep(0.5)
                 try:
                     await self._catch_up()
                     self._ok()
-                except EtcdError as exc:
+                except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
                     self._failed(exc)
 
     async def _follow(self) -> None:
@@ -412,21 +416,25 @@ class EtcdNamespace:
                 except Exception:  # the loop is gone
                     pass
 
+        failure: BaseException | None = None
         async with trio.open_nursery() as n:
             n.start_soon(lambda: trio.to_thread.run_sync(pump, abandon_on_cancel=True))
             try:
                 async for item in recv:
                     if isinstance(item, BaseException):
-                        raise item
+                        failure = item  # raised outside the nursery: no exception group
+                        break
                     self._ok()
                     keep = self._apply_batch(item)
                     if item.events:
                         self._watch_from = item.events[-1].kv.mod_revision + 1
-                    if keep:
-                        n.start_soon(self._keep, keep)
+                    if keep and self._nursery is not None:
+                        self._nursery.start_soon(self._keep, keep)
             finally:
                 stop.set()
                 n.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     def _unavailable_s(self) -> float | None:
         if self._unavailable_since is None:

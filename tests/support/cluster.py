@@ -27,6 +27,7 @@ could take one before the daemon binds it; on a test machine that is rare enough
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -94,6 +95,8 @@ class Cluster:
         #: ``coordinator=`` (rank 0's address) instead of ``peers=``: the addresses are
         #: learned at run time, as a new user's job does
         self.learn_addresses = learn_addresses
+        #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
+        self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
         self._mounts = [self._new_mount(r) for r in range(nodes)]
         self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
 
@@ -101,12 +104,19 @@ class Cluster:
 
     def options(self, rank: int) -> dict[str, str | None]:
         """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
+        coord = os.environ.get("MTCFS_TEST_COORD")
+        if coord and self._options.get("scope") == "job" and "coord" not in self._options:
+            extra = {"coord": coord, "coord_prefix": self.coord_prefix}
+        else:
+            extra = {}
         where = {"coordinator": self.addresses[0]} if self.learn_addresses else \
             {"peers": ",".join(self.addresses)}
+        if "coord" in self._options and "coord_prefix" not in self._options:
+            extra = {"coord_prefix": self.coord_prefix, **extra}
         return {**self._options,
                 "rank": str(rank), "nodes": str(self.nodes),
                 **where, "listen": self.addresses[rank],
-                **self._per_rank.get(rank, {})}
+                **self._per_rank.get(rank, {}), **extra}
 
     def _new_mount(self, rank: int) -> Mount:
         return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
