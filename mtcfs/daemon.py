@@ -158,21 +158,15 @@ class Daemon:
                          huge_model=o.huge_model, keep=o.keep)
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path)
         if o.scope == "job":
-            from replication.jobns.log import JobNamespace
-            from replication.jobns.service import Transport
+            from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
+            from replication.jobns.etcd_log import EtcdNamespace
             from replication.jobns.sources import JobChunkSource
-            if o.coord:
-                from replication.coord.etcd import Etcd
-                from replication.jobns.etcd_log import EtcdNamespace
-                from replication.coord.etcd import CALL_TIMEOUT_S
-                self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
-                self.ns = self.fs.ns_log = EtcdNamespace(
-                    self.fs, self.etcd, o.coord_prefix or f"/mtcfs/{o.job}/", o.rank,
-                    seed=lambda: self._job_restore_from_backup(seeding=True),
-                    timeout_s=o.coord_timeout)
-            else:
-                quorum = o.nodes // 2 + 1 if o.ns_quorum == "majority" else 1
-                self.ns = self.fs.ns_log = JobNamespace(self.fs, peer, Transport(peer), quorum)
+            assert o.coord, "scope=job needs coord= (checked by the options)"
+            self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
+            self.ns = self.fs.ns_log = EtcdNamespace(
+                self.fs, self.etcd, o.coord_prefix or f"/mtcfs/{o.job}/", o.rank,
+                seed=self._job_restore_from_backup,
+                timeout_s=o.coord_timeout, nodes=o.nodes)
             return JobChunkSource(self.fs, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(),
                                peer.fetch_client, peer.report_bad, others=peer.other_ranks)
@@ -230,19 +224,15 @@ class Daemon:
             why = str(exc) or f"not done within {RESTORE_AT_MOUNT_S} s"
             fs._error(f"restore at mount failed: {why}")
 
-    async def _job_restore_from_backup(self, seeding: bool = False) -> None:
-        """scope=job, about to lead with an empty namespace that no member can fill (every
-        RAM tier was lost): install the newest step the backup tier holds for every rank.
-        ``seeding``: this node is about to seed an empty etcd keyspace with its (empty)
-        namespace (coord=etcd; replication/jobns/etcd_log.py)."""
+    async def _job_restore_from_backup(self) -> None:
+        """scope=job, about to seed the job's empty etcd keyspace with an empty namespace
+        (the job's namespace and every RAM tier were lost): install the newest step the
+        backup tier holds for every rank, which then seeds it (replication/jobns/etcd_log.py)."""
         from replication.jobns.restore import latest_job_step, snapshot_from_manifests
         fs, ns = self.fs, self.ns
         assert fs is not None and ns is not None and self.peer is not None
         if self.backup_store is None or self.opts.restore == "none" or \
                 fs.inodes[ROOT_INO].children:
-            return
-        if not seeding and (self.opts.coord or ns.seq or
-                            self.peer.coordinator != self.opts.rank):
             return
         t0 = time.monotonic()
         try:
@@ -370,9 +360,6 @@ class Daemon:
         assert self.fs is not None and self.store is not None
         if self.peer is not None:
             token = trio.lowlevel.current_trio_token()
-            if self.ns is not None and not self.opts.coord:
-                from replication.jobns.service import register
-                self.peer.extra_services.append(register(self.ns, self.opts.job, token))
             if self.mtc_service is not None:
                 from replication.mtc.agreement import register as register_mtc
                 self.peer.extra_services.append(register_mtc(self.mtc_service))
@@ -389,7 +376,6 @@ class Daemon:
         assert self.fs is not None and self.store is not None
         if self.ns is not None:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it
-            await self._job_restore_from_backup()
         else:
             await self.restore_at_mount()
         ops = Operations(self.fs, self.opts.mountpoint)

@@ -37,8 +37,6 @@ _LIST_SEP_RE = re.compile(r"[;+]")
 #: Where the Peer service listens when ``nodes`` > 1 and neither listen= nor peers= says.
 DEFAULT_PEER_LISTEN = "0.0.0.0:7470"
 PLACEMENTS = ("ring", "group")
-#: scope=job: what acknowledges a namespace change (``ns_quorum=``).
-NS_QUORUMS = ("majority", "live")
 
 
 #: The largest ``size=`` read at all (1024P = 1 EiB); the CLI also refuses a size larger
@@ -210,10 +208,7 @@ class MountOptions:
     huge_model: bool = False
     #: "node": the mount shows this rank's files; "job": every rank's (docs/consistency.md).
     scope: str = "node"
-    #: scope=job: what acknowledges a namespace change (docs/consistency.md). "majority":
-    #: more than half of ``nodes`` applied it (a cut-off minority stops instead of going on
-    #: alone); "live": every live member. After parsing: "majority" when nodes >= 3, else
-    #: "live", unless given; None with scope=node.
+    #: The removed ``ns_quorum=`` option as given (refused with a pointer to coord=).
     ns_quorum: str | None = None
     #: The job's etcd cluster (``coord=etcd://HOST:PORT,...``): client endpoints, or None.
     #: With it, scope=job's namespace is ordered by etcd (docs/coordination.md).
@@ -427,8 +422,6 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if not 1 << 20 <= o.scrub_rate <= 100 << 30:
                         raise ValueError("must be between 1M and 100G (bytes per second)")
                 elif name == "ns_quorum" and value:
-                    if value not in NS_QUORUMS:
-                        raise ValueError(f"expected {' or '.join(NS_QUORUMS)}")
                     o.ns_quorum = value
                 else:
                     raise OptionError(f"unknown option {item!r}" if name not in _KNOWN
@@ -532,17 +525,16 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
             raise bad("coord", "an etcd endpoint is given twice")
         if not o.multi_node:
             raise bad("coord", "is the agreement between several nodes: it needs nodes >= 2")
-        if o.ns_quorum is not None:
-            raise bad("ns_quorum", "etcd's own quorum orders the namespace with coord=: "
-                                   "leave ns_quorum out")
+    if o.ns_quorum is not None:
+        raise bad("ns_quorum", "is gone: etcd's own quorum orders the job's namespace "
+                               "(coord=etcd://...); leave ns_quorum out")
+    if o.scope == "job" and o.multi_node and o.coord is None:
+        raise bad("scope", "a job-wide namespace is ordered by etcd: give "
+                           "coord=etcd://HOST:PORT[,HOST:PORT...] (docs/coordination.md)")
     if o.coord_prefix is not None and o.coord is None:
         raise bad("coord_prefix", "names keys in etcd: it needs coord=etcd://...")
     if "coord_timeout" in given and o.coord is None:
         raise bad("coord_timeout", "bounds the waits on etcd: it needs coord=etcd://...")
-    if o.ns_quorum is not None and o.scope != "job":
-        raise bad("ns_quorum", "orders the job-wide namespace: it needs scope=job")
-    if o.scope == "job" and o.ns_quorum is None and o.coord is None:
-        o.ns_quorum = "majority" if o.nodes >= 3 else "live"
     if o.mtc and o.scope != "node":
         raise OptionError("option mtc needs scope=node: Orbax's multi-tier checkpointing "
                           "keeps each node's data in its own directory")

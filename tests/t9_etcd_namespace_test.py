@@ -157,7 +157,7 @@ def test_the_etcd_leader_killed_during_a_save_loses_nothing(make_cluster, shm_di
         etcd.kill_member(etcd.leader())
         for t in threads:
             t.join(180)
-        assert not errors, errors
+        assert not errors, (errors, [c[r].log()[-1500:] for r in range(3)])
         for r in range(3):
             for src in range(3):
                 for rel, data in saved[src].items():
@@ -199,3 +199,84 @@ def test_etcd_down_namespace_calls_fail_with_eio_then_recover(make_cluster, shm_
                       timeout=30, what="namespace available again")
     finally:
         etcd.stop()
+
+
+def test_etcd_wiped_under_a_running_job_is_noticed_and_nothing_is_lost(make_cluster,
+                                                                       shm_dir):
+    """etcd comes back empty (a wiped data directory) while the job runs: the nodes see
+    its revision go back, serve no stale answer, seed the new keyspace from the namespace
+    they hold, and every file stays; changes work again."""
+    etcd = EtcdCluster(shm_dir / "etcdw", 1).start()
+    try:
+        c = make_cluster(2, job=_job(), options=_opts(etcd, coord_timeout="20s"))
+        files = _save_step(c[0], "step_1", 0, 512 * 1024)
+        for i in range(30):  # enough revisions that the new etcd starts far below them
+            os.mkdir(c[1].path(f"d{i}"))
+        etcd.kill_member(0)
+        etcd.wipe_member(0)
+        etcd.start_member(0)
+        etcd.wait_ready()
+        assert c[0].wait_for(lambda: "etcd lost data" in c[0].log() + c[1].log(), timeout=60,
+                             what="a node noticed the loss")
+        os.mkdir(c[0].path("probe"))  # waits (bounded) until rank 0 rejoined
+        os.mkdir(c[1].path("after"))
+        for r in range(2):
+            assert sorted(os.listdir(c[r].mnt)) == sorted(
+                ["after", "probe", "step_1"] + [f"d{i}" for i in range(30)]), r
+            for name, data in files.items():
+                assert c[r].path("step_1", name).read_bytes() == data
+        assert "etcd lost data" in c[0].log() + c[1].log()
+    finally:
+        etcd.stop()
+
+
+def test_a_change_too_large_for_etcd_fails_at_once_with_a_clear_error(make_cluster, shm_dir):
+    """etcd refuses requests above its limit (--max-request-bytes): a close whose publish
+    exceeds it returns EIO at once, not after the whole coord_timeout, and the log says
+    why; the namespace goes on."""
+    etcd = EtcdCluster(shm_dir / "etcds", 1, extra_args=["--max-request-bytes", "65536"]).start()
+    try:
+        c = make_cluster(2, job=_job(), options=_opts(etcd, coord_timeout="60s"))
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as ei:
+            _write(c[0].path("inline.bin"), os.urandom(200 * 1024))  # carried in the op
+        assert ei.value.errno == errno.EIO
+        assert time.monotonic() - t0 < 20
+        assert "etcd refused a namespace change" in c[0].log()
+        os.mkdir(c[1].path("still-works"))
+        assert c[0].path("still-works").is_dir()
+    finally:
+        etcd.stop()
+
+
+def test_the_log_is_folded_and_trimmed_and_late_nodes_install_the_base(make_cluster,
+                                                                       etcd_server,  # noqa: F811
+                                                                       monkeypatch):
+    """Past MTCFS_NS_TRIM_OPS ops rank 0 folds the log into a new base and deletes the ops
+    it holds (etcd keeps a bounded log); a node that was away meanwhile and a replacement
+    both install the base and see every file, bit-exact."""
+    monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "40")
+    c = make_cluster(3, job=_job(), options=_opts(etcd_server))
+    c.kill9(2)
+    want = {}
+    for i in range(60):
+        want[f"f{i:03d}"] = os.urandom(100 + i)
+        _write(c[i % 2].path(f"f{i:03d}"), want[f"f{i:03d}"])
+    c[0].wait_for(lambda: c[0].status()["namespace"].get("log_trims", 0) >= 1, timeout=60,
+                  what="the log folded")
+    st = c[0].status()["namespace"]
+    assert st["base_rev"] > 0
+    from replication.coord.etcd import Etcd, prefix_end
+    e = Etcd(etcd_server.endpoints)
+    try:
+        ops = (c.coord_prefix + "/ns/op/").encode()
+        assert e.range(ops, prefix_end(ops), count_only=True)[3] < 60
+    finally:
+        e.close()
+    c.restart(2)
+    c.kill9(1)
+    c.restart(1, wipe=True)
+    for r in range(3):
+        assert sorted(os.listdir(c[r].mnt)) == sorted(want), r
+        for name, data in want.items():
+            assert c[r].path(name).read_bytes() == data, (r, name)

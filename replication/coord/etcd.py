@@ -229,7 +229,7 @@ class Etcd:
     def range(self, key: bytes, range_end: bytes, *, revision: int = 0, limit: int = 0,
               keys_only: bool = False, count_only: bool = False,
               sort_create: bool = False, descending: bool = False,
-              min_create_revision: int = 0,
+              min_create_revision: int = 0, max_create_revision: int = 0,
               serializable: bool = False) -> tuple[list[KeyValue], int, bool, int]:
         """Keys in ``[key, range_end)``: (kvs, store revision, more, count).
 
@@ -239,7 +239,8 @@ class Etcd:
         req = pb.RangeRequest(key=key, range_end=range_end, revision=revision, limit=limit,
                               keys_only=keys_only, count_only=count_only,
                               serializable=serializable,
-                              min_create_revision=min_create_revision)
+                              min_create_revision=min_create_revision,
+                              max_create_revision=max_create_revision)
         if sort_create:
             req.sort_order = pb.RangeRequest.DESCEND if descending else pb.RangeRequest.ASCEND
             req.sort_target = pb.RangeRequest.CREATE
@@ -364,13 +365,17 @@ class Etcd:
                         yield item
 
                 stub = pb_grpc.WatchStub(self._channel(endpoint))
-                call = stub.Watch(gen())
+                # hasleader: a member cut off from its leader ends the stream instead of
+                # keeping it open with nothing to say (etcd's own clients ask the same)
+                call = stub.Watch(gen(), metadata=(("hasleader", "true"),))
+                heard = {"at": time.monotonic(), "stale": False}
                 pinger = threading.Thread(target=_progress_pinger,
-                                          args=(requests, stop, call, progress_s),
+                                          args=(requests, stop, call, progress_s, heard),
                                           daemon=True, name="etcd-watch-progress")
                 pinger.start()
                 try:
                     for r in call:
+                        heard["at"] = time.monotonic()
                         if r.canceled:
                             if r.compact_revision:
                                 raise EtcdCompacted(
@@ -387,7 +392,10 @@ class Etcd:
                         if stop.is_set():
                             return
                 except grpc.RpcError as exc:
-                    last_err = _why(exc)
+                    if stop.is_set():
+                        return
+                    last_err = (f"no answer from {endpoint} for {3 * progress_s:g} s"
+                                if heard["stale"] else _why(exc))
                     self._moved_from(endpoint)
                 finally:
                     requests.put(None)
@@ -401,9 +409,14 @@ class Etcd:
 
 
 def _progress_pinger(requests: queue.Queue[Any], stop: threading.Event, call: Any,
-                     every_s: float) -> None:
-    """Ask for a progress notification every ``every_s`` while the watch runs."""
+                     every_s: float, heard: dict[str, Any]) -> None:
+    """Ask for a progress notification every ``every_s`` while the watch runs; end the
+    call when nothing at all came back for three of those (a hung or cut-off member), so
+    the watch moves to the next endpoint."""
     while call.is_active() and not stop.wait(every_s):
+        if time.monotonic() - heard["at"] > 3 * every_s:
+            heard["stale"] = True
+            break
         requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
     call.cancel()
 

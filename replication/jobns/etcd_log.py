@@ -8,24 +8,33 @@ member failures; a node cut off from etcd cannot change the namespace (its calls
 fail with EIO) and serves no read it cannot prove current. This is state-machine replication
 over a shared log (Schneider, ACM Computing Surveys 1990), with etcd as the log.
 
-Keys, under ``<prefix>`` = ``/mtcfs/<job>/``:
+Keys, under ``<prefix>`` (``/mtcfs/<job>/`` unless ``coord_prefix=``):
 
-* ``ns/op/<rank>/<id>``: one op (JSON, the kinds of mtcfs/fs/jobns.py). Written once by
-  the node that submits it, with a create-if-absent transaction, so a retried submit never
-  adds an op twice. Its create revision is its place in the order.
-* ``ns/base``: ``{"incarnation", "rev", "parts"}``: the namespace as it was at revision
-  ``rev`` (a snapshot in ``parts`` keys ``ns/snap/<rev>/<i>``), from which a node with no
-  usable copy starts. Created once per etcd keyspace, by the first node that joins (with
-  the namespace it holds: its RAM tier's, or what it restored from the backup tier).
+* ``ns/op/<rank>/<id>``: one op (JSON, the kinds of mtcfs/fs/jobns.py), written once by
+  the node that submits it in a transaction that also sets ``ns/last``: create-if-absent,
+  so a retried submit never adds an op twice. Its create revision is its place in the order.
+* ``ns/last``: the key of the newest op; its mod revision is the newest op's revision (the
+  read barrier reads this one key).
+* ``ns/base``: ``{"incarnation", "rev", "parts", "tag"}``: the namespace as it was after
+  the op at revision ``rev``, a snapshot in ``parts`` keys ``ns/snap/<tag>/<i>``. Created
+  once per keyspace by the first node that joins (``rev`` 0: its own namespace, or what it
+  restored from the backup tier), then replaced every :data:`TRIM_OPS` ops by rank 0 (or
+  any node when the log grew past four times that), which then deletes the ops up to
+  ``rev``: the log in etcd stays bounded.
 
 Position: a node's ``(epoch, seq)`` is ``(incarnation, revision of the last op applied)``.
-A node whose epoch is not the keyspace's incarnation (etcd was wiped and seeded anew)
-installs the base; otherwise it applies the ops after its seq.
+A node whose epoch is not the keyspace's incarnation, or whose seq is older than the base
+(it was away while the log was trimmed), installs the base; otherwise it applies the ops
+after its seq.
 
-Reads (``fresh``): before a lookup or open answers, the node reads from etcd the newest
-op's revision (one linearizable range, shared by the reads that wait at the same time) and
-waits until it applied that op: close-to-open holds job-wide (docs/consistency.md), at the
-cost of one round trip to etcd per read that the kernel does not answer from its cache.
+Reads (``fresh``): before a lookup or open answers, the node reads ``ns/last`` from etcd
+(linearizably; one read shared by the reads that wait at the same time) and waits until it
+applied that op: close-to-open holds job-wide (docs/consistency.md), at the cost of one
+round trip to etcd per read that the kernel does not answer from its cache.
+
+etcd losing its data under a running job (a member restored from an old snapshot, a wiped
+data directory) shows as its revision going below this node's: the node stops serving
+(EIO, status says why) and joins again.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import errno
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -43,8 +53,10 @@ from typing import Any
 import trio
 
 from mtcfs.errors import FsError
+from replication.coord._pb import etcd_v3_subset_pb2 as pb
 from replication.coord.etcd import (
-    Etcd, EtcdCompacted, EtcdError, WatchBatch, absent, get_op, prefix_end, put_op,
+    Etcd, EtcdCompacted, EtcdError, EtcdUnavailable, WatchBatch, absent, delete_op, get_op,
+    mod_is, prefix_end, put_op,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +70,24 @@ KEEP_S = 4.0
 PART_BYTES = 1024 * 1024
 #: Results of ops applied here kept for their submitters.
 RESULTS_KEPT = 50_000
+#: Ops after which the log is folded into a new base and trimmed (the environment variable
+#: is for tests, which trim after a few ops).
+TRIM_OPS = int(os.environ.get("MTCFS_NS_TRIM_OPS", "20000"))
+#: Ops read per request when catching up (a page of the log).
+PAGE_OPS = 500
+#: Seconds the nodes that join an empty keyspace wait for each other before the best of
+#: those that came seeds it (all ``nodes`` there: no wait; a restarted job's nodes boot in
+#: any order, and the one that lost its RAM tier must not impose an empty namespace).
+SEED_WAIT_S = 10.0
+#: Seconds between an idle node's checks that etcd did not lose data.
+CHECK_S = 2.0
+#: etcd calls of the namespace at once (their own thread pool: a slow etcd never takes the
+#: threads the data path hashes and fetches with).
+ETCD_THREADS = 16
+
+
+class EtcdLost(EtcdError):
+    """etcd's revision went below one this node already saw: etcd lost its data."""
 
 
 class EtcdNamespace:
@@ -65,41 +95,55 @@ class EtcdNamespace:
 
     Args:
         fs: the filesystem core (``ns_apply``, ``ns_snapshot``, ``ns_install``,
-            ``ns_position``, ``fault_in``).
+            ``ns_position``, ``fault_in``, ``db``).
         etcd: the job's etcd client.
-        prefix: the job's key prefix (``/mtcfs/<job>/``).
+        prefix: the job's key prefix (ends with ``/``).
         rank: this node's rank.
         seed: optional async callable run before this node seeds an empty keyspace with an
             empty namespace (the daemon restores the job's newest step from the backup
             tier there).
         timeout_s: how long a change or a read waits for etcd before EIO.
+        nodes: the job's node count (who may seed an empty keyspace: :meth:`_seed`).
     """
 
     def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
-                 timeout_s: float = DEADLINE_S) -> None:
+                 timeout_s: float = DEADLINE_S, nodes: int = 1) -> None:
         self.fs = fs
-        self.timeout_s = timeout_s
+        self.nodes = nodes
         self.etcd = etcd
         self.rank = rank
         self.seed = seed
+        self.timeout_s = timeout_s
         p = prefix.encode()
         self.op_prefix = p + b"ns/op/"
+        self.last_key = p + b"ns/last"
         self.base_key = p + b"ns/base"
         self.snap_prefix = p + b"ns/snap/"
+        self.cand_prefix = p + b"ns/seeders/"
         self.epoch, self.seq = fs.ns_position()
-        self.results: collections.OrderedDict[tuple[int, str], tuple[int, str, dict]] = \
+        self.results: collections.OrderedDict[str, tuple[int, str, dict]] = \
             collections.OrderedDict()
         self.applied = trio.Event()
+        self.limiter = trio.CapacityLimiter(ETCD_THREADS)
         self._ids = itertools.count(1)
         self._boot = f"{time.time_ns():x}"
         self._watch_from = 0          # revision the watch resumes at
-        self._stop = threading.Event()
+        self._seen_rev = 0            # highest store revision etcd reported
+        self._base: dict[str, Any] = {}
+        self._base_mod = 0            # mod revision of ns/base as last read
+        self._since_base = 0          # ops applied after the base this node knows
         self._barrier_running: Any = None   # (event, box) of the barrier read in flight
         self._barrier_next: Any = None      # the one the reads that came later share
         self._unavailable_since: float | None = None
         self._last_error = ""
+        self._lost = False            # etcd lost history: serve nothing until rejoined
+        self.diverged = ""            # an op failed here for a local reason
         self._nursery: Any = None
         self.counters = collections.Counter[str]()
+
+    async def _etcd(self, fn: Any) -> Any:
+        """Run a blocking etcd call in the namespace's own threads."""
+        return await trio.to_thread.run_sync(fn, abandon_on_cancel=True, limiter=self.limiter)
 
     # ------------------------------------------------------------------ the core's side
 
@@ -107,32 +151,46 @@ class EtcdNamespace:
         """Have ``op`` ordered by etcd and applied here; its result.
 
         Raises:
-            FsError: the errno that refused it (decided by its place in etcd's order), or
-                EIO when etcd did not take it, or this node did not apply it, within
-                ``timeout_s``.
+            FsError: the errno that refused it (decided by its place in etcd's order); EIO
+                when etcd did not take it within ``timeout_s``, refused it (too large), or
+                this node did not apply it within ``timeout_s`` after etcd took it.
         """
         op = dict(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
         body = json.dumps(op, separators=(",", ":")).encode()
         key = self.op_prefix + f"{self.rank:06d}/{op['id']}".encode()
         deadline = time.monotonic() + self.timeout_s
         while True:
+            await self._check_serving(deadline)
             try:
-                r = await trio.to_thread.run_sync(
-                    lambda: self.etcd.txn([absent(key)], [put_op(key, body)], [get_op(key)],
-                                          retry=True), abandon_on_cancel=True)
+                r = await self._etcd(lambda: self.etcd.txn(
+                    [absent(key)], [put_op(key, body), put_op(self.last_key, key)],
+                    [get_op(key)], retry=True))
                 break
-            except EtcdError as exc:
+            except EtcdUnavailable as exc:
                 self._failed(exc)
                 if time.monotonic() > deadline:
                     raise FsError(errno.EIO, f"the job's namespace (etcd) did not take the "
-                                  f"change: {exc}") from None
+                                  f"change within {self.timeout_s:g} s: {exc}") from None
                 await trio.sleep(0.2)
+            except EtcdError as exc:  # permanent (a request too large): no retry
+                raise FsError(errno.EIO, f"etcd refused a namespace change of "
+                              f"{len(body)} bytes ({op['op']}): {exc}") from None
         if r.succeeded:
             rev = r.revision
         else:  # an earlier attempt got through
             rev = r.responses[0].response_range.kvs[0].create_revision
-        await self._wait_applied(rev, deadline)
-        err, message, res = self.results.pop((self.rank, op["id"]), (0, "", {}))
+        # Committed job-wide: its own deadline for this node to apply it.
+        try:
+            await self._wait_applied(rev, time.monotonic() + self.timeout_s)
+        except FsError:
+            self.results.pop(op["id"], None)
+            raise FsError(errno.EIO, f"the namespace change ({op['op']}) is committed in "
+                          f"etcd at revision {rev} but not yet applied on this node") from None
+        got = self.results.pop(op["id"], None)
+        if got is None:  # applied by a path that did not record it (a base install)
+            raise FsError(errno.EIO, f"the namespace change ({op['op']}) at revision {rev} "
+                          "was folded into a snapshot before this node applied it")
+        err, message, res = got
         self.counters["ops_submitted"] += 1
         if err:
             raise FsError(err, message or None)
@@ -147,26 +205,35 @@ class EtcdNamespace:
         """
         deadline = time.monotonic() + self.timeout_s
         while True:
+            await self._check_serving(deadline)
             try:
                 newest = await self._barrier()
                 break
             except EtcdError as exc:
                 self._failed(exc)
                 if time.monotonic() > deadline:
-                    raise FsError(errno.EIO, f"the job's namespace (etcd) did not answer: "
-                                  f"{exc}") from None
+                    raise FsError(errno.EIO, f"the job's namespace (etcd) did not answer "
+                                  f"within {self.timeout_s:g} s: {exc}") from None
                 await trio.sleep(0.2)
         await self._wait_applied(newest, deadline)
 
+    async def _check_serving(self, deadline: float) -> None:
+        """Wait (until ``deadline``) while this node rejoins an etcd that lost data."""
+        while self._lost:
+            if time.monotonic() > deadline:
+                raise FsError(errno.EIO, "the job's namespace is rejoining etcd, which lost "
+                              f"history ({self._last_error})")
+            await trio.sleep(0.1)
+
     async def _barrier(self) -> int:
-        """The create revision of the newest op in etcd, read after this call began.
+        """The revision of the newest op in etcd, read after this call began.
 
         Reads that wait at the same time share one etcd read: one is in flight; those that
         come while it is share the next one (a read started before them cannot answer for
         them)."""
         if self._nursery is None:  # not running yet (joining): no sharing
-            return await trio.to_thread.run_sync(self._newest_unapplied,
-                                                 abandon_on_cancel=True)
+            floor = self._floor()
+            return self._checked(await self._etcd(self._newest_op), floor)
         if self._barrier_running is None:
             mine = self._barrier_running = (trio.Event(), [])
             self._nursery.start_soon(self._run_barriers)
@@ -184,23 +251,42 @@ class EtcdNamespace:
         while self._barrier_running is not None:
             ev, box = self._barrier_running
             try:
-                box.append(await trio.to_thread.run_sync(self._newest_unapplied,
-                                                         abandon_on_cancel=True))
+                floor = self._floor()
+                box.append(self._checked(await self._etcd(self._newest_op), floor))
             except Exception as exc:  # noqa: BLE001 (handed to every waiting read)
                 box.append(exc if isinstance(exc, EtcdError) else EtcdError(str(exc)))
             ev.set()
             self._barrier_running, self._barrier_next = self._barrier_next, None
 
-    def _newest_unapplied(self) -> int:
-        """The create revision of the newest op this node has not applied (0: none), read
-        linearizably: one key, keys only, the newest first."""
-        kvs, _rev, _more, _n = self.etcd.range(
-            self.op_prefix, prefix_end(self.op_prefix), limit=1, keys_only=True,
-            sort_create=True, descending=True, min_create_revision=self.seq + 1)
-        return max((kv.create_revision for kv in kvs), default=0)
+    def _newest_op(self) -> tuple[int, int]:
+        """(revision of the newest op: ``ns/last``'s mod revision, 0 when none; the store's
+        revision), read linearizably (in a worker thread)."""
+        kv, rev = self.etcd.get(self.last_key)
+        return (kv.mod_revision if kv is not None else 0), rev
+
+    def _checked(self, got: tuple[int, int], floor: int) -> int:
+        newest, rev = got
+        self._saw_revision(rev, floor)
+        return newest
+
+    def _floor(self) -> int:
+        """The revision a linearizable read started now must reach (taken before it is
+        sent: ops applied while it is on its way may be newer than what it saw)."""
+        return max(self.seq, self._seen_rev)
+
+    def _saw_revision(self, rev: int, floor: int) -> None:
+        """``rev``: the store revision of a linearizable read started when this node had
+        seen revision ``floor``; it is at least that of every write committed before the
+        read, so below ``floor`` etcd lost data."""
+        if rev < floor:
+            self._lost = True
+            raise EtcdLost(f"etcd's revision is {rev}, below {floor} seen before: etcd "
+                           "lost data (restored or wiped)")
+        self._seen_rev = max(self._seen_rev, rev)
 
     async def _wait_applied(self, rev: int, deadline: float) -> None:
         while self.seq < rev:
+            await self._check_serving(deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FsError(errno.EIO, f"namespace op at etcd revision {rev} never reached "
@@ -228,33 +314,40 @@ class EtcdNamespace:
             op = json.loads(body)
         except ValueError:
             log.error("namespace op at revision %d is not JSON: skipped", rev)
-            self.seq = rev
+            self._moved_past(rev)
             return []
         try:
             res, keep = self.fs.ns_apply(op, rev, self.epoch)
             err, message = 0, ""
-        except FsError as exc:
+        except FsError as exc:  # refused by the namespace's rules: the same on every node
             res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
-            # refused ops change nothing, but the position moves past them
-            self.fs.db.set_kv("ns_seq", str(rev))
-        except Exception as exc:  # a bug or an I/O error must not stop the namespace
-            log.exception("namespace op at revision %d failed", rev)
-            res, keep, err, message = {}, [], errno.EIO, f"namespace op failed: {exc}"
-            self.fs.db.set_kv("ns_seq", str(rev))
+            self._moved_past(rev)
+        except Exception as exc:  # a local failure (a bug, an I/O error): this node differs
+            log.exception("namespace op at revision %d failed here", rev)
+            res, keep, err, message = {}, [], errno.EIO, f"namespace op failed here: {exc}"
+            self.diverged = f"op at revision {rev} failed here: {exc}"
+            self.counters["ops_failed_locally"] += 1
+            self._moved_past(rev)
         self.seq = rev
-        if op.get("rank") == self.rank:
-            self.results[(self.rank, op.get("id", ""))] = (err, message, res)
+        self._since_base += 1
+        if op.get("rank") == self.rank and op.get("id", "").startswith(self._boot + "."):
+            self.results[op["id"]] = (err, message, res)
             while len(self.results) > RESULTS_KEPT:
                 self.results.popitem(last=False)
         self.counters["ops_applied"] += 1
         return keep
+
+    def _moved_past(self, rev: int) -> None:
+        """An op that changed nothing still moves this node's position."""
+        self.fs.db.set_kv("ns_seq", str(rev))
 
     def _apply_batch(self, batch: WatchBatch) -> list[Any]:
         keep: list[Any] = []
         for ev in batch.events:
             kv = ev.kv
             # a new op is a put that created its key; deletes are the trimming of old ops
-            if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq:
+            if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
+                    and kv.key.startswith(self.op_prefix):
                 keep += self._apply(kv.create_revision, kv.value)
         self.applied.set()
         self.applied = trio.Event()
@@ -277,79 +370,103 @@ class EtcdNamespace:
         this node comes first), then apply every op after this node's position.
 
         Raises:
-            FsError: EIO when etcd did not answer within ``timeout``.
+            FsError: EIO when etcd did not answer within ``timeout``, or its keyspace is
+                damaged (ops without a base).
         """
         deadline = time.monotonic() + timeout
         while True:
             try:
-                await self._catch_up()
+                await self._catch_up(initial=True)
                 self._ok()
                 return
             except EtcdError as exc:
                 self._failed(exc)
                 if time.monotonic() > deadline:
-                    raise FsError(errno.EIO, f"cannot join the job's namespace: etcd at "
-                                  f"{','.join(self.etcd.endpoints)} did not answer ({exc})"
-                                  ) from None
+                    raise FsError(errno.EIO, f"cannot join the job's namespace in etcd: "
+                                  f"{exc}") from None
                 await trio.sleep(0.5)
 
-    async def _catch_up(self) -> None:
-        base = await self._base()
-        if base is None:
+    async def _catch_up(self, initial: bool = False) -> None:
+        floor = self._floor()
+        kv, rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+        if self._lost:  # etcd lost history: start again from what it holds now
+            self._seen_rev = 0
+        else:
+            self._saw_revision(rev, floor)  # EtcdLost (and rejoin) when it went back
+        if kv is None:
+            if not initial and not self._lost:
+                raise EtcdError("the job's namespace base vanished from etcd while this "
+                                "node was running (was the key prefix deleted?)")
             base = await self._seed()
+        else:
+            base, self._base_mod = json.loads(kv.value), kv.mod_revision
+        self._base = base
         inc, brev = int(base["incarnation"]), int(base["rev"])
-        if self.epoch != inc or self.seq < brev:
+        if self.epoch != inc or self.seq < brev or self._lost:
             await self._install(base)
-        kvs, at, _more, _n = await trio.to_thread.run_sync(
-            lambda: self.etcd.range(self.op_prefix, prefix_end(self.op_prefix),
-                                    sort_create=True, min_create_revision=self.seq + 1),
-            abandon_on_cancel=True)
-        keep = []
-        for kv in kvs:
-            if kv.create_revision > self.seq:
-                keep += self._apply(kv.create_revision, kv.value)
+            self._lost = False
+        self._since_base = 0
+        keep: list[Any] = []
+        while True:  # the ops after this node's position, a page at a time
+            floor = self._floor()
+            kvs, at, more, _n = await self._etcd(lambda: self.etcd.range(
+                self.op_prefix, prefix_end(self.op_prefix), sort_create=True,
+                limit=PAGE_OPS, min_create_revision=self.seq + 1))
+            self._saw_revision(at, floor)
+            for op_kv in kvs:
+                if op_kv.create_revision > self.seq:
+                    keep += self._apply(op_kv.create_revision, op_kv.value)
+            if not more:
+                break
         self.applied.set()
         self.applied = trio.Event()
         self._watch_from = at + 1
         if keep and self._nursery is not None:
             self._nursery.start_soon(self._keep, keep)
 
-    async def _base(self) -> dict[str, Any] | None:
-        kv, _rev = await trio.to_thread.run_sync(lambda: self.etcd.get(self.base_key),
-                                                 abandon_on_cancel=True)
-        return json.loads(kv.value) if kv is not None else None
-
     async def _seed(self) -> dict[str, Any]:
         """Create the keyspace's base from this node's namespace (first node to join);
-        returns the base that won (another node's when it came first)."""
+        returns the base that won (another node's when it came first).
+
+        A node with an empty namespace first waits up to SEED_WAIT_S for a node with files
+        to seed (a restarted job's nodes boot in any order: the one that lost its RAM tier
+        must not impose an empty or older namespace on those that kept theirs).
+
+        Raises:
+            EtcdError: ops exist without a base (a damaged keyspace: never seeded over).
+        """
         snap = self.fs.ns_snapshot()
-        if self.seed is not None and not snap["entries"]:
+        won = await self._elect_seeder(snap)
+        if won is not None:
+            return won
+        if not snap["entries"] and self.seed is not None:
             await self.seed()
             snap = self.fs.ns_snapshot()
         inc = random.randrange(1, 2**31)
         body = json.dumps(snap, separators=(",", ":")).encode()
-        parts = [body[i:i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
-        tag = f"seed-{self.rank}-{inc}".encode()
-        for i, part in enumerate(parts):
-            await trio.to_thread.run_sync(
-                lambda i=i, part=part: self.etcd.put(self.snap_prefix + tag + b"/%d" % i,
-                                                     part), abandon_on_cancel=True)
-        base = {"incarnation": inc, "rev": 0, "parts": len(parts), "tag": tag.decode(),
+        tag = f"seed-{self.rank}-{inc}"
+        parts = await self._put_parts(tag, body)
+        base = {"incarnation": inc, "rev": 0, "parts": parts, "tag": tag,
                 "seeded_by": self.rank}
-        r = await trio.to_thread.run_sync(
-            lambda: self.etcd.txn([absent(self.base_key)],
-                                  [put_op(self.base_key, json.dumps(base).encode())],
-                                  [get_op(self.base_key)], retry=True),
-            abandon_on_cancel=True)
+        no_ops = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE,
+                            key=self.op_prefix, range_end=prefix_end(self.op_prefix),
+                            create_revision=0)
+        r = await self._etcd(lambda: self.etcd.txn(
+            [absent(self.base_key), no_ops],
+            [put_op(self.base_key, json.dumps(base).encode())],
+            [get_op(self.base_key)], retry=True))
         if not r.succeeded:
-            await trio.to_thread.run_sync(
-                lambda: self.etcd.delete(self.snap_prefix + tag + b"/",
-                                         prefix_end(self.snap_prefix + tag + b"/")),
-                abandon_on_cancel=True)
+            await self._delete_parts(tag)
             kvs = r.responses[0].response_range.kvs
             if kvs:
+                self._base_mod = kvs[0].mod_revision
                 return json.loads(kvs[0].value)
-            raise EtcdError("the namespace base vanished while it was created")
+            raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
+                            f"{self.op_prefix.decode()!r}): damaged keyspace, not seeded "
+                            "over; delete the job's prefix to start afresh")
+        self._base_mod = r.revision
+        await self._etcd(lambda: self.etcd.delete(self.cand_prefix,
+                                                  prefix_end(self.cand_prefix)))
         # Our own namespace is the base: keep it, at this incarnation and revision 0.
         self.epoch, self.seq = inc, 0
         with self.fs.db.transaction():
@@ -357,14 +474,56 @@ class EtcdNamespace:
             self.fs.db.set_kv("ns_seq", "0")
         log.info("seeded the job's namespace in etcd (incarnation %d, %d entries)", inc,
                  len(snap["entries"]))
-        return dict(base)
+        return base
+
+    async def _elect_seeder(self, snap: dict[str, Any]) -> dict[str, Any] | None:
+        """Agree on the node that seeds an empty keyspace: the one holding the most
+        (newest step first, then most entries), among the nodes that join within
+        SEED_WAIT_S — all of them when all ``nodes`` joined sooner. Returns the base when
+        another node seeded it meanwhile, None when this node is to seed (it is the best,
+        or the best did not seed in time).
+
+        Each joining node puts a candidate record ``ns/seeders/<rank>``; every node picks
+        the same best from the same records (ties to the lowest rank)."""
+        steps = [int(s["number"]) for s in snap.get("steps", [])]
+        me = {"rank": self.rank, "newest_step": max(steps, default=-1),
+              "entries": len(snap["entries"])}
+        mine = self.cand_prefix + f"{self.rank:06d}".encode()
+        await self._etcd(lambda: self.etcd.put(mine, json.dumps(me).encode()))
+        deadline = time.monotonic() + SEED_WAIT_S
+        while True:
+            kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+            if kv is not None:
+                self._base_mod = kv.mod_revision
+                return json.loads(kv.value)
+            kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
+                self.cand_prefix, prefix_end(self.cand_prefix)))
+            cands = [json.loads(c.value) for c in kvs]
+            best = max(cands, key=lambda c: (c["newest_step"], c["entries"], -c["rank"]))
+            everyone = len(cands) >= self.nodes
+            if time.monotonic() > deadline or (everyone and best["rank"] == self.rank):
+                return None
+            if everyone and time.monotonic() > deadline - SEED_WAIT_S / 2 and \
+                    best["rank"] != self.rank and me["entries"] and \
+                    (me["newest_step"], me["entries"]) == (best["newest_step"],
+                                                           best["entries"]):
+                return None  # as good as the best, which is slow: any equal copy will do
+            await trio.sleep(0.2)
+
+    async def _put_parts(self, tag: str, body: bytes) -> int:
+        parts = [body[i:i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
+        for i, part in enumerate(parts):
+            key = self.snap_prefix + f"{tag}/{i}".encode()
+            await self._etcd(lambda key=key, part=part: self.etcd.put(key, part))
+        return len(parts)
+
+    async def _delete_parts(self, tag: str) -> None:
+        p = self.snap_prefix + f"{tag}/".encode()
+        await self._etcd(lambda: self.etcd.delete(p, prefix_end(p)))
 
     async def _install(self, base: dict[str, Any]) -> None:
-        tag = base["tag"].encode()
-        kvs, _at, _more, _n = await trio.to_thread.run_sync(
-            lambda: self.etcd.range(self.snap_prefix + tag + b"/",
-                                    prefix_end(self.snap_prefix + tag + b"/")),
-            abandon_on_cancel=True)
+        p = self.snap_prefix + f"{base['tag']}/".encode()
+        kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(p, prefix_end(p)))
         parts = sorted(kvs, key=lambda kv: int(kv.key.rsplit(b"/", 1)[1]))
         if len(parts) != int(base["parts"]):
             raise EtcdError(f"the namespace base has {len(parts)} of {base['parts']} parts")
@@ -372,35 +531,97 @@ class EtcdNamespace:
         snap["epoch"], snap["seq"] = int(base["incarnation"]), int(base["rev"])
         self.fs.ns_install(snap)
         self.epoch, self.seq = self.fs.ns_position()
+        self.diverged = ""
         self.counters["snapshots_installed"] += 1
 
     def reset_position(self) -> None:
         """Take (epoch, seq) from the core after its namespace was replaced."""
         self.epoch, self.seq = self.fs.ns_position()
 
+    # ------------------------------------------------------------------ trimming the log
+
+    async def _maybe_trim(self) -> None:
+        """Fold the log into a new base and delete the ops it holds, when it grew past
+        TRIM_OPS (rank 0 does it; any node past four times that, rank 0 being away)."""
+        if self._since_base < (TRIM_OPS if self.rank == 0 else 4 * TRIM_OPS) or self._lost:
+            return
+        rev = self.seq
+        snap = self.fs.ns_snapshot()  # no await since ``rev``: the namespace after op rev
+        body = json.dumps(snap, separators=(",", ":")).encode()
+        tag = f"{rev}-{self.rank}"
+        parts = await self._put_parts(tag, body)
+        base = {"incarnation": self.epoch, "rev": rev, "parts": parts, "tag": tag,
+                "trimmed_by": self.rank}
+        r = await self._etcd(lambda: self.etcd.txn(
+            [mod_is(self.base_key, self._base_mod)],
+            [put_op(self.base_key, json.dumps(base).encode())], retry=True))
+        if not r.succeeded:  # another node trimmed first: take its base on the next look
+            await self._delete_parts(tag)
+            kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+            if kv is not None:
+                self._base, self._base_mod = json.loads(kv.value), kv.mod_revision
+                self._since_base = 0
+            return
+        old = self._base
+        self._base, self._base_mod, self._since_base = base, r.revision, 0
+        if old.get("tag") and old.get("tag") != tag:
+            await self._delete_parts(old["tag"])
+        deleted = 0
+        while True:  # the ops the new base holds, in batches of one transaction each
+            kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
+                self.op_prefix, prefix_end(self.op_prefix), keys_only=True, limit=100,
+                max_create_revision=rev))
+            if not kvs:
+                break
+            await self._etcd(lambda kvs=kvs: self.etcd.txn(
+                [], [delete_op(kv.key) for kv in kvs], retry=True))
+            deleted += len(kvs)
+        self.counters["log_trims"] += 1
+        log.info("folded the job's namespace log into a base at revision %d (%d ops deleted,"
+                 " %d bytes of snapshot)", rev, deleted, len(body))
+
+    # ------------------------------------------------------------------ run
+
     async def run(self) -> None:
         """Apply the job's ops as etcd delivers them, for ever."""
         async with trio.open_nursery() as n:
             self._nursery = n
+            n.start_soon(self._trim_loop)
             while True:
                 try:
                     await self._follow()
                 except EtcdCompacted as exc:
                     log.warning("namespace watch: %s; catching up from etcd's keys", exc)
-                except EtcdError as exc:
-                    self._failed(exc)
-                except Exception as exc:  # a bug must not take the mount down: retried
-                    log.exception("namespace watch failed")
+                except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
+                    if not isinstance(exc, EtcdError):
+                        log.exception("namespace watch failed")
                     self._failed(exc)
                 await trio.sleep(0.5)
                 try:
                     await self._catch_up()
                     self._ok()
                 except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
+                    if not isinstance(exc, EtcdError):
+                        log.exception("catching up with the job's namespace failed")
                     self._failed(exc)
 
+    async def _trim_loop(self) -> None:
+        """Every few seconds: check that etcd did not lose data (an idle node makes no read
+        that would notice), and fold the log when it grew."""
+        while True:
+            await trio.sleep(CHECK_S)
+            try:
+                if not self._lost:
+                    floor = self._floor()
+                    self._checked(await self._etcd(self._newest_op), floor)
+                await self._maybe_trim()
+            except EtcdError as exc:
+                self._failed(exc)
+            except Exception as exc:  # noqa: BLE001 (the next round tries again)
+                log.warning("folding the namespace log failed: %s", exc)
+
     async def _follow(self) -> None:
-        send, recv = trio.open_memory_channel[Any](64)
+        send, recv = trio.open_memory_channel[Any](4)
         token = trio.lowlevel.current_trio_token()
         stop = threading.Event()
         start = self._watch_from or self.seq + 1
@@ -413,26 +634,31 @@ class EtcdNamespace:
             except BaseException as exc:  # noqa: BLE001 (handed to the loop)
                 try:
                     trio.from_thread.run(send.send, exc, trio_token=token)
-                except Exception:  # the loop is gone
+                except BaseException:  # noqa: BLE001 (the loop is gone)
                     pass
 
+        # A plain thread, not one of trio's: it lives as long as the watch.
+        threading.Thread(target=pump, daemon=True, name="mtcfs-ns-watch").start()
         failure: BaseException | None = None
-        async with trio.open_nursery() as n:
-            n.start_soon(lambda: trio.to_thread.run_sync(pump, abandon_on_cancel=True))
-            try:
-                async for item in recv:
-                    if isinstance(item, BaseException):
-                        failure = item  # raised outside the nursery: no exception group
-                        break
-                    self._ok()
-                    keep = self._apply_batch(item)
-                    if item.events:
-                        self._watch_from = item.events[-1].kv.mod_revision + 1
-                    if keep and self._nursery is not None:
-                        self._nursery.start_soon(self._keep, keep)
-            finally:
-                stop.set()
-                n.cancel_scope.cancel()
+        try:
+            async for item in recv:
+                if isinstance(item, BaseException):
+                    failure = item  # raised below, outside any nursery
+                    break
+                if self._lost:  # a watch on what etcd lost delivers nothing: rejoin
+                    failure = EtcdLost(self._last_error or "etcd lost data")
+                    break
+                # (no revision check here: a watch's header comes from whichever member
+                # serves it, which may lag; only linearizable reads prove a loss)
+                self._ok()
+                keep = self._apply_batch(item)
+                if item.events:
+                    self._watch_from = item.events[-1].kv.mod_revision + 1
+                if keep and self._nursery is not None:
+                    self._nursery.start_soon(self._keep, keep)
+        finally:
+            stop.set()
+            recv.close()
         if failure is not None:
             raise failure
 
@@ -446,4 +672,6 @@ class EtcdNamespace:
         return {"engine": "etcd", "endpoints": self.etcd.endpoints, "seq": self.seq,
                 "epoch": self.epoch, "unavailable_s": self._unavailable_s(),
                 "last_error": self._last_error if self._unavailable_since else "",
+                "base_rev": int(self._base.get("rev", 0)) if self._base else None,
+                "ops_since_base": self._since_base, "diverged": self.diverged,
                 **dict(self.counters)}

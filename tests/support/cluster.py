@@ -104,11 +104,11 @@ class Cluster:
 
     def options(self, rank: int) -> dict[str, str | None]:
         """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
-        coord = os.environ.get("MTCFS_TEST_COORD")
-        if coord and self._options.get("scope") == "job" and "coord" not in self._options:
-            extra = {"coord": coord, "coord_prefix": self.coord_prefix}
-        else:
-            extra = {}
+        extra = {}
+        if self._options.get("scope") == "job" and "coord" not in self._options:
+            # scope=job's namespace is ordered by etcd: the process's shared one
+            from support.etcd import shared_etcd
+            extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
         where = {"coordinator": self.addresses[0]} if self.learn_addresses else \
             {"peers": ",".join(self.addresses)}
         if "coord" in self._options and "coord_prefix" not in self._options:

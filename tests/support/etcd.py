@@ -11,12 +11,14 @@ Nothing here reaches beyond 127.0.0.1.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -46,8 +48,10 @@ class EtcdCluster:
         url: ``etcd://h:p,h:p,...`` (the form of the ``coord=`` mount option).
     """
 
-    def __init__(self, root: Path, members: int = 1) -> None:
+    def __init__(self, root: Path, members: int = 1, extra_args: list[str] | None = None
+                 ) -> None:
         self.root = Path(root)
+        self.extra_args = list(extra_args or [])
         self.members = members
         ports = _free_ports(2 * members)
         self.client_ports = ports[:members]
@@ -71,7 +75,8 @@ class EtcdCluster:
                 # fast elections on loopback (the fault tests kill the leader)
                 "--heartbeat-interval", "50", "--election-timeout", "500",
                 "--logger", "zap", "--log-level", "error",
-                "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000"]
+                "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
+                *self.extra_args]
 
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -126,6 +131,12 @@ class EtcdCluster:
             c.close()
         raise RuntimeError("no etcd member leads")
 
+    def wipe_member(self, i: int) -> None:
+        """Delete a (stopped) member's data: it starts again as a new, empty cluster."""
+        assert self.procs[i] is None, "stop the member first"
+        shutil.rmtree(self.root / self.names[i], ignore_errors=True)
+        self.token = f"mtcfs-test-{uuid.uuid4().hex[:8]}"
+
     def kill_member(self, i: int) -> None:
         p = self.procs[i]
         if p is not None:
@@ -168,13 +179,27 @@ class EtcdCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+_shared: EtcdCluster | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_etcd() -> EtcdCluster:
+    """The process's one etcd member on loopback, started on first use and stopped when
+    the process exits (scope=job clusters of tests, examples and benchmarks use it, each
+    under its own key prefix)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or any(p is None or p.poll() is not None for p in _shared.procs):
+            root = Path(tempfile.mkdtemp(prefix="mtcfs-etcd-", dir="/dev/shm"))
+            _shared = EtcdCluster(root, 1).start()
+            atexit.register(_shared.stop)
+        return _shared
+
+
 @pytest.fixture(scope="session")
 def etcd_server():
     """One etcd member on loopback for the whole session (data on /dev/shm)."""
-    root = Path(tempfile.mkdtemp(prefix="mtcfs-etcd-", dir="/dev/shm"))
-    c = EtcdCluster(root, 1).start()
-    yield c
-    c.stop()
+    return shared_etcd()
 
 
 @pytest.fixture
