@@ -18,8 +18,9 @@ Registration is a create-if-absent transaction. When the key exists:
   refuses with :class:`RankTaken` (one line naming the holder).
 
 Load on etcd (docs/benchmarks.md, "Coordination at scale"): one key per member, one
-keepalive request per member every TTL/3, and one watch per member over the members'
-prefix, so a membership change is delivered to every member (N events per change).
+keepalive request per member every TTL/3, and one watch per :class:`MemberView` over the
+members' prefix, so a membership change is delivered once per view (N events per change
+when each of N daemons keeps its own).
 
 Threads: :meth:`Membership.join` blocks; the keepalive loop and the watch run in daemon
 threads; every wait is bounded. Trio code calls the async wrappers (``ajoin``,
@@ -92,12 +93,14 @@ class Membership:
         ttl_s: the lease's TTL; the keepalive runs every ``ttl_s / 3``.
         boot_id: this daemon's life (a new one per start); incarnation: the job's.
         watch: keep a watch-fed view of the members (False: register and renew only).
+        view: a :class:`MemberView` shared with other members of this process (not
+            stopped by this member); None: its own when ``watch``.
     """
 
     def __init__(self, etcd: Etcd, prefix: str, rank: int, address: str = "",
                  labels: dict[str, str] | None = None, *, ttl_s: int = TTL_S,
                  boot_id: str | None = None, incarnation: int = 0, watch: bool = True,
-                 progress_s: float = PROGRESS_S) -> None:
+                 progress_s: float = PROGRESS_S, view: "MemberView | None" = None) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.rank = rank
@@ -109,15 +112,14 @@ class Membership:
         self.members_prefix = f"{prefix}members/".encode()
         self.lease = 0
         self.error = ""            # why this member lost its registration ("" while fine)
-        self.counters: dict[str, int] = {"keepalives": 0, "watch_events": 0,
-                                         "reregistrations": 0, "etcd_errors": 0}
-        self._watch = watch
-        self._progress_s = progress_s
-        self._view: dict[int, MemberRecord] = {}
-        self._cond = threading.Condition()
+        self.counters: dict[str, int] = {"keepalives": 0, "reregistrations": 0,
+                                         "etcd_errors": 0}
+        self._own_view = view is None and watch
+        self.members_view: MemberView | None = (
+            view if view is not None else MemberView(etcd, prefix, progress_s) if watch
+            else None)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._view_rev = 0
 
     # ------------------------------------------------------------------ registration
 
@@ -132,13 +134,9 @@ class Membership:
         t = threading.Thread(target=self._keepalive_loop, daemon=True,
                              name=f"member-{self.rank}-keepalive")
         self._threads.append(t)
-        if self._watch:
-            self._load_view()
-            w = threading.Thread(target=self._watch_loop, daemon=True,
-                                 name=f"member-{self.rank}-watch")
-            self._threads.append(w)
-        for th in self._threads:
-            th.start()
+        t.start()
+        if self._own_view and self.members_view is not None:
+            self.members_view.start()
 
     def _register(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -207,8 +205,10 @@ class Membership:
     def _join_threads(self) -> None:
         for t in self._threads:
             if t is not threading.current_thread():
-                t.join(timeout=max(self._progress_s, self.ttl_s) + 2)
+                t.join(timeout=self.ttl_s + 2)
         self._threads = []
+        if self._own_view and self.members_view is not None:
+            self.members_view.stop()
 
     def renew(self) -> int:
         """One keepalive; returns the remaining TTL (<= 0: the lease is gone)."""
@@ -241,6 +241,76 @@ class Membership:
 
     # ------------------------------------------------------------------ the view
 
+    def view(self) -> dict[int, MemberRecord]:
+        """The live members (rank -> record), as the watch last saw them."""
+        return self._need_view().view()
+
+    def alive(self, rank: int) -> bool:
+        return self._need_view().alive(rank)
+
+    def address(self, rank: int) -> str | None:
+        return self._need_view().address(rank)
+
+    def wait_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
+        """Block until at least ``n`` members are live (or ``timeout``); the view.
+
+        Raises:
+            TimeoutError: fewer than ``n`` after ``timeout`` (one line).
+        """
+        return self._need_view().wait_for(n, timeout)
+
+    def _need_view(self) -> "MemberView":
+        if self.members_view is None:
+            raise RuntimeError(f"rank {self.rank} keeps no membership view (watch=False)")
+        return self.members_view
+
+    # ------------------------------------------------------------------ trio adapters
+
+    async def ajoin(self, wait_s: float | None = None) -> None:
+        await trio.to_thread.run_sync(lambda: self.join(wait_s), abandon_on_cancel=True)
+
+    async def await_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
+        return await trio.to_thread.run_sync(lambda: self.wait_for(n, timeout),
+                                             abandon_on_cancel=True)
+
+    async def aleave(self) -> None:
+        await trio.to_thread.run_sync(self.leave, abandon_on_cancel=True)
+
+
+class MemberView:
+    """A watch-fed view of the job's live members (rank -> record).
+
+    One per member by default; members in one process may share one (``Membership(...,
+    view=shared)``): etcd then sends each membership change once per view instead of once
+    per member (the benchmark's harness does this; a daemon has one member anyway).
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str, progress_s: float = PROGRESS_S) -> None:
+        self.etcd = etcd
+        self.members_prefix = f"{prefix}members/".encode()
+        self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0}
+        self._progress_s = progress_s
+        self._view: dict[int, MemberRecord] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._view_rev = 0
+
+    def start(self) -> None:
+        """Load the members once, then follow them with a watch (a daemon thread)."""
+        if self._thread is not None:
+            return
+        self._load_view()
+        self._thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                        name="member-view-watch")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._progress_s + 2)
+        self._thread = None
+
     def _load_view(self) -> None:
         kvs, rev, _more, _n = self.etcd.range(self.members_prefix,
                                               prefix_end(self.members_prefix))
@@ -267,14 +337,14 @@ class Membership:
                 pass
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
-                log.warning("rank %d: membership watch: %s", self.rank, exc)
+                log.warning("membership watch: %s", exc)
             if self._stop.wait(0.5):
                 return
             try:
                 self._load_view()
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
-                log.warning("rank %d: membership reload: %s", self.rank, exc)
+                log.warning("membership reload: %s", exc)
 
     def _apply(self, events: Any, revision: int) -> None:
         with self._cond:
@@ -296,7 +366,7 @@ class Membership:
             self._cond.notify_all()
 
     def view(self) -> dict[int, MemberRecord]:
-        """The live members (rank -> record), as this member's watch last saw them."""
+        """The live members (rank -> record), as the watch last saw them."""
         with self._cond:
             return dict(self._view)
 
@@ -327,15 +397,3 @@ class Membership:
                                        f"{' ...' if len(missing) > 10 else ''})")
                 self._cond.wait(min(left, 1.0))
             return dict(self._view)
-
-    # ------------------------------------------------------------------ trio adapters
-
-    async def ajoin(self, wait_s: float | None = None) -> None:
-        await trio.to_thread.run_sync(lambda: self.join(wait_s), abandon_on_cancel=True)
-
-    async def await_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
-        return await trio.to_thread.run_sync(lambda: self.wait_for(n, timeout),
-                                             abandon_on_cancel=True)
-
-    async def aleave(self) -> None:
-        await trio.to_thread.run_sync(self.leave, abandon_on_cancel=True)
