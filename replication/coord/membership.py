@@ -188,6 +188,7 @@ class Membership:
     def leave(self) -> None:
         """Stop renewing and revoke the lease (the record goes at once)."""
         self._stop.set()
+        self._join_threads()  # first: a renewal in flight must not see the revoke
         if self.lease:
             try:
                 self.etcd.revoke(self.lease)
@@ -195,7 +196,6 @@ class Membership:
                 log.warning("rank %d: cannot revoke its lease (it expires in %d s): %s",
                             self.rank, self.ttl_s, exc)
         self.lease = 0
-        self._join_threads()
 
     def stop(self) -> None:
         """Stop renewing without revoking (as a killed daemon: the lease expires)."""
@@ -225,6 +225,8 @@ class Membership:
                 if ttl > 0:
                     last_ok = time.monotonic()
                     continue
+                if self._stop.is_set():
+                    return  # leaving: the lease was revoked on purpose
                 log.warning("rank %d: its etcd lease expired; registering again", self.rank)
                 self.counters["reregistrations"] += 1
                 self._register(1.5 * self.ttl_s)
