@@ -47,3 +47,11 @@ bench-mtc:
 .PHONY: chaos
 chaos:
 	$(PYTHON) examples/chaos.py $(ARGS)
+
+# Coordination at scale (benchmarks/bench_coord_scale.py, issue 13): many light members in one
+# process against one local etcd (no FUSE): join, rest, save, restart-and-decide at 64 and
+# 1,000 members (about 4 minutes).
+# make bench-coord-scale ARGS="--members 64 --rest-s 10"
+.PHONY: bench-coord-scale
+bench-coord-scale:
+	$(PYTHON) -m benchmarks.bench_coord_scale $(ARGS)

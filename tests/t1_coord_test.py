@@ -1,0 +1,227 @@
+"""Tier-1 tests of the coordination kept in etcd (replication/coord/membership.py, steps.py,
+lock.py) against a real etcd on loopback: members join and leave with their leases, a rank
+cannot be held twice, racing members get one restore decision, and a lock's holder loses it
+with its lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from replication.coord.etcd import Etcd, put_op
+from replication.coord.lock import EtcdLock, LockTimeout
+from replication.coord.membership import Membership, RankTaken
+from replication.coord.steps import StepRecords
+from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
+
+TTL = 2
+
+
+@pytest.fixture
+def client(etcd_server):  # noqa: F811
+    c = Etcd(etcd_server.endpoints, timeout_s=5.0)
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------------- membership
+
+def test_members_join_and_see_each_other(client, etcd_prefix):  # noqa: F811
+    ms = [Membership(client, etcd_prefix, r, f"10.0.0.{r}:7000", {"zone": f"z{r % 2}"},
+                     ttl_s=TTL) for r in range(4)]
+    try:
+        for m in ms:
+            m.join()
+        for m in ms:
+            view = m.wait_for(4, timeout=5)
+            assert sorted(view) == [0, 1, 2, 3]
+        assert ms[0].address(3) == "10.0.0.3:7000" and ms[0].alive(2)
+        assert ms[3].view()[1].labels == {"zone": "z1"}
+        # leave: the record goes at once (revoked lease), the others see it
+        ms[2].leave()
+        deadline = time.monotonic() + 5
+        while ms[0].alive(2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ms[0].alive(2) and ms[0].address(2) is None
+        # leases are renewed: still there after several TTLs
+        time.sleep(2.5 * TTL)
+        assert sorted(ms[1].view()) == [0, 1, 3]
+        assert ms[0].counters["keepalives"] >= 3 and not ms[0].error
+    finally:
+        for m in ms:
+            m.leave()
+
+
+def test_killed_member_is_gone_within_ttl(client, etcd_prefix):  # noqa: F811
+    watcher = Membership(client, etcd_prefix, 0, ttl_s=TTL)
+    victim = Membership(client, etcd_prefix, 1, ttl_s=TTL)
+    try:
+        watcher.join()
+        victim.join()
+        watcher.wait_for(2, timeout=5)
+        victim.stop()  # as kill -9: no revoke, renewals stop
+        t0 = time.monotonic()
+        while watcher.alive(1) and time.monotonic() - t0 < 3 * TTL:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - t0
+        assert not watcher.alive(1)
+        # etcd expires a lease between TTL and TTL + its checker's period (500 ms)
+        assert gone_after <= TTL + 1.5, gone_after
+    finally:
+        watcher.leave()
+        victim.leave()
+
+
+def test_duplicate_rank_refused_restart_waits(client, etcd_prefix):  # noqa: F811
+    first = Membership(client, etcd_prefix, 5, "a:1", ttl_s=TTL)
+    first.join()
+    try:
+        second = Membership(client, etcd_prefix, 5, "b:1", ttl_s=TTL, watch=False)
+        t0 = time.monotonic()
+        with pytest.raises(RankTaken) as ei:
+            second.join(wait_s=1.5 * TTL)
+        assert time.monotonic() - t0 >= 1.5 * TTL
+        msg = str(ei.value)
+        assert "rank 5" in msg and "a:1" in msg and "\n" not in msg
+        # the same daemon (same boot id) re-registering takes its own record back
+        again = Membership(client, etcd_prefix, 5, "a:1", ttl_s=TTL, watch=False,
+                           boot_id=first.record.boot)
+        again.join(wait_s=0)
+        again.stop()
+        # a crashed holder (no revoke): a restarted daemon waits for its lease and takes over
+        first.stop()
+        restarted = Membership(client, etcd_prefix, 5, "c:1", ttl_s=TTL)
+        t0 = time.monotonic()
+        restarted.join()  # waits up to 1.5 x TTL
+        assert restarted.view()[5].address == "c:1"
+        assert time.monotonic() - t0 <= 1.5 * TTL + 1
+        restarted.leave()
+    finally:
+        first.leave()
+
+
+# ---------------------------------------------------------------------- steps and decision
+
+def test_newest_complete_everywhere(client, etcd_prefix):  # noqa: F811
+    recs = [StepRecords(client, etcd_prefix, r, keep=3) for r in range(3)]
+    recs[0].record([10, 20, 30])
+    recs[1].record([10, 20])
+    assert recs[0].newest_complete_everywhere(3) is None  # rank 2 has not recorded
+    recs[2].record([20, 30])
+    assert recs[2].newest_complete_everywhere(3) == 20
+    recs[1].add(30)
+    assert recs[0].newest_complete_everywhere(3) == 30
+    recs[0].add(40)  # keep=3: 10 drops out of rank 0's record
+    assert recs[0].records()[0] == {20, 30, 40}
+    recs[2].drop(30)
+    assert recs[1].newest_complete_everywhere(3) == 20
+
+
+def test_racing_decisions_agree(client, etcd_prefix):  # noqa: F811
+    n = 16
+    recs = [StepRecords(client, etcd_prefix, r) for r in range(n)]
+    for r, s in enumerate(recs):
+        s.record([100, 200, 300] if r != 7 else [100, 200])  # rank 7 lacks 300
+    out: list = [None] * n
+    go = threading.Barrier(n)
+
+    def decide(r: int) -> None:
+        go.wait()
+        out[r] = recs[r].decide_restore(n, incarnation=1, wait_s=2, timeout=10)
+
+    ts = [threading.Thread(target=decide, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert all(d is not None for d in out)
+    assert all(d == out[0] for d in out), out
+    assert out[0]["step"] == 200 and out[0]["missing"] == []
+    # a rank changing its record later does not move the decision of that incarnation
+    recs[7].add(300)
+    assert recs[3].decide_restore(n, incarnation=1)["step"] == 200
+    # the next incarnation decides anew
+    assert recs[3].decide_restore(n, incarnation=2, wait_s=1)["step"] == 300
+
+
+def test_missing_rank_lowers_nothing(client, etcd_prefix):  # noqa: F811
+    recs = [StepRecords(client, etcd_prefix, r) for r in range(4)]
+    for s in recs[:3]:  # rank 3 never records (a replaced node, still starting)
+        s.record([5, 6])
+    t0 = time.monotonic()
+    d = recs[0].decide_restore(4, incarnation="job-a", wait_s=1.0, timeout=10)
+    assert time.monotonic() - t0 >= 1.0  # it waited for rank 3, bounded
+    assert d["step"] == 6 and d["missing"] == [3] and d["ranks_recorded"] == 3
+    # rank 3 recording afterwards changes nothing for this incarnation
+    recs[3].record([5])
+    assert recs[3].decide_restore(4, incarnation="job-a")["step"] == 6
+    # nothing recorded at all: null, decided after the wait
+    empty = StepRecords(client, etcd_prefix + "other/", 0)
+    assert empty.decide_restore(2, incarnation=1, wait_s=0.3)["step"] is None
+
+
+def test_decision_does_not_wait_when_all_recorded(client, etcd_prefix):  # noqa: F811
+    recs = [StepRecords(client, etcd_prefix, r) for r in range(2)]
+    recs[0].record([1])
+    recs[1].record([1, 2])
+    t0 = time.monotonic()
+    assert recs[1].decide_restore(2, incarnation=9, wait_s=30)["step"] == 1
+    assert time.monotonic() - t0 < 2
+
+
+# ---------------------------------------------------------------------- lock
+
+def test_lock_one_holder(client, etcd_prefix):  # noqa: F811
+    a = EtcdLock(client, etcd_prefix, "sweep", owner="a", ttl_s=TTL)
+    b = EtcdLock(client, etcd_prefix, "sweep", owner="b", ttl_s=TTL)
+    a.acquire(timeout=2)
+    assert a.held and a.holder().startswith("a/")
+    with pytest.raises(LockTimeout) as ei:
+        b.acquire(timeout=0.5)
+    assert "held by a/" in str(ei.value) and not b.held
+    # a fenced write of the holder applies; the same write fenced by b does not
+    k = (etcd_prefix + "guarded").encode()
+    assert client.txn([a.fence()], [put_op(k, b"a")]).succeeded
+    assert not client.txn([b.fence()], [put_op(k, b"b")]).succeeded
+    # the lock survives several TTLs (renewed)
+    time.sleep(1.5 * TTL)
+    assert a.held and a.holder().startswith("a/")
+    # b waits, and gets it as soon as a releases
+    threading.Timer(0.5, a.release).start()
+    t0 = time.monotonic()
+    b.acquire(timeout=5)
+    assert b.held and time.monotonic() - t0 < 2.5
+    assert not a.held
+    b.release()
+    assert b.holder() is None
+
+
+def test_lock_lost_with_its_lease(client, etcd_prefix):  # noqa: F811
+    a = EtcdLock(client, etcd_prefix, "sweep", owner="a", ttl_s=TTL)
+    b = EtcdLock(client, etcd_prefix, "sweep", owner="b", ttl_s=TTL)
+    a.acquire(timeout=2)
+    client.revoke(a.lease)  # the lease ends under the holder (as after a long pause)
+    t0 = time.monotonic()
+    while a.held and time.monotonic() - t0 < 2 * TTL:
+        time.sleep(0.05)
+    assert not a.held  # its next renewal told it
+    b.acquire(timeout=1)
+    assert b.held and b.holder().startswith("b/")
+    assert not client.txn([a.fence()], [put_op((etcd_prefix + "x").encode(), b"a")]).succeeded
+    a.release()
+    assert b.holder().startswith("b/")  # a's release does not touch b's lock
+    b.release()
+
+
+def test_dead_holder_lease_expires(client, etcd_prefix):  # noqa: F811
+    a = EtcdLock(client, etcd_prefix, "sweep", owner="a", ttl_s=TTL)
+    a.acquire(timeout=2)
+    a._stop.set()  # as a killed holder: renewals stop, nothing revoked
+    a._thread.join(5)
+    b = EtcdLock(client, etcd_prefix, "sweep", owner="b", ttl_s=TTL)
+    t0 = time.monotonic()
+    b.acquire(timeout=3 * TTL)
+    assert TTL - 1 <= time.monotonic() - t0 <= TTL + 1.5
+    b.release()
