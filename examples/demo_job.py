@@ -9,8 +9,9 @@ What it does (needs root or FUSE permissions, like any mtcfs mount):
 1. makes a scratch directory under /dev/shm with, per node, a RAM-tier store and a mount
    point; picks a free loopback port per node; mounts the 4 "nodes" with the CLI
    (``mtcfs JOB MNT -o store=...,rank=R,nodes=4,peers=<every address>,listen=<its own>,
-   replicas=1,scope=job``). With ``scope=job`` the four mounts are ONE POSIX directory: a
-   file closed on one node is readable on every node, names are ordered job-wide;
+   replicas=1,scope=job,coord=etcd://...``; a local etcd orders the namespace). With
+   ``scope=job`` the four mounts are ONE POSIX directory: a file closed on one node is
+   readable on every node, names are ordered job-wide;
 2. runs a 4-rank torch.distributed job (gloo on 127.0.0.1, one OS process per rank, rank i
    with its working directory on node i's mount): an MLP sharded with FSDP2
    (``fully_shard``), trained on CPU for ``--steps`` steps, saved every ``--every`` steps
@@ -401,12 +402,18 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     for d in ("logs", "digests"):
         (work / d).mkdir()
     mounts: list[MtcfsMount] = []
+    # scope=job's namespace is ordered by etcd: a one-member etcd on loopback, stopped when
+    # this process exits (a real job points coord= at its etcd cluster)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from support.etcd import shared_etcd
+    coord = shared_etcd().url
     for r in range(NODES):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         mounts.append(MtcfsMount(f"demo-job-{os.getpid()}", work / f"n{r}" / "mnt", {
             "store": str(work / f"n{r}" / "store"), "size": args.size, "rank": str(r),
             "nodes": str(NODES), "peers": peers, "listen": f"127.0.0.1:{ports[r]}",
-            "replicas": "1", "scope": "job"}))
+            "replicas": "1", "scope": "job", "coord": coord,
+            "coord_prefix": f"/mtcfs-demo/{os.getpid()}"}))
     mnts = [m.mnt for m in mounts]
     say(f"mtcfs scope=job demo: {NODES} nodes on this machine, one directory; torch "
         f"FSDP2 + DCP, gloo, one process per rank; replicas=1 (ring: node r's files have a "

@@ -232,25 +232,20 @@ def test_cli_bad_option_exit_2_nothing_mounted(shm_dir):
 
 
 def test_scope_job_options():
-    o = parse(f"rank=1,nodes=3,peers={PEERS3},scope=job")
-    assert o.scope == "job"
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},scope=job,coord=etcd://e:2379")
+    assert o.scope == "job" and o.coord == ["e:2379"]
     assert parse("").scope == "node"
-    # what acknowledges a namespace change: a majority from 3 nodes, every live node below
-    assert o.ns_quorum == "majority"
-    assert parse("rank=1,nodes=2,peers=a:1,b:1,scope=job").ns_quorum == "live"
-    assert parse(f"rank=1,nodes=3,peers={PEERS3},scope=job,ns_quorum=live").ns_quorum == "live"
-    assert parse("nodes=2,coordinator=h:1,scope=job,ns_quorum=majority").ns_quorum == "majority"
-    assert parse("").ns_quorum is None
 
 
 @pytest.mark.parametrize("opts,words", [
     ("scope=cluster", ["scope=cluster", "node or job"]),
     ("scope=job", ["scope=job", "nodes >= 2"]),
-    ("nodes=4,coordinator=h:1,scope=job,assume_data_parallelism=2", ["scope=job",
-                                                                      "assume_data_parallelism"]),
-    (f"rank=1,nodes=3,peers={PEERS3},scope=job,ns_quorum=all", ["ns_quorum=all",
-                                                                 "majority or live"]),
-    ("nodes=3,coordinator=h:1,ns_quorum=majority", ["ns_quorum=majority", "scope=job"]),
+    ("nodes=4,coordinator=h:1,scope=job,coord=etcd://e:1,assume_data_parallelism=2",
+     ["scope=job", "assume_data_parallelism"]),
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job", ["scope=job", "coord=etcd://"]),
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job,coord=etcd://e:1,ns_quorum=majority",
+     ["ns_quorum=majority", "is gone", "etcd"]),
+    ("nodes=3,coordinator=h:1,ns_quorum=live", ["ns_quorum=live", "is gone"]),
 ])
 def test_scope_option_errors_name_the_option(opts, words):
     with pytest.raises(OptionError) as ei:
@@ -266,7 +261,7 @@ def test_mtc_options():
 
 
 @pytest.mark.parametrize("opts,words", [
-    (f"rank=1,nodes=3,peers={PEERS3},scope=job,mtc", ["mtc", "scope=node"]),
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job,coord=etcd://e:1,mtc", ["mtc", "scope=node"]),
     ("jax_coordinator=h:1", ["jax_coordinator=h:1", "only with option mtc"]),
     ("mtc,jax_coordinator=nohost", ["jax_coordinator=nohost"]),
 ])

@@ -7,8 +7,8 @@ it dead (SIGKILL), hung (SIGSTOP) or corrupt (bytes flipped in its store), and r
 file bit-exact through another node's mount within the bound; the last one leaves no valid
 copy anywhere and expects EIO within the bound, named in ``mtcfs status``.
 
-4 real daemons in scope=job (``ns_quorum=live``, so that the namespace serves with two nodes
-out), ring placement with one replica: rank r's files are replicated to rank r+1.
+4 real daemons in scope=job (the namespace ordered by the tests' etcd, so it serves with
+two nodes out), ring placement with one replica: rank r's files are replicated to rank r+1.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from replication.peer.sources import ATTEMPT_S
 
 CS = 1024 * 1024
 SIZE = 2 * CS + 12345  # 3 chunks
-JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M", "ns_quorum": "live"}
+JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M"}
 WRITER, REPLICA = 2, 3  # ring placement: rank 2's replica is on rank 3
 #: What a read may take here: the fault-in deadline, plus slack for a loaded machine.
 BOUND_S = FETCH_DEADLINE_S + 15
