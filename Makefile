@@ -18,8 +18,10 @@ bench-peer:
 	$(PYTHON) -m benchmarks.bench_peer $(ARGS)
 
 # Metadata ops/s (benchmarks/bench_namespace.py): tmpfs, one mount, a 4-node scope=job
-# namespace through its leader, a member and all 4 at once (about 3 minutes).
-# make bench-namespace ARGS="--ops 200 --only node,job-member"
+# namespace on our log (job-leader, job-member, job-4x, job-8w: 4 and 8 writers) and the same
+# on a 1-member etcd it starts (etcd-rank0, etcd-member, etcd-4x, etcd-8w); about 20 minutes
+# at --ops 400, mostly etcd. Pick engines or targets:
+# make bench-namespace ARGS="--ops 200 --engines etcd"  or  ARGS="--only node,job-member"
 .PHONY: bench-namespace
 bench-namespace:
 	$(PYTHON) -m benchmarks.bench_namespace $(ARGS)

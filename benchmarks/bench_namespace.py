@@ -1,8 +1,10 @@
-"""6. Metadata operations per second: tmpfs, one mtcfs mount, a 4-node ``scope=job`` namespace.
+"""6. Metadata operations per second: tmpfs, one mtcfs mount, a 4-node ``scope=job`` namespace
+ordered by our own log and by etcd.
 
-``python -m benchmarks.bench_namespace [--ops 500] [--listings 20] [--reps 3] [--json OUT]``
-(or ``make bench-namespace``). Each repeat runs five phases, one after the other, in a
-fresh step directory (``step_<n>``) and times each as operations per second:
+``python -m benchmarks.bench_namespace [--ops 500] [--listings 20] [--reps 3]
+[--engines log,etcd] [--only TARGETS] [--json OUT]`` (or ``make bench-namespace``). Each
+repeat runs five phases, one after the other, in a fresh step directory (``step_<n>``) and
+times each as operations per second:
 
 ``create``   create + write 4 KiB + close of ``--ops`` files (``f000000``, ...; every file's
              bytes differ, so nothing deduplicates)
@@ -15,8 +17,9 @@ on these targets (the order rotates each repeat):
 
 ``tmpfs``       a directory under /dev/shm
 ``node``        one mtcfs daemon (scope=node)
-``job-leader``  4 daemons with ``scope=job,replicas=1``, every op through the leader's mount
-                (a fresh 4-node cluster each repeat, shared by the three job targets)
+``job-leader``  4 daemons with ``scope=job,replicas=1`` on our own namespace log, every op
+                through the leader's mount (a fresh 4-node cluster each repeat, shared by
+                the four job targets)
 ``job-member``  the same namespace, every op through a member's mount (rank 3): each
                 namespace op is a gRPC round trip to the leader, which orders it and has
                 every node apply it before it returns
@@ -25,12 +28,29 @@ on these targets (the order rotates each repeat):
                 listings are of directories 4x smaller): aggregate ops/s, all their ops over
                 the time from the first start to the last end of the phase; the processes
                 start each phase together
+``job-8w``      as ``job-4x`` with 8 processes, 2 per node, ``--ops / 8`` files each
+``etcd-rank0``, ``etcd-member``, ``etcd-4x``, ``etcd-8w``
+                the same four on 4 daemons with ``scope=job,replicas=1,coord=etcd://...``:
+                the namespace is ordered by a 1-member etcd this benchmark starts on
+                loopback (data on /dev/shm, one etcd for the whole run). There is no leader:
+                ``etcd-rank0`` is rank 0's mount, ``etcd-member`` rank 3's. Each repeat is a
+                fresh 4-node cluster under its own job name, hence its own key prefix
+                (``/mtcfs/<job>/``) in the same etcd. A change is a create-if-absent txn in
+                etcd that returns once the node's watch has delivered (and applied) it; a
+                lookup waits for one linearizable read barrier.
+
+``--engines`` picks the job targets by engine (``log``, ``etcd``, or both, the default);
+``--only`` picks targets by name. The log cluster and the etcd cluster of a repeat never run
+at the same time.
 
 Besides ops/s, the JSON and the second table give, per op, the CPU seconds each daemon
-spent (``utime + stime`` from ``/proc``) and how many namespace-log ops it took (the
-job's ``seq``; scope=job only; the JSON also has the log position each phase started at).
-Medians of ``--reps`` repeats. Everything goes to
-``bench-results/namespace-<timestamp>.json`` unless ``--json`` names another file.
+spent (``utime + stime`` from ``/proc``), for the etcd targets etcd's own CPU too, and how
+many namespace-log ops it took: for our log the job's ``seq`` (the leader's); for etcd the
+``seq`` of rank 0's namespace status, which is the etcd revision of the last op it applied,
+so "log ops" there counts etcd revisions (every write to the job's keys, ops and anything
+else). The JSON also has the log position each phase started at. Medians of ``--reps``
+repeats. Everything goes to ``bench-results/namespace-<timestamp>.json`` unless ``--json``
+names another file.
 """
 
 from __future__ import annotations
@@ -47,6 +67,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +94,11 @@ JOB = "bench"
 NODES = 4
 JOB_OPTIONS = {"scope": "job", "replicas": 1}
 FILE_SIZE = 4 * KiB
-TARGETS = ("tmpfs", "node", "job-leader", "job-member", "job-4x")
+LOG_TARGETS = ("job-leader", "job-member", "job-4x", "job-8w")
+ETCD_TARGETS = ("etcd-rank0", "etcd-member", "etcd-4x", "etcd-8w")
+TARGETS = ("tmpfs", "node") + LOG_TARGETS + ETCD_TARGETS
+ENGINES = {"log": LOG_TARGETS, "etcd": ETCD_TARGETS}
+WRITERS_PER_NODE_8W = 2
 BARRIER_TIMEOUT_S = 600.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _BLOCK = os.urandom(FILE_SIZE)
@@ -170,21 +195,26 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass
 class Meter:
-    """Marks taken between phases: the CPU seconds of each daemon and the job's log seq."""
+    """Marks taken between phases: the CPU seconds of each daemon (and of etcd, when there
+    is one) and the job's log seq."""
 
     pids: list[int]
     seq: Callable[[], int] | None = None
-    marks: list[tuple[list[float], int | None]] = field(default_factory=list)
+    etcd_pid: int | None = None
+    marks: list[tuple[list[float], int | None, float | None]] = field(default_factory=list)
 
     def mark(self) -> None:
         self.marks.append(([cpu_seconds(p) for p in self.pids],
-                           self.seq() if self.seq else None))
+                           self.seq() if self.seq else None,
+                           cpu_seconds(self.etcd_pid) if self.etcd_pid else None))
 
-    def phase(self, i: int) -> tuple[list[float], int | None]:
-        """CPU seconds per daemon and log ops between mark ``i`` and mark ``i + 1``."""
-        (c0, s0), (c1, s1) = self.marks[i], self.marks[i + 1]
+    def phase(self, i: int) -> tuple[list[float], int | None, float | None]:
+        """CPU seconds per daemon, log ops and etcd's CPU seconds between mark ``i`` and
+        mark ``i + 1``."""
+        (c0, s0, e0), (c1, s1, e1) = self.marks[i], self.marks[i + 1]
         cpu = [b - a for a, b in zip(c0, c1)]
-        return cpu, (s1 - s0 if s0 is not None and s1 is not None else None)
+        return (cpu, (s1 - s0 if s0 is not None and s1 is not None else None),
+                (e1 - e0 if e0 is not None and e1 is not None else None))
 
 
 # ---------------------------------------------------------------------- targets
@@ -198,6 +228,7 @@ class Target:
     bases: list[Path]          # one per process; each repeat makes a step dir in each
     pids: list[int]            # daemons whose CPU is counted, in rank order
     seq: Callable[[], int] | None = None
+    etcd_pid: int | None = None  # etcd's process, counted apart from the daemons
 
 
 def ns_status(mount: Any) -> dict[str, Any]:
@@ -216,12 +247,37 @@ def job_targets(cluster: Any) -> list[Target]:
     def seq() -> int:
         return int(ns_status(mounts[leader])["seq"])
 
+    w8 = WRITERS_PER_NODE_8W
     return [Target("job-leader", f"job, rank {leader} (leader)", [mounts[leader].mnt], pids,
                    seq),
             Target("job-member", f"job, rank {member} (member)", [mounts[member].mnt], pids,
                    seq),
             Target("job-4x", f"job, {cluster.nodes} ranks at once",
-                   [m.mnt for m in mounts], pids, seq)]
+                   [m.mnt for m in mounts], pids, seq),
+            Target("job-8w", f"job, {w8 * cluster.nodes} writers ({w8} per rank)",
+                   [m.mnt for m in mounts for _ in range(w8)], pids, seq)]
+
+
+def etcd_targets(cluster: Any, etcd_pid: int) -> list[Target]:
+    """The same four ways on a namespace ordered by etcd (no leader: rank 0 and rank 3).
+    "log ops" is rank 0's ``seq``: the etcd revision of the last op it applied."""
+    mounts = [cluster.node(r) for r in range(cluster.nodes)]
+    pids = [m.pid for m in mounts]
+    member = cluster.nodes - 1
+    wait_until(lambda: ns_status(mounts[0]).get("engine") == "etcd", 60,
+               "the job namespace to be on etcd", interval=0.2)
+
+    def seq() -> int:
+        return int(ns_status(mounts[0])["seq"])
+
+    w8 = WRITERS_PER_NODE_8W
+    return [Target("etcd-rank0", "etcd, rank 0", [mounts[0].mnt], pids, seq, etcd_pid),
+            Target("etcd-member", f"etcd, rank {member}", [mounts[member].mnt], pids, seq,
+                   etcd_pid),
+            Target("etcd-4x", f"etcd, {cluster.nodes} ranks at once",
+                   [m.mnt for m in mounts], pids, seq, etcd_pid),
+            Target("etcd-8w", f"etcd, {w8 * cluster.nodes} writers ({w8} per rank)",
+                   [m.mnt for m in mounts for _ in range(w8)], pids, seq, etcd_pid)]
 
 
 @contextlib.contextmanager
@@ -241,26 +297,54 @@ def local_targets(root: Path, keys: list[str]) -> Iterator[list[Target]]:
 
 
 @contextlib.contextmanager
-def job_cluster(root: Path, keys: list[str]) -> Iterator[list[Target]]:
+def job_cluster(root: Path, keys: list[str], etcd: Any = None) -> Iterator[list[Target]]:
     """A fresh scope=job cluster at ``root`` and its targets among ``keys`` (none if no
-    job target is asked for); unmounted and removed on exit.
+    target of its engine is asked for); unmounted and removed on exit. With ``etcd`` (a
+    started ``tests.support.etcd.EtcdCluster``) the namespace is ordered by it
+    (``coord=``), under a job name of its own, so a key prefix no earlier repeat used.
 
     Fresh each repeat: the leader's cost per op grows with the length of its log (see
     benchmarks/README.md), so every repeat starts from an empty one.
     """
-    if not any(k.startswith("job-") for k in keys):
+    engine = ETCD_TARGETS if etcd is not None else LOG_TARGETS
+    if not any(k in engine for k in keys):
         yield []
         return
     from tests.support.cluster import Cluster
 
-    log(f"mounting {NODES} daemons with scope=job")
-    c = Cluster(root, NODES, job=JOB, options=JOB_OPTIONS)
+    if etcd is None:
+        job, options = JOB, JOB_OPTIONS
+    else:
+        job = f"{JOB}-{uuid.uuid4().hex[:8]}"
+        options = {**JOB_OPTIONS, "coord": etcd.url}
+    log(f"mounting {NODES} daemons with scope=job" + (f" on etcd (/mtcfs/{job}/)" if etcd
+                                                        else ""))
+    c = Cluster(root, NODES, job=job, options=options)
     try:
         c.start()
-        yield [t for t in job_targets(c) if t.key in keys]
+        targets = etcd_targets(c, etcd.procs[0].pid) if etcd is not None else job_targets(c)
+        yield [t for t in targets if t.key in keys]
     finally:
         c.cleanup()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def etcd_server(root: Path, keys: list[str]) -> Iterator[Any]:
+    """One etcd member on loopback, data under ``root`` (on /dev/shm), if an etcd target is
+    asked for (else None); stopped and removed on exit."""
+    if not any(k in ETCD_TARGETS for k in keys):
+        yield None
+        return
+    from tests.support.etcd import EtcdCluster
+
+    log("starting a 1-member etcd on loopback")
+    e = EtcdCluster(root, 1)
+    try:
+        e.start()
+        yield e
+    finally:
+        e.stop()
 
 
 # ---------------------------------------------------------------------- one measurement
@@ -318,9 +402,10 @@ def summarize(all_spans: list[Spans], meter: Meter) -> dict[str, dict[str, Any]]
     for i, name in enumerate(PHASES):
         ops = sum(s[name][2] for s in all_spans)
         secs = max(s[name][1] for s in all_spans) - min(s[name][0] for s in all_spans)
-        cpu, log_ops = meter.phase(i)
+        cpu, log_ops, etcd_cpu = meter.phase(i)
         out[name] = {"ops": ops, "seconds": secs, "ops_per_s": ops / secs if secs else None,
-                     "daemon_cpu_s": cpu, "log_ops": log_ops, "log_seq_start": meter.marks[i][1]}
+                     "daemon_cpu_s": cpu, "etcd_cpu_s": etcd_cpu, "log_ops": log_ops,
+                     "log_seq_start": meter.marks[i][1]}
     return out
 
 
@@ -330,7 +415,7 @@ def measure(t: Target, step: int, n: int, listings: int) -> dict[str, dict[str, 
     per = max(1, n // len(t.bases))
     works = [Work(b / f"step_{step + i}", per, listings, seed=step + i)
              for i, b in enumerate(t.bases)]
-    meter = Meter(t.pids, t.seq)
+    meter = Meter(t.pids, t.seq, t.etcd_pid)
     if len(works) == 1:
         spans = [run_phases(works[0], meter.mark)]
     else:
@@ -370,16 +455,26 @@ def _rotate(xs: list[Target], k: int) -> list[Target]:
 
 
 def run_all(root: Path, keys: list[str], n: int, listings: int, reps: int) -> Runs:
-    """Every target ``reps`` times; the job cluster is new each repeat. The order of the
-    local targets, and of the job targets (which share the cluster's log), rotates each
+    """Every target ``reps`` times; the job clusters (one on our log, then one on etcd) are
+    new each repeat, one at a time; etcd is one server for the whole run. The order of the
+    local targets, and of each cluster's targets (which share its log), rotates each
     repeat."""
     out = Runs(keys)
-    with local_targets(root, keys) as local:
+    with local_targets(root, keys) as local, etcd_server(root / "etcd", keys) as etcd:
         for rep in range(reps):
-            with job_cluster(root / f"job{rep}", keys) as jobs:
-                for j, t in enumerate(_rotate(local, rep) + _rotate(jobs, rep)):
-                    step = 1000 * (rep + 1) + 10 * j
-                    out.record(t, functools.partial(measure, t, step, n, listings))
+            j = 0
+            for t in _rotate(local, rep):
+                out.record(t, functools.partial(measure, t, 1000 * (rep + 1) + 10 * j, n,
+                                                listings))
+                j += 1
+            for name, server in (("job", None), ("etcdjob", etcd)):
+                if name == "etcdjob" and etcd is None:
+                    continue
+                with job_cluster(root / f"{name}{rep}", keys, server) as jobs:
+                    for t in _rotate(jobs, rep):
+                        step = 1000 * (rep + 1) + 10 * j
+                        out.record(t, functools.partial(measure, t, step, n, listings))
+                        j += 1
             log(f"rep {rep + 1}/{reps}: " + ", ".join(
                 f"{key} create {fmt(v[-1]['create']['ops_per_s'], 0)}/s"
                 for key, v in out.runs.items() if v))
@@ -402,9 +497,15 @@ def throughput_table(r: Runs, n: int, listings: int, reps: int) -> BenchResult:
             for key, _ in r.shown()])
     res.notes.append("create = open(O_CREAT|O_TRUNC) + write 4 KiB + close; readdir counts "
                      "listings of the whole directory")
-    res.notes.append(f"job-4x: {NODES} processes at once, one per node, each with "
+    res.notes.append(f"job-4x / etcd-4x: {NODES} processes at once, one per node, each with "
                      f"{max(1, n // NODES)} files in its own directory (its listings are of "
                      f"that smaller directory); aggregate ops/s")
+    w = WRITERS_PER_NODE_8W * NODES
+    res.notes.append(f"job-8w / etcd-8w: {w} processes at once, {WRITERS_PER_NODE_8W} per "
+                     f"node, each with {max(1, n // w)} files in its own directory; "
+                     f"aggregate ops/s")
+    res.notes.append("job-*: our namespace log (a leader orders every op); etcd-*: ordered "
+                     "by a 1-member etcd on loopback (coord=etcd://...)")
     return res
 
 
@@ -417,10 +518,14 @@ def cost_table(r: Runs) -> BenchResult:
     """Daemon CPU and namespace-log ops per op, per target and phase (no tmpfs)."""
     watched = [key for key, _ in r.shown() if r.runs[key][0]["create"]["daemon_cpu_s"]]
     ranks = max((len(r.runs[key][0]["create"]["daemon_cpu_s"]) for key in watched), default=0)
+    with_etcd = any(r.runs[key][0]["create"].get("etcd_cpu_s") is not None
+                    for key in watched)
     res = BenchResult("cost", "6b. Cost per op: wall ms (1 / ops/s), daemon CPU ms summed "
-                      "and per rank, namespace-log ops",
+                      "and per rank, " + ("etcd's CPU ms, " if with_etcd else "")
+                      + "namespace-log ops",
                       ["target / phase", "wall ms", "CPU ms"]
-                      + [f"rank {i}" for i in range(ranks)] + ["log ops"])
+                      + [f"rank {i}" for i in range(ranks)]
+                      + (["etcd ms"] if with_etcd else []) + ["log ops"])
     for key in watched:
         rs = r.runs[key]
         nodes = len(rs[0]["create"]["daemon_cpu_s"])
@@ -431,16 +536,31 @@ def cost_table(r: Runs) -> BenchResult:
                 else None))
             per_rank = [fmt(median(_phase_values(rs, phase, lambda p, i=i: _per_op_ms(p, i))))
                         for i in range(nodes)]
+            etcd_ms = median(_phase_values(
+                rs, phase, lambda p: 1000 * p["etcd_cpu_s"] / p["ops"]
+                if p.get("etcd_cpu_s") is not None else None))
             res.rows.append([f"{key} {phase}", fmt(1000 / ops_s if ops_s else None, 3),
                              fmt(median(_phase_values(rs, phase, _per_op_ms)))]
-                            + per_rank + ["-"] * (ranks - len(per_rank)) + [fmt(log_ops)])
+                            + per_rank + ["-"] * (ranks - len(per_rank))
+                            + ([fmt(etcd_ms)] if with_etcd else []) + [fmt(log_ops)])
     res.notes.append("CPU is utime+stime of each daemon process over the phase (clock-tick "
                      "resolution); the benchmark's own processes and the kernel's FUSE work "
-                     "in them are not counted")
+                     "in them are not counted; 'CPU ms' sums the daemons, 'etcd ms' is the "
+                     "etcd server's apart")
+    res.notes.append("log ops: job-* the leader's seq (ordered ops); etcd-* rank 0's seq, "
+                     "the etcd revision of the last op it applied (etcd revisions per op)")
     return res
 
 
 # ---------------------------------------------------------------------- command
+
+def parse_engines(text: str) -> list[str]:
+    keys = [k for k in text.replace(" ", ",").split(",") if k]
+    bad = [k for k in keys if k not in ENGINES]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(f"--engines takes {','.join(ENGINES)}, got {text!r}")
+    return keys
+
 
 def parse_targets(text: str) -> list[str]:
     keys = [k for k in text.replace(" ", ",").split(",") if k]
@@ -460,6 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repeats per target (median)")
     p.add_argument("--only", type=parse_targets, default=list(TARGETS),
                    help=f"comma-separated targets: {','.join(TARGETS)} (default all)")
+    p.add_argument("--engines", type=parse_engines, default=list(ENGINES),
+                   help="job namespace engines to measure: log (job-*), etcd (etcd-*) or "
+                   "log,etcd (default)")
     p.add_argument("--json", type=Path, help="results file (default "
                    "bench-results/namespace-<timestamp>.json)")
     return p.parse_args(argv)
@@ -469,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.run import render
 
     a = parse_args(argv)
+    dropped = {k for e, ks in ENGINES.items() if e not in a.engines for k in ks}
+    a.only = [k for k in a.only if k not in dropped]
+    if not a.only:
+        print("no target left after --engines", file=sys.stderr)
+        return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_path = a.json or REPO / "bench-results" / f"namespace-{stamp}.json"
     info = machine_info()
@@ -482,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                              "benchmarks.bench_namespace"]
                             + (argv if argv is not None else sys.argv[1:])),
         "ops": a.ops, "listings": a.listings, "reps": a.reps, "file_size": FILE_SIZE,
-        "nodes": NODES, "job_options": JOB_OPTIONS, "machine": info, "results": {},
+        "nodes": NODES, "job_options": JOB_OPTIONS, "engines": a.engines, "machine": info,
+        "results": {},
         "errors": {}}
     t0 = time.perf_counter()
     with scratch_dir(SCRATCH_SHM, "ns") as root:
