@@ -1,8 +1,9 @@
 """6. Metadata operations per second: tmpfs, one mtcfs mount, a 4-node ``scope=job`` namespace
-ordered by our own log and by etcd.
+ordered by etcd (issue 13; the home-made log it replaced was measured in the same run as
+etcd before it was removed: docs/benchmarks.md, 6c).
 
 ``python -m benchmarks.bench_namespace [--ops 500] [--listings 20] [--reps 3]
-[--engines log,etcd] [--only TARGETS] [--json OUT]`` (or ``make bench-namespace``). Each
+[--only TARGETS] [--json OUT]`` (or ``make bench-namespace``). Each
 repeat runs five phases, one after the other, in a fresh step directory (``step_<n>``) and
 times each as operations per second:
 
@@ -17,20 +18,8 @@ on these targets (the order rotates each repeat):
 
 ``tmpfs``       a directory under /dev/shm
 ``node``        one mtcfs daemon (scope=node)
-``job-leader``  4 daemons with ``scope=job,replicas=1`` on our own namespace log, every op
-                through the leader's mount (a fresh 4-node cluster each repeat, shared by
-                the four job targets)
-``job-member``  the same namespace, every op through a member's mount (rank 3): each
-                namespace op is a gRPC round trip to the leader, which orders it and has
-                every node apply it before it returns
-``job-4x``      4 processes at once, one per node, each in its own step directory with
-                ``--ops / 4`` files (the same work as the other targets, split 4 ways; its
-                listings are of directories 4x smaller): aggregate ops/s, all their ops over
-                the time from the first start to the last end of the phase; the processes
-                start each phase together
-``job-8w``      as ``job-4x`` with 8 processes, 2 per node, ``--ops / 8`` files each
 ``etcd-rank0``, ``etcd-member``, ``etcd-4x``, ``etcd-8w``
-                the same four on 4 daemons with ``scope=job,replicas=1,coord=etcd://...``:
+                4 daemons with ``scope=job,replicas=1,coord=etcd://...``:
                 the namespace is ordered by a 1-member etcd this benchmark starts on
                 loopback (data on /dev/shm, one etcd for the whole run). There is no leader:
                 ``etcd-rank0`` is rank 0's mount, ``etcd-member`` rank 3's. Each repeat is a
@@ -39,14 +28,13 @@ on these targets (the order rotates each repeat):
                 etcd that returns once the node's watch has delivered (and applied) it; a
                 lookup waits for one linearizable read barrier.
 
-``--engines`` picks the job targets by engine (``log``, ``etcd``, or both, the default);
-``--only`` picks targets by name. The log cluster and the etcd cluster of a repeat never run
-at the same time.
+``etcd-4x``: 4 processes at once, one per node, each in its own step directory with
+``--ops / 4`` files (aggregate ops/s over the time from the first start to the last end);
+``etcd-8w``: 8 processes, 2 per node. ``--only`` picks targets by name.
 
 Besides ops/s, the JSON and the second table give, per op, the CPU seconds each daemon
 spent (``utime + stime`` from ``/proc``), for the etcd targets etcd's own CPU too, and how
-many namespace-log ops it took: for our log the job's ``seq`` (the leader's); for etcd the
-``seq`` of rank 0's namespace status, which is the etcd revision of the last op it applied,
+many namespace-log ops it took: the ``seq`` of rank 0's namespace status, which is the etcd revision of the last op it applied,
 so "log ops" there counts etcd revisions (every write to the job's keys, ops and anything
 else). The JSON also has the log position each phase started at. Medians of ``--reps``
 repeats. Everything goes to ``bench-results/namespace-<timestamp>.json`` unless ``--json``
@@ -94,10 +82,9 @@ JOB = "bench"
 NODES = 4
 JOB_OPTIONS = {"scope": "job", "replicas": 1}
 FILE_SIZE = 4 * KiB
-LOG_TARGETS = ("job-leader", "job-member", "job-4x", "job-8w")
 ETCD_TARGETS = ("etcd-rank0", "etcd-member", "etcd-4x", "etcd-8w")
-TARGETS = ("tmpfs", "node") + LOG_TARGETS + ETCD_TARGETS
-ENGINES = {"log": LOG_TARGETS, "etcd": ETCD_TARGETS}
+TARGETS = ("tmpfs", "node") + ETCD_TARGETS
+ENGINES = {"etcd": ETCD_TARGETS}
 WRITERS_PER_NODE_8W = 2
 BARRIER_TIMEOUT_S = 600.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -235,29 +222,6 @@ def ns_status(mount: Any) -> dict[str, Any]:
     return mount.status().get("namespace") or {}
 
 
-def job_targets(cluster: Any) -> list[Target]:
-    """The three ways of using the job namespace; the leader is whichever rank leads."""
-    wait_until(lambda: ns_status(cluster.node(0)).get("leader") is not None, 60,
-               "the job namespace to have a leader", interval=0.2)
-    leader = int(ns_status(cluster.node(0))["leader"])
-    member = max(r for r in range(cluster.nodes) if r != leader)
-    mounts = [cluster.node(r) for r in range(cluster.nodes)]
-    pids = [m.pid for m in mounts]
-
-    def seq() -> int:
-        return int(ns_status(mounts[leader])["seq"])
-
-    w8 = WRITERS_PER_NODE_8W
-    return [Target("job-leader", f"job, rank {leader} (leader)", [mounts[leader].mnt], pids,
-                   seq),
-            Target("job-member", f"job, rank {member} (member)", [mounts[member].mnt], pids,
-                   seq),
-            Target("job-4x", f"job, {cluster.nodes} ranks at once",
-                   [m.mnt for m in mounts], pids, seq),
-            Target("job-8w", f"job, {w8 * cluster.nodes} writers ({w8} per rank)",
-                   [m.mnt for m in mounts for _ in range(w8)], pids, seq)]
-
-
 def etcd_targets(cluster: Any, etcd_pid: int) -> list[Target]:
     """The same four ways on a namespace ordered by etcd (no leader: rank 0 and rank 3).
     "log ops" is rank 0's ``seq``: the etcd revision of the last op it applied."""
@@ -303,26 +267,20 @@ def job_cluster(root: Path, keys: list[str], etcd: Any = None) -> Iterator[list[
     started ``tests.support.etcd.EtcdCluster``) the namespace is ordered by it
     (``coord=``), under a job name of its own, so a key prefix no earlier repeat used.
 
-    Fresh each repeat: the leader's cost per op grows with the length of its log (see
-    benchmarks/README.md), so every repeat starts from an empty one.
+    Fresh each repeat, so every repeat starts from an empty namespace.
     """
-    engine = ETCD_TARGETS if etcd is not None else LOG_TARGETS
-    if not any(k in engine for k in keys):
+    if etcd is None or not any(k in ETCD_TARGETS for k in keys):
         yield []
         return
     from tests.support.cluster import Cluster
 
-    if etcd is None:
-        job, options = JOB, JOB_OPTIONS
-    else:
-        job = f"{JOB}-{uuid.uuid4().hex[:8]}"
-        options = {**JOB_OPTIONS, "coord": etcd.url}
-    log(f"mounting {NODES} daemons with scope=job" + (f" on etcd (/mtcfs/{job}/)" if etcd
-                                                        else ""))
+    job = f"{JOB}-{uuid.uuid4().hex[:8]}"
+    options = {**JOB_OPTIONS, "coord": etcd.url, "coord_prefix": f"/mtcfs-bench/{job}"}
+    log(f"mounting {NODES} daemons with scope=job on etcd (/mtcfs-bench/{job}/)")
     c = Cluster(root, NODES, job=job, options=options)
     try:
         c.start()
-        targets = etcd_targets(c, etcd.procs[0].pid) if etcd is not None else job_targets(c)
+        targets = etcd_targets(c, etcd.procs[0].pid)
         yield [t for t in targets if t.key in keys]
     finally:
         c.cleanup()
@@ -467,9 +425,7 @@ def run_all(root: Path, keys: list[str], n: int, listings: int, reps: int) -> Ru
                 out.record(t, functools.partial(measure, t, 1000 * (rep + 1) + 10 * j, n,
                                                 listings))
                 j += 1
-            for name, server in (("job", None), ("etcdjob", etcd)):
-                if name == "etcdjob" and etcd is None:
-                    continue
+            for name, server in (("etcdjob", etcd),):
                 with job_cluster(root / f"{name}{rep}", keys, server) as jobs:
                     for t in _rotate(jobs, rep):
                         step = 1000 * (rep + 1) + 10 * j
@@ -497,15 +453,14 @@ def throughput_table(r: Runs, n: int, listings: int, reps: int) -> BenchResult:
             for key, _ in r.shown()])
     res.notes.append("create = open(O_CREAT|O_TRUNC) + write 4 KiB + close; readdir counts "
                      "listings of the whole directory")
-    res.notes.append(f"job-4x / etcd-4x: {NODES} processes at once, one per node, each with "
+    res.notes.append(f"etcd-4x: {NODES} processes at once, one per node, each with "
                      f"{max(1, n // NODES)} files in its own directory (its listings are of "
                      f"that smaller directory); aggregate ops/s")
     w = WRITERS_PER_NODE_8W * NODES
-    res.notes.append(f"job-8w / etcd-8w: {w} processes at once, {WRITERS_PER_NODE_8W} per "
+    res.notes.append(f"etcd-8w: {w} processes at once, {WRITERS_PER_NODE_8W} per "
                      f"node, each with {max(1, n // w)} files in its own directory; "
                      f"aggregate ops/s")
-    res.notes.append("job-*: our namespace log (a leader orders every op); etcd-*: ordered "
-                     "by a 1-member etcd on loopback (coord=etcd://...)")
+    res.notes.append("etcd-*: ordered by a 1-member etcd on loopback (coord=etcd://...)")
     return res
 
 
@@ -547,8 +502,8 @@ def cost_table(r: Runs) -> BenchResult:
                      "resolution); the benchmark's own processes and the kernel's FUSE work "
                      "in them are not counted; 'CPU ms' sums the daemons, 'etcd ms' is the "
                      "etcd server's apart")
-    res.notes.append("log ops: job-* the leader's seq (ordered ops); etcd-* rank 0's seq, "
-                     "the etcd revision of the last op it applied (etcd revisions per op)")
+    res.notes.append("log ops: rank 0's seq, the etcd revision of the last op it applied "
+                     "(etcd revisions per op)")
     return res
 
 
@@ -581,8 +536,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", type=parse_targets, default=list(TARGETS),
                    help=f"comma-separated targets: {','.join(TARGETS)} (default all)")
     p.add_argument("--engines", type=parse_engines, default=list(ENGINES),
-                   help="job namespace engines to measure: log (job-*), etcd (etcd-*) or "
-                   "log,etcd (default)")
+                   help="job namespace engines to measure: etcd (etcd-*; the default)")
     p.add_argument("--json", type=Path, help="results file (default "
                    "bench-results/namespace-<timestamp>.json)")
     return p.parse_args(argv)

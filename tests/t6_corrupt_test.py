@@ -152,10 +152,11 @@ def test_the_scrub_marks_a_corrupt_chunk_it_cannot_repair_and_reads_fail(make_mo
         assert os.pread(fh.fileno(), CHUNK, CHUNK) == data[CHUNK:]
 
 
-def test_scope_job_a_rejoining_node_verifies_the_files_it_kept(make_cluster):
+def test_scope_job_a_rejoining_node_verifies_the_files_it_kept(make_cluster, monkeypatch):
     """scope=job: a node that restarts keeps its own files through the job's namespace
     snapshot (the new version takes the old data file over). A byte changed while it was
     down is still caught by the first read, and the right bytes come from the replica."""
+    monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")  # the log is folded while rank 1 is down
     c = make_cluster(2, options={"scope": "job", "replicas": 1, "chunk_size": "256K"})
     data = _data(3 * CHUNK + 77, 7)
     d = c.node(0).path("step_5")
@@ -165,10 +166,13 @@ def test_scope_job_a_rejoining_node_verifies_the_files_it_kept(make_cluster):
     c.wait_replicated(1, "step_5")
     c.stop(1)
     _flip(_data_file(c.node(1).store, "step_5", "__1_0.distcp"), CHUNK + 5)
-    # The job moves on and its leader restarts (its log's tail is lost): rank 1 is behind
-    # and joins by installing a snapshot, keeping the file it wrote.
-    c.node(0).path("step_6").mkdir()
-    c.restart(0)
+    # The job moves on and folds its namespace log into a new base: rank 1 is behind it
+    # and joins by installing that snapshot, keeping the file it wrote.
+    trims = c.status(0)["namespace"].get("log_trims", 0)
+    for i in range(6, 12):
+        c.node(0).path(f"step_{i}").mkdir()
+    c.node(0).wait_for(lambda: c.status(0)["namespace"].get("log_trims", 0) > trims, 30,
+                       "the namespace log folded")
     c.restart(1)
     assert c.status(1)["namespace"].get("snapshots_installed", 0) >= 1
     assert c.node(1).path("step_5", "__1_0.distcp").read_bytes() == data
