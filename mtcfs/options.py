@@ -553,7 +553,8 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "evict_unsaved",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model", "scope", "ns_quorum", "mtc", "jax_coordinator",
+          "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model",
+          "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.

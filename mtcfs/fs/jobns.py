@@ -1,13 +1,13 @@
 """scope=job: the core's side of the job-wide namespace (docs/consistency.md).
 
 A part of :class:`mtcfs.fs.core.Filesystem` (mixed in). Every namespace change of a
-scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log`` (the job
-namespace service, :mod:`replication.jobns`) has the coordinator order each op into the job's
-log and every node apply it, in log order, with :meth:`ns_apply`. Applying is deterministic
-and synchronous (one trio step, one SQLite transaction): every node that applied ops 1..n
+scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log``
+(:mod:`replication.jobns.etcd_log`) has etcd order each op into the job's log, and every
+node applies it, in log order, with :meth:`ns_apply`. Applying is deterministic and
+synchronous (one trio step, one SQLite transaction): every node that applied the same ops
 holds the same namespace, with the same inode numbers, because only :meth:`ns_apply`
-allocates them. The coordinator validates an op by applying it first; the errno that refuses
-it is the application's answer.
+allocates them. The errno with which applying refuses an op (the same on every node) is
+the answer to the system call that made it.
 
 The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
 applied it. File data never travels in ops, except the bytes of small files (every DCP rank
@@ -28,7 +28,7 @@ rename      parent, name, new_parent, new_name, flags
 setattr     ino, mode, uid, gid, atime_ns, mtime_ns (None: unchanged)
 publish     ino, vid (at the origin), size, chunk_size, chunks, blake3, mtime_ns,
             data (base64, files up to INLINE_BYTES)
-noop        (none: a new leader's first op under a quorum; changes nothing)
+noop        (none: changes nothing; kept for logs written before etcd ordered them)
 ==========  ==================================================================
 """
 
@@ -134,7 +134,7 @@ class JobNamespaceOps:
             this node reads it keeps its content here).
 
         Raises:
-            FsError: the op is refused (the coordinator answers the submitter with it).
+            FsError: the op is refused (the submitter's system call gets that errno).
         """
         fn = getattr(self, "_apply_" + op["op"], None)
         if fn is None:
