@@ -352,9 +352,11 @@ class JobNamespaceOps:
                 e["rdev"] = ino.rdev
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
-                if v.sealed and v.sealing is None and not v.writers:
+                if v.sealed and v.sealing is None and not v.writers and not v.publishing \
+                        and not v.seal_error:
                     e["version"] = self._published(v, self.rank if v.origin < 0 else v.origin)
-                else:  # being written here: the job knows the last published version
+                else:  # being written or published here, or its publication failed: the
+                    # job knows the last published version
                     e["version"] = ino.published or {
                         "size": 0, "chunk_size": v.chunk_size, "chunks": [],
                         "blake3": EMPTY_BLAKE3, "rank": self.rank}

@@ -81,6 +81,10 @@ PAGE_OPS = 500
 SEED_WAIT_S = 10.0
 #: Seconds between an idle node's checks that etcd did not lose data.
 CHECK_S = 2.0
+#: Seconds the best candidate to seed may take (its restore from the backup tier included)
+#: before another node seeds instead, and the lease of a candidate record.
+SEED_TAKEOVER_S = 150.0
+CANDIDATE_TTL_S = 10
 #: etcd calls of the namespace at once (their own thread pool: a slow etcd never takes the
 #: threads the data path hashes and fetches with).
 ETCD_THREADS = 16
@@ -131,6 +135,7 @@ class EtcdNamespace:
         self._seen_rev = 0            # highest store revision etcd reported
         self._base: dict[str, Any] = {}
         self._base_mod = 0            # mod revision of ns/base as last read
+        self._base_create = 0         # its create revision: the keyspace's identity
         self._since_base = 0          # ops applied after the base this node knows
         self._barrier_running: Any = None   # (event, box) of the barrier read in flight
         self._barrier_next: Any = None      # the one the reads that came later share
@@ -161,11 +166,22 @@ class EtcdNamespace:
         deadline = time.monotonic() + self.timeout_s
         while True:
             await self._check_serving(deadline)
+            # Only into the keyspace this node joined: the base's create revision is its
+            # identity (a wiped and reseeded etcd has another), so an op never lands in a
+            # keyspace with no base, or one this node has not caught up with.
+            same_base = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE,
+                                   key=self.base_key, create_revision=self._base_create)
             try:
                 r = await self._etcd(lambda: self.etcd.txn(
-                    [absent(key)], [put_op(key, body), put_op(self.last_key, key)],
+                    [absent(key), same_base],
+                    [put_op(key, body), put_op(self.last_key, key)],
                     [get_op(key)], retry=True))
-                break
+                if r.succeeded or r.responses[0].response_range.kvs:
+                    break
+                self._lost = True  # the base is not the one this node joined: rejoin
+                self._failed(EtcdLost("the job's namespace base in etcd changed identity "
+                                      "(etcd was wiped or the prefix recreated)"))
+                continue
             except EtcdUnavailable as exc:
                 self._failed(exc)
                 if time.monotonic() > deadline:
@@ -315,6 +331,7 @@ class EtcdNamespace:
         except ValueError:
             log.error("namespace op at revision %d is not JSON: skipped", rev)
             self._moved_past(rev)
+            self.seq = rev
             return []
         try:
             res, keep = self.fs.ns_apply(op, rev, self.epoch)
@@ -387,32 +404,37 @@ class EtcdNamespace:
                 await trio.sleep(0.5)
 
     async def _catch_up(self, initial: bool = False) -> None:
+        """Read the base and every op after this node's position at ONE etcd revision (a
+        fold deleting ops meanwhile cannot make a page skip some), install the base when
+        this node is behind it, apply the ops, and have the watch go on after that
+        revision."""
         floor = self._floor()
-        kv, rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+        kv, pin = await self._etcd(lambda: self.etcd.get(self.base_key))
         if self._lost:  # etcd lost history: start again from what it holds now
             self._seen_rev = 0
         else:
-            self._saw_revision(rev, floor)  # EtcdLost (and rejoin) when it went back
+            self._saw_revision(pin, floor)  # EtcdLost (and rejoin) when it went back
         if kv is None:
             if not initial and not self._lost:
                 raise EtcdError("the job's namespace base vanished from etcd while this "
                                 "node was running (was the key prefix deleted?)")
             base = await self._seed()
-        else:
-            base, self._base_mod = json.loads(kv.value), kv.mod_revision
-        self._base = base
+            kv, pin = await self._etcd(lambda: self.etcd.get(self.base_key))
+            if kv is None:
+                raise EtcdError("the job's namespace base vanished right after it was seeded")
+        base = json.loads(kv.value)
+        self._base, self._base_mod, self._base_create = base, kv.mod_revision, \
+            kv.create_revision
         inc, brev = int(base["incarnation"]), int(base["rev"])
         if self.epoch != inc or self.seq < brev or self._lost:
-            await self._install(base)
+            await self._install(base, at=pin)
             self._lost = False
-        self._since_base = 0
+            self._since_base = 0
         keep: list[Any] = []
-        while True:  # the ops after this node's position, a page at a time
-            floor = self._floor()
-            kvs, at, more, _n = await self._etcd(lambda: self.etcd.range(
+        while True:  # the ops after this node's position, a page at a time, all at ``pin``
+            kvs, _at, more, _n = await self._etcd(lambda: self.etcd.range(
                 self.op_prefix, prefix_end(self.op_prefix), sort_create=True,
-                limit=PAGE_OPS, min_create_revision=self.seq + 1))
-            self._saw_revision(at, floor)
+                limit=PAGE_OPS, min_create_revision=self.seq + 1, revision=pin))
             for op_kv in kvs:
                 if op_kv.create_revision > self.seq:
                     keep += self._apply(op_kv.create_revision, op_kv.value)
@@ -420,7 +442,7 @@ class EtcdNamespace:
                 break
         self.applied.set()
         self.applied = trio.Event()
-        self._watch_from = at + 1
+        self._watch_from = pin + 1
         if keep and self._nursery is not None:
             self._nursery.start_soon(self._keep, keep)
 
@@ -456,15 +478,15 @@ class EtcdNamespace:
             [put_op(self.base_key, json.dumps(base).encode())],
             [get_op(self.base_key)], retry=True))
         if not r.succeeded:
-            await self._delete_parts(tag)
             kvs = r.responses[0].response_range.kvs
-            if kvs:
-                self._base_mod = kvs[0].mod_revision
-                return json.loads(kvs[0].value)
-            raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
-                            f"{self.op_prefix.decode()!r}): damaged keyspace, not seeded "
-                            "over; delete the job's prefix to start afresh")
-        self._base_mod = r.revision
+            # (a retried transaction whose first try committed finds its own base: ours)
+            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+                await self._delete_parts(tag)
+                if kvs:
+                    return json.loads(kvs[0].value)
+                raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
+                                f"{self.op_prefix.decode()!r}): damaged keyspace, not "
+                                "seeded over; delete the job's prefix to start afresh")
         await self._etcd(lambda: self.etcd.delete(self.cand_prefix,
                                                   prefix_end(self.cand_prefix)))
         # Our own namespace is the base: keep it, at this incarnation and revision 0.
@@ -477,38 +499,55 @@ class EtcdNamespace:
         return base
 
     async def _elect_seeder(self, snap: dict[str, Any]) -> dict[str, Any] | None:
-        """Agree on the node that seeds an empty keyspace: the one holding the most
-        (newest step first, then most entries), among the nodes that join within
-        SEED_WAIT_S — all of them when all ``nodes`` joined sooner. Returns the base when
-        another node seeded it meanwhile, None when this node is to seed (it is the best,
-        or the best did not seed in time).
+        """Agree on the node that seeds an empty keyspace. Returns the base when another
+        node seeded it meanwhile, None when this node is to seed.
 
-        Each joining node puts a candidate record ``ns/seeders/<rank>``; every node picks
-        the same best from the same records (ties to the lowest rank)."""
+        Each joining node puts a candidate record ``ns/seeders/<rank>`` (its newest step
+        and entry count) on a lease it renews while it waits, so a node that dies drops
+        out. The best candidate (newest step, then most entries, then lowest rank) seeds
+        once every rank's record is there, or SEED_WAIT_S after it joined; the others wait
+        for its base. Only the best runs the seed hook (the restore from the backup
+        tier). A node takes over only when no better live candidate is left, or after
+        SEED_TAKEOVER_S (the best is stuck): then, if it is empty, only when no candidate
+        holds files, so an empty node never imposes an empty namespace on nodes that
+        kept theirs while one of them is alive."""
         steps = [int(s["number"]) for s in snap.get("steps", [])]
         me = {"rank": self.rank, "newest_step": max(steps, default=-1),
               "entries": len(snap["entries"])}
         mine = self.cand_prefix + f"{self.rank:06d}".encode()
-        await self._etcd(lambda: self.etcd.put(mine, json.dumps(me).encode()))
-        deadline = time.monotonic() + SEED_WAIT_S
-        while True:
-            kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
-            if kv is not None:
-                self._base_mod = kv.mod_revision
-                return json.loads(kv.value)
-            kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
-                self.cand_prefix, prefix_end(self.cand_prefix)))
-            cands = [json.loads(c.value) for c in kvs]
-            best = max(cands, key=lambda c: (c["newest_step"], c["entries"], -c["rank"]))
-            everyone = len(cands) >= self.nodes
-            if time.monotonic() > deadline or (everyone and best["rank"] == self.rank):
-                return None
-            if everyone and time.monotonic() > deadline - SEED_WAIT_S / 2 and \
-                    best["rank"] != self.rank and me["entries"] and \
-                    (me["newest_step"], me["entries"]) == (best["newest_step"],
-                                                           best["entries"]):
-                return None  # as good as the best, which is slow: any equal copy will do
-            await trio.sleep(0.2)
+        lease, _ttl = await self._etcd(lambda: self.etcd.grant(CANDIDATE_TTL_S))
+        await self._etcd(lambda: self.etcd.put(mine, json.dumps(me).encode(), lease=lease))
+        start = time.monotonic()
+        renewed = start
+        try:
+            while True:
+                kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+                if kv is not None:
+                    return json.loads(kv.value)
+                kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
+                    self.cand_prefix, prefix_end(self.cand_prefix)))
+                cands = [json.loads(c.value) for c in kvs] or [me]
+                best = max(cands, key=lambda c: (c["newest_step"], c["entries"], -c["rank"]))
+                waited = time.monotonic() - start
+                if best["rank"] == self.rank and (len(cands) >= self.nodes
+                                                  or waited > SEED_WAIT_S):
+                    return None
+                if waited > SEED_WAIT_S + SEED_TAKEOVER_S and (
+                        me["entries"] or not any(c["entries"] for c in cands)):
+                    log.warning("rank %d, the best candidate to seed the job's namespace, "
+                                "did not within %.0f s: this node seeds it", best["rank"],
+                                waited)
+                    return None
+                if time.monotonic() - renewed > CANDIDATE_TTL_S / 3:
+                    await self._etcd(lambda: self.etcd.keepalive(lease))
+                    renewed = time.monotonic()
+                await trio.sleep(0.2)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._etcd(lambda: self.etcd.revoke(lease))
+                except EtcdError:
+                    pass  # it expires on its own
 
     async def _put_parts(self, tag: str, body: bytes) -> int:
         parts = [body[i:i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
@@ -521,9 +560,10 @@ class EtcdNamespace:
         p = self.snap_prefix + f"{tag}/".encode()
         await self._etcd(lambda: self.etcd.delete(p, prefix_end(p)))
 
-    async def _install(self, base: dict[str, Any]) -> None:
+    async def _install(self, base: dict[str, Any], at: int = 0) -> None:
         p = self.snap_prefix + f"{base['tag']}/".encode()
-        kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(p, prefix_end(p)))
+        kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(p, prefix_end(p),
+                                                                        revision=at))
         parts = sorted(kvs, key=lambda kv: int(kv.key.rsplit(b"/", 1)[1]))
         if len(parts) != int(base["parts"]):
             raise EtcdError(f"the namespace base has {len(parts)} of {base['parts']} parts")
@@ -541,9 +581,17 @@ class EtcdNamespace:
     # ------------------------------------------------------------------ trimming the log
 
     async def _maybe_trim(self) -> None:
-        """Fold the log into a new base and delete the ops it holds, when it grew past
-        TRIM_OPS (rank 0 does it; any node past four times that, rank 0 being away)."""
+        """Fold the log into a new base when it grew past TRIM_OPS (rank 0 does it; any
+        node past four times that, rank 0 being away), and delete the ops the previous base
+        already held: one fold behind, so that a submit retried after its first try
+        committed still finds its op's key (create-if-absent) and never adds it twice."""
         if self._since_base < (TRIM_OPS if self.rank == 0 else 4 * TRIM_OPS) or self._lost:
+            return
+        kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+        if kv is None or kv.mod_revision != self._base_mod:  # another node folded it
+            if kv is not None:
+                self._base, self._base_mod = json.loads(kv.value), kv.mod_revision
+            self._since_base = 0
             return
         rev = self.seq
         snap = self.fs.ns_snapshot()  # no await since ``rev``: the namespace after op rev
@@ -554,31 +602,38 @@ class EtcdNamespace:
                 "trimmed_by": self.rank}
         r = await self._etcd(lambda: self.etcd.txn(
             [mod_is(self.base_key, self._base_mod)],
-            [put_op(self.base_key, json.dumps(base).encode())], retry=True))
-        if not r.succeeded:  # another node trimmed first: take its base on the next look
-            await self._delete_parts(tag)
-            kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
-            if kv is not None:
-                self._base, self._base_mod = json.loads(kv.value), kv.mod_revision
+            [put_op(self.base_key, json.dumps(base).encode())], [get_op(self.base_key)],
+            retry=True))
+        new_mod = r.revision
+        if not r.succeeded:
+            kvs = r.responses[0].response_range.kvs
+            # (a retried transaction whose first try committed finds its own base: ours)
+            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+                await self._delete_parts(tag)
+                if kvs:
+                    self._base, self._base_mod = json.loads(kvs[0].value), kvs[0].mod_revision
                 self._since_base = 0
-            return
+                return
+            new_mod = kvs[0].mod_revision
         old = self._base
-        self._base, self._base_mod, self._since_base = base, r.revision, 0
+        self._base, self._base_mod, self._since_base = base, new_mod, 0
         if old.get("tag") and old.get("tag") != tag:
+            # (a node installing it reads at a pinned revision, which still holds them)
             await self._delete_parts(old["tag"])
+        old_rev = int(old.get("rev", 0))
         deleted = 0
-        while True:  # the ops the new base holds, in batches of one transaction each
+        while old_rev > 0:  # the ops the previous base held, one transaction per batch
             kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
                 self.op_prefix, prefix_end(self.op_prefix), keys_only=True, limit=100,
-                max_create_revision=rev))
+                max_create_revision=old_rev))
             if not kvs:
                 break
             await self._etcd(lambda kvs=kvs: self.etcd.txn(
                 [], [delete_op(kv.key) for kv in kvs], retry=True))
             deleted += len(kvs)
         self.counters["log_trims"] += 1
-        log.info("folded the job's namespace log into a base at revision %d (%d ops deleted,"
-                 " %d bytes of snapshot)", rev, deleted, len(body))
+        log.info("folded the job's namespace log into a base at revision %d (%d ops up to "
+                 "revision %d deleted, %d bytes of snapshot)", rev, deleted, old_rev, len(body))
 
     # ------------------------------------------------------------------ run
 
