@@ -576,6 +576,9 @@ if __name__ == "__main__":
     code = main()
     # A rank leaves without the interpreter's teardown: torch now and then aborts there
     # ("terminate called without an active exception") after destroy_process_group.
+    etcd = sys.modules.get("support.etcd")  # os._exit skips atexit: stop it here
+    if etcd is not None:
+        etcd.stop_shared()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -12,7 +12,9 @@ Nothing here reaches beyond 127.0.0.1.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -26,6 +28,42 @@ from pathlib import Path
 import pytest
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the thread that started it ends (Linux
+    PR_SET_PDEATHSIG), so no etcd outlives a test process however it ends."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+_spawn_requests: queue.Queue = queue.Queue()
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_loop() -> None:
+    while True:
+        args, kwargs, answer = _spawn_requests.get()
+        try:
+            answer.put(subprocess.Popen(args, preexec_fn=_die_with_parent, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            answer.put(exc)
+
+
+def _spawn(args: list[str], **kwargs) -> subprocess.Popen:
+    """Popen from one thread that lives as long as the process (the parent death signal
+    follows the thread that forked, and callers may be short-lived threads)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = threading.Thread(target=_spawn_loop, daemon=True, name="etcd-spawner")
+            _spawner.start()
+    answer: queue.Queue = queue.Queue()
+    _spawn_requests.put((args, kwargs, answer))
+    got = answer.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def _free_ports(n: int) -> list[int]:
@@ -87,8 +125,8 @@ class EtcdCluster:
 
     def start_member(self, i: int) -> None:
         log = open(self.root / f"{self.names[i]}.log", "ab")
-        self.procs[i] = subprocess.Popen(self._cmd(i), stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[i] = _spawn(self._cmd(i), stdout=log, stderr=log,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -194,6 +232,15 @@ def shared_etcd() -> EtcdCluster:
             _shared = EtcdCluster(root, 1).start()
             atexit.register(_shared.stop)
         return _shared
+
+
+def stop_shared() -> None:
+    """Stop the process's shared etcd now (for a process that leaves with os._exit)."""
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.stop()
+            _shared = None
 
 
 @pytest.fixture(scope="session")
