@@ -253,18 +253,20 @@ def test_the_log_is_folded_and_trimmed_and_late_nodes_install_the_base(make_clus
                                                                        etcd_server,  # noqa: F811
                                                                        monkeypatch):
     """Past MTCFS_NS_TRIM_OPS ops rank 0 folds the log into a new base and deletes the ops
-    the previous base held (etcd keeps a bounded log); a node that was away meanwhile and a replacement
-    both install the base and see every file, bit-exact."""
+    the previous base held (etcd keeps a bounded log); a node that was away meanwhile and a
+    replacement both install the base and see every file, bit-exact."""
     monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "20")
     c = make_cluster(3, job=_job(), options=_opts(etcd_server))
     c.kill9(2)
     want = {}
-    for i in range(60):
-        want[f"f{i:03d}"] = os.urandom(100 + i)
-        _write(c[i % 2].path(f"f{i:03d}"), want[f"f{i:03d}"])
-    # ops are deleted one fold behind (a retried submit must still find its key): two folds
-    c[0].wait_for(lambda: c[0].status()["namespace"].get("log_trims", 0) >= 2, timeout=60,
-                  what="the log folded twice")
+    # ops are deleted one fold behind (a retried submit must still find its key): two
+    # folds, each after more than MTCFS_NS_TRIM_OPS ops (2 per file)
+    for fold in (1, 2):
+        for i in range(30 * (fold - 1), 30 * fold):
+            want[f"f{i:03d}"] = os.urandom(100 + i)
+            _write(c[i % 2].path(f"f{i:03d}"), want[f"f{i:03d}"])
+        c[0].wait_for(lambda: c[0].status()["namespace"].get("log_trims", 0) >= fold,
+                      timeout=60, what=f"fold {fold} of the log")
     st = c[0].status()["namespace"]
     assert st["base_rev"] > 0
     from replication.coord.etcd import Etcd, prefix_end

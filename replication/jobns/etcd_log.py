@@ -181,6 +181,7 @@ class EtcdNamespace:
                 self._lost = True  # the base is not the one this node joined: rejoin
                 self._failed(EtcdLost("the job's namespace base in etcd changed identity "
                                       "(etcd was wiped or the prefix recreated)"))
+                await trio.sleep(0.1)
                 continue
             except EtcdUnavailable as exc:
                 self._failed(exc)
