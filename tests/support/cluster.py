@@ -107,7 +107,7 @@ class Cluster:
         extra = {}
         if self._options.get("scope") == "job" and "coord" not in self._options:
             # scope=job's namespace is ordered by etcd: the process's shared one
-            from support.etcd import shared_etcd
+            from .etcd import shared_etcd
             extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
         where = {"coordinator": self.addresses[0]} if self.learn_addresses else \
             {"peers": ",".join(self.addresses)}

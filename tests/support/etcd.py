@@ -17,7 +17,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -26,6 +25,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from .cluster import free_ports
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -66,18 +67,6 @@ def _spawn(args: list[str], **kwargs) -> subprocess.Popen:
     return got
 
 
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 class EtcdCluster:
     """``members`` etcd processes forming one cluster on loopback.
 
@@ -91,7 +80,7 @@ class EtcdCluster:
         self.root = Path(root)
         self.extra_args = list(extra_args or [])
         self.members = members
-        ports = _free_ports(2 * members)
+        ports = free_ports(2 * members)
         self.client_ports = ports[:members]
         self.peer_ports = ports[members:]
         self.names = [f"m{i}" for i in range(members)]
