@@ -177,7 +177,7 @@ def _serve_peer(root: str, capacity: int,
     if local_size:
         local = _LocalDict({chunk_hash(c): c for c in make_chunks(DP_SEED, local_size)})
     store = ReplicaStore(root, capacity, local=local)
-    srv = serve(store, "127.0.0.1:0", JOB, nodes=2, rank=1)
+    srv = serve(store, "127.0.0.1:0", JOB, nodes=2)
     return srv.server, srv.port, lambda: {"service": srv.service.stats(),
                                           "store": store.stats()}
 

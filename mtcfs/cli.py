@@ -404,10 +404,11 @@ def format_peer_status(p: dict[str, Any] | None) -> list[str]:
     ``"peers"`` entry (None on a single node). Missing keys show as ``-``, never fail."""
     if not p:
         return ["  peer tier: none (single node)"]
-    coord_addr = p.get("coordinator_address")
+    ms = p.get("membership") if isinstance(p.get("membership"), dict) else {}
     lines = [f"  peer tier: rank {p.get('rank', '-')} of {p.get('nodes', '-')}, listening on "
-             f"{p.get('listen') or '-'}, coordinator rank {p.get('coordinator', '-')}"
-             + (f" ({coord_addr})" if coord_addr else "")]
+             f"{p.get('listen') or '-'}, "
+             + ("registered in etcd" if ms.get("registered") else
+                f"NOT REGISTERED in etcd ({ms.get('error') or 'not yet'})")]
     lines.append(f"{_INDENT}{p.get('placement', '-')} placement, "
                  f"{_plural(p.get('replicas', '-'), 'replica')}: sends to "
                  f"{_ranks(p.get('peers'))}; holds replicas of {_ranks(p.get('holds_for'))}")
@@ -418,12 +419,11 @@ def format_peer_status(p: dict[str, Any] | None) -> list[str]:
     if members:
         rows = []
         for m in members:
-            age = m.get("age_s")
+            age = m.get("member_for_s")
             rows.append([str(m.get("rank", "-")), str(m.get("address") or "-"),
                          "alive" if m.get("alive") else "DEAD",
-                         "-" if age is None else f"{age:.1f}s ago",
-                         f"{_human(m.get('used_bytes'))} / {_human(m.get('capacity_bytes'))}"])
-        lines += _table(["RANK", "ADDRESS", "STATE", "HEARTBEAT", "USED / CAPACITY"], rows)
+                         "-" if age is None else f"{age:.0f}s"])
+        lines += _table(["RANK", "ADDRESS", "STATE", "MEMBER FOR"], rows)
     repl = p.get("replication") or []
     if repl:
         lines.append(f"{_INDENT}replication:")

@@ -67,7 +67,6 @@ class Daemon:
         self.ns: Any = None  # scope=job: the job's namespace log
         self.etcd: Any = None  # coord=etcd: the job's etcd client
         self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
-        self.mtc_service: Any = None
         #: The store's filesystem: {"type", "mount", "warning"} (warning None on tmpfs).
         self.store_fs: dict[str, Any] = {}
 
@@ -117,19 +116,36 @@ class Daemon:
         """Option ``mtc``: this mount is the node's replicator for Orbax."""
         from replication.mtc.replicator import MtcReplicator
         o = self.opts
-        coord = o.jax_coordinator
-        if coord is None:
-            rank0 = o.peer_address(0) or o.coordinator if o.multi_node else None
-            host = rank0.rsplit(":", 1)[0] if rank0 else "127.0.0.1"
-            coord = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:8476"
-        self.mtc = MtcReplicator(
-            self.fs, rank=o.rank, nodes=o.nodes, job=o.job, jax_coordinator=coord,
-            peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
-            fetch_step=self._mtc_fetch,
-            kick_prefetch=self._kick_prefetch)
+        rounds = None
         if self.peer is not None:
-            from replication.mtc.agreement import MtcRestoreService
-            self.mtc_service = self.mtc.ballot_service = MtcRestoreService(self.peer, o.job)
+            from replication.coord.rounds import RestoreRounds
+            rounds = RestoreRounds(self.etcd, self._coord_prefix(), o.rank, o.nodes)
+        self.mtc = MtcReplicator(
+            self.fs, rank=o.rank, nodes=o.nodes, job=o.job,
+            jax_coordinator=o.jax_coordinator or self._jax_coordinator(o.peer_address(0)),
+            peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
+            fetch_step=self._mtc_fetch, kick_prefetch=self._kick_prefetch, rounds=rounds)
+
+    @staticmethod
+    def _jax_coordinator(rank0: str | None) -> str:
+        """The JAX coordinator written to jax-init-info.txt: rank 0's host, port 8476."""
+        host = rank0.rsplit(":", 1)[0] if rank0 else "127.0.0.1"
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:8476"
+
+    async def _learn_jax_coordinator(self) -> None:
+        """Option mtc without jax_coordinator= or peers=: rank 0's host from its record in
+        etcd (waits up to ``coord_timeout`` for rank 0 to register; else 127.0.0.1)."""
+        o = self.opts
+        if self.mtc is None or self.peer is None or o.jax_coordinator or o.peers:
+            return
+        if await self.peer.wait_for_members([0], o.coord_timeout):
+            log.warning("rank 0 did not register within %g s: jax-init-info.txt names %s",
+                        o.coord_timeout, self.mtc.jax_coordinator)
+            return
+        self.mtc.jax_coordinator = self._jax_coordinator(self.peer.addresses.get(0))
+
+    def _coord_prefix(self) -> str:
+        return self.opts.coord_prefix or f"/mtcfs/{self.opts.job}/"
 
     def _kick_prefetch(self) -> None:
         """Fetch missing chunks now, unless a bulk restore from peers is streaming them
@@ -145,26 +161,25 @@ class Daemon:
 
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
+        from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
         from replication.peer.sources import PeerChunkSource
         from replication.peer.tier import PeerTier, TierConfig
         o = self.opts
         assert self.fs is not None and self.store is not None
+        assert o.coord, "nodes > 1 needs coord= (checked by the options)"
         addresses = dict(enumerate(o.peers or []))
-        if not o.peers and o.coordinator and o.rank != 0:
-            addresses[0] = o.coordinator  # rank 0's daemon serves the coordinator
+        self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
         cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
                          huge_model=o.huge_model, keep=o.keep)
-        peer = self.peer = PeerTier(self.fs, cfg, self.store.path)
+        peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
+                                    prefix=self._coord_prefix())
         if o.scope == "job":
-            from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
             from replication.jobns.etcd_log import EtcdNamespace
             from replication.jobns.sources import JobChunkSource
-            assert o.coord, "scope=job needs coord= (checked by the options)"
-            self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
             self.ns = self.fs.ns_log = EtcdNamespace(
-                self.fs, self.etcd, o.coord_prefix or f"/mtcfs/{o.job}/", o.rank,
+                self.fs, self.etcd, self._coord_prefix(), o.rank,
                 seed=self._job_restore_from_backup,
                 timeout_s=o.coord_timeout, nodes=o.nodes)
             return JobChunkSource(self.fs, peer)
@@ -360,20 +375,21 @@ class Daemon:
         assert self.fs is not None and self.store is not None
         if self.peer is not None:
             token = trio.lowlevel.current_trio_token()
-            if self.mtc_service is not None:
-                from replication.mtc.agreement import register as register_mtc
-                self.peer.extra_services.append(register_mtc(self.mtc_service))
             self.peer.start_server(token)
         try:
             await self._run(ready)
         finally:
             if self.peer is not None:
                 self.peer.stop()
+                self.peer.leave_job_sync()  # the others see this node gone at once
             if self.etcd is not None:
                 self.etcd.close()
 
     async def _run(self, ready: Callable[[], None]) -> None:
         assert self.fs is not None and self.store is not None
+        if self.peer is not None:
+            await self.peer.join_job()  # registered in etcd (retried later if etcd is down)
+            await self._learn_jax_coordinator()
         if self.ns is not None:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it
         else:

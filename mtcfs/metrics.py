@@ -175,17 +175,16 @@ def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
 
 def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
     out.add("mtcfs_peer_nodes", "gauge", "Ranks in the job.", p.get("nodes"))
-    out.add("mtcfs_peer_coordinator_rank", "gauge", "The rank coordinating the job.",
-            p.get("coordinator"))
+    ms = p.get("membership") if isinstance(p.get("membership"), Mapping) else {}
+    out.add("mtcfs_peer_registered", "gauge",
+            "1 while this node holds its membership lease in etcd.", ms.get("registered"))
     lc = p.get("latest_complete") or {}
     out.add("mtcfs_peer_latest_complete_step", "gauge",
             "Newest step complete on all ranks.", lc.get("number"))
     for m in _rows(p.get("members")):
         lab = {"member": m.get("rank")}
-        out.add("mtcfs_peer_member_alive", "gauge", "1 if the member is heard from.",
-                m.get("alive"), lab)
-        out.add("mtcfs_peer_member_heartbeat_age_seconds", "gauge",
-                "Seconds since the member's last heartbeat.", m.get("age_s"), lab)
+        out.add("mtcfs_peer_member_alive", "gauge",
+                "1 while the member's etcd lease is alive.", m.get("alive"), lab)
     for r in _rows(p.get("replication")):
         lab = {"peer": r.get("peer")}
         out.add("mtcfs_peer_replication_lag_steps", "gauge",

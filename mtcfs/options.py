@@ -199,7 +199,7 @@ class MountOptions:
     listen: str | None = None
     #: Every rank's Peer service address, in rank order (len == nodes), or None.
     peers: list[str] | None = None
-    #: The coordinator's address; after parsing: peers[0] when peers= is given.
+    #: The removed ``coordinator=`` option as given (refused with a pointer to coord=).
     coordinator: str | None = None
     replicas: int = 1
     topology: dict[str, str] = field(default_factory=dict)
@@ -211,7 +211,8 @@ class MountOptions:
     #: The removed ``ns_quorum=`` option as given (refused with a pointer to coord=).
     ns_quorum: str | None = None
     #: The job's etcd cluster (``coord=etcd://HOST:PORT,...``): client endpoints, or None.
-    #: With it, scope=job's namespace is ordered by etcd (docs/coordination.md).
+    #: Required with nodes > 1: membership, step records, restore decisions and scope=job's
+    #: namespace live there (docs/coordination.md).
     coord: list[str] | None = None
     #: The key prefix of this job in etcd (``coord_prefix=``); None: ``/mtcfs/<job>/``.
     coord_prefix: str | None = None
@@ -226,7 +227,8 @@ class MountOptions:
     scrub_rate: int = 100 * 1024 * 1024
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
     mtc: bool = False
-    #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host, port 8476.
+    #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host (peers=, or
+    #: its record in etcd), port 8476.
     jax_coordinator: str | None = None
     #: Seconds ``mtcfs`` waits for the mount to come up before it stops its daemon (exit 1).
     mount_timeout: float = DEFAULT_MOUNT_TIMEOUT
@@ -244,7 +246,7 @@ class MountOptions:
 
     def peer_address(self, rank: int) -> str | None:
         """The Peer service address of ``rank`` from ``peers=``, or None when peers= was not
-        given (the addresses are then learned from the coordinator's heartbeats).
+        given (the addresses are then learned from the members' records in etcd).
 
         Raises:
             ValueError: ``rank`` is outside 0..nodes-1.
@@ -476,11 +478,11 @@ def _extend(o: MountOptions, given: dict[str, str], list_name: str, text: str,
 
 def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     """Cross-option checks of the peer tier, once every option is read; fills the defaults
-    of ``listen`` and ``coordinator``.
+    of ``listen``.
 
     Raises:
         OptionError: rank outside 0..nodes-1; peers= not one address per rank, or an
-            address twice; nodes > 1 with neither peers= nor coordinator=; replicas >
+            address twice; nodes > 1 without coord=; coordinator= (gone); replicas >
             nodes-1; assume_data_parallelism not dividing nodes; huge_model without
             assume_data_parallelism >= 2 or with more replicas than data-parallel twins.
     """
@@ -498,16 +500,16 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
             if addr in first_rank:
                 raise bad("peers", f"{addr} is given for rank {first_rank[addr]} and rank {r}")
             first_rank[addr] = r
-        if o.coordinator is None:
-            o.coordinator = o.peers[0]
         if o.listen is None:
             o.listen = o.peers[o.rank]
-    elif o.multi_node:
-        if o.coordinator is None:
-            raise OptionError(f"nodes={o.nodes} needs peers=HOST:PORT,... (every rank's "
-                              "address) or coordinator=HOST:PORT")
-        if o.listen is None:
-            o.listen = DEFAULT_PEER_LISTEN
+    elif o.multi_node and o.listen is None:
+        o.listen = DEFAULT_PEER_LISTEN
+    if o.coordinator is not None:
+        raise bad("coordinator", "is gone: the nodes find each other through etcd "
+                                 "(coord=etcd://HOST:PORT,...); leave coordinator out")
+    if o.multi_node and o.coord is None:
+        raise OptionError(f"nodes={o.nodes} needs coord=etcd://HOST:PORT[,HOST:PORT...]: "
+                          "the nodes of a job agree through etcd (docs/coordination.md)")
     if o.multi_node and o.replicas > o.nodes - 1:
         raise bad("replicas", f"at most nodes-1 = {o.nodes - 1} with nodes={o.nodes}")
     dp = o.assume_data_parallelism
@@ -528,9 +530,6 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     if o.ns_quorum is not None:
         raise bad("ns_quorum", "is gone: etcd's own quorum orders the job's namespace "
                                "(coord=etcd://...); leave ns_quorum out")
-    if o.scope == "job" and o.multi_node and o.coord is None:
-        raise bad("scope", "a job-wide namespace is ordered by etcd: give "
-                           "coord=etcd://HOST:PORT[,HOST:PORT...] (docs/coordination.md)")
     if o.coord_prefix is not None and o.coord is None:
         raise bad("coord_prefix", "names keys in etcd: it needs coord=etcd://...")
     if "coord_timeout" in given and o.coord is None:

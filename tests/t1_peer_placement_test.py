@@ -7,11 +7,9 @@ from itertools import combinations
 
 import pytest
 
-from replication.peer.membership import Membership
 from replication.peer.placement import (
     data_parallel_peers, group_peers, holders, parse_labels, ring_peers, topology_peers,
 )
-from replication.peer.records import StepRef
 
 
 def lost_ranks(peer_map: dict[int, list[int]], failed: set[int],
@@ -137,53 +135,3 @@ def test_parse_labels():
     for bad in ("zone", "=a", "zone=a,zone=b"):
         with pytest.raises(ValueError):
             parse_labels(bad)
-
-
-# -- membership -----------------------------------------------------------------------------
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_membership_coordinator_takes_over_when_rank_0_dies():
-    clock = FakeClock()
-    table = Membership(3, self_rank=2, self_address="n2:1", liveness_s=10, clock=clock)
-    for r in (0, 1):
-        table.report(r, address=f"n{r}:1", labels={}, steps_complete=[StepRef("5", 5)])
-    v1 = table.view()
-    assert v1.coordinator_rank == 0 and [m.rank for m in v1.members] == [0, 1, 2]
-    assert v1.latest_complete is None                   # rank 2 reported nothing yet
-    table.report(2, address="n2:1", labels={}, steps_complete=[StepRef("5", 5)])
-    assert table.view().latest_complete == StepRef("5", 5)
-    clock.now += 8
-    table.report(1, address="n1:1", labels={})
-    clock.now += 5                                      # rank 0 silent for 13 s
-    v2 = table.view(v1.membership_version)
-    assert v2.coordinator_rank == 1
-    assert v2.membership_version != v1.membership_version
-    assert [m.alive for m in v2.members] == [False, True, True]
-    assert v2.latest_complete == StepRef("5", 5)        # soft state outlives the reporter
-    assert table.view(v2.membership_version).members is None
-    table.report(0, address="n0:1", labels={})          # it comes back
-    assert table.view().coordinator_rank == 0
-    with pytest.raises(ValueError):
-        table.report(3, address="x", labels={})
-
-
-def test_new_coordinator_keeps_the_job_complete_step_it_is_told():
-    # Rank 1 takes over after rank 0 died; rank 0 never reported to rank 1's table, so the
-    # table alone cannot name a step complete on all ranks. The survivors pass on what the
-    # old coordinator told them, and the newest such step wins.
-    table = Membership(3, self_rank=1, self_address="n1:1")
-    table.report(1, address="n1:1", labels={}, steps_complete=[StepRef("step_20", 20)],
-                 job_complete=StepRef("step_10", 10))
-    table.report(2, address="n2:1", labels={}, steps_complete=[StepRef("step_20", 20)])
-    assert table.view().latest_complete == StepRef("step_10", 10)
-    table.report(2, address="n2:1", labels={}, job_complete=StepRef("step_20", 20))
-    assert table.view().latest_complete == StepRef("step_20", 20)
-    table.report(1, address="n1:1", labels={}, job_complete=StepRef("step_10", 10))
-    assert table.view().latest_complete == StepRef("step_20", 20)   # never goes back

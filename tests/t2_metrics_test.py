@@ -13,10 +13,10 @@ STATUS = {
                "last_seconds": 1.5},
     "restore": {"pending_chunks": 4, "pending_bytes": 16, "chunks_from": {"peers": 5,
                                                                           "backup": 0}},
-    "peers": {"rank": 1, "nodes": 3, "coordinator": 0,
+    "peers": {"rank": 1, "nodes": 3, "membership": {"registered": True},
               "latest_complete": {"step": "step_20", "number": 20},
-              "members": [{"rank": 0, "alive": True, "age_s": 0.5},
-                          {"rank": 2, "alive": False, "age_s": 31.0}],
+              "members": [{"rank": 0, "alive": True, "member_for_s": 0.5},
+                          {"rank": 2, "alive": False, "member_for_s": 31.0}],
               "replication": [{"peer": 2, "state": "unreachable", "lag_steps": 2,
                                "lag_bytes": 1024, "bytes_sent": 10, "chunks_skipped": 1}],
               "replica_store": {"used_bytes": 77, "corrupt_deleted": 1},
@@ -50,7 +50,7 @@ def test_metrics_cover_ram_backup_restore_and_peers():
     assert get("mtcfs_bytes_written_total") == 7
     assert get("mtcfs_backup_failures_total") == 1 and get("mtcfs_backup_pending") == 1
     assert get("mtcfs_restore_chunks_total", tier="peers") == 5
-    assert get("mtcfs_peer_coordinator_rank") == 0
+    assert get("mtcfs_peer_registered") == 1
     assert get("mtcfs_peer_latest_complete_step") == 20
     assert get("mtcfs_peer_member_alive", member=2) == 0
     assert get("mtcfs_peer_replication_lag_steps", peer=2) == 2

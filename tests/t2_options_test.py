@@ -65,18 +65,17 @@ def parse(*opts: str):
 def test_single_node_defaults():
     o = parse("")
     assert (o.rank, o.nodes, o.replicas, o.placement) == (0, 1, 1, "ring")
-    assert o.listen is None and o.peers is None and o.coordinator is None
+    assert o.listen is None and o.peers is None and o.coord is None
     assert o.topology == {} and o.assume_data_parallelism is None and not o.huge_model
     assert not o.multi_node
     assert o.peer_address(0) is None
 
 
 def test_three_nodes_with_peers():
-    o = parse(f"rank=1,nodes=3,peers={PEERS3},replicas=1")
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},replicas=1,coord=etcd://e:1")
     assert o.multi_node and o.rank == 1 and o.nodes == 3 and o.replicas == 1
     assert o.peers == ["10.0.0.1:7470", "10.0.0.2:7470", "10.0.0.3:7470"]
     assert o.listen == "10.0.0.2:7470"  # peers[rank]
-    assert o.coordinator == "10.0.0.1:7470"  # peers[0]
     assert [o.peer_address(r) for r in range(3)] == o.peers
     with pytest.raises(ValueError):
         o.peer_address(3)
@@ -84,26 +83,26 @@ def test_three_nodes_with_peers():
 
 @pytest.mark.parametrize("sep", [";", "+"])
 def test_peers_other_separators(sep):
-    o = parse(f"nodes=3,peers={PEERS3.replace(',', sep)},rank=2")
+    o = parse(f"nodes=3,peers={PEERS3.replace(',', sep)},rank=2,coord=etcd://e:1")
     assert o.peers == PEERS3.split(",") and o.listen == "10.0.0.3:7470"
 
 
 def test_peers_continue_across_commas_and_mixed_separators():
     # the way fstab and mount.fuse3 hand them over: one comma-separated list of options
-    o = parse("nodes=4,peers=a:1,b:2;c:3,d:4,debug,rank=3")
+    o = parse("nodes=4,peers=a:1,b:2;c:3,d:4,debug,rank=3,coord=etcd://e:1")
     assert o.peers == ["a:1", "b:2", "c:3", "d:4"] and o.debug and o.rank == 3
-    o = parse("peers=a:1", "b:2", "nodes=2")  # several -o groups read as one list
+    o = parse("peers=a:1", "b:2", "nodes=2,coord=etcd://e:1")  # several -o groups read as one list
     assert o.peers == ["a:1", "b:2"]
 
 
-def test_explicit_listen_and_coordinator():
-    o = parse("nodes=2,rank=1,coordinator=head:7470,listen=0.0.0.0:0")
-    assert o.coordinator == "head:7470" and o.listen == "0.0.0.0:0" and o.peers is None
-    assert o.peer_address(0) is None
-    o = parse("nodes=2,coordinator=head:7470")
+def test_explicit_listen_and_no_peers():
+    o = parse("nodes=2,rank=1,coord=etcd://e:1,listen=0.0.0.0:0")
+    assert o.listen == "0.0.0.0:0" and o.peers is None and o.coord == ["e:1"]
+    assert o.peer_address(0) is None  # learned from etcd at run time
+    o = parse("nodes=2,coord=etcd://e:1")
     assert o.listen == DEFAULT_PEER_LISTEN == "0.0.0.0:7470"
-    o = parse("nodes=2,peers=a:1,b:2,listen=[::]:7470,coordinator=b:2")
-    assert o.listen == "[::]:7470" and o.coordinator == "b:2"
+    o = parse("nodes=2,peers=a:1,b:2,listen=[::]:7470,coord=etcd://e:1")
+    assert o.listen == "[::]:7470"
 
 
 @pytest.mark.parametrize("addr", ["host:7470", "10.0.0.1:0", "a.b-c_d:65535", "[::1]:7470",
@@ -130,9 +129,9 @@ def test_topology_labels_continue_across_commas():
 
 
 def test_replicas_placement_data_parallelism():
-    o = parse("nodes=4,coordinator=h:1,replicas=3,placement=group")
+    o = parse("nodes=4,coord=etcd://e:1,replicas=3,placement=group")
     assert o.replicas == 3 and o.placement == "group"
-    o = parse("nodes=8,coordinator=h:1,assume_data_parallelism=2,huge_model")
+    o = parse("nodes=8,coord=etcd://e:1,assume_data_parallelism=2,huge_model")
     assert o.assume_data_parallelism == 2 and o.huge_model and o.replicas == 1
     assert parse("replicas=0").replicas == 0
     assert parse("replicas=5").replicas == 5  # one node: replicas is ignored, not checked
@@ -149,22 +148,25 @@ def _refused_in_one_line(opts: str, words: list[str]) -> None:
 
 
 @pytest.mark.parametrize("opts,words", [
-    ("rank=3,nodes=3,coordinator=h:1", ["rank=3", "0..2"]),
+    ("rank=3,nodes=3,coord=etcd://e:1", ["rank=3", "0..2"]),
     ("rank=1", ["rank=1", "0..0"]),
     ("rank=-1", ["rank=-1"]),
     ("nodes=0", ["nodes=0"]),
     ("nodes=two", ["nodes=two"]),
-    (f"nodes=2,peers={PEERS3}", ["peers=", "3 addresses", "nodes=2"]),
-    ("nodes=3,peers=a:1;b:2", ["peers=a:1;b:2", "nodes=3"]),
-    ("nodes=2,peers=a:1,a:1", ["peers=a:1,a:1", "a:1"]),
-    ("nodes=3", ["nodes=3", "peers=", "coordinator="]),
-    ("nodes=3,rank=1,listen=h:1", ["peers=", "coordinator="]),
-    ("nodes=3,coordinator=h:1,replicas=3", ["replicas=3", "2"]),
+    (f"nodes=2,peers={PEERS3},coord=etcd://e:1", ["peers=", "3 addresses", "nodes=2"]),
+    ("nodes=3,peers=a:1;b:2,coord=etcd://e:1", ["peers=a:1;b:2", "nodes=3"]),
+    ("nodes=2,peers=a:1,a:1,coord=etcd://e:1", ["peers=a:1,a:1", "a:1"]),
+    ("nodes=3", ["nodes=3", "coord=etcd://"]),
+    ("nodes=3,rank=1,listen=h:1", ["nodes=3", "coord=etcd://"]),
+    (f"nodes=3,peers={PEERS3}", ["nodes=3", "coord=etcd://"]),
+    ("nodes=2,coord=etcd://e:1,coordinator=h:7470", ["coordinator=h:7470", "gone", "coord="]),
+    ("nodes=3,coord=etcd://e:1,replicas=3", ["replicas=3", "2"]),
     ("replicas=-1", ["replicas=-1"]),
     ("listen=h", ["listen=h"]),
     ("listen=h:99999", ["listen=h:99999"]),
     ("listen=::1:7470", ["listen=::1:7470", "brackets"]),
     ("coordinator=:7470", ["coordinator=:7470"]),
+    ("coordinator=h:7470", ["coordinator=h:7470", "gone"]),
     ("peers=a:1,b:x", ["peers=a:1,b:x"]),
     ("peers=a:1,zone=b", ["zone=b"]),
     ("topology=zone", ["topology=zone"]),
@@ -172,11 +174,11 @@ def _refused_in_one_line(opts: str, words: list[str]) -> None:
     ("topology=zone=", ["topology=zone="]),
     ("topology=zone=a,bogus", ["bogus"]),
     ("placement=star", ["placement=star"]),
-    ("nodes=6,coordinator=h:1,assume_data_parallelism=4", ["assume_data_parallelism=4", "6"]),
+    ("nodes=6,coord=etcd://e:1,assume_data_parallelism=4", ["assume_data_parallelism=4", "6"]),
     ("assume_data_parallelism=0", ["assume_data_parallelism=0"]),
-    ("nodes=4,coordinator=h:1,huge_model", ["huge_model", "assume_data_parallelism"]),
-    ("nodes=4,coordinator=h:1,assume_data_parallelism=1,huge_model", ["huge_model"]),
-    ("nodes=4,coordinator=h:1,assume_data_parallelism=2,huge_model,replicas=2",
+    ("nodes=4,coord=etcd://e:1,huge_model", ["huge_model", "assume_data_parallelism"]),
+    ("nodes=4,coord=etcd://e:1,assume_data_parallelism=1,huge_model", ["huge_model"]),
+    ("nodes=4,coord=etcd://e:1,assume_data_parallelism=2,huge_model,replicas=2",
      ["replicas=2", "huge_model"]),
     ("huge_model=1", ["huge_model=1"]),
     ("peers", ["peers"]),
@@ -240,12 +242,12 @@ def test_scope_job_options():
 @pytest.mark.parametrize("opts,words", [
     ("scope=cluster", ["scope=cluster", "node or job"]),
     ("scope=job", ["scope=job", "nodes >= 2"]),
-    ("nodes=4,coordinator=h:1,scope=job,coord=etcd://e:1,assume_data_parallelism=2",
+    ("nodes=4,scope=job,coord=etcd://e:1,assume_data_parallelism=2",
      ["scope=job", "assume_data_parallelism"]),
-    (f"rank=1,nodes=3,peers={PEERS3},scope=job", ["scope=job", "coord=etcd://"]),
+    (f"rank=1,nodes=3,peers={PEERS3},scope=job", ["coord=etcd://"]),
     (f"rank=1,nodes=3,peers={PEERS3},scope=job,coord=etcd://e:1,ns_quorum=majority",
      ["ns_quorum=majority", "is gone", "etcd"]),
-    ("nodes=3,coordinator=h:1,ns_quorum=live", ["ns_quorum=live", "is gone"]),
+    ("nodes=3,coord=etcd://e:1,ns_quorum=live", ["ns_quorum=live", "is gone"]),
 ])
 def test_scope_option_errors_name_the_option(opts, words):
     with pytest.raises(OptionError) as ei:
@@ -255,7 +257,7 @@ def test_scope_option_errors_name_the_option(opts, words):
 
 
 def test_mtc_options():
-    o = parse(f"rank=1,nodes=3,peers={PEERS3},mtc,jax_coordinator=10.0.0.1:1234")
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},mtc,jax_coordinator=10.0.0.1:1234,coord=etcd://e:1")
     assert o.mtc and o.jax_coordinator == "10.0.0.1:1234"
     assert not parse("").mtc and parse("mtc").jax_coordinator is None
 
@@ -275,7 +277,7 @@ def test_mtc_option_errors_name_the_option(opts, words):
 # ---------------------------------------------------------------------- bounds, repeats (#12)
 
 @pytest.mark.parametrize("opts,words", [
-    ("nodes=1000000000,coordinator=h:1", ["nodes=1000000000", "at most 65536"]),
+    ("nodes=1000000000,coord=etcd://e:1", ["nodes=1000000000", "at most 65536"]),
     ("keep=1000000", ["keep=1000000", "at most 1000"]),
     ("backup=file:///b,backup_keep=99999999", ["backup_keep=99999999", "at most 100000"]),
     ("replicas=1000", ["replicas=1000", "at most 16"]),
@@ -296,7 +298,7 @@ def test_out_of_range_values_are_refused(opts, words):
 
 
 def test_values_at_the_bounds_are_accepted():
-    o = parse("nodes=65536,coordinator=h:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h")
+    o = parse("nodes=65536,coord=etcd://e:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h")
     assert (o.nodes, o.keep, o.replicas, o.size) == (65536, 1000, 16, 1024 ** 6)
     assert o.mount_timeout == 3600 and parse("").mount_timeout == 300
     o = parse("backup=file:///b,backup_interval=30d,backup_keep=100000")
@@ -305,7 +307,7 @@ def test_values_at_the_bounds_are_accepted():
 
 @pytest.mark.parametrize("opts", [["size=4G,size=8G"], ["size=4G", "size=4G"],
                                   ["store=/dev/shm/a,store=/dev/shm/b"], ["keep=2,keep=3"],
-                                  ["nodes=2,coordinator=h:1", "coordinator=h:2"]])
+                                  ["nodes=2,coord=etcd://e:1,listen=h:1", "listen=h:2"]])
 def test_an_option_given_twice_is_an_error(opts):
     with pytest.raises(OptionError) as ei:
         parse(*opts)
@@ -314,10 +316,10 @@ def test_an_option_given_twice_is_an_error(opts):
 
 def test_flags_may_repeat_and_lists_still_continue():
     assert parse("debug,debug", "allow_other", "allow_other").debug
-    o = parse(f"rank=1,nodes=3,peers={PEERS3},topology=zone=a,block=3")
+    o = parse(f"rank=1,nodes=3,peers={PEERS3},topology=zone=a,block=3,coord=etcd://e:1")
     assert len(o.peers) == 3 and o.topology == {"zone": "a", "block": "3"}
     # a list option given again starts afresh (test_topology_labels_continue_across_commas)
-    assert parse("nodes=2,peers=a:1,b:1", "peers=c:1,d:1").peers == ["c:1", "d:1"]
+    assert parse("nodes=2,peers=a:1,b:1,coord=etcd://e:1", "peers=c:1,d:1").peers == ["c:1", "d:1"]
 
 
 @pytest.mark.parametrize("opt,why", [("size=", "needs a value"), ("store=", "needs a value"),
@@ -349,14 +351,14 @@ def test_coord_lists_etcd_endpoints_across_commas():
 
 
 @pytest.mark.parametrize("opts,words", [
-    ("nodes=2,coordinator=h:1,coord=http://e:1", ["coord=http://e:1", "etcd://"]),
+    ("nodes=2,coord=etcd://e:1,coord=http://e:1", ["coord=http://e:1", "etcd://"]),
     ("coord=etcd://e:1", ["coord=etcd://e:1", "nodes >= 2"]),
-    ("nodes=2,coordinator=h:1,coord=etcd://e:1,e:1", ["coord=etcd://e:1,e:1", "twice"]),
-    ("nodes=2,coordinator=h:1,coord=etcd://nohost", ["coord", "nohost"]),
-    ("nodes=2,coordinator=h:1,scope=job,ns_quorum=live,coord=etcd://e:1",
+    ("nodes=2,coord=etcd://e:1,coord=etcd://e:1,e:1", ["coord=etcd://e:1,e:1", "twice"]),
+    ("nodes=2,coord=etcd://e:1,coord=etcd://nohost", ["coord", "nohost"]),
+    ("nodes=2,coord=etcd://e:1,scope=job,ns_quorum=live,coord=etcd://e:1",
      ["ns_quorum=live", "leave ns_quorum out"]),
-    ("nodes=2,coordinator=h:1,coord_prefix=/x", ["coord_prefix=/x", "needs coord="]),
-    ("nodes=2,coordinator=h:1,coord=etcd://e:1,coord_prefix=rel", ["coord_prefix=rel"]),
+    ("coord_prefix=/x", ["coord_prefix=/x", "needs coord="]),
+    ("nodes=2,coord=etcd://e:1,coord=etcd://e:1,coord_prefix=rel", ["coord_prefix=rel"]),
 ])
 def test_coord_errors_name_the_option(opts, words):
     with pytest.raises(OptionError) as ei:

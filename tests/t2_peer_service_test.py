@@ -21,7 +21,7 @@ from mtcfs.chunking import chunk_hash
 from mtcfs.manifest import Entry, StepManifest
 from replication.backup.retry import RetryPolicy
 from replication.peer import (
-    PeerChunkCorrupt, PeerClient, PeerError, PeerUnavailable, ReplicaStore, StepRef, serve,
+    PeerChunkCorrupt, PeerClient, PeerError, PeerUnavailable, ReplicaStore, serve,
 )
 from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
@@ -41,7 +41,7 @@ def cluster(tmp_path):
     def start(rank: int, *, local: LocalTier | None = None, capacity: int = 1 << 30):
         store = ReplicaStore(str(tmp_path / f"node{rank}-{len(servers)}"), capacity,
                              local=local)
-        s = serve(store, "127.0.0.1:0", JOB, NODES, rank=rank, workers=4)
+        s = serve(store, "127.0.0.1:0", JOB, NODES, workers=4)
         servers.append(s)
         return s
 
@@ -211,29 +211,6 @@ def test_manifests_listed_with_completeness(cluster, clients):
     assert clients(b.address, 0).list_manifests(3) == []
 
 
-def test_heartbeats_build_membership_and_latest_complete_step(cluster, clients):
-    a = cluster(0)
-    a.service.membership.report(0, address=a.address, labels={"zone": "a"},
-                                steps_complete=[StepRef("100", 100), StepRef("200", 200)])
-    views = []
-    for rank in (1, 2, 3):
-        steps = [StepRef("100", 100)] + ([StepRef("200", 200)] if rank != 3 else [])
-        views.append(clients(a.address, rank).heartbeat(
-            address=f"10.0.0.{rank}:7070", labels={"zone": "b", "block": str(rank)},
-            steps_complete=steps, capacity_bytes=1000, used_bytes=10 * rank))
-    last = views[-1]
-    assert last.coordinator_rank == 0 and last.nodes == NODES
-    assert last.latest_complete == StepRef("100", 100)     # rank 3 has not completed 200
-    assert [m.rank for m in last.members] == [0, 1, 2, 3]
-    assert last.members[2].address == "10.0.0.2:7070"
-    assert last.members[2].labels == {"zone": "b", "block": "2"}
-    again = clients(a.address, 3).heartbeat(
-        address="10.0.0.3:7070", labels={"zone": "b", "block": "3"},
-        steps_complete=[StepRef("200", 200)], known_version=last.membership_version)
-    assert again.members is None                            # nothing changed
-    assert again.latest_complete == StepRef("200", 200)
-
-
 def test_unreachable_peer_is_unavailable_after_retries(clients):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,7 +238,7 @@ def test_a_peer_that_comes_up_late_is_reached_within_seconds(tmp_path):
             with pytest.raises(PeerUnavailable):
                 c.has_chunks([chunk_hash(b"x")])
         server = serve(ReplicaStore(str(tmp_path / "late"), 1 << 20), f"127.0.0.1:{port}",
-                       JOB, NODES, rank=0, workers=2)
+                       JOB, NODES, workers=2)
         up = time.monotonic()
         while True:
             try:
@@ -312,13 +289,12 @@ def test_unknown_job_is_failed_precondition(cluster, clients):
     for call in (lambda: other.has_chunks([chunk_hash(b"x")]),
                  lambda: other.put_chunks([(chunk_hash(b"x"), b"x")]),
                  lambda: list(other.get_chunks([chunk_hash(b"x")])),
-                 lambda: other.list_manifests(),
-                 lambda: other.heartbeat(address="h:1")):
+                 lambda: other.list_manifests()):
         with pytest.raises(PeerError) as exc:
             call()
         assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "another-job" in str(exc.value)
-    assert b.service.stats()["calls_refused"] == 5
+    assert b.service.stats()["calls_refused"] == 4
     assert b.service.store.stats()["chunks"] == 0
     assert_serving(clients(b.address, 0))
 
@@ -331,7 +307,7 @@ def test_rank_out_of_range_is_invalid_argument(cluster, clients, rank):
         bad.put_chunks([(chunk_hash(b"x"), b"x")])
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(PeerError) as exc:
-        bad.heartbeat(address="h:1")
+        bad.list_manifests(of_rank=0)
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(PeerError) as exc:
         clients(b.address, 0).list_manifests(of_rank=rank)

@@ -3,7 +3,7 @@ per rank, replicating over real gRPC on loopback (tests/support/cluster.py).
 
 Each test checks what a user of a multi-node job would look at: ``user.mtcfs.state`` of a
 step, ``mtcfs status`` (human and ``--json``), the bytes read back from a mount — through a
-crash of the coordinator, a network partition (``Cluster.partition``: the daemon's ``fault``
+crash of rank 0, a network partition (``Cluster.partition``: the daemon's ``fault``
 control hook) and bad input sent straight to a daemon's Peer port.
 """
 
@@ -136,13 +136,18 @@ def test_data_parallel_twins_replicate_hashes_and_no_payload(make_cluster):
         assert_files(c.node(r), "step_10", files[r])
 
 
-# -- 2. the coordinator dies -------------------------------------------------------------------
+# -- 2. rank 0 dies -----------------------------------------------------------------------------
+
+def alive(c, r) -> list[bool]:
+    """Which members rank ``r`` sees alive (its view of etcd's leases), by rank."""
+    return [m["alive"] for m in peers(c, r)["members"]]
+
 
 # One zone and block: topology placement is the ring too, but it needs every rank's labels,
-# also those of a coordinator that died.
+# also those of a rank that died.
 @pytest.mark.parametrize("options", [{}, {"topology": "zone=a,block=1"}],
                          ids=["ring", "topology"])
-def test_coordinator_dies_and_a_wiped_replacement_restores_from_peers(make_cluster, options):
+def test_rank_0_dies_and_a_wiped_replacement_restores_from_peers(make_cluster, options):
     c = make_cluster(3, options=options)     # ring: 0 -> 1 -> 2 -> 0
     s10 = {r: {"model.bin": blob(10 + r, 3 * MiB + 12345), "meta.json": b'{"step": 10}'}
            for r in range(3)}
@@ -150,15 +155,15 @@ def test_coordinator_dies_and_a_wiped_replacement_restores_from_peers(make_clust
         write_step(c.node(r), "step_10", s10[r])
     for r in range(3):
         c.wait_replicated(r, "step_10", timeout=30)
-    wait(lambda: all(peers(c, r)["coordinator"] == 0 for r in range(3)), 10,
-         "every rank names rank 0 as coordinator", c, range(3))
+    wait(lambda: all(alive(c, r) == [True] * 3 for r in range(3)), 10,
+         "every rank sees 3 live members", c, range(3))
 
     c.kill9(0)
     t0 = time.monotonic()
-    wait(lambda: all(peers(c, r)["coordinator"] == 1 for r in (1, 2)), 15,
-         "ranks 1 and 2 name rank 1 as coordinator", c, (1, 2))
-    takeover = time.monotonic() - t0
-    assert takeover < 15
+    # its etcd lease (TTL = liveness, 5 s) expires; both survivors' watches see it
+    wait(lambda: all(alive(c, r) == [False, True, True] for r in (1, 2)), 15,
+         "ranks 1 and 2 see rank 0 dead", c, (1, 2))
+    assert time.monotonic() - t0 < 15
 
     # training goes on: step_20 on ranks 1 and 2
     s20 = {r: {"model.bin": blob(20 + r, 2 * MiB)} for r in (1, 2)}
@@ -177,9 +182,6 @@ def test_coordinator_dies_and_a_wiped_replacement_restores_from_peers(make_clust
     t2 = time.monotonic()
     c.status(2)
     assert time.monotonic() - t2 < 5
-    # the new coordinator sees rank 0 dead
-    wait(lambda: [m["alive"] for m in peers(c, 1)["members"]] == [False, True, True], 15,
-         "rank 1 (coordinator) lists rank 0 as dead", c, (1,))
 
     # a replacement for rank 0, empty store: it restores the newest step complete on all
     # ranks (step_10; rank 0 never wrote step_20) from its holder, rank 1
@@ -189,13 +191,15 @@ def test_coordinator_dies_and_a_wiped_replacement_restores_from_peers(make_clust
     st = c.status(0)
     assert st["restore"]["step"] == "step_10", st["restore"]
     assert st["restore"]["manifest_from"] == "peer rank 1", st["restore"]
+    # the job's decision, read from etcd: the newest step in every rank's record
+    assert peers(c, 0)["restore"]["decision"]["step"] == 10, peers(c, 0)["restore"]
     assert st["restore"]["chunks_from"].get("peers", 0) >= 1, st["restore"]
     wait(lambda: c.status(0)["restore"]["pending_chunks"] == 0, 10, "restore finished",
          c, (0,))
     assert c.status(0)["restore"]["corrupt_chunks"] == 0
-    # and it coordinates again
-    wait(lambda: all(peers(c, r)["coordinator"] == 0 for r in range(3)), 20,
-         "every rank names rank 0 as coordinator again", c, range(3))
+    # and every rank sees it alive again
+    wait(lambda: all(alive(c, r) == [True] * 3 for r in range(3)), 20,
+         "every rank sees rank 0 alive again", c, range(3))
     # rank 2's lag towards rank 0 is made up, and every step rank 2 calls replicated is
     # really held by the replacement rank 0 (its replicas died with the old one)
     c.wait_replicated(2, "step_20", timeout=30)
@@ -244,8 +248,8 @@ def test_partition_heals_and_replication_catches_up(make_cluster, options):
     row = link(c, 0, 1)
     assert (row["state"], row["lag_steps"]) == ("ok", 0), row
     assert row["bytes_sent"] >= 5 * MiB
-    wait(lambda: all(peers(c, r)["coordinator"] == 0 for r in range(2)), 15,
-         "both ranks name rank 0 as coordinator", c, range(2))
+    wait(lambda: all(alive(c, r) == [True, True] for r in range(2)), 15,
+         "both ranks see both members alive (etcd never saw a partition)", c, range(2))
 
     # nothing was lost: a replacement of rank 0 gets step_10 back from rank 1, bit-exact
     c.kill9(0)
@@ -290,7 +294,7 @@ def test_bad_peer_input_is_refused_and_the_daemon_keeps_serving(make_cluster):
 
         # a rank the job does not have
         with pytest.raises(PeerError) as pe:
-            client(rank=2).heartbeat(address="127.0.0.1:1")
+            client(rank=2).list_manifests(of_rank=0)
         assert pe.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "outside" in str(pe.value)
         with pytest.raises(PeerError) as pe:
@@ -333,14 +337,13 @@ def test_bad_peer_input_is_refused_and_the_daemon_keeps_serving(make_cluster):
         assert srv["chunks_received"] == before["chunks_received"], srv
         assert after["replica_store"]["chunks"] == 0 and after["replica_store"]["manifests"] == 0
 
-        # the daemon still serves: a good put, a heartbeat, ...
+        # the daemon still serves: a good put, a listing, ...
         good_data = blob(42, 200_000)
         ok = client().put_chunks([(chunk_hash(good_data), good_data)])
         assert ok.ok and list(ok.accepted) == [chunk_hash(good_data)]
         assert dict(client().get_chunks([chunk_hash(good_data)])) == \
             {chunk_hash(good_data): good_data}
-        hb = client().heartbeat(address=c.addresses[1])
-        assert hb.coordinator_rank == 0 and hb.nodes == 2
+        assert client().list_manifests(of_rank=1) == []
     finally:
         ch.close()
         for pc in made:
@@ -361,7 +364,7 @@ def test_bad_peer_input_is_refused_and_the_daemon_keeps_serving(make_cluster):
 
 # -- 5. status ----------------------------------------------------------------------------------
 
-def test_status_shows_members_coordinator_and_replication(make_cluster):
+def test_status_shows_members_and_replication(make_cluster):
     c = make_cluster(3)
     for r in range(3):
         write_step(c.node(r), "step_10", {"w.bin": blob(60 + r, MiB)})
@@ -370,7 +373,7 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
 
     def complete():
         st = [peers(c, r) for r in range(3)]
-        ok = all(p["coordinator"] == 0 and len(p["members"]) == 3
+        ok = all(p["membership"]["registered"] and len(p["members"]) == 3
                  and all(m["alive"] for m in p["members"])
                  and (p["latest_complete"] or {}).get("step") == "step_10" for p in st)
         return st if ok else None
@@ -380,7 +383,6 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
     for r, p in enumerate(st):
         assert [m["rank"] for m in p["members"]] == [0, 1, 2]
         assert [m["address"] for m in p["members"]] == c.addresses
-        assert p["coordinator_address"] == c.addresses[0]
         assert p["peers"] == [(r + 1) % 3] and p["holds_for"] == [(r - 1) % 3]
         [row] = p["replication"]
         assert (row["peer"], row["state"], row["last_replicated"]) == \
@@ -388,7 +390,7 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
 
     out = c.node(0).cli("status", str(c.node(0).mnt)).stdout
     assert f"peer tier: rank 0 of 3, listening on {c.addresses[0]}" in out, out
-    assert f"coordinator rank 0 ({c.addresses[0]})" in out, out
+    assert f"listening on {c.addresses[0]}, registered in etcd" in out, out
     assert "sends to rank 1; holds replicas of rank 2" in out, out
     assert "newest step complete on every rank: step_10" in out, out
     lines = out.splitlines()
@@ -400,7 +402,7 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
     [repl] = [ln for ln in lines if ln.split()[:2] == ["1", c.addresses[1]] and " ok " in ln]
     assert "step_10" in repl and "0 steps" in repl, repl
     out1 = c.node(1).cli("status", str(c.node(1).mnt)).stdout
-    assert "coordinator rank 0" in out1 and "sends to rank 2; holds replicas of rank 0" in out1
+    assert "registered in etcd" in out1 and "sends to rank 2; holds replicas of rank 0" in out1
     # mtcfs checkpoints has a PEERS column: peers holding the step of those wanted
     rows = c.node(0).checkpoints()
     assert [(r["step"], r["peers"]) for r in rows] == [("step_10", "1/1")]
@@ -413,14 +415,15 @@ def test_status_shows_members_coordinator_and_replication(make_cluster):
     assert f'mtcfs_peer_replication_lag_steps{{job="{JOB}",rank="0",peer="1"}} 0' in metrics
 
 
-def test_coordinator_option_alone_is_enough_to_find_every_peer(make_mount):
-    """No peers= list: every node knows only the coordinator (rank 0's address) and learns
-    the others' addresses from its heartbeats; replication still reaches every ring peer."""
+def test_etcd_alone_is_enough_to_find_every_peer(make_mount):
+    """No peers= list: every node knows only etcd (coord=) and learns the others' addresses
+    from their membership records; replication still reaches every ring peer."""
     from support.cluster import free_ports
+    from support.etcd import shared_etcd
     ports = free_ports(3)
-    coord = f"127.0.0.1:{ports[0]}"
+    prefix = f"/mtcfs-test/{os.urandom(6).hex()}/"
     mounts = [make_mount(f"r{r}", rank=r, nodes=3, listen=f"127.0.0.1:{ports[r]}",
-                         coordinator=coord) for r in range(3)]
+                         coord=shared_etcd().url, coord_prefix=prefix) for r in range(3)]
     data = {r: blob(50 + r, 3 * MiB) for r in range(3)}
     for r, m in enumerate(mounts):
         write_files(m, "step_10", {"w.bin": data[r]})
@@ -428,7 +431,7 @@ def test_coordinator_option_alone_is_enough_to_find_every_peer(make_mount):
     for m in mounts:
         m.wait_state("step_10", "replicated 1/1", timeout=60)
     p = mounts[2].status()["peers"]
-    assert p["coordinator"] == 0
+    assert p["membership"]["registered"]
     assert [(m["rank"], m["address"], m["alive"]) for m in p["members"]] == \
         [(r, f"127.0.0.1:{ports[r]}", True) for r in range(3)]
 

@@ -10,6 +10,11 @@ Keys, under ``<prefix>`` = ``/mtcfs/<job>/``:
   "decided_by", "at"}``: the step the job restarts from. Written once, by whichever member
   comes first, with a create-if-absent transaction; every other member reads it. No vote
   protocol of ours: etcd's order picks the one write that counts.
+* ``restore/current`` (:meth:`StepRecords.decide_current`, scope=node restores): the same
+  decision, kept while it is current. It stands as long as no rank's record changed after
+  it was written (its mod revision is above every record's); the first restoring node that
+  finds it stale (the job trained on since) replaces it with a compare-and-set on its mod
+  revision, and every other node then reads that one.
 
 The decision (:meth:`StepRecords.decide_restore`): the newest step present in the record
 of every rank in ``0..nodes-1``. **Ranks that have not recorded**: the first members to
@@ -32,7 +37,9 @@ from typing import Any, Iterable
 import trio
 
 from replication.coord._pb import etcd_v3_subset_pb2 as pb
-from replication.coord.etcd import Etcd, EtcdError, absent, get_op, prefix_end, put_op
+from replication.coord.etcd import (
+    Etcd, EtcdError, absent, get_op, mod_is, prefix_end, put_op,
+)
 
 #: Steps a rank's record keeps (the newest).
 KEEP = 16
@@ -154,6 +161,73 @@ class StepRecords:
         if not got:
             raise EtcdError(f"the restore decision {dkey.decode()} vanished while read")
         return json.loads(got[0].value)
+
+    def decide_current(self, nodes: int, *, timeout: float = 30.0) -> dict[str, Any]:
+        """The step a restoring node brings back, the same for every node restoring now.
+
+        One read (at one revision) of ``restore/current`` and of every rank's record. The
+        decision stands while its mod revision is above every record's mod revision: no
+        rank recorded anything since, so the newest step common to the records is still
+        what it says. Otherwise the newest common step is computed and written with a
+        compare-and-set on the decision's mod revision (absent: create-if-absent); the
+        loser of a race reads the winner's. A rank with no record lists under
+        ``missing`` and constrains nothing, as in :meth:`decide_restore` after its wait;
+        with no record at all the step is None.
+
+        Why this is safe without a round protocol: a restoring node's own record is its
+        previous life's, and no record of a rank that is down can gain a step, so the
+        newest step complete on every rank cannot move while some rank restores (a step
+        needs every rank to complete it), and nodes restoring together read the same one.
+
+        Raises:
+            EtcdError: etcd did not answer within ``timeout`` (one line).
+        """
+        dkey = f"{self.prefix}restore/current".encode()
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                r = self.etcd.txn([], [get_op(dkey), pb.RequestOp(
+                    request_range=pb.RangeRequest(key=self.steps_prefix,
+                                                  range_end=prefix_end(self.steps_prefix)))],
+                    retry=True)
+                got = r.responses[0].response_range.kvs
+                kvs = r.responses[1].response_range.kvs
+                newest_record = max((kv.mod_revision for kv in kvs), default=0)
+                if got and got[0].mod_revision > newest_record:
+                    return json.loads(got[0].value)
+                recs = _parse(kvs, self.steps_prefix, nodes)
+                decision = {"step": _newest_common(recs.values()) if recs else None,
+                            "ranks_recorded": len(recs),
+                            "missing": [x for x in range(nodes) if x not in recs],
+                            "decided_by": self.rank, "at": round(time.time(), 3)}
+                body = json.dumps(decision, separators=(",", ":")).encode()
+                guard = mod_is(dkey, got[0].mod_revision) if got else absent(dkey)
+                if self.etcd.txn([guard], [put_op(dkey, body)], retry=True).succeeded:
+                    return decision
+                continue  # another node decided meanwhile: read its decision
+            except EtcdError as exc:
+                last = exc
+            time.sleep(0.2)
+        raise EtcdError(f"no restore decision within {timeout:g} s ({last or 'contention'})")
+
+    def load(self) -> set[int]:
+        """This rank's record as etcd holds it (a previous life's), which later
+        :meth:`record` calls extend; empty when absent."""
+        kv, _rev = self.etcd.get(self.key)
+        steps: set[int] = set()
+        if kv is not None:
+            try:
+                steps = {int(s) for s in json.loads(kv.value).get("steps", [])}
+            except (ValueError, TypeError, AttributeError):
+                steps = set()
+        self._steps = steps
+        return set(steps)
+
+    @property
+    def recorded(self) -> set[int]:
+        """The steps of this rank's record as last written or loaded."""
+        return set(self._steps)
 
     # ------------------------------------------------------------------ trio adapters
 

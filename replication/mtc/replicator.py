@@ -10,7 +10,7 @@ the root of this mount (../shared/reference/orbax-mtc-protocol.md, docs/orbax-mt
   (:mod:`replication.mtc.config`), adopted (peer ranks, backup interval), then deleted — the
   acknowledgement Orbax waits for; handled again each time it appears;
 - the restore marker ``<job>-s<step>-n<rank>-w0.restore``: the step every rank restores,
-  agreed by a vote (:mod:`replication.mtc.agreement`), brought into RAM (peers, backup tier,
+  agreed through etcd (:mod:`replication.coord.rounds`), brought into RAM (peers, backup tier,
   every chunk verified), presented by renaming its directory to the marker (Orbax renames it
   back); an empty ``...-s0-...`` file when no step exists anywhere;
 - ``replicator.failed`` (fatal: Orbax raises RuntimeError with its text) and
@@ -25,9 +25,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
 import trio
@@ -35,7 +33,6 @@ import trio
 from mtcfs.errors import FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO
-from replication.mtc.agreement import VoteResult, call_vote
 from replication.mtc.config import ReplicatorConfig, ReplicatorConfigError, parse_replicator_yaml
 from replication.peer.records import StepRef
 
@@ -62,8 +59,8 @@ MAX_REPORT_BYTES = 64 * 1024
 #: Times the agreed step is asked of the peers and the backup tier before the restore fails
 #: (one second apart).
 FETCH_TRIES = 10
-#: Seconds between two votes while the coordinator waits for the other ranks.
-VOTE_EVERY_S = 0.1
+#: Seconds a restore round waits for every rank to ask (within RESTORE_BUDGET_S).
+ROUND_WAIT_S = 180.0
 
 
 def orbax_peers(rank: int, nodes: int, slices: int) -> list[int]:
@@ -103,12 +100,14 @@ class MtcReplicator:
         fetch_step: ``await fetch_step(number)`` imports this rank's step ``number`` from the
             peers or the backup tier (the daemon's ``restore_from_job``/``restore_step``).
         kick_prefetch: asks the prefetcher to fetch missing chunks now.
+        rounds: the job's restore rounds in etcd (:class:`replication.coord.rounds.
+            RestoreRounds`), or None (one node: this rank decides alone).
     """
 
     def __init__(self, fs: Any, *, rank: int, nodes: int, job: str, jax_coordinator: str,
                  peer: Any = None, backup_store: Any = None, backup_service: Any = None,
                  fetch_step: Callable[[int], Awaitable[Any]] | None = None,
-                 kick_prefetch: Callable[[], None] | None = None) -> None:
+                 kick_prefetch: Callable[[], None] | None = None, rounds: Any = None) -> None:
         self.fs = fs
         self.rank = rank
         self.nodes = nodes
@@ -125,9 +124,7 @@ class MtcReplicator:
         self.last_restore: dict[str, Any] | None = None
         self.last_error: str | None = None
         self._errors_seen = 0
-        #: This node's :class:`~replication.mtc.agreement.MtcRestoreService` (it serves the
-        #: vote when this node coordinates); set by the daemon.
-        self.ballot_service: Any = None
+        self.rounds = rounds
 
     # ------------------------------------------------------------------ files
 
@@ -338,35 +335,41 @@ class MtcReplicator:
         return names, where
 
     async def _agree(self, restorable: dict[int, str]) -> StepRef | None:
-        """The step every rank restores (None: nothing), as the coordinator decides."""
+        """The step every rank restores (None: nothing): the newest step every rank can
+        restore, decided once per restart of the job through etcd (a restore round)."""
         steps = [StepRef(name, num) for num, name in sorted(restorable.items())]
-        if self.peer is None or self.nodes < 2:
+        if self.rounds is None or self.nodes < 2:
             return steps[-1] if steps else None
-        vote_id = uuid.uuid4().hex
-        said_waiting: tuple[int, ...] | None = None
+        got: dict[str, Any] = {}
+
+        async def decide(cancel: trio.CancelScope) -> None:
+            try:
+                got["step"] = await self.rounds.agree(restorable, wait_s=ROUND_WAIT_S)
+            except Exception as exc:  # RoundTimeout, EtcdError: one line for the trainer
+                got["error"] = exc
+            cancel.cancel()
+        async with trio.open_nursery() as n:
+            n.start_soon(decide, n.cancel_scope)
+            n.start_soon(self._say_waiting)
+        if "error" in got:
+            raise RestoreFailed(f"no restore decision: {got['error']}")
+        number = got.get("step")
+        if number is None:
+            return None
+        if number not in restorable:
+            raise RestoreFailed(f"the job chose step {number}, which this rank can no longer"
+                                " restore")
+        return StepRef(restorable[number], number)
+
+    async def _say_waiting(self) -> None:
+        said: list[int] | None = None
         while True:
-            target = self.peer.coordinator
-            res: VoteResult | None = None
-            if target == self.rank and self.ballot_service is not None:
-                res = self.ballot_service.ballot.vote(self.rank, vote_id, steps)
-            elif target is not None:
-                try:
-                    res, _named = await trio.to_thread.run_sync(
-                        partial(call_vote, self.peer, target, vote_id, steps),
-                        abandon_on_cancel=True)
-                except Exception as exc:
-                    log.info("vote to rank %s failed: %s", target, exc)
-                    await self.peer.heartbeat_once()
-            if res is not None and res.decided:
-                if res.step is not None and res.step.step_number not in restorable:
-                    raise RestoreFailed(f"the job chose step {res.step.step}, which this rank"
-                                        " can no longer restore")
-                return res.step
-            if res is not None and res.waiting_for != said_waiting:
-                said_waiting = res.waiting_for
-                log.info("restore vote: waiting for rank(s) %s", list(res.waiting_for))
-                self.state = f"waiting for the vote of rank(s) {list(res.waiting_for)}"
-            await trio.sleep(VOTE_EVERY_S)
+            await trio.sleep(1.0)
+            waiting = list(self.rounds.waiting_for)
+            if waiting and waiting != said:
+                said = waiting
+                log.info("restore round: waiting for rank(s) %s", waiting[:10])
+                self.state = f"waiting for rank(s) {waiting[:10]} to ask for a restore"
 
     async def _withdraw_markers(self) -> None:
         root = self.fs.inodes[ROOT_INO]

@@ -7,7 +7,8 @@
 * :mod:`~replication.peer.client` — :class:`PeerClient`, one per peer address.
 * :mod:`~replication.peer.placement` — which ranks hold whose data (ring, Gemini groups,
   data-parallel pairs, topology).
-* :mod:`~replication.peer.membership` — the soft heartbeat table behind the coordinator.
+* :mod:`~replication.peer.tier` — the peer tier of one node (membership in etcd, replication,
+  replica gc).
 
 The wire protocol is ``proto/mtcfs_peer.proto`` (package ``mtcfs.peer.v1``), generated into
 ``_pb/`` by ``scripts/gen_proto.sh``; docs/peer-protocol.md describes it. Everything here
@@ -16,7 +17,7 @@ blocks: call it from worker threads, never from the trio loop.
 Typical use::
 
     store = ReplicaStore("/dev/shm/mtcfs/job/replicas", capacity=64 << 30)
-    server = serve(store, "0.0.0.0:7070", job="llama", nodes=16, rank=3)
+    server = serve(store, "0.0.0.0:7070", job="llama", nodes=16)
     with PeerClient("node4:7070", job="llama", rank=3) as peer:
         peer.put_chunks((h, read_chunk_fn(h)) for h in manifest.chunk_set())
         result = peer.publish_manifest(manifest)   # result.complete: replicated
@@ -27,16 +28,15 @@ from replication.peer.errors import (
     ChunkMismatch, ChunkNotFound, PeerChunkCorrupt, PeerError, PeerUnavailable,
     ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
 )
-from replication.peer.membership import Membership
 from replication.peer.records import (
-    GcStats, HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
+    GcStats, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
 )
 from replication.peer.replica_store import ChunkWriter, LocalChunks, ReplicaStore
 from replication.peer.service import PeerServer, PeerService, serve
 
 __all__ = [
-    "ChunkMismatch", "ChunkNotFound", "ChunkWriter", "GcStats", "HeartbeatResult",
-    "LocalChunks", "ManifestInfo", "MemberInfo", "Membership", "PeerChunkCorrupt",
+    "ChunkMismatch", "ChunkNotFound", "ChunkWriter", "GcStats",
+    "LocalChunks", "ManifestInfo", "MemberInfo", "PeerChunkCorrupt",
     "PeerClient", "PeerError", "PeerServer", "PeerService", "PeerUnavailable",
     "PublishResult", "PutResult", "ReplicaChunkCorrupt", "ReplicaError", "ReplicaFull",
     "ReplicaStore", "StepRef", "serve",

@@ -13,7 +13,7 @@ guarantees:
   exponential backoff, the formula of :class:`replication.backup.retry.RetryPolicy`; other
   statuses surface at once as :class:`PeerError`, the last transient one as
   :class:`PeerUnavailable`. Retrying is safe because every RPC is idempotent (chunks and
-  manifests are content-addressed or replace themselves, heartbeats are reports).
+  manifests are content-addressed or replace themselves).
 
 Timeouts: unary calls get ``timeout`` seconds; each streaming call gets ``stream_timeout``
 seconds and carries at most :data:`STREAM_BYTES` of payload (puts) or :data:`GET_BATCH`
@@ -26,7 +26,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Self, TypeVar
 
 import grpc
@@ -43,9 +43,7 @@ from replication.peer.limits import (
     KEEPALIVE_CLIENT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES,
     RECONNECT_CLIENT,
 )
-from replication.peer.records import (
-    HeartbeatResult, ManifestInfo, MemberInfo, PublishResult, PutResult, StepRef,
-)
+from replication.peer.records import ManifestInfo, PublishResult, PutResult
 from replication.peer.wire import code_of, decode_bitmap, put_requests
 
 log = logging.getLogger(__name__)
@@ -398,52 +396,6 @@ class PeerClient:
                     for m in self._stub.ListManifests(req, timeout=self._stream_timeout)]
 
         return self._call(call, "ListManifests")
-
-    # -- membership -------------------------------------------------------------------------
-
-    def heartbeat(self, *, address: str, labels: Mapping[str, str] | None = None,
-                  steps_complete: Iterable[StepRef] = (), capacity_bytes: int = 0,
-                  used_bytes: int = 0, known_version: int = 0,
-                  job_complete: StepRef | None = None) -> HeartbeatResult:
-        """Report this rank to the peer (normally the coordinator) and read its view.
-
-        Args:
-            address: this node's Peer service address.
-            labels: this node's topology labels.
-            steps_complete: steps complete on this node.
-            capacity_bytes: this node's RAM tier capacity.
-            used_bytes: of which in use.
-            known_version: the ``membership_version`` last seen; the member list comes back
-                only if it changed.
-            job_complete: the newest step this node was told is complete on all ranks.
-
-        Raises:
-            PeerUnavailable: if the peer cannot be reached after the retries.
-            PeerError: if the peer refuses the call.
-        """
-        req = pb.HeartbeatRequest(
-            job=self.job, rank=self.rank, address=address, labels=dict(labels or {}),
-            steps_complete=[pb.StepRef(step=s.step, step_number=s.step_number)
-                            for s in steps_complete],
-            capacity_bytes=capacity_bytes, used_bytes=used_bytes, known_version=known_version)
-        if job_complete is not None:
-            req.has_job_complete = True
-            req.job_complete.step = job_complete.step
-            req.job_complete.step_number = job_complete.step_number
-        reply = self._call(lambda: self._stub.Heartbeat(req, timeout=self._timeout),
-                           "Heartbeat")
-        members = None
-        if reply.members or reply.membership_version != known_version:
-            members = tuple(MemberInfo(rank=m.rank, address=m.address, labels=dict(m.labels),
-                                       alive=m.alive, age_s=m.age_ms / 1000.0,
-                                       capacity_bytes=m.capacity_bytes,
-                                       used_bytes=m.used_bytes)
-                            for m in reply.members)
-        latest = (StepRef(reply.latest_complete.step, reply.latest_complete.step_number)
-                  if reply.has_latest_complete else None)
-        return HeartbeatResult(membership_version=reply.membership_version, members=members,
-                               coordinator_rank=reply.coordinator_rank,
-                               latest_complete=latest, nodes=reply.nodes)
 
 
 class _PutBatch:

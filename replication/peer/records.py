@@ -1,5 +1,5 @@
-"""Plain result records of the peer tier: what a put, a publish, a listing, a gc, a heartbeat
-returned. Shared by the replica store, the service and the client."""
+"""Plain result records of the peer tier: what a put, a publish, a listing, a gc returned,
+and the members of the job. Shared by the replica store, the service and the client."""
 
 from __future__ import annotations
 
@@ -113,16 +113,14 @@ class StepRef:
 
 @dataclass(frozen=True)
 class MemberInfo:
-    """One member of the job as a server knows it from heartbeats.
+    """One member of the job as etcd's membership records say.
 
     Attributes:
         rank: the member's rank.
         address: host:port of its Peer service.
         labels: its topology labels.
-        alive: heard from within the server's liveness timeout.
-        age_s: seconds since its last heartbeat reached the server.
-        capacity_bytes: its RAM tier capacity.
-        used_bytes: of which in use.
+        alive: its etcd lease is alive (False: known earlier, gone since).
+        age_s: seconds since it registered (its record's ``since``).
     """
 
     rank: int
@@ -130,25 +128,3 @@ class MemberInfo:
     labels: dict[str, str]
     alive: bool
     age_s: float
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class HeartbeatResult:
-    """A heartbeat's answer.
-
-    Attributes:
-        membership_version: changes whenever a member joins, dies, revives or moves.
-        members: every member the server knows, by rank; None when the caller's
-            ``known_version`` was current (the list did not change).
-        coordinator_rank: the lowest live rank the server knows.
-        latest_complete: the newest step every rank reported complete, or None.
-        nodes: ranks in the job.
-    """
-
-    membership_version: int
-    members: tuple[MemberInfo, ...] | None
-    coordinator_rank: int
-    latest_complete: StepRef | None
-    nodes: int

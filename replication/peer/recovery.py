@@ -2,14 +2,18 @@
 
 A node that mounts with an empty store asks the job rather than deciding alone:
 
-1. It lists what the other nodes hold of its rank (``ListManifests(of_rank=me)``): the
-   placement's holders first, every other known node if none of them answers. Steps whose
-   replica is complete on some holder, and steps the backup tier holds complete for this
-   rank, are *restorable*; they go into this node's heartbeat reports.
-2. It waits (a few heartbeat rounds) until the coordinator names the newest step complete
-   on ALL ranks. Every node of a restarting job therefore restores the same step, never a
-   mix. If the job cannot name one in time, the newest restorable step is used, and the
-   reason is logged.
+1. It waits (up to ``wait_s``) until the placement's holders of its rank are registered in
+   etcd, then lists what the other nodes hold of its rank (``ListManifests(of_rank=me)``):
+   the holders first, every other known node if none of them answers. Steps whose replica
+   is complete on some holder, and steps the backup tier holds complete for this rank, are
+   *restorable*.
+2. It reads the job's restore decision from etcd (``restore/current``, see
+   :meth:`replication.coord.steps.StepRecords.decide_current`): the newest step in every
+   rank's step record. Every node of a restarting job therefore restores the same step,
+   never a mix. When the decision names no step this rank can restore (etcd lost the
+   records, or every copy of that step of this rank is gone), the newest step the backup
+   tier holds for every rank is used, else this rank's newest restorable step; the reason
+   is logged.
 3. The manifest comes from a holder whose replica is complete, else from the backup tier.
    The core imports it (files appear at once); the chunks follow through the peer chunk
    source — spread over every holder of the step — and the backup tier after it.
@@ -24,6 +28,7 @@ from typing import Any
 import trio
 
 from mtcfs.manifest import StepManifest
+from replication.coord.etcd import EtcdError
 from replication.peer.errors import PeerError
 from replication.peer.records import StepRef
 
@@ -37,7 +42,7 @@ async def choose_and_fetch(tier: Any, want: int | None, *,
     Args:
         tier: the node's :class:`~replication.peer.tier.PeerTier` (server started).
         want: a step number asked for (``restore=N``), or None for the job's newest.
-        wait_s: seconds to wait for the coordinator to name the job's newest step.
+        wait_s: seconds to wait for the holders to register, and for etcd's decision.
 
     Returns:
         (manifest, source, backed_up) — source is ``"peer rank R"`` or ``"backup"``;
@@ -48,6 +53,10 @@ async def choose_and_fetch(tier: Any, want: int | None, *,
         PeerError, BackupError: the chosen manifest cannot be read from any tier.
     """
     t0 = time.monotonic()
+    missing = await tier.wait_for_members([r for r in tier.peer_ranks() if r != tier.rank],
+                                          wait_s)
+    if missing:
+        log.info("restore: no address known for holder rank(s) %s after %g s", missing, wait_s)
     peer_steps = await trio.to_thread.run_sync(_list_holders, tier)
     backup_steps: dict[str, int] = {}
     if tier.backup_store is not None:
@@ -122,34 +131,28 @@ def _fetch_manifest(tier: Any, rank: int, step: str) -> StepManifest | None:
 
 
 async def _job_latest(tier: Any, restorable: dict[str, int], wait_s: float) -> StepRef | None:
-    """The job's newest step complete on all ranks, as the coordinator sees it."""
-    deadline = time.monotonic() + wait_s
-    newest, newest_name = max((n, s) for s, n in restorable.items())
+    """The step to restore: the job's decision in etcd when this rank can restore it."""
+    by_number = {n: name for name, n in restorable.items()}
+    decided: int | None = None
+    try:
+        with trio.fail_after(wait_s):
+            decision = await tier.decide_restore()
+        decided = decision.get("step")
+        tier.restore_decision = decision
+    except (EtcdError, trio.TooSlowError) as exc:
+        log.warning("no restore decision from etcd: %s", exc or f"none within {wait_s:g} s")
     from_backup = None  # the newest step the backup tier holds complete for every rank
     if tier.backup_store is not None:
         from_backup = await trio.to_thread.run_sync(tier.backup_latest)
-    while True:
-        await tier.heartbeat_once()
-        # The coordinator may have just restarted (this very node, when it is rank 0) and
-        # not heard from everyone yet; any live node can say what it was told.
-        told = [s for s in (tier.latest_complete, from_backup, *await tier.ask_all_latest())
-                if s is not None]
-        if told:
-            tier.latest_complete = max(told, key=lambda s: s.step_number)
-        known = [s for s in told if s.step in restorable]
-        best = max(known, key=lambda s: s.step_number) if known else None
-        # Take it at once unless this rank could restore something newer that nobody has
-        # confirmed yet (the nodes that would confirm it may still be starting: wait for
-        # them rather than restore an older step than the rest of the job).
-        if best is not None and best.step_number >= newest:
-            return best
-        if time.monotonic() > deadline:
-            if best is not None:
-                return best
-            break
-        await trio.sleep(tier.cfg.heartbeat_s / 2)
-    num, name = newest, newest_name
-    log.warning("the job named no step complete on all ranks within %.0f s (coordinator: %s,"
-                " its answer: %s); restoring this rank's newest restorable step %s", wait_s,
-                tier.coordinator, tier.latest_complete, name)
-    return StepRef(name, num)
+    if from_backup is not None and from_backup.step in restorable and \
+            (decided is None or from_backup.step_number > decided):
+        return from_backup  # complete for every rank; newer than any record (etcd lost them)
+    if decided is not None:
+        if decided in by_number:
+            return StepRef(by_number[decided], decided)
+        log.warning("the job's restore decision is step %d, which no tier holds for rank %d",
+                    decided, tier.rank)
+    num = max(by_number)
+    log.warning("restoring this rank's newest restorable step %s (the job named none it can "
+                "restore)", by_number[num])
+    return StepRef(by_number[num], num)

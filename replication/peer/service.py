@@ -1,8 +1,7 @@
 """The Peer gRPC service over a :class:`~replication.peer.replica_store.ReplicaStore`.
 
 It runs grpcio's *synchronous* server: each call is served in a thread of the server's own
-pool, and touches only thread-safe objects (the replica store, the membership table, the
-counters). It never runs on, or waits for, the trio loop that serves FUSE. Later calls into
+pool, and touches only thread-safe objects (the replica store and the counters). It never runs on, or waits for, the trio loop that serves FUSE. Later calls into
 the filesystem core (which is trio-side) go through ``trio.from_thread.run``; see
 docs/peer-protocol.md for why grpcio's asyncio API is not used.
 
@@ -31,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -50,9 +49,7 @@ from replication.peer.limits import (
     MAX_MANIFEST_BYTES,
     MAX_MESSAGE_BYTES,
 )
-from replication.peer.membership import Membership
 from replication.peer.put_stream import PutStream, Refused
-from replication.peer.records import StepRef
 from replication.peer.replica_store import ReplicaStore
 from replication.peer.wire import encode_bitmap
 
@@ -69,14 +66,12 @@ class PeerService(pb_grpc.PeerServicer):
         store: where replicas live.
         job: the job served; requests for any other are FAILED_PRECONDITION.
         nodes: ranks in the job; a rank outside [0, nodes) is INVALID_ARGUMENT.
-        membership: the heartbeat table; a fresh one (no own rank) if None.
 
     Raises:
         ValueError: if ``job`` is empty or ``nodes < 1``.
     """
 
-    def __init__(self, store: ReplicaStore, job: str, nodes: int,
-                 membership: Membership | None = None) -> None:
+    def __init__(self, store: ReplicaStore, job: str, nodes: int) -> None:
         if not job:
             raise ValueError("job must not be empty")
         if nodes < 1:
@@ -84,25 +79,18 @@ class PeerService(pb_grpc.PeerServicer):
         self._store = store
         self._job = job
         self._nodes = nodes
-        self._membership = membership or Membership(nodes)
-        if self._membership.nodes != nodes:
-            raise ValueError(f"membership is for {self._membership.nodes} nodes, not {nodes}")
         #: Fault injection for tests (``mtcfs`` control ``fault``): calls from these ranks are
         #: refused with UNAVAILABLE, as if the network between them were cut.
         self.partitioned: set[int] = set()
         self._counters = Counters((
             "calls", "calls_refused", "bytes_received", "bytes_sent", "chunks_received",
             "chunks_already_present", "chunks_rejected", "chunks_sent", "chunks_unavailable",
-            "manifests_published", "heartbeats",
+            "manifests_published",
         ))
 
     @property
     def store(self) -> ReplicaStore:
         return self._store
-
-    @property
-    def membership(self) -> Membership:
-        return self._membership
 
     def stats(self) -> dict[str, int]:
         """Return counters.
@@ -111,7 +99,7 @@ class PeerService(pb_grpc.PeerServicer):
         and ``bytes_sent`` (chunk payload bytes), ``chunks_received`` (stored now),
         ``chunks_already_present`` (sent although held), ``chunks_rejected`` (refused in a
         PutChunks reply), ``chunks_sent``, ``chunks_unavailable`` (asked for, not served),
-        ``manifests_published``, ``heartbeats``.
+        ``manifests_published``.
         """
         return self._counters.snapshot()
 
@@ -237,31 +225,6 @@ class PeerService(pb_grpc.PeerServicer):
                     chunks_total=info.chunks_total, chunks_missing=info.chunks_missing,
                     manifest=raw)
 
-    def Heartbeat(self, request: pb.HeartbeatRequest,
-                  context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        with self._call(context, "Heartbeat"):
-            self._check(request.job, request.rank)
-            self._membership.report(
-                request.rank, address=request.address, labels=dict(request.labels),
-                steps_complete=[StepRef(s.step, s.step_number) for s in request.steps_complete],
-                capacity_bytes=request.capacity_bytes, used_bytes=request.used_bytes,
-                job_complete=StepRef(request.job_complete.step, request.job_complete.step_number)
-                if request.has_job_complete else None)
-            self._counters.add("heartbeats")
-            view = self._membership.view(request.known_version)
-            reply = pb.HeartbeatReply(membership_version=view.membership_version,
-                                      coordinator_rank=view.coordinator_rank,
-                                      nodes=view.nodes)
-            for m in view.members or ():
-                reply.members.add(rank=m.rank, address=m.address, labels=m.labels,
-                                  alive=m.alive, age_ms=int(m.age_s * 1000),
-                                  capacity_bytes=m.capacity_bytes, used_bytes=m.used_bytes)
-            if view.latest_complete is not None:
-                reply.has_latest_complete = True
-                reply.latest_complete.step = view.latest_complete.step
-                reply.latest_complete.step_number = view.latest_complete.step_number
-            return reply
-
 
 @dataclass
 class PeerServer:
@@ -269,7 +232,7 @@ class PeerServer:
 
     Attributes:
         server: the grpc server.
-        service: the servicer (for ``stats()``, ``membership``).
+        service: the servicer (for ``stats()``).
         address: the address it listens on, with the real port when 0 was asked for.
         port: the bound TCP port.
     """
@@ -308,9 +271,6 @@ def _register(service: PeerService, server: grpc.Server) -> None:
         "ListManifests": m.unary_stream_rpc_method_handler(
             service.ListManifests, request_deserializer=pb.ListManifestsRequest.FromString,
             response_serializer=pb.StoredManifest.SerializeToString),
-        "Heartbeat": m.unary_unary_rpc_method_handler(
-            service.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=pb.HeartbeatReply.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Peer"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
@@ -318,8 +278,7 @@ def _register(service: PeerService, server: grpc.Server) -> None:
 
 
 def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
-          rank: int | None = None, labels: Mapping[str, str] | None = None,
-          membership: Membership | None = None, workers: int = DEFAULT_WORKERS,
+          workers: int = DEFAULT_WORKERS,
           max_message_bytes: int = MAX_MESSAGE_BYTES,
           extra: Sequence[Callable[[grpc.Server], None]] = ()) -> PeerServer:
     """Start the Peer service on ``listen`` (plaintext gRPC) and return at once.
@@ -329,9 +288,6 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
         listen: ``host:port``; port 0 picks a free one (see :attr:`PeerServer.port`).
         job: the job served.
         nodes: ranks in the job.
-        rank: this node's rank (always alive in the membership table); None if unknown.
-        labels: this node's topology labels, for the membership table.
-        membership: a table to use instead of a fresh one (``rank``/``labels`` then unused).
         workers: threads serving calls concurrently.
         max_message_bytes: grpc's send and receive limit per message; larger messages are
             refused with RESOURCE_EXHAUSTED. Keep the default except in tests: clients use it
@@ -343,13 +299,10 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
         The running server; call ``stop()`` to end it.
 
     Raises:
-        ValueError: on a bad ``job``, ``nodes`` or ``rank``.
+        ValueError: on a bad ``job`` or ``nodes``.
         OSError: if the address cannot be bound (in use, bad host).
     """
-    if membership is None:
-        membership = Membership(nodes, self_rank=rank, self_address=listen,
-                                self_labels=labels)
-    service = PeerService(store, job, nodes, membership)
+    service = PeerService(store, job, nodes)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtcfs-peer"),
         options=[

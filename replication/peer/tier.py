@@ -4,13 +4,10 @@ One :class:`PeerTier` per mount with ``nodes > 1``. It owns the node's Peer gRPC
 (threads), its replica store (``<store>/replicas``, in the same RAM budget as the node's own
 files), one client per peer, and three kinds of trio tasks:
 
-* **heartbeats** (every ``heartbeat_s``): report this rank — address, labels, steps complete,
-  capacity — to the coordinator, the lowest rank that answers; learn members and the newest
-  step complete on all ranks. When the coordinator does not answer it is suspected for
-  :data:`SUSPECT_S` and the next rank is asked, so the lowest live rank takes over with no
-  decision and rebuilds the soft state from the reports it now receives (which carry the
-  newest job-complete step each node was told) and from the backup tier
-  (:meth:`PeerTier.backup_latest`).
+* **membership** (replication/peer/tier_membership.py): the node registers in etcd under the
+  job's prefix (a leased record: address, labels), follows every member's record with a
+  watch, records the steps this rank completed, and reads the newest step complete on all
+  ranks from those records. No node coordinates the others.
 * **replication**, one task per peer (placement.py decides which): every committed, sealed
   step goes to the peer — the chunks it lacks, then the manifest — and once the peer's
   ``PublishManifest`` reply lists nothing missing the step counts as replicated there; its
@@ -24,7 +21,7 @@ files), one client per peer, and three kinds of trio tasks:
 * **audits**: an idle link asks its peer every few seconds which of this rank's steps it
   holds, so a peer that restarted empty gets them again.
 
-The membership rounds live in :mod:`~replication.peer.tier_membership` and replication,
+Membership lives in :mod:`~replication.peer.tier_membership` and replication,
 audits and gc in :mod:`~replication.peer.tier_replication`, mixed into :class:`PeerTier`.
 
 The core is used duck-typed, never imported (imports point down): its ``steps``,
@@ -48,7 +45,6 @@ from replication.backup.retry import RetryPolicy
 from replication.peer import placement
 from replication.peer.client import PeerClient
 from replication.peer.errors import PeerUnavailable
-from replication.peer.membership import Membership
 from replication.peer.records import MemberInfo, StepRef
 from replication.peer.replica_store import ReplicaStore
 from replication.peer.service import PeerServer, serve
@@ -77,8 +73,8 @@ class TierConfig:
     labels: dict[str, str] = field(default_factory=dict)
     data_parallelism: int = 1
     huge_model: bool = False
-    heartbeat_s: float = 1.0
-    liveness_s: float = 5.0
+    heartbeat_s: float = 1.0   # seconds between membership rounds (local work, step records)
+    liveness_s: float = 5.0    # the etcd lease's TTL: a dead node is gone after this
     twin_wait_s: float = 60.0
     keep: int = 2
 
@@ -91,22 +87,24 @@ class PeerTier(MembershipRounds, Replication):
         cfg: the job's configuration.
         store_dir: the node's store directory; replicas go to ``<store_dir>/replicas``.
         backup_store: the backup tier (a per-rank ``BackupStore``) or None.
+        etcd: the job's etcd client (replication.coord.etcd.Etcd); prefix: the job's keys.
 
     The Peer server starts in :meth:`start_server`, which raises OSError when the listen
     address cannot be bound.
     """
 
-    def __init__(self, fs: Any, cfg: TierConfig, store_dir: str,
-                 backup_store: Any = None) -> None:
+    def __init__(self, fs: Any, cfg: TierConfig, store_dir: str, backup_store: Any = None,
+                 *, etcd: Any, prefix: str) -> None:
         self.fs = fs
         self.cfg = cfg
         self.rank = cfg.rank
         self.backup_store = backup_store
         self.addresses: dict[int, str] = dict(cfg.addresses)
+        #: ranks whose address peers= gave: never replaced by what etcd says
+        self.configured: set[int] = set(cfg.addresses)
         self.advertise = self._advertised(cfg.listen)
         self.addresses[self.rank] = self.advertise
-        self.membership = Membership(cfg.nodes, self_rank=cfg.rank, self_address=self.advertise,
-                                     self_labels=cfg.labels, liveness_s=cfg.liveness_s)
+        self._setup_membership(etcd, prefix)
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
                                           capacity=lambda: fs.capacity - fs.used)
         fs.shared_used = lambda: self.replica_store.used_estimate
@@ -115,16 +113,13 @@ class PeerTier(MembershipRounds, Replication):
         self.clients: dict[str, PeerClient] = {}
         self.links: dict[int, PeerLink] = {}
         self.members: dict[int, MemberInfo] = {}
-        self.coordinator: int | None = None
         self.latest_complete: StepRef | None = None
-        self._backup_latest: StepRef | None = None
-        self.suspect: dict[int, float] = {}
         self.partitioned: set[int] = set()
         self.bad_peers: dict[int, int] = {}
         self.restorable: dict[str, int] = {}     # steps this rank can restore: name -> number
         self.restore_holders: list[int] = []
         self.restore_info: dict[str, Any] | None = None
-        self._known_version = 0
+        self.restore_decision: dict[str, Any] | None = None  # etcd's, at the last restore
         self._stop = threading.Event()
         self._clients_lock = threading.Lock()
         self._wake: dict[int, trio.Event] = {}
@@ -156,7 +151,7 @@ class PeerTier(MembershipRounds, Replication):
         """Start the Peer service (threads). Call from the trio loop the core runs on."""
         self.replica_store._local = FsLocalChunks(self.fs, token)
         self.server = serve(self.replica_store, self.cfg.listen, self.cfg.job, self.cfg.nodes,
-                            membership=self.membership, workers=32, extra=self.extra_services)
+                            workers=32, extra=self.extra_services)
         self.server.service.partitioned = self.partitioned
         if self.cfg.listen.endswith(":0"):  # tests: the port was picked by the kernel
             self.advertise = self._advertised(self.server.address)
@@ -175,25 +170,21 @@ class PeerTier(MembershipRounds, Replication):
                 c.close()
 
     async def run(self) -> None:
-        """Heartbeats, replication and gc until cancelled."""
+        """Membership, replication and gc until cancelled (after :meth:`join_job`)."""
         async with trio.open_nursery() as n:
-            n.start_soon(self._heartbeat_loop)
+            n.start_soon(self._membership_loop)
             n.start_soon(self._links_loop, n)
             n.start_soon(self._gc_loop)
 
     # ------------------------------------------------------------------ clients
 
-    def client(self, rank: int, *, quick: bool = False) -> PeerClient:
+    def client(self, rank: int) -> PeerClient:
         """The client for ``rank``'s Peer service.
-
-        Args:
-            quick: for heartbeats: a 2 s deadline and no retry, so that a peer behind a
-                partition (packets dropped, no refusal) costs one short wait per round.
 
         Raises:
             PeerUnavailable: no address is known for it, or it is cut off (injected fault).
         """
-        return self._client(rank, "quick" if quick else "default")
+        return self._client(rank, "default")
 
     def fetch_client(self, rank: int) -> PeerClient:
         """The client that fault-in fetches chunks from ``rank`` with: one attempt, every
@@ -237,9 +228,6 @@ class PeerTier(MembershipRounds, Replication):
 
     def _new_client(self, addr: str, kind: str) -> PeerClient:
         job, rank, stop = self.cfg.job, self.rank, self._stop
-        if kind == "quick":
-            return PeerClient(addr, job, rank, timeout=2.0, stop=stop,
-                              retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
         if kind in ("fetch", "bulk"):
             return PeerClient(addr, job, rank, timeout=ATTEMPT_S,
                               stream_timeout=ATTEMPT_S if kind == "fetch" else BULK_CALL_S,
@@ -290,7 +278,7 @@ class PeerTier(MembershipRounds, Replication):
         return {(self.rank + k * stride) % c.nodes for k in range(1, c.data_parallelism)}
 
     def lower_live_twins(self) -> list[int]:
-        """Twins with a lower rank that the coordinator sees alive, lowest first."""
+        """Twins with a lower rank that etcd says are alive, lowest first."""
         out = []
         for r in sorted(self.twins()):
             m = self.members.get(r)
@@ -315,15 +303,10 @@ class PeerTier(MembershipRounds, Replication):
 
     def status(self) -> dict[str, Any]:
         now_members = []
-        view = self.membership.view(0) if self.coordinator == self.rank else None
-        source = dict(self.members)
-        if view and view.members:
-            source.update({m.rank: m for m in view.members})
-        for r in sorted(source):
-            m = source[r]
+        for r in sorted(self.members):
+            m = self.members[r]
             now_members.append({"rank": m.rank, "address": m.address, "alive": m.alive,
-                                "age_s": round(m.age_s, 2), "labels": m.labels,
-                                "capacity_bytes": m.capacity_bytes, "used_bytes": m.used_bytes})
+                                "member_for_s": round(m.age_s, 2), "labels": m.labels})
         links = []
         for p in self.peer_ranks():
             link = self.links.get(p) or PeerLink(p)
@@ -339,9 +322,11 @@ class PeerTier(MembershipRounds, Replication):
         lc = self.latest_complete
         return {
             "rank": self.rank, "nodes": self.cfg.nodes, "listen": self.advertise,
-            "coordinator": self.coordinator,
-            "coordinator_address": self.addresses.get(self.coordinator)
-            if self.coordinator is not None else None,
+            "membership": {"etcd": f"{self.coord_prefix}members/",
+                           "registered": self.member is not None and not self.membership_error,
+                           "error": self.membership_error or None,
+                           "lease_ttl_s": self.member.ttl_s if self.member else None,
+                           "steps_recorded": sorted(self._recorded or ())},
             "replicas": len(self.peer_ranks()) if self.rank in self.peer_override
             else self.cfg.replicas, "placement": self._placement_name(),
             "peers": self.peer_ranks(),
@@ -353,7 +338,8 @@ class PeerTier(MembershipRounds, Replication):
             "server": self.server.service.stats() if self.server else None,
             "bad_peers": {str(k): v for k, v in self.bad_peers.items()},
             "partitioned": sorted(self.partitioned),
-            "restore": self.restore_info,
+            "restore": None if self.restore_info is None else
+            {**self.restore_info, "decision": self.restore_decision},
         }
 
     def _safe_peers_of(self, rank: int) -> list[int]:

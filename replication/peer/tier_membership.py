@@ -1,138 +1,227 @@
-"""Membership rounds of the peer tier: report to the coordinator, take over when it dies,
-learn the newest step complete on all ranks.
+"""Membership of the peer tier, kept in etcd: who is in the job, where, and which steps
+each rank completed.
 
-A part of :class:`replication.peer.tier.PeerTier` (mixed in); the rules are in
-docs/peer-protocol.md ("Membership" and "How the daemon runs the peer tier").
+A part of :class:`replication.peer.tier.PeerTier` (mixed in). Nothing here decides alone or
+talks to other nodes about membership:
+
+* **Registration**: the node holds an etcd lease and a record under the job's prefix
+  (:class:`replication.coord.membership.Membership`: rank, Peer address, topology labels).
+  A node is alive while its lease is; a daemon that dies stops renewing and every other
+  node's watch sees its record go one TTL (``liveness_s``) later; a daemon that stops
+  cleanly revokes it at once. Addresses learned there fill in what ``peers=`` did not say
+  (a configured address is never replaced).
+* **Step records** (:class:`replication.coord.steps.StepRecords`): each rank records the
+  steps it completed (the newest 16; a record outlives its daemon, so a replacement starts
+  from its previous life's). The record is written from the membership loop when it
+  changed, never from a checkpoint write, so no write waits on etcd.
+* **The newest step complete on all ranks** is read from the records, every
+  :data:`COMPLETE_EVERY_S` seconds (scaled with the job's size), and at a restore.
+
+The rules are in docs/coordination.md ("Membership and step records").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import trio
 
-from replication.peer.errors import PeerError
-from replication.peer.records import HeartbeatResult, StepRef
+from replication.coord.etcd import EtcdError
+from replication.coord.membership import Membership, MemberRecord, RankTaken
+from replication.coord.steps import StepRecords
+from replication.peer.records import MemberInfo, StepRef
 
 log = logging.getLogger("replication.peer.tier")
 
-#: Seconds a coordinator candidate that did not answer is skipped before it is asked again:
-#: short, so that a restarted lower rank (its store empty, waiting for the job to name the
-#: step to restore) becomes coordinator again within a few rounds.
-SUSPECT_S = 2.0
+#: Seconds between reads of every rank's step record (the newest step complete on all
+#: ranks), for jobs up to :data:`COMPLETE_SCALE_NODES` nodes; larger jobs read less often
+#: (``nodes / COMPLETE_SCALE_NODES`` times this), so etcd serves about the same keys per
+#: second at any size (docs/benchmarks.md, "Coordination at scale").
+COMPLETE_EVERY_S = 10.0
+COMPLETE_SCALE_NODES = 500
+#: Steps a record keeps.
+RECORD_KEEP = 16
 
 
 class MembershipRounds:
-    """Heartbeats to the coordinator and what they teach this node."""
+    """Registration, the member view and the step records of one node."""
 
     fs: Any
     cfg: Any
     rank: int
     backup_store: Any
+    addresses: dict[int, str]
+    configured: set[int]
+    advertise: str
+    members: dict[int, MemberInfo]
+    restorable: dict[str, int]
+    latest_complete: StepRef | None
+    _backup_latest: StepRef | None
+    coord: Any
 
-    def _steps_report(self) -> list[StepRef]:
-        out = {name: rec.number for name, rec in self.fs.steps.items()}
-        out.update(self.restorable)
-        return [StepRef(name, num) for name, num in sorted(out.items(), key=lambda x: x[1])][-16:]
+    def _setup_membership(self, etcd: Any, prefix: str) -> None:
+        self.etcd = etcd
+        self.coord_prefix = prefix
+        self.member: Membership | None = None
+        self._joined = False
+        self._record_lock = trio.Lock()
+        self.step_records = StepRecords(etcd, prefix, self.rank, keep=RECORD_KEEP)
+        self._names: dict[int, str] = {}        # step number -> name, as this node saw it
+        self._recorded: set[int] | None = None  # what etcd holds for this rank
+        self.membership_error = ""
 
-    def _candidates(self) -> list[int]:
-        now = time.monotonic()
-        return [r for r in range(self.cfg.nodes)
-                if r == self.rank or (r in self.addresses and self.suspect.get(r, 0) <= now)]
+    # ------------------------------------------------------------------ joining
 
-    async def heartbeat_once(self) -> None:
-        """One round: report to the coordinator (the lowest rank that answers)."""
-        s = self.fs.statfs()
-        steps = self._steps_report()
-        self.membership.report(self.rank, address=self.advertise, labels=self.cfg.labels,
-                               steps_complete=steps, capacity_bytes=s["capacity"],
-                               used_bytes=s["used"], job_complete=self.latest_complete)
-        for cand in self._candidates():
-            if cand == self.rank:
-                if self.coordinator != self.rank:
-                    log.info("rank %d coordinates the job now", self.rank)
-                self.coordinator = self.rank
-                self._learn(self.membership.view(0), own=True)
-                return
-            try:
-                res = await trio.to_thread.run_sync(
-                    partial(self._heartbeat_call, cand, steps, s), abandon_on_cancel=True)
-            except PeerError as exc:
-                if self.suspect.get(cand, 0) <= time.monotonic():
-                    log.warning("coordinator candidate rank %d does not answer: %s", cand, exc)
-                self.suspect[cand] = time.monotonic() + min(self.cfg.liveness_s, SUSPECT_S)
-                continue
-            if self.coordinator != cand:
-                log.info("rank %d coordinates the job", cand)
-                self._known_version = 0  # another table: its versions are not comparable
-            self.coordinator = cand
-            self._learn(res, own=False)
+    async def join_job(self) -> None:
+        """Register this node, start the member view and load this rank's record. When etcd
+        does not answer (within the client's deadline), log it and go on: the mount comes
+        up, ``peers=`` addresses still work, and every membership round tries again.
+
+        Raises:
+            RankTaken: another live daemon holds this rank (one line): never mount twice.
+        """
+        if self.member is None:
+            ttl = max(2, int(round(self.cfg.liveness_s)))
+            self.member = Membership(self.etcd, self.coord_prefix, self.rank, self.advertise,
+                                     dict(self.cfg.labels), ttl_s=ttl, progress_s=30.0)
+        if self._joined:
             return
+        try:
+            await self.member.ajoin()
+            self._recorded = await trio.to_thread.run_sync(self.step_records.load,
+                                                           abandon_on_cancel=True)
+        except RankTaken:
+            raise
+        except EtcdError as exc:
+            if not self.membership_error:
+                log.error("rank %d cannot register in etcd (retrying): %s", self.rank, exc)
+            self.membership_error = f"not registered in etcd: {exc}"
+            return
+        self._joined = True
+        self.membership_error = ""
+        log.info("rank %d registered in etcd at %smembers/", self.rank, self.coord_prefix)
+        self._learn_members()
 
-    async def ask_all_latest(self) -> list[StepRef | None]:
-        """Every other known node's newest step complete on all ranks (one short heartbeat
-        each, in a worker thread; nodes that do not answer are left out)."""
-        s = self.fs.statfs()          # read on the loop, which owns the core
-        steps = self._steps_report()
-        return await trio.to_thread.run_sync(self._ask_all, steps, s, abandon_on_cancel=True)
+    async def leave_job(self) -> None:
+        """Revoke the lease (the others see this node gone at once); best effort."""
+        await trio.to_thread.run_sync(self.leave_job_sync, abandon_on_cancel=True)
 
-    def _ask_all(self, steps: list[StepRef], s: Mapping[str, int]) -> list[StepRef | None]:
-        out: list[StepRef | None] = []
-        for rank in sorted(self.addresses):
-            if rank == self.rank:
-                continue
-            try:
-                out.append(self._heartbeat_call(rank, steps, s).latest_complete)
-            except PeerError:
-                continue
-        return out
+    def leave_job_sync(self) -> None:
+        """:meth:`leave_job`, blocking (at shutdown, after the trio loop)."""
+        member, self.member = self.member, None
+        if member is not None and self._joined:
+            self._joined = False
+            member.leave()
 
-    def _heartbeat_call(self, rank: int, steps: list[StepRef],
-                        s: Mapping[str, int]) -> HeartbeatResult:
-        return self.client(rank, quick=True).heartbeat(
-            address=self.advertise, labels=self.cfg.labels, steps_complete=steps,
-            capacity_bytes=s["capacity"], used_bytes=s["used"],
-            known_version=self._known_version, job_complete=self.latest_complete)
+    # ------------------------------------------------------------------ the loop
 
-    def _learn(self, res: HeartbeatResult, *, own: bool) -> None:
-        if res.members is not None:
-            members = {m.rank: m for m in res.members}
-            # A new coordinator's table lacks the ranks that never reported to it (the old
-            # coordinator above all): keep what was learned of them, as dead, so status
-            # lists them and topology placement still knows their labels.
-            for r, m in self.members.items():
-                if r not in members:
-                    members[r] = dataclasses.replace(m, alive=False)
-            self.members = members
-            for m in res.members:
-                if m.rank != self.rank and m.address:
-                    self.addresses[m.rank] = m.address
-            if not own:
-                self._known_version = res.membership_version
-        # A step complete on all ranks stays so: keep the newest this node has been told,
-        # whichever coordinator (or the backup tier) told it.
-        for cand in (res.latest_complete, self._backup_latest if own else None):
-            if cand is not None and (self.latest_complete is None or
-                                     cand.step_number > self.latest_complete.step_number):
-                self.latest_complete = cand
+    def _complete_every_s(self) -> float:
+        return COMPLETE_EVERY_S * max(1.0, self.cfg.nodes / COMPLETE_SCALE_NODES)
 
-    async def _heartbeat_loop(self) -> None:
-        last_backup_check = -1e9
+    async def _membership_loop(self) -> None:
+        last_complete = -1e9
         while True:
             try:
-                await self.heartbeat_once()
-                if self.coordinator == self.rank and self.backup_store is not None and \
-                        time.monotonic() - last_backup_check > 30:
-                    last_backup_check = time.monotonic()
-                    self._backup_latest = await trio.to_thread.run_sync(self.backup_latest)
-            except Exception:  # never let membership die
-                log.exception("heartbeat round failed")
+                if not self._joined:
+                    await self.join_job()
+                self._learn_members()
+                await self._record_steps()
+                if time.monotonic() - last_complete >= self._complete_every_s():
+                    last_complete = time.monotonic()
+                    await self.refresh_latest_complete()
+            except Exception:  # membership must never die
+                log.exception("membership round failed")
             await trio.sleep(self.cfg.heartbeat_s)
+
+    def _learn_members(self) -> None:
+        if self.member is None or self.member.members_view is None or not self._joined:
+            return
+        view: dict[int, MemberRecord] = self.member.view()
+        now = time.time()
+        members: dict[int, MemberInfo] = {}
+        for r, m in self.members.items():  # known before: keep, as dead
+            if r not in view:
+                members[r] = MemberInfo(rank=r, address=m.address, labels=m.labels,
+                                        alive=False, age_s=m.age_s)
+        for r, rec in view.items():
+            if not 0 <= r < self.cfg.nodes:
+                continue
+            members[r] = MemberInfo(rank=r, address=rec.address, labels=dict(rec.labels),
+                                    alive=True, age_s=max(0.0, now - rec.since))
+            if r != self.rank and rec.address and r not in self.configured:
+                self.addresses[r] = rec.address
+        self.members = members
+        self.membership_error = self.member.error
+
+    def _steps_now(self) -> set[int]:
+        for name, rec in self.fs.steps.items():
+            self._names[rec.number] = name
+        for name, num in self.restorable.items():
+            self._names[num] = name
+        return {rec.number for rec in self.fs.steps.values()}
+
+    async def _record_steps(self) -> None:
+        """Write this rank's record when it gained a step (a step once completed stays
+        recorded: a rank that evicted it from RAM still completed it). Called every
+        membership round and before a step is replicated (so a step that a peer holds is
+        in this rank's record, unless etcd did not answer); one write at a time."""
+        async with self._record_lock:
+            await self._record_steps_locked()
+
+    async def _record_steps_locked(self) -> None:
+        if self._recorded is None:
+            return
+        want = set(sorted(self._recorded | self._steps_now())[-RECORD_KEEP:])
+        if want == self._recorded:
+            return
+        try:
+            await trio.to_thread.run_sync(self.step_records.record, want,
+                                          abandon_on_cancel=True)
+            self._recorded = want
+        except EtcdError as exc:
+            log.warning("cannot record this rank's steps in etcd (next round retries): %s", exc)
+
+    async def refresh_latest_complete(self) -> StepRef | None:
+        """Read the newest step complete on all ranks from etcd (and, when this node has a
+        backup tier, the newest the backup tier holds for every rank); keep the newest
+        ever seen (a step complete on all ranks stays so)."""
+        try:
+            num = await trio.to_thread.run_sync(self.step_records.newest_complete_everywhere,
+                                                self.cfg.nodes, abandon_on_cancel=True)
+        except EtcdError as exc:
+            log.warning("cannot read the step records from etcd: %s", exc)
+            num = None
+        if num is not None:
+            self._offer_complete(StepRef(self._names.get(num, str(num)), num))
+        return self.latest_complete
+
+    def _offer_complete(self, cand: StepRef | None) -> None:
+        if cand is not None and (self.latest_complete is None or
+                                 cand.step_number > self.latest_complete.step_number):
+            self.latest_complete = cand
+
+    async def decide_restore(self) -> dict[str, Any]:
+        """The job's restore decision for a restoring node (etcd's ``restore/current``,
+        see :meth:`replication.coord.steps.StepRecords.decide_current`).
+
+        Raises:
+            EtcdError: etcd did not answer in time.
+        """
+        return await trio.to_thread.run_sync(self.step_records.decide_current, self.cfg.nodes,
+                                             abandon_on_cancel=True)
+
+    async def wait_for_members(self, ranks: list[int], timeout: float) -> list[int]:
+        """Wait (up to ``timeout`` s) until every rank of ``ranks`` has a known address;
+        returns those that still have none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._learn_members()
+            missing = [r for r in ranks if r not in self.addresses]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            await trio.sleep(0.1)
 
     def backup_latest(self) -> StepRef | None:
         """The newest step the backup tier holds complete for every rank (thread)."""

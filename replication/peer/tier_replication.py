@@ -149,6 +149,7 @@ class Replication:
 
     async def _replicate_step(self, link: PeerLink, rec: Any) -> None:
         fs = self.fs
+        await self._record_steps()  # etcd's record of this rank names the step first
         committed = rec.committed_ns
         content = content_of(rec)
         manifest, pinned = fs.snapshot_step(rec.name)

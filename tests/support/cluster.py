@@ -2,6 +2,7 @@
 
 Each rank gets its own directory ``root/n<rank>`` (``store/``, ``mnt/``), its own Peer port on
 127.0.0.1, and the options ``rank=R,nodes=N,peers=<every rank's address>,listen=<its own>``
+and ``coord=`` (the process's shared etcd, tests/support/etcd.py) with a prefix of its own,
 on top of the shared ``options`` and its ``per_rank_options``. A rank can be crashed
 (``kill9``), lose its RAM tier (``wipe``) and come back (``restart``, or ``restart_many``
 for several at once) on the same address.
@@ -92,8 +93,8 @@ class Cluster:
         self._options = {k: _opt(v) for k, v in (options or {}).items()}
         self._per_rank = {r: {k: _opt(v) for k, v in o.items()}
                           for r, o in (per_rank_options or {}).items()}
-        #: ``coordinator=`` (rank 0's address) instead of ``peers=``: the addresses are
-        #: learned at run time, as a new user's job does
+        #: no ``peers=``: the addresses are learned from etcd at run time, as a new user's
+        #: job does
         self.learn_addresses = learn_addresses
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
@@ -105,12 +106,11 @@ class Cluster:
     def options(self, rank: int) -> dict[str, str | None]:
         """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
         extra = {}
-        if self._options.get("scope") == "job" and "coord" not in self._options:
-            # scope=job's namespace is ordered by etcd: the process's shared one
+        if self.nodes > 1 and "coord" not in self._options:
+            # the nodes of a job agree through etcd: the process's shared one
             from .etcd import shared_etcd
             extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
-        where = {"coordinator": self.addresses[0]} if self.learn_addresses else \
-            {"peers": ",".join(self.addresses)}
+        where = {} if self.learn_addresses else {"peers": ",".join(self.addresses)}
         if "coord" in self._options and "coord_prefix" not in self._options:
             extra = {"coord_prefix": self.coord_prefix, **extra}
         return {**self._options,

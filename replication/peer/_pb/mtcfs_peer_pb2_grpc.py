@@ -59,11 +59,6 @@ class PeerStub:
                 request_serializer=mtcfs__peer__pb2.ListManifestsRequest.SerializeToString,
                 response_deserializer=mtcfs__peer__pb2.StoredManifest.FromString,
                 _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/mtcfs.peer.v1.Peer/Heartbeat',
-                request_serializer=mtcfs__peer__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=mtcfs__peer__pb2.HeartbeatReply.FromString,
-                _registered_method=True)
 
 
 class PeerServicer:
@@ -104,13 +99,6 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Heartbeat(self, request, context):
-        """Membership and step reports, answered with what this server knows of the job.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,11 +126,6 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ListManifests,
                     request_deserializer=mtcfs__peer__pb2.ListManifestsRequest.FromString,
                     response_serializer=mtcfs__peer__pb2.StoredManifest.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=mtcfs__peer__pb2.HeartbeatRequest.FromString,
-                    response_serializer=mtcfs__peer__pb2.HeartbeatReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,105 +263,6 @@ class Peer:
             '/mtcfs.peer.v1.Peer/ListManifests',
             mtcfs__peer__pb2.ListManifestsRequest.SerializeToString,
             mtcfs__peer__pb2.StoredManifest.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Heartbeat(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/mtcfs.peer.v1.Peer/Heartbeat',
-            mtcfs__peer__pb2.HeartbeatRequest.SerializeToString,
-            mtcfs__peer__pb2.HeartbeatReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-
-class MtcRestoreStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Vote = channel.unary_unary(
-                '/mtcfs.peer.v1.MtcRestore/Vote',
-                request_serializer=mtcfs__peer__pb2.VoteRequest.SerializeToString,
-                response_deserializer=mtcfs__peer__pb2.VoteReply.FromString,
-                _registered_method=True)
-
-
-class MtcRestoreServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Vote(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_MtcRestoreServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Vote': grpc.unary_unary_rpc_method_handler(
-                    servicer.Vote,
-                    request_deserializer=mtcfs__peer__pb2.VoteRequest.FromString,
-                    response_serializer=mtcfs__peer__pb2.VoteReply.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'mtcfs.peer.v1.MtcRestore', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('mtcfs.peer.v1.MtcRestore', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class MtcRestore:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Vote(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/mtcfs.peer.v1.MtcRestore/Vote',
-            mtcfs__peer__pb2.VoteRequest.SerializeToString,
-            mtcfs__peer__pb2.VoteReply.FromString,
             options,
             channel_credentials,
             insecure,
