@@ -29,6 +29,17 @@ from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used b
 T = TypeVar("T")
 
 
+def local_etcd(tag: str) -> dict[str, str]:
+    """The ``coord=`` and ``coord_prefix=`` options for a demo's nodes: a one-member etcd on
+    loopback (tests/support/etcd.py; data on tmpfs), started once per process and stopped
+    when it exits. A real job points ``coord=`` at its own etcd cluster."""
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from support.etcd import shared_etcd
+    return {"coord": shared_etcd().url, "coord_prefix": f"/mtcfs-demo/{tag}-{os.getpid()}"}
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

@@ -197,7 +197,7 @@ def worker(a: argparse.Namespace) -> None:
 
 sys.path.insert(0, str(HERE.parent))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, print_node_logs, run_in_scratch,
+    MtcfsMount, local_etcd, print_node_logs, run_in_scratch,
 )
 from demo import human  # noqa: E402
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
@@ -402,18 +402,14 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     for d in ("logs", "digests"):
         (work / d).mkdir()
     mounts: list[MtcfsMount] = []
-    # scope=job's namespace is ordered by etcd: a one-member etcd on loopback, stopped when
-    # this process exits (a real job points coord= at its etcd cluster)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from support.etcd import shared_etcd
-    coord = shared_etcd().url
+    # the nodes agree (scope=job's namespace included) through etcd: a local one-member one
+    coord = local_etcd("job")
     for r in range(NODES):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         mounts.append(MtcfsMount(f"demo-job-{os.getpid()}", work / f"n{r}" / "mnt", {
             "store": str(work / f"n{r}" / "store"), "size": args.size, "rank": str(r),
             "nodes": str(NODES), "peers": peers, "listen": f"127.0.0.1:{ports[r]}",
-            "replicas": "1", "scope": "job", "coord": coord,
-            "coord_prefix": f"/mtcfs-demo/{os.getpid()}"}))
+            "replicas": "1", "scope": "job", **coord}))
     mnts = [m.mnt for m in mounts]
     say(f"mtcfs scope=job demo: {NODES} nodes on this machine, one directory; torch "
         f"FSDP2 + DCP, gloo, one process per rank; replicas=1 (ring: node r's files have a "

@@ -19,8 +19,8 @@ What it does (needs root or FUSE permissions, like any mtcfs mount):
    peer rank (from the yaml) and backed up every 2 steps (``backup-interval-steps: 2``);
 3. node 1 dies: its daemon is SIGKILLed, the dead mount cleared, its store wiped. A
    replacement node 1 mounts on an empty store;
-4. the job restarts (new processes, same command): every node's mtcfs votes, the
-   coordinator picks the newest step every rank can restore (3), node 1 brings its data
+4. the job restarts (new processes, same command): every node's mtcfs joins a
+   restore round in etcd, which picks the newest step every rank can restore (3), node 1 brings its data
    back from its peer, verified, and hands it to Orbax as the ``.restore`` marker; every
    process restores step 3 and compares every shard with the expected values, bit for bit;
    then the job saves steps 4 and 5.
@@ -44,7 +44,9 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from _mount_util import MtcfsMount, print_node_logs, run_in_scratch  # noqa: E402
+from _mount_util import (  # noqa: E402
+    MtcfsMount, local_etcd, print_node_logs, run_in_scratch,
+)
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
 from support.mtc_trainer import run_trainers  # noqa: E402
 
@@ -75,13 +77,14 @@ def run(args: argparse.Namespace, work: Path) -> bool:
     bucket = work / "bucket"
     bucket.mkdir()
     mounts: list[MtcfsMount] = []
+    coord = local_etcd("mtc")  # the nodes agree on the step to restore through etcd
     for r in range(n):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         mounts.append(MtcfsMount("demo", work / f"n{r}" / "mnt", {
             "store": str(work / f"n{r}" / "store"), "rank": str(r), "nodes": str(n),
             "peers": peers, "listen": f"127.0.0.1:{peer_ports[r]}", "size": args.size,
             "backup": f"file://{bucket}", "mtc": None,
-            "jax_coordinator": f"127.0.0.1:{jax_port}"}))
+            "jax_coordinator": f"127.0.0.1:{jax_port}", **coord}))
     try:
         on_all(lambda m: m.mount(), mounts)
         say(f"{n} nodes mounted with -o mtc; node 0's jax-init-info.txt: "
