@@ -256,7 +256,7 @@ def test_sweep_in_flight(two_nodes) -> None:
                                                                   "c": blob(30, CHUNK)}
 
 
-def test_an_upload_in_progress_holds_a_sweep_off(tmp_path, gates) -> None:
+def test_an_upload_in_progress_holds_a_sweep_off(tmp_path, gates) -> None:  # noqa: F811
     """The other order: rank 1 has written its intent and decided to skip X (its index has
     it) and is still uploading when rank 0 starts a sweep. The sweep waits for the upload's
     COMPLETE, then reads its manifest and keeps X."""
@@ -298,7 +298,7 @@ def test_an_upload_in_progress_holds_a_sweep_off(tmp_path, gates) -> None:
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["no gate", "etcd gate"])
-def test_uploads_and_sweeps_interleaved(tmp_path, gates, gated) -> None:
+def test_uploads_and_sweeps_interleaved(tmp_path, gates, gated) -> None:  # noqa: F811
     """Rank 1 uploads steps that alternately need chunk X and not; rank 0 uploads its own and
     sweeps after each (keep=1, so X turns garbage and back again); random pauses move the
     interleaving around. With the gate every step rank 1 completes is restorable right
@@ -363,7 +363,7 @@ def test_uploads_and_sweeps_interleaved(tmp_path, gates, gated) -> None:
     assert uploader.stats()["index_reloads"] >= 1  # the sweeps did delete X under it
 
 
-def test_an_upload_that_cannot_get_the_gate_fails_with_one_line(tmp_path, gates) -> None:
+def test_an_upload_that_cannot_get_the_gate_fails_with_one_line(tmp_path, gates) -> None:  # noqa: F811
     be = FileBackend(tmp_path)
     sweeper_gate = gates(0)
     st = BackupStore(be, rank=1, clock_ns=lambda: NOW, gate=gates(1))
@@ -382,7 +382,8 @@ def test_an_upload_that_cannot_get_the_gate_fails_with_one_line(tmp_path, gates)
     assert st.latest_step().step == "step_10"
 
 
-def test_a_sweeper_whose_lease_ends_stops_deleting(tmp_path, gates, client) -> None:
+def test_a_sweeper_whose_lease_ends_stops_deleting(tmp_path, gates,  # noqa: F811
+                                                   client) -> None:
     """A sweeper that loses its hold (its lease revoked, as when it paused past its TTL)
     deletes nothing more; the gate is free for the others at once, and an uploader sees the
     generation the sweep bumped before its first delete."""
