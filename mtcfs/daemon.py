@@ -192,13 +192,22 @@ class Daemon:
         from replication.restore import BackupChunkSource
         from replication.scheduler import BackupService
         o = self.opts
-        # The deadline bounds every backend call, retries included: the sweep journal of a
-        # multi-node bucket relies on a delete ending within minutes (backup/sweeps.py).
+        # The deadline bounds every backend call, retries included: a sweep's delete stuck in
+        # retries is the one window the sweep gate of a multi-node bucket leaves (backup/gate.py).
         backend = RetryingBackend(open_backend(o.backup),
                                   RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0,
                                               deadline=120.0))
         if o.multi_node:
-            self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes)
+            gate = None  # uploads and chunk sweeps of the job's nodes agree through etcd
+            if getattr(self, "etcd", None) is None and o.coord:
+                from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
+                self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
+            if self.etcd is not None:
+                from replication.coord.backup_gate import EtcdSweepGate
+                gate = EtcdSweepGate(self.etcd, (o.coord_prefix or f"/mtcfs/{o.job}/")
+                                     + "backup/", owner=f"rank {o.rank}")
+            self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes,
+                                            gate=gate)
         else:
             self.backup_store = BackupStore(backend)
         source = BackupChunkSource(self.backup_store)

@@ -3,9 +3,10 @@
 Every rank has its own :class:`BackupStore` (``rank=r``) on the same :class:`FileBackend`,
 as nodes of a job share one bucket. Covered: the rank layout and chunks shared across ranks,
 listing and restoring each rank's own manifest, ``complete_ranks``, job-wide retention (also
-two ranks at once, and a sweep on one node while another uploads, through the sweep
-journal), upload shares between data-parallel twins (alive and dead), and the scheduler
-passing a share to ``put_step``.
+two ranks at once, and a sweep on one node while another uploads, through the job's sweep
+gate on a real etcd), upload shares between data-parallel twins (alive and dead), and the
+scheduler passing a share to ``put_step``. The hazards the gate closes, each also shown
+without it, are in t1_sweep_gate_test.py.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from mtcfs.manifest import Entry, StepManifest
 from replication.backup import Backend, BackupError, BackupStore, FileBackend, NotFound
 from replication.backup.layout import (
     check_rank, chunk_key, complete_key, manifest_key, parse_rank_step_key, parse_step_key,
-    parse_sweep_key, step_dir, sweep_key,
+    step_dir,
 )
-from replication.backup.chunk_index import ChunkIndex
-from replication.backup.sweeps import SweepJournal, SweepRecord, SweepTracker
+from replication.coord.backup_gate import EtcdSweepGate
+from replication.coord.etcd import Etcd
 from replication.scheduler import BackupService
+from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 CHUNK = 64 * 1024
 JOB = "job"
@@ -118,8 +120,26 @@ class Counting(Backend):
             return Counter({k: n for k, n in self.puts.items() if k.startswith("chunks/")})
 
 
-def stores(backend: Backend, n: int, **kw) -> list[BackupStore]:
-    return [BackupStore(backend, rank=r, clock_ns=lambda: NOW, **kw) for r in range(n)]
+def stores(backend: Backend, n: int, gates: Callable[[int], EtcdSweepGate] | None = None,
+           **kw) -> list[BackupStore]:
+    return [BackupStore(backend, rank=r, clock_ns=lambda: NOW,
+                        gate=gates(r) if gates is not None else None, **kw) for r in range(n)]
+
+
+@pytest.fixture
+def gates(etcd_server, etcd_prefix):  # noqa: F811
+    """``gates(rank)``: that rank's sweep gate of one job on the test etcd (as each node of a
+    job builds its own, on its own client)."""
+    clients: list[Etcd] = []
+
+    def make(rank: int) -> EtcdSweepGate:
+        clients.append(Etcd(etcd_server.endpoints, timeout_s=5.0))
+        return EtcdSweepGate(clients[-1], etcd_prefix + "backup/", owner=f"rank {rank}",
+                             ttl_s=5)
+
+    yield make
+    for c in clients:
+        c.close()
 
 
 # -- layout --------------------------------------------------------------------------------
@@ -139,15 +159,12 @@ def test_rank_layout_names() -> None:
     for bad in (-1, True, 1.0, "1", 10**9):
         with pytest.raises(ValueError):
             check_rank(bad)  # type: ignore[arg-type]
-    key = sweep_key(123, 4, "abcdef01")
-    assert key == "sweeps/123-4-abcdef01.json" and parse_sweep_key(key) == 123
-    assert parse_sweep_key("sweeps/x.json") is None
-    with pytest.raises(ValueError):
-        sweep_key(1, 0, "XYZ")
 
 
-def test_store_arguments(tmp_path) -> None:
+def test_store_arguments(tmp_path, gates) -> None:
     be = FileBackend(tmp_path)
+    with pytest.raises(ValueError, match="needs a rank"):
+        BackupStore(be, gate=gates(0))
     with pytest.raises(ValueError):
         BackupStore(be, rank=-1)
     with pytest.raises(ValueError):
@@ -238,9 +255,9 @@ def test_complete_ranks(tmp_path) -> None:
 
 # -- job-wide retention --------------------------------------------------------------------
 
-def test_job_retention_keeps_chunks_other_ranks_need(tmp_path) -> None:
+def test_job_retention_keeps_chunks_other_ranks_need(tmp_path, gates) -> None:
     be = FileBackend(tmp_path)
-    r0, r1 = stores(be, 2)
+    r0, r1 = stores(be, 2, gates)
     chunks: dict[str, bytes] = {}
     base = blob(1, 2 * CHUNK)           # in every step of both ranks
     only10 = blob(2, CHUNK)             # rank 0, step 10 only: dies with step 10
@@ -281,28 +298,31 @@ def test_job_retention_keeps_chunks_other_ranks_need(tmp_path) -> None:
         assert not be.exists(manifest_key("step_10", r))
     assert [s.step for s in r0.list_steps()] == ["step_20", "step_30", "step_40"]
     assert [s.step for s in r1.list_steps()] == ["step_20", "step_30"]
-    assert len(list(be.list("sweeps/"))) == 1  # the sweep's journal record
+    gen = gates(9).generation()
+    assert gen > 0  # the sweep bumped the sweep generation (before deleting)
 
-    # Nothing to retire: no sweep, no journal record.
+    # Nothing to retire: no sweep, the generation stays.
     again = r0.retain(keep=2, grace_s=60)
     assert again.steps_deleted == [] and not again.swept and again.chunks_deleted == 0
-    assert len(list(be.list("sweeps/"))) == 1
+    assert gates(9).generation() == gen
 
-    # Rank 0's index still believes `only10` is stored (it uploaded it); the journal tells
-    # it that rank 1's sweep deleted it, so a new step needing it uploads it again.
+    # Rank 0's index still believes `only10` is stored (it uploaded it); the generation
+    # tells it that a sweep ran since, so it lists chunks again and uploads it again.
     m50 = make_step(50, {"b": base, "x": only10}, rank=0, chunks=chunks)
     st50 = r0.put_step(m50, chunks.__getitem__)
-    assert st50.chunks_uploaded == 1
+    assert st50.chunks_uploaded == 1 and st50.chunks_resent == 1
+    assert r0.stats()["index_reloads"] == 1 and r1.stats()["index_reloads"] == 0
     assert restore_files(BackupStore(be, rank=0), "step_50") == {"b": base, "x": only10}
     r1.commit_step(up40)  # rank 1's chunks survived: it completes
     assert restore_files(r1, "step_40") == {"b": base, "r": revived}
 
     # With world_size=3 nothing is complete in the job (rank 2 never saved): keep all.
-    r2 = BackupStore(be, rank=2, world_size=3, clock_ns=lambda: NOW)
+    r2 = BackupStore(be, rank=2, world_size=3, clock_ns=lambda: NOW, gate=gates(2))
     kept = r2.retain(keep=1, grace_s=60)
     assert kept.steps_kept == [] and kept.steps_deleted == [] and not kept.swept
     # world_size=2: step 50 is complete on rank 0 only, 40 on both: keep 40 (and 50).
-    rk = BackupStore(be, rank=0, world_size=2, clock_ns=lambda: NOW).retain(keep=1, grace_s=60)
+    rk = BackupStore(be, rank=0, world_size=2, clock_ns=lambda: NOW,
+                     gate=gates(0)).retain(keep=1, grace_s=60)
     assert rk.steps_kept == ["step_40"] and rk.steps_deleted == ["step_20", "step_30"]
     assert [s.step for s in r0.list_steps()] == ["step_40", "step_50"]
     assert restore_files(BackupStore(be, rank=0), "step_50") == {"b": base, "x": only10}
@@ -327,9 +347,22 @@ def test_single_node_retention_keeps_rank_chunks(tmp_path) -> None:
     assert single.retain(keep=1, sweep=False).swept is False
 
 
-def test_two_ranks_retain_at_once(tmp_path) -> None:
+def test_multi_node_store_without_a_gate_does_not_sweep(tmp_path) -> None:
     be = FileBackend(tmp_path)
     ss = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    for n in (1, 2):
+        for r in (0, 1):
+            ss[r].put_step(make_step(n, {"o": blob(10 * n + r, CHUNK)}, rank=r, chunks=chunks),
+                           chunks.__getitem__)
+    stats = ss[0].retain(keep=1, sweep=True)
+    assert stats.steps_deleted == ["step_1"] and not stats.swept and stats.chunks_deleted == 0
+    assert chunk_keys(be) == {chunk_key(h) for h in chunks}  # nothing swept
+
+
+def test_two_ranks_retain_at_once(tmp_path, gates) -> None:
+    be = FileBackend(tmp_path)
+    ss = stores(be, 2, gates)
     chunks: dict[str, bytes] = {}
     ms = {}
     for n in range(1, 7):
@@ -354,12 +387,13 @@ def test_two_ranks_retain_at_once(tmp_path) -> None:
             "s": blob(5, 2 * CHUNK), "o": blob(100 * r + 5, CHUNK)}
 
 
-def test_upload_waits_for_a_sweep_on_another_node(tmp_path) -> None:
-    """Rank 0 sweeps; rank 1, whose index says chunk X is stored, uploads a step with X
-    right after rank 0 read the manifests and before it deletes X. Rank 1 must wait for the
-    sweep and upload X again, not mark a step complete whose chunk is gone."""
+def test_upload_waits_for_a_sweep_on_another_node(tmp_path, gates) -> None:
+    """Rank 0 sweeps; rank 1, whose index says chunk X is stored, starts a step with X right
+    after rank 0 read the manifests and before it deletes X. Rank 1 must wait for the sweep
+    (the gate), then list chunks again and upload X, not mark a step complete whose chunk
+    is gone."""
     be = Counting(FileBackend(tmp_path))
-    sweeper, uploader = stores(be, 2)
+    sweeper, uploader = stores(be, 2, gates)
     chunks: dict[str, bytes] = {}
     x = blob(7, CHUNK)
     for r, st in ((0, sweeper), (1, uploader)):
@@ -380,85 +414,30 @@ def test_upload_waits_for_a_sweep_on_another_node(tmp_path) -> None:
         uploader.put_step(m30, chunks.__getitem__)))
     t_up.start()
     t_up.join(0.6)
-    assert t_up.is_alive() and not be.exists(complete_key("step_30", 1))  # waiting
+    assert t_up.is_alive() and not be.exists(manifest_key("step_30", 1))  # waiting
     assert be.exists(chunk_key(chunk_hash(x)))
     be.hold_chunk_deletes.set()
     t_sweep.join(20)
     t_up.join(20)
     assert sweep_out[0].chunks_deleted >= 1  # type: ignore[union-attr]
     stats = up_out[0]
-    assert stats.chunks_resent == 1 and stats.seconds_waiting > 0  # type: ignore[union-attr]
-    assert uploader.stats()["sweep_waits"] == 1
+    assert stats.chunks_resent == 1 and stats.seconds_waiting > 0.3  # type: ignore[union-attr]
+    assert uploader.stats()["index_reloads"] == 1
     assert restore_files(BackupStore(be, rank=1), "step_30") == {"x": x, "c": blob(30, CHUNK)}
 
 
-def test_crashed_sweeper_makes_uploaders_list_again(tmp_path) -> None:
+def test_commit_step_reports_a_chunk_a_sweep_deleted(tmp_path, gates) -> None:
     be = FileBackend(tmp_path)
-    (st,) = stores(be, 1)
-    chunks: dict[str, bytes] = {}
-    x = blob(1, CHUNK)
-    st.put_step(make_step(10, {"x": x}, chunks=chunks), chunks.__getitem__)
-    reloads = st.stats()["index_reloads"]
-    # A sweeper on another node deleted X and died before finishing its record.
-    journal = SweepJournal(be)
-    rec = SweepRecord(key=sweep_key(NOW - 10**13, 5, "deadbeef"), rank=5,
-                      started_ns=NOW - 10**13, deadline_ns=NOW - 10**12)
-    be.put(rec.key, rec.to_bytes())
-    be.delete(chunk_key(chunk_hash(x)))
-    assert journal.keys() == {rec.key}
-    stats = st.put_step(make_step(20, {"x": x}, chunks=chunks), chunks.__getitem__)
-    assert stats.chunks_uploaded == 1 and st.stats()["index_reloads"] == reloads + 1
-    assert restore_files(st, "step_20") == {"x": x}
-    # A finished record of another node: its deletions are applied without a listing.
-    y = blob(2, CHUNK)
-    st.put_step(make_step(30, {"y": y}, chunks=chunks), chunks.__getitem__)
-    be.delete(chunk_key(chunk_hash(y)))
-    journal.finish(SweepRecord(key=sweep_key(NOW, 6, "00c0ffee"), rank=6, started_ns=NOW,
-                               deadline_ns=NOW + 10**12), [chunk_hash(y)], NOW)
-    stats = st.put_step(make_step(40, {"y": y}, chunks=chunks), chunks.__getitem__)
-    assert stats.chunks_uploaded == 1 and st.stats()["index_reloads"] == reloads + 1
-    assert journal.prune(NOW + 10**15) == 2 and journal.keys() == set()
-
-
-def test_a_sweep_end_lost_to_an_outage_is_recorded_at_the_sweepers_next_sync(tmp_path) -> None:
-    """Found by the chaos run (seed 11, scope=node): the backup tier went away while a sweep
-    finished, so its end was never recorded, and every other rank's uploads waited for that
-    'running' sweep until its deadline plus the slack (20 minutes) before marking steps
-    complete. The sweeper now records the end again at its own next sync (its next upload)."""
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    be = FileBackend(bucket)
-    journal = SweepJournal(be)
-    rec = journal.begin(2, NOW)
-    gone = tmp_path / "away"
-    bucket.rename(gone)
-    bucket.write_bytes(b"")  # the outage: nothing can recreate the directory meanwhile
-    with pytest.raises(BackupError):
-        journal.finish(rec, [chunk_hash(b"x")], NOW + 1)
-    assert journal.finish_pending() == 1  # still out
-    bucket.unlink()
-    gone.rename(bucket)
-    others = SweepJournal(FileBackend(bucket))
-    got = others.read(rec.key)
-    assert got is not None and not got.done  # what other nodes wait on
-    SweepTracker(journal, ChunkIndex(be)).sync()
-    got = others.read(rec.key)
-    assert got is not None and got.done and got.deleted == (chunk_hash(b"x"),)
-    assert journal.finish_pending() == 0
-
-
-def test_commit_step_reports_a_chunk_a_sweep_deleted(tmp_path) -> None:
-    be = FileBackend(tmp_path)
-    (st,) = stores(be, 1)
+    (st,) = stores(be, 1, gates)
     chunks: dict[str, bytes] = {}
     x = blob(1, CHUNK)
     st.put_step(make_step(10, {"x": x}, chunks=chunks), chunks.__getitem__)
     m = make_step(20, {"x": x}, chunks=chunks)
     st.begin_step(m)
-    be.delete(chunk_key(chunk_hash(x)))
-    SweepJournal(be).finish(SweepRecord(key=sweep_key(NOW, 3, "0badf00d"), rank=3,
-                                        started_ns=NOW, deadline_ns=NOW + 1),
-                            [chunk_hash(x)], NOW)
+    other = gates(3)  # another node sweeps X (between this node's begin and commit)
+    with other.exclusive() as hold:
+        other.bump(hold)
+        be.delete(chunk_key(chunk_hash(x)))
     with pytest.raises(BackupError, match=chunk_hash(x)):
         st.commit_step(m)
     assert st.list_steps()[-1].step == "step_10"

@@ -15,7 +15,7 @@ Typical use::
 
 In a multi-node job each rank opens its own store on the same bucket::
 
-    store = open_store(url, rank=3, world_size=8)
+    store = open_store(url, rank=3, world_size=8, gate=EtcdSweepGate(etcd, prefix))
     store.put_step(manifest, read, share=lambda d: int(d[:8], 16) % 2 == 1)
     job = store.complete_ranks()      # {step: (step_number, {ranks that completed it})}
 """

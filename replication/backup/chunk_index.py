@@ -8,8 +8,9 @@ chunks, i.e. 4 TiB of unique data at 4 MiB per chunk, cost about 80 MiB).
 It can be stale in one direction only, harmlessly: a chunk another node uploaded after the
 listing is believed absent and uploaded again. The other direction (a chunk believed present
 but deleted by a sweep elsewhere) is what retention's ordering rules prevent on a
-single-node store (see :mod:`replication.backup.retention`) and what the sweep journal
-corrects on multi-node stores (see :mod:`replication.backup.sweeps`).
+single-node store (see :mod:`replication.backup.retention`) and what the sweep gate
+prevents on multi-node stores: the store forgets the index when the sweep generation moved
+(see :mod:`replication.backup.gate`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ trustworthy:
   them so that a retention sweep, here or on another node, sees which chunks an upload in
   progress relies on; see :mod:`replication.backup.retention`.)
 * Retention never overlaps this store's uploads: uploads hold a shared lock, retention the
-  exclusive one.
+  exclusive one. A multi-node store does the same job-wide through its sweep gate
+  (:mod:`replication.backup.gate`): uploads hold it shared, chunk sweeps exclusive.
 
 Multi-node jobs (``rank`` set): every rank has its own store on the same bucket. Its step
 manifests and markers live in ``steps/<step>/rank-<rank>/``; chunks are shared, so a chunk
@@ -24,8 +25,8 @@ two ranks hold is stored once. Listing, reading and writing steps act on the sto
 rank; :meth:`BackupStore.list_steps` and :meth:`BackupStore.get_step` read another rank's
 when asked, and :meth:`BackupStore.complete_ranks` tells which ranks completed which step.
 Retention counts steps complete on every rank (:func:`~replication.backup.retention.
-run_job_retention`), and uploads follow the sweep journal protocol
-(:mod:`replication.backup.sweeps`) so that any rank may sweep while others upload.
+run_job_retention`), and uploads and sweeps pass the sweep gate
+(:mod:`replication.backup.gate`) so that any rank may sweep while others upload.
 
 Upload shares: data-parallel twins hold the same chunks. With ``share``, :meth:`put_step`
 uploads only the missing chunks that are this node's share, waits (polling the bucket) for
@@ -38,8 +39,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 from mtcfs.chunking import chunk_hash, chunk_span
@@ -50,12 +52,12 @@ from replication.backup.chunk_index import ChunkIndex
 from replication.backup.codec import DEFAULT_LEVEL, decode_chunk, encode_chunk
 from replication.backup.counters import Counters
 from replication.backup.errors import BackupError, ChunkCorrupt, NotFound
+from replication.backup.gate import GateHold, SweepGate
 from replication.backup.layout import check_hash, check_rank, check_step, chunk_key
 from replication.backup.records import BackupStats, RetentionStats, StepInfo
 from replication.backup.retention import run_job_retention, run_retention
 from replication.backup.rwlock import SharedExclusiveLock
 from replication.backup.steps import StepCatalog, complete_ranks, scan_layouts
-from replication.backup.sweeps import SweepJournal, SweepTracker
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,6 @@ SHARE_POLL_MAX_S = 5.0
 #: A poll round stops after this many chunks not yet there (checked in upload order), so
 #: waiting for a dead twin costs a few requests per round, not one per chunk.
 SHARE_POLL_MISSES = 16
-#: Pauses while waiting for a sweep on another node to finish, seconds (doubling).
-SWEEP_POLL_FIRST_S = 0.1
-SWEEP_POLL_MAX_S = 5.0
 
 
 def unique_chunks(manifest: StepManifest) -> dict[str, int]:
@@ -122,21 +121,26 @@ class BackupStore:
         clock_ns: wall clock in ns since the epoch (injectable for tests of ``grace_s``).
         rank: None for a single-node mount (layout ``steps/<step>/``, exactly as before);
             the node's rank (>= 0) in a multi-node job: its steps live in
-            ``steps/<step>/rank-<rank>/`` and it follows the sweep journal protocol.
+            ``steps/<step>/rank-<rank>/``.
         world_size: ranks in the job (ranks 0..world_size-1), for retention's "complete on
             every rank"; None: every rank that has a manifest or marker in the bucket. Only
             with ``rank``.
+        gate: the job's sweep gate (:mod:`replication.backup.gate`), only with ``rank``:
+            uploads hold it shared and chunk sweeps exclusive, so any rank may sweep while
+            others upload. None on a multi-node store: retention never sweeps chunks.
 
     Raises:
         ValueError: on a bad ``rank`` (not None or an int >= 0), a ``world_size`` < 1 or not
-            above ``rank``, or a ``world_size`` without ``rank``.
+            above ``rank``, or a ``world_size`` or ``gate`` without ``rank``.
     """
 
     def __init__(self, backend: Backend, *, level: int = DEFAULT_LEVEL,
                  workers: int = MAX_WORKERS, check_remote: bool = False,
                  clock_ns: Callable[[], int] = time.time_ns, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, gate: SweepGate | None = None) -> None:
         check_rank(rank)
+        if gate is not None and rank is None:
+            raise ValueError("a sweep gate is for a multi-node store: it needs a rank")
         if world_size is not None:
             if rank is None:
                 raise ValueError("world_size needs a rank")
@@ -153,15 +157,16 @@ class BackupStore:
         self._world_size = world_size
         self._index = ChunkIndex(backend)
         self._steps = StepCatalog(backend, self._workers, rank)
-        self._journal = SweepJournal(backend) if rank is not None else None
-        self._tracker = SweepTracker(self._journal, self._index, clock_ns=clock_ns) \
-            if self._journal is not None else None
+        self._gate = gate
+        #: The sweep generation the index is true at (None: not compared yet).
+        self._synced: int | None = None
+        self._sync_lock = threading.Lock()
         self._gc = SharedExclusiveLock()
         self._counters = Counters((
             "chunks_uploaded", "chunks_deduped", "chunks_downloaded", "bytes_uploaded",
             "bytes_downloaded", "steps_uploaded", "steps_deleted", "chunks_deleted",
             "corrupt_chunks", "errors", "chunks_by_others", "chunks_taken_over",
-            "chunks_resent", "sweep_waits",
+            "chunks_resent", "index_reloads",
         ))
 
     @property
@@ -191,15 +196,14 @@ class BackupStore:
         ``bytes_downloaded``, ``steps_uploaded``, ``steps_deleted``, ``chunks_deleted``,
         ``corrupt_chunks``, ``errors`` (backup errors raised to callers), ``known_chunks``
         (-1 before the index is loaded), ``chunks_by_others`` / ``chunks_taken_over`` /
-        ``chunks_resent`` (totals of the :class:`BackupStats` fields), ``sweep_waits`` (times
-        an upload waited for another node's sweep), ``index_reloads`` (full listings of
-        ``chunks/`` a multi-node store made to resynchronise), plus the backend's own
+        ``chunks_resent`` (totals of the :class:`BackupStats` fields), ``index_reloads``
+        (times a multi-node store forgot its index because a sweep elsewhere bumped the
+        sweep generation), plus the backend's own
         counters when it has a ``stats()`` (``retries``, ``retry_wait_ms``, ``gave_up`` for
         a RetryingBackend).
         """
         out = self._counters.snapshot()
         out["known_chunks"] = self._index.size()
-        out["index_reloads"] = self._tracker.reloads if self._tracker is not None else 0
         backend_stats = getattr(self._backend, "stats", None)
         if callable(backend_stats):
             out.update(backend_stats())
@@ -214,7 +218,7 @@ class BackupStore:
         """Return whether chunk ``h`` is in the bucket, as far as this store knows.
 
         The first call lists ``chunks/``; later calls are answered from memory (on a
-        multi-node store, as of the last upload's look at the sweep journal: a sweep on
+        multi-node store, as of the last upload's look at the sweep generation: a sweep on
         another node since may have deleted it; uploads correct for that themselves).
 
         Raises:
@@ -302,9 +306,11 @@ class BackupStore:
                  share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> BackupStats:
         """Back up one step: intent manifest, missing chunks, then the COMPLETE marker.
 
-        On a multi-node store the step is this rank's (``steps/<step>/rank-<rank>/``), and
-        before the marker the call waits for sweeps running on other nodes and uploads again
-        any chunk of the step they deleted (:mod:`replication.backup.sweeps`).
+        On a multi-node store the step is this rank's (``steps/<step>/rank-<rank>/``); with
+        a gate, the call holds it shared from before the intent until the marker (no chunk
+        sweep runs in the job meanwhile), and first lists ``chunks/`` again if a sweep
+        bumped the sweep generation since this store's index was true
+        (:mod:`replication.backup.gate`), so it uploads again any chunk a sweep deleted.
 
         Args:
             manifest: the step to back up.
@@ -330,6 +336,8 @@ class BackupStore:
                 ``share_wait_s < 0``, or ``read_chunk`` returned bytes that do not hash to
                 the digest asked for.
             BackupError: if an upload fails; the step is then not complete in the backup.
+                :class:`~replication.backup.errors.GateError` if the gate was not granted in
+                time or its hold ended before the marker.
             Exception: whatever ``read_chunk``, ``progress`` or ``share`` raised.
         """
         t0 = time.monotonic()
@@ -338,12 +346,12 @@ class BackupStore:
             raise ValueError(f"share_wait_s must be >= 0, got {share_wait_s}")
         sizes = unique_chunks(manifest)
         tally = _Tally()
-        with self._gc.shared():
+        with self._gc.shared(), ExitStack() as stack:
+            hold = self._enter_gate(stack, tally)  # until COMPLETE: no sweep meanwhile
             with self._counting_errors():
+                resent = self._sync_generation(sizes) if hold is not None else set()
                 meta = self._steps.write_intent(manifest)
                 self._counters.add("bytes_uploaded", meta)
-                if self._tracker is not None:
-                    self._tracker.sync()  # after the intent, before trusting the index
                 missing = self._index.missing(sizes)
             total = sum(sizes.values())
             done = total - sum(sizes[h] for h in missing)
@@ -387,9 +395,8 @@ class BackupStore:
                     done += sizes[h]
                     if progress is not None:
                         progress(done, total)
-            if self._tracker is not None:
-                self._settle(manifest, sizes, read_chunk, tally)
-            meta += self._commit(manifest, sizes)
+            tally.resent = len(resent.intersection(missing))
+            meta += self._commit(manifest, sizes, hold)
         self._counters.add("chunks_by_others", tally.by_others)
         self._counters.add("chunks_taken_over", tally.taken_over)
         self._counters.add("chunks_resent", tally.resent)
@@ -440,39 +447,55 @@ class BackupStore:
                 delay = min(cap, delay * 2)
         return found, pending
 
-    def _settle(self, manifest: StepManifest, sizes: dict[str, int],
-                read_chunk: Callable[[str], bytes] | None, tally: _Tally) -> None:
-        """Multi-node stores, before the marker: wait until no sweep runs elsewhere, apply
-        what sweeps deleted, and upload again the step's chunks they deleted (without
-        ``read_chunk``, leave them missing for :meth:`_commit` to report)."""
-        assert self._tracker is not None
-        delay = SWEEP_POLL_FIRST_S
-        while True:
-            with self._counting_errors():
-                running = self._tracker.sync()
-            if running:
-                if delay == SWEEP_POLL_FIRST_S:
-                    self._counters.add("sweep_waits")
-                    log.info("step %s: waiting for %d sweep(s) of %s on other nodes before "
-                             "marking it complete", manifest.step, len(running), self.describe())
-                w0 = time.monotonic()
-                time.sleep(delay)
-                tally.waiting += time.monotonic() - w0
-                delay = min(SWEEP_POLL_MAX_S, delay * 2)
-                continue
-            delay = SWEEP_POLL_FIRST_S
-            missing = self._index.missing(sizes)
-            if not missing or read_chunk is None:
-                return
-            log.warning("step %s: %d of its chunks were deleted by a sweep on another node "
-                        "while it was uploaded; uploading them again", manifest.step,
-                        len(missing))
-            for h, n in self._upload_all(missing, read_chunk):
-                if n:
-                    tally.uploaded += 1
-                    tally.resent += 1
-                    tally.sent += n
-                    tally.new += sizes[h]
+    def _enter_gate(self, stack: ExitStack, tally: _Tally | None) -> GateHold | None:
+        """Take the sweep gate shared into ``stack`` (a multi-node store with a gate), adding
+        the wait to ``tally``; None without a gate.
+
+        Raises:
+            GateError: the gate was not granted (a sweep held it for the whole wait, or etcd
+                did not answer).
+        """
+        if self._gate is None:
+            return None
+        w0 = time.monotonic()
+        with self._counting_errors():
+            hold = stack.enter_context(self._gate.shared())
+        if tally is not None:
+            tally.waiting += time.monotonic() - w0
+        return hold
+
+    def _sync_generation(self, chunks: Iterable[str] = ()) -> set[str]:
+        """Holding the gate: if a sweep bumped the sweep generation since the index was last
+        true, forget the index (the next use lists ``chunks/`` again). Returns those of
+        ``chunks`` the index believed stored before it forgot them (for ``chunks_resent``).
+
+        Raises:
+            GateError: the generation could not be read.
+        """
+        assert self._gate is not None
+        with self._sync_lock:
+            gen = self._gate.generation()
+            if gen == self._synced:
+                return set()
+            believed: set[str] = set()
+            if self._index.size() >= 0:  # loaded: at an older generation, or an unknown one
+                if self._synced is not None:
+                    wanted = list(chunks)
+                    believed = set(wanted).difference(self._index.missing(wanted))
+                    log.info("a chunk sweep on another node changed %s (sweep generation %d, "
+                             "this node's index is of %d): listing chunks again",
+                             self.describe(), gen, self._synced)
+                self._index.reset()
+                self._counters.add("index_reloads")
+            self._synced = gen
+            return believed
+
+    def _bumped(self, before: int, after: int) -> None:
+        """This store's sweep bumped the generation: its index stays true (it forgets what
+        it deletes) if it was true at the generation before."""
+        with self._sync_lock:
+            if self._synced == before:
+                self._synced = after
 
     def _upload_all(self, missing: list[str], read_chunk: Callable[[str], bytes], *,
                     remote_check: bool = False) -> Iterator[tuple[str, int]]:
@@ -528,8 +551,8 @@ class BackupStore:
         """Write a step's COMPLETE marker after checking all its chunks are in the bucket.
 
         Chunks this store has not seen are looked up in the backend (other nodes may have
-        uploaded them). A multi-node store first waits for sweeps running on other nodes
-        and applies what they deleted.
+        uploaded them). A multi-node store with a gate holds it shared meanwhile, and first
+        lists ``chunks/`` again if a sweep elsewhere bumped the sweep generation.
 
         Raises:
             ValueError: on a bad step name or chunk digest.
@@ -538,18 +561,23 @@ class BackupStore:
         """
         check_step(manifest.step)
         sizes = unique_chunks(manifest)
-        with self._gc.shared():
-            if self._tracker is not None:
-                self._settle(manifest, sizes, None, _Tally())
-            self._commit(manifest, sizes)
+        with self._gc.shared(), ExitStack() as stack:
+            hold = self._enter_gate(stack, None)
+            if hold is not None:
+                with self._counting_errors():
+                    self._sync_generation()
+            self._commit(manifest, sizes, hold)
 
-    def _commit(self, manifest: StepManifest, sizes: dict[str, int]) -> int:
+    def _commit(self, manifest: StepManifest, sizes: dict[str, int],
+                hold: GateHold | None = None) -> int:
         with self._counting_errors():
             for h in self._index.missing(sizes):
                 if not self._backend.exists(chunk_key(h)):
                     raise BackupError(f"step {manifest.step}: chunk {h} is not in "
                                       f"{self.describe()}; not marking the step complete")
                 self._index.add(h)
+            if hold is not None:
+                hold.check()  # a sweep may have run since the hold ended: not complete
             n = self._steps.write_marker(manifest, len(sizes), self._clock_ns())
         self._counters.add("bytes_uploaded", n)
         self._counters.add("steps_uploaded")
@@ -633,7 +661,9 @@ class BackupStore:
                sweep: bool | None = None) -> RetentionStats:
         """Keep the newest ``keep`` complete steps, delete the rest, sweep unused chunks.
 
-        Waits for this store's uploads to finish and holds new ones back while it runs. See
+        Waits for this store's uploads to finish and holds new ones back while it runs; a
+        multi-node store sweeps chunks only holding its gate exclusive (without a gate, or
+        when the gate is not granted in time, the sweep is skipped and logged). See
         :mod:`replication.backup.retention` for the procedure and for uploads on other nodes.
 
         A single-node store keeps its own ``keep`` newest complete steps. A multi-node store
@@ -670,12 +700,10 @@ class BackupStore:
                                       forget=self._index.forget, workers=self._workers,
                                       sweep=sweep is not False)
             else:
-                assert self._journal is not None and self._tracker is not None
                 stats = run_job_retention(
-                    self._backend, self._journal, rank=self._rank, keep=keep,
-                    grace_ns=int(grace_s * 1e9), clock_ns=self._clock_ns,
-                    world_size=self._world_size, sweep=sweep, forget=self._index.forget,
-                    applied=self._tracker.applied, workers=self._workers)
+                    self._backend, self._gate, keep=keep, grace_ns=int(grace_s * 1e9),
+                    clock_ns=self._clock_ns, world_size=self._world_size, sweep=sweep,
+                    forget=self._index.forget, bumped=self._bumped, workers=self._workers)
         stats = replace(stats, seconds=time.monotonic() - t0)
         self._counters.add("steps_deleted",
                            len(stats.steps_deleted) + len(stats.incomplete_deleted))

@@ -34,3 +34,18 @@ class ChunkCorrupt(BackupError):
     def __init__(self, chunk: str, reason: str) -> None:
         super().__init__(f"backup chunk {chunk} is corrupt: {reason}")
         self.chunk = chunk
+
+
+class GateError(BackupError):
+    """The sweep gate of a multi-node bucket (:mod:`replication.backup.gate`) failed: its
+    coordination service did not answer, or refused."""
+
+
+class GateTimeout(GateError):
+    """The sweep gate was not granted within the wait's deadline (the message names the
+    holder waited for). An upload fails and is retried later; a sweep is skipped."""
+
+
+class GateLost(GateError):
+    """A hold of the sweep gate ended under its holder (its lease expired): whatever was
+    safe only under it must not be done."""

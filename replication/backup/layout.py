@@ -13,15 +13,15 @@ Below the backend root::
                                            summary)
     steps/<step>/rank-<r>/manifest.json    rank ``r``'s files of the step in a multi-node job
     steps/<step>/rank-<r>/COMPLETE         written last: rank ``r``'s part is restorable
-    sweeps/<started_ns>-<r>-<hex>.json     the sweep journal of multi-node stores: one record
-                                           per chunk sweep, written before it reads any
-                                           manifest, rewritten with the deleted digests when
-                                           it ends (see :mod:`replication.backup.sweeps`)
 
 ``<r>`` is the rank in decimal without leading zeros (``rank-0``, ``rank-12``). A step is
 complete *on rank r* when ``rank-<r>/COMPLETE`` exists, and complete *in the job* when every
 rank completed it. The two step layouts do not collide: a single-node key has two segments
 below ``steps/``, a rank key three, and a step name never holds a '/'.
+
+A bucket written by an older mtcfs may also hold ``sweeps/*.json``, the sweep journal that
+the job's sweep gate in etcd replaced (:mod:`replication.backup.gate`): nothing reads them
+any more, and they may be deleted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import re
 
 CHUNKS_PREFIX = "chunks/"
 STEPS_PREFIX = "steps/"
-SWEEPS_PREFIX = "sweeps/"
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 RANK_DIR_PREFIX = "rank-"
@@ -38,7 +37,6 @@ RANK_DIR_PREFIX = "rank-"
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})\.zst$")
 _RANK_DIR_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})$")
-_SWEEP_KEY_RE = re.compile(r"^sweeps/([0-9]{1,20})-(0|[1-9][0-9]{0,8})-([0-9a-f]{8,32})\.json$")
 
 
 def check_hash(h: str) -> str:
@@ -141,27 +139,3 @@ def parse_rank_step_key(key: str) -> tuple[str, int, str] | None:
     if m is None:
         return None
     return parts[0], int(m.group(1)), parts[2]
-
-
-def sweep_key(started_ns: int, rank: int, token: str) -> str:
-    """Object name of a sweep journal record.
-
-    Args:
-        started_ns: when the sweep began, ns since the epoch (>= 0).
-        rank: the sweeping rank.
-        token: 8 to 32 lowercase hex characters making the name unique.
-
-    Raises:
-        ValueError: if the parts do not form a valid name.
-    """
-    key = f"{SWEEPS_PREFIX}{int(started_ns)}-{check_rank(rank)}-{token}.json"
-    if _SWEEP_KEY_RE.match(key) is None:
-        raise ValueError(f"bad sweep record name {key!r}")
-    return key
-
-
-def parse_sweep_key(key: str) -> int | None:
-    """Return the start time (ns since the epoch) a sweep record's name carries, or None if
-    ``key`` is not a sweep record name."""
-    m = _SWEEP_KEY_RE.match(key)
-    return None if m is None else int(m.group(1))

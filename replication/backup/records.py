@@ -24,9 +24,10 @@ class BackupStats:
             uploaded meanwhile (its share; found while waiting or just before uploading).
         chunks_taken_over: other nodes' shares this node uploaded itself because they were
             still missing after ``share_wait_s``.
-        chunks_resent: chunks uploaded again because a sweep on another node deleted them
-            during the call (multi-node stores).
-        seconds_waiting: seconds spent waiting for other nodes' shares and for sweeps to end.
+        chunks_resent: chunks this store believed stored that a sweep on another node had
+            deleted since (the sweep generation moved), uploaded again (multi-node stores).
+        seconds_waiting: seconds spent waiting for other nodes' shares and for the sweep
+            gate (a sweep in progress elsewhere).
     """
 
     step: str

@@ -28,11 +28,13 @@ newest restorable checkpoint of the whole job is never retired:
    the oldest of them (in progress, or complete on some ranks only).
 3. Older steps: delete every rank's complete manifest (marker first); an incomplete one only
    once its manifest was taken more than ``grace`` ago (a slow re-upload after a rollback).
-4. Sweep, only if this call deleted a manifest (or ``sweep=True``): write the sweep's
-   journal record, read every manifest of every rank (and of the single-node layout), list
-   ``chunks/``, delete the chunks no manifest references, record what was deleted (see
-   :mod:`replication.backup.sweeps`). A manifest that cannot be read, or a complete one that
-   vanished, skips the sweep.
+4. Sweep, only if this call deleted a manifest (or ``sweep=True``), holding the job's sweep
+   gate exclusive (:mod:`replication.backup.gate`): read every manifest of every rank (and
+   of the single-node layout), list ``chunks/``, and if anything is unreferenced, bump the
+   sweep generation, then delete it, checking the hold before each delete. A manifest that
+   cannot be read, or a complete one that vanished, skips the sweep; so does a gate that
+   cannot be taken in time (etcd unreachable, uploads that do not end) and a store without a
+   gate.
 
 Any rank may run it, and several at once: each keeps every chunk that any manifest it reads
 references, and a manifest deleted under it by another sweeper makes it skip its own sweep.
@@ -46,11 +48,12 @@ that did not see the uploader's manifest deletes X: the uploader then writes ``C
 for a step that cannot be restored. The grace period above protects only *manifests*
 (incomplete steps), not unreferenced chunks, so it does not help here. Defences:
 
-1. **Sweep journal (multi-node stores).** Sweepers announce themselves before reading
-   manifests and publish what they deleted; uploaders wait for running sweeps and re-upload
-   what was deleted before writing ``COMPLETE``. This closes the race, and also keeps an
-   uploader's chunk index true when another node's sweep deleted a chunk it uploaded long
-   ago. See :mod:`replication.backup.sweeps`.
+1. **Sweep gate (multi-node stores).** Uploads hold the job's gate shared, from before their
+   intent manifest until COMPLETE, and sweeps hold it exclusive; a sweep bumps the sweep
+   generation before it deletes, and an uploader whose index is older than the generation
+   lists ``chunks/`` again. This closes the race, and also keeps an uploader's chunk index
+   true when another node's sweep deleted a chunk it uploaded long ago. See
+   :mod:`replication.backup.gate`.
 2. **Ordering (single-node stores).** Within one process it is enforced:
    :class:`~replication.backup.chunk_store.BackupStore` uploads hold a shared lock and
    retention the exclusive one, so a sweep never overlaps that store's uploads. A bucket
@@ -68,18 +71,17 @@ for a step that cannot be restored. The grace period above protects only *manife
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from mtcfs.manifest import StepManifest
 from replication.backup.backend import Backend
-from replication.backup.errors import BackupError, NotFound
+from replication.backup.errors import GateError, NotFound
+from replication.backup.gate import SweepGate
 from replication.backup.layout import CHUNKS_PREFIX, COMPLETE, MANIFEST, parse_chunk_key
 from replication.backup.records import RetentionStats
 from replication.backup.steps import BadManifest, StepCatalog, complete_ranks, scan_layouts
-from replication.backup.sweeps import SWEEP_DEADLINE_S, SweepJournal
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -247,11 +249,10 @@ def _parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]
         return list(pool.map(fn, items))
 
 
-def run_job_retention(backend: Backend, journal: SweepJournal, *, rank: int, keep: int,
+def run_job_retention(backend: Backend, gate: SweepGate | None, *, keep: int,
                       grace_ns: int, clock_ns: Callable[[], int], world_size: int | None,
                       sweep: bool | None, forget: Callable[[bytes], None],
-                      applied: Callable[[str], None], workers: int,
-                      deadline_s: float = SWEEP_DEADLINE_S) -> RetentionStats:
+                      bumped: Callable[[int, int], None], workers: int) -> RetentionStats:
     """Rotate the steps of a multi-node job and sweep unreferenced chunks; see the module
     notes.
 
@@ -259,26 +260,27 @@ def run_job_retention(backend: Backend, journal: SweepJournal, *, rank: int, kee
 
     Args:
         backend: the bucket.
-        journal: its sweep journal.
-        rank: the calling rank (named in the sweep record).
+        gate: the job's sweep gate; None: chunks are not swept (steps are still rotated).
         keep: steps complete on every rank to keep, >= 1.
         grace_ns: minimum age in ns of an incomplete manifest before it is deleted.
-        clock_ns: wall clock, ns since the epoch.
+        clock_ns: wall clock, ns since the epoch (only for ``grace_ns``, against the
+            manifests' creation times).
         world_size: ranks in the job (0..world_size-1); None: every rank seen in the bucket.
         sweep: True: always sweep; False: never; None: only if this call deleted a manifest.
-        forget: called with the 32-byte digest of each deleted chunk (to update an index).
-        applied: called with the key of this call's sweep record once it is finished.
+        forget: called with the 32-byte digest of each chunk before it is deleted (to update
+            an index).
+        bumped: called with (generation before, after) when the sweep bumped the sweep
+            generation, before its first delete.
         workers: threads for reads and deletes (>= 1).
-        deadline_s: seconds after its start the sweep stops deleting.
 
     Returns:
         The outcome; ``seconds`` is left 0.
 
     Raises:
         ValueError: if ``keep < 1`` or ``world_size < 1``.
-        BackupError: if the backend fails; what was deleted stays deleted (and is recorded
-            in the journal when possible), the rest is intact, and running it again finishes
-            the job.
+        BackupError: if the backend fails; what was deleted stays deleted, the rest is
+            intact, and running it again finishes the job. A gate that fails only skips (or
+            stops) the sweep, logged.
     """
     if keep < 1:
         raise ValueError(f"retention must keep at least 1 complete step, got {keep}")
@@ -340,71 +342,68 @@ def run_job_retention(backend: Backend, journal: SweepJournal, *, rank: int, kee
                            incomplete_deleted=sorted(deleted_incomplete), swept=False)
     if sweep is False or (sweep is None and not (deleted_complete or deleted_incomplete)):
         return stats
-    swept, chunks_kept, gone = _journaled_sweep(backend, journal, rank=rank, clock_ns=clock_ns,
-                                                forget=forget, applied=applied,
-                                                workers=workers, deadline_s=deadline_s)
+    if gate is None:
+        log.warning("not sweeping chunks of %s: a multi-node store sweeps only through the "
+                    "job's sweep gate (coord=etcd://...)", backend.describe())
+        return stats
+    swept, chunks_kept, gone = _gated_sweep(backend, gate, forget=forget, bumped=bumped,
+                                            workers=workers)
     return RetentionStats(steps_kept=stats.steps_kept, steps_deleted=stats.steps_deleted,
                           incomplete_deleted=stats.incomplete_deleted, chunks_kept=chunks_kept,
                           chunks_deleted=gone, swept=swept)
 
 
-def _journaled_sweep(backend: Backend, journal: SweepJournal, *, rank: int,
-                     clock_ns: Callable[[], int], forget: Callable[[bytes], None],
-                     applied: Callable[[str], None], workers: int, deadline_s: float
-                     ) -> tuple[bool, int, int]:
-    """Mark every manifest in the bucket and delete the chunks none references, between a
-    journal record's start and finish. Returns (swept, chunks kept, chunks deleted)."""
-    rec = journal.begin(rank, clock_ns(), deadline_s)
-    deleted: list[str] = []
-    lock = threading.Lock()
-    swept = False
+def _gated_sweep(backend: Backend, gate: SweepGate, *, forget: Callable[[bytes], None],
+                 bumped: Callable[[int, int], None], workers: int) -> tuple[bool, int, int]:
+    """Holding the gate exclusive: mark every manifest in the bucket, bump the generation if
+    anything is garbage, and delete the chunks none references, each after checking the
+    hold. Returns (swept, chunks kept, chunks deleted); a gate failure is logged and makes
+    ``swept`` False."""
+    deleted = 0
     chunks_kept = 0
     try:
-        single, ranked = scan_layouts(backend)
-        entries: list[tuple[str, int | None, set[str]]] = [
-            (step, None, objs) for step, objs in single.items()]
-        entries += [(step, r, objs) for step, ranks in ranked.items()
-                    for r, objs in ranks.items()]
-        got = _parallel(lambda e: _read_for_marking(backend, *e), entries, workers)
-        if all(g is not False for g in got):
+        with gate.exclusive() as hold:
+            single, ranked = scan_layouts(backend)
+            entries: list[tuple[str, int | None, set[str]]] = [
+                (step, None, objs) for step, objs in single.items()]
+            entries += [(step, r, objs) for step, ranks in ranked.items()
+                        for r, objs in ranks.items()]
+            got = _parallel(lambda e: _read_for_marking(backend, *e), entries, workers)
+            if any(g is False for g in got):
+                return False, 0, 0
             live: set[bytes] = set()
             for m in got:
                 if isinstance(m, StepManifest):
                     live.update(bytes.fromhex(h) for h in m.chunk_set())
-            garbage: list[tuple[str, str]] = []
+            garbage: list[tuple[str, bytes]] = []
             for key in backend.list(CHUNKS_PREFIX):
                 h = parse_chunk_key(key)
                 if h is None:
                     continue  # not ours: leave it
-                if bytes.fromhex(h) in live:
+                digest = bytes.fromhex(h)
+                if digest in live:
                     chunks_kept += 1
                 else:
-                    garbage.append((key, h))
+                    garbage.append((key, digest))
+            if not garbage:
+                return True, chunks_kept, 0
+            # Before the first delete: an uploader that takes the gate after us (also after
+            # we died half way) sees a new generation and lists chunks/ again.
+            bumped(*gate.bump(hold))
+            gone: list[int] = []
 
-            def drop(item: tuple[str, str]) -> None:
-                if clock_ns() >= rec.deadline_ns:
-                    return  # past the deadline: uploaders may take us for dead; next time
-                # Recorded before the request: a delete that fails may still have happened,
-                # and naming a chunk that is still there only costs an uploader a check.
-                with lock:
-                    deleted.append(item[1])
-                forget(bytes.fromhex(item[1]))
+            def drop(item: tuple[str, bytes]) -> None:
+                hold.check()  # never delete once the hold may have ended
+                forget(item[1])  # before the request: a failed delete may still happen
                 backend.delete(item[0])
+                gone.append(1)
 
-            _parallel(drop, garbage, workers)
-            if len(deleted) < len(garbage):
-                log.warning("sweep of %s stopped at its deadline: %d unreferenced chunks left "
-                            "for the next one", backend.describe(), len(garbage) - len(deleted))
-            swept = True
-    finally:
-        applied(rec.key)  # this store's index already forgot what it deleted
-        try:
-            journal.finish(rec, sorted(deleted), clock_ns())
-        except BackupError as exc:  # the sweep's own error, if any, is the one to raise
-            log.error("cannot record the end of sweep %s in %s: %s (other nodes will list "
-                      "chunks again after its deadline)", rec.key, backend.describe(), exc)
-    try:
-        journal.prune(clock_ns())
-    except BackupError as exc:
-        log.warning("cannot prune the sweep journal of %s: %s", backend.describe(), exc)
-    return swept, chunks_kept, len(deleted)
+            try:
+                _parallel(drop, garbage, workers)
+            finally:
+                deleted = len(gone)
+    except GateError as exc:
+        log.warning("chunk sweep of %s skipped or stopped after %d deletes: %s",
+                    backend.describe(), deleted, exc)
+        return False, chunks_kept, deleted
+    return True, chunks_kept, deleted

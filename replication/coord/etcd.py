@@ -105,6 +105,13 @@ def mod_is(key: bytes, revision: int) -> pb.Compare:
                       mod_revision=revision)
 
 
+def create_is(key: bytes, revision: int) -> pb.Compare:
+    """Holds when ``key`` exists and was created at ``revision`` (the very key a holder put:
+    deleted and put again, it has a later create revision)."""
+    return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE, key=key,
+                      create_revision=revision)
+
+
 def value_is(key: bytes, value: bytes) -> pb.Compare:
     return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.VALUE, key=key, value=value)
 
