@@ -198,14 +198,11 @@ class Daemon:
                                   RetryPolicy(max_attempts=8, base_delay=0.2, max_delay=20.0,
                                               deadline=120.0))
         if o.multi_node:
-            gate = None  # uploads and chunk sweeps of the job's nodes agree through etcd
-            if getattr(self, "etcd", None) is None and o.coord:
-                from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
-                self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
-            if self.etcd is not None:
-                from replication.coord.backup_gate import EtcdSweepGate
-                gate = EtcdSweepGate(self.etcd, (o.coord_prefix or f"/mtcfs/{o.job}/")
-                                     + "backup/", owner=f"rank {o.rank}")
+            # uploads and chunk sweeps of the job's nodes agree through etcd
+            from replication.coord.backup_gate import EtcdSweepGate
+            assert self.etcd is not None, "built with the peer tier (nodes > 1 needs coord=)"
+            gate = EtcdSweepGate(self.etcd, self._coord_prefix() + "backup/",
+                                 owner=f"rank {o.rank}")
             self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes,
                                             gate=gate)
         else:
