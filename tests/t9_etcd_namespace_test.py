@@ -44,7 +44,7 @@ def _save_step(m, step: str, rank: int, nbytes: int) -> dict[str, bytes]:
 
 
 def test_nodes_booting_in_reverse_order_share_one_namespace(make_cluster, etcd_server):  # noqa: F811
-    """The issue's split: 4 nodes (addresses learned through coordinator=, as a new user
+    """The issue's split: 4 nodes (addresses learned from etcd, no peers=, as a new user
     starts them) started rank 3 first, rank 0 last; a step rank 3 wrote right after must be
     on every node at once. With the home-made log and ns_quorum=live it was missing on the
     other three 5 s later in 3 runs of 3 (each node had led its own namespace)."""
