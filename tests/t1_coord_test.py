@@ -1,7 +1,8 @@
 """Tier-1 tests of the coordination kept in etcd (replication/coord/membership.py, steps.py,
-lock.py) against a real etcd on loopback: members join and leave with their leases, a rank
-cannot be held twice, racing members get one restore decision, and a lock's holder loses it
-with its lease."""
+rounds.py, lock.py) against a real etcd on loopback: members join and leave with their
+leases, a rank cannot be held twice, racing members get one restore decision (per
+incarnation, and restore/current while it is current), every rank of an Orbax restart gets
+the same step from a restore round, and a lock's holder loses it with its lease."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from replication.coord.etcd import Etcd, put_op
 from replication.coord.lock import EtcdLock, LockTimeout
 from replication.coord.membership import Membership, RankTaken
+from replication.coord.rounds import RestoreRounds, RoundTimeout
 from replication.coord.steps import StepRecords
 from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
@@ -169,6 +171,90 @@ def test_decision_does_not_wait_when_all_recorded(client, etcd_prefix):  # noqa:
     t0 = time.monotonic()
     assert recs[1].decide_restore(2, incarnation=9, wait_s=30)["step"] == 1
     assert time.monotonic() - t0 < 2
+
+
+# ---------------------------------------------------------------------- restore/current
+
+def _in_threads(fns):
+    out, errors = [None] * len(fns), []
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+    ts = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+def test_current_decision_is_shared_and_stands_until_a_record_changes(client, etcd_prefix):  # noqa: F811
+    recs = [StepRecords(client, etcd_prefix, r) for r in range(3)]
+    for r, steps in enumerate(([10, 20, 30], [10, 20], [10, 20, 30])):
+        recs[r].record(steps)
+    # three replacement nodes restore at once: one decision, the same step for all
+    got = _in_threads([lambda r=r: recs[r].decide_current(3) for r in range(3)])
+    assert {d["step"] for d in got} == {20} and len({d["at"] for d in got}) == 1, got
+    # nothing recorded since: it stands (a later reader gets the very same decision)
+    assert recs[0].decide_current(3) == got[0]
+    # the job trained on (step 30 complete on rank 1 too): the decision is stale
+    recs[1].add(30)
+    again = recs[2].decide_current(3)
+    assert again["step"] == 30 and again["decided_by"] == 2
+
+
+def test_current_decision_without_every_record(client, etcd_prefix):  # noqa: F811
+    a = StepRecords(client, etcd_prefix, 0)
+    assert a.decide_current(2)["step"] is None       # nothing recorded: start afresh
+    a.record([5, 7])
+    d = StepRecords(client, etcd_prefix, 1).decide_current(2)
+    assert d["step"] == 7 and d["missing"] == [1]    # a rank without a record lowers nothing
+
+
+# ---------------------------------------------------------------------- restore rounds
+
+def test_a_restore_round_gives_every_rank_the_newest_common_step(client, etcd_prefix):  # noqa: F811
+    rounds = [RestoreRounds(client, etcd_prefix, r, 3) for r in range(3)]
+    have = ([1, 2, 3], [1, 2, 3, 4], [2, 3])     # rank 1 saved step 4 before the crash
+    got = _in_threads([lambda r=r: rounds[r].agree_sync(have[r], wait_s=20)
+                       for r in range(3)])
+    assert got == [3, 3, 3]
+    # the job restarts again: a rank already in round 1 opens round 2, the others follow
+    got = _in_threads([lambda r=r: rounds[r].agree_sync([1, 2], wait_s=20) for r in range(3)])
+    assert got == [2, 2, 2] and {x.last_round for x in rounds} == {2}
+    # nothing in common: every rank is told so (Orbax's s0 marker)
+    got = _in_threads([lambda r=r: rounds[r].agree_sync([r + 10], wait_s=20)
+                       for r in range(3)])
+    assert got == [None, None, None]
+
+
+def test_a_waiting_rank_follows_a_newer_round(client, etcd_prefix):  # noqa: F811
+    """Rank 1 joins round 1 and its trainer dies; rank 0 joins round 1 and waits for rank 2.
+    Rank 1's new trainer asks again, which opens round 2: rank 0 follows it, rank 2 joins
+    it, and all three get one answer instead of waiting for a round nobody finishes."""
+    r0, r1, r2 = (RestoreRounds(client, etcd_prefix, r, 3) for r in range(3))
+    assert r1.join([5]) == 1
+
+    def late(rounds, delay):
+        time.sleep(delay)
+        return rounds.agree_sync([5, 6], wait_s=20)
+    out = _in_threads([lambda: r0.agree_sync([5, 6], wait_s=20), lambda: late(r1, 0.5),
+                       lambda: late(r2, 1.5)])
+    assert out == [6, 6, 6] and r0.last_round == r1.last_round == r2.last_round == 2
+
+
+def test_a_round_without_every_rank_fails_in_one_line(client, etcd_prefix):  # noqa: F811
+    r0 = RestoreRounds(client, etcd_prefix, 0, 3)
+    t0 = time.monotonic()
+    with pytest.raises(RoundTimeout) as ei:
+        r0.agree_sync([1], wait_s=1.5)
+    assert time.monotonic() - t0 < 10
+    msg = str(ei.value)
+    assert "\n" not in msg and "[1, 2]" in msg, msg
 
 
 # ---------------------------------------------------------------------- lock
