@@ -769,8 +769,8 @@ def restart_table(runs: list[dict], size: int, reps: int) -> BenchResult:
         row(f"{what}: yaml -> rank {rk} marker", _get(runs, key, "yaml_to_marker_s", rk))
         row(f"{what}: last_restore.seconds, rank {rk}",
             _get(runs, key, "last_restore", rk, "seconds"))
-        row(f"{what}: last_restore.vote_seconds, rank {rk}",
-            _get(runs, key, "last_restore", rk, "vote_seconds"), None)
+        row(f"{what}: last_restore.decision_seconds, rank {rk}",
+            _get(runs, key, "last_restore", rk, "decision_seconds"), None)
         row(f"{what}: last_restore.data_seconds, rank {rk}",
             _get(runs, key, "last_restore", rk, "data_seconds"))
         row(f"{what}: yaml -> rank 0 marker", _get(runs, key, "yaml_to_marker_s", 0),

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, work: Path) -> bool:
         say(f"job restarted in {took:.1f} s: every process restored step "
             f"{sorted({r['step'] for r in rows})}; node {LOST}: marker "
             f"{info.get('marker')} {info.get('seconds')} s after its replicator.yaml "
-            f"(vote {info.get('vote_seconds')} s, data {info.get('data_seconds')} s from "
+            f"(decision {info.get('decision_seconds')} s, data {info.get('data_seconds')} s from "
             f"{info.get('source')}, {info.get('bytes')} bytes)")
         ok = all(r["ok"] and r["step"] == 3 for r in rows)
         say(f"every shard of every array bit-exact: {'yes' if ok else 'NO'}; then saved steps "

@@ -288,13 +288,13 @@ class MtcReplicator:
         self.state = "listing restorable steps"
         restorable, where = await self._restorable()
         self.state = "waiting for the job's decision"
-        t_vote = time.monotonic()
+        t_decide = time.monotonic()
         step = await self._agree(restorable)
-        vote_s = time.monotonic() - t_vote
+        decide_s = time.monotonic() - t_decide
         self.state = "cleaning the local directory"
         await self._clean(step)
         info: dict[str, Any] = {"step": step.step if step else None,
-                                "vote_seconds": round(vote_s, 3)}
+                                "decision_seconds": round(decide_s, 3)}
         if step is None:
             marker = f"{job}-s0-n{self.rank}-w0.restore".encode()
             await self.fs.write_own_file(marker, b"")
@@ -417,7 +417,7 @@ class MtcReplicator:
                 except FsError as exc:
                     why = exc.strerror or str(exc)
                     tries += 1
-                    # The step was restorable when this rank voted: a holder that does not
+                    # The step was restorable when this rank joined the round: a holder that does not
                     # answer now, or is busy with its own restore, is asked again.
                     if exc.errno != errno.ENOENT or tries >= FETCH_TRIES:
                         raise RestoreFailed(why if why.startswith("step ") else
