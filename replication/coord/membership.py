@@ -45,7 +45,8 @@ from replication.coord.etcd import (
 
 log = logging.getLogger(__name__)
 
-#: Seconds a member's lease lives without a renewal (etcd's TTL).
+#: Seconds a member's lease lives without a renewal (etcd's TTL), when the caller gives
+#: none; the daemon gives the peer tier's liveness (5 s, replication/peer/tier_membership.py).
 TTL_S = 10
 #: Seconds between watch progress requests (membership needs events, not progress).
 PROGRESS_S = 30.0

@@ -3,7 +3,8 @@
 Keys, under ``<prefix>`` = ``/mtcfs/<job>/``:
 
 * ``steps/<rank:06d>``: ``{"rank", "boot", "steps": [...], "at"}``: the steps this rank
-  holds complete and can restore (the newest ``keep`` of them, ascending). One key per
+  completed (the newest ``keep`` of them, ascending; a step evicted from its RAM since
+  stays: whether a rank can still restore it is checked at the restore). One key per
   rank, replaced on every change (a put). Not leased: the record must outlive the daemon
   that wrote it, since the restore decision is taken after a restart.
 * ``restore/<incarnation>``: ``{"incarnation", "step", "ranks_recorded", "missing",

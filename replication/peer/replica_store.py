@@ -621,7 +621,7 @@ class ReplicaStore:
         Args:
             keep_steps_per_rank: newest manifests (by step number) kept for each rank (>= 1).
             protect_steps: step numbers kept for every rank whatever their age: the newest
-                step complete on all ranks, steps being backed up (the coordinator knows).
+                step complete on all ranks, steps being backed up (the caller knows).
             orphan_grace_s: seconds; an unreferenced chunk is deleted only if it was last
                 stored, offered or asked for (``has``) longer ago than this.
 

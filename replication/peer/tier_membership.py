@@ -58,7 +58,6 @@ class MembershipRounds:
     members: dict[int, MemberInfo]
     restorable: dict[str, int]
     latest_complete: StepRef | None
-    _backup_latest: StepRef | None
     coord: Any
 
     def _setup_membership(self, etcd: Any, prefix: str) -> None:
@@ -184,9 +183,8 @@ class MembershipRounds:
             log.warning("cannot record this rank's steps in etcd (next round retries): %s", exc)
 
     async def refresh_latest_complete(self) -> StepRef | None:
-        """Read the newest step complete on all ranks from etcd (and, when this node has a
-        backup tier, the newest the backup tier holds for every rank); keep the newest
-        ever seen (a step complete on all ranks stays so)."""
+        """Read the newest step complete on all ranks from etcd's step records; keep the
+        newest ever seen (a step complete on all ranks stays so)."""
         try:
             num = await trio.to_thread.run_sync(self.step_records.newest_complete_everywhere,
                                                 self.cfg.nodes, abandon_on_cancel=True)
