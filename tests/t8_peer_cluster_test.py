@@ -508,3 +508,25 @@ def test_a_replica_that_counted_on_the_holders_own_copy_survives_its_deletion(ma
     got = c.node(1).path("step_7", "w.bin")
     c.node(1).wait_for(lambda: got.exists(), 60, "step_7 restored")
     assert got.read_bytes()[:len(shared)] == shared
+
+
+def test_a_second_daemon_as_the_same_rank_is_refused_in_one_line(make_cluster, make_mount):
+    """Two hosts started as the same rank of one job: the second mount fails with one line
+    naming the live holder (its etcd record), after waiting one lease for a dead one; the
+    first keeps its rank and its files."""
+    from support.cluster import free_ports
+    c = make_cluster(2)
+    write_step(c.node(1), "step_10", {"w.bin": blob(70, MiB)})
+    other = make_mount("twin", start=False, rank=1, nodes=2,
+                       listen=f"127.0.0.1:{free_ports(1)[0]}",
+                       coord=c.options(1)["coord"], coord_prefix=c.options(1)["coord_prefix"])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        other.start()
+    assert time.monotonic() - t0 < 60
+    first = str(ei.value).splitlines()[0]
+    assert "rank 1 is held by another live member" in first, first
+    assert c.addresses[1] in first, first
+    assert peers(c, 1)["membership"]["registered"]
+    assert c.state(1, "step_10") in ("local", "replicated 1/1")
+    assert alive(c, 0) == [True, True]

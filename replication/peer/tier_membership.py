@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 import trio
@@ -84,7 +85,8 @@ class MembershipRounds:
         if self.member is None:
             ttl = max(2, int(round(self.cfg.liveness_s)))
             self.member = Membership(self.etcd, self.coord_prefix, self.rank, self.advertise,
-                                     dict(self.cfg.labels), ttl_s=ttl, progress_s=30.0)
+                                     dict(self.cfg.labels), ttl_s=ttl, progress_s=30.0,
+                                     boot_id=self._member_id())
         if self._joined:
             return
         try:
@@ -102,6 +104,17 @@ class MembershipRounds:
         self.membership_error = ""
         log.info("rank %d registered in etcd at %smembers/", self.rank, self.coord_prefix)
         self._learn_members()
+
+    def _member_id(self) -> str:
+        """This store's member id (kept in its metadata): a daemon restarted on the same
+        store takes its rank back at once from its previous life's record, while any other
+        daemon waits for that record's lease to expire (replication/coord/membership.py).
+        Only one daemon opens a store at a time (its lock), so the id names one life line."""
+        got = self.fs.db.get_kv("etcd_member_id")
+        if not got:
+            got = uuid.uuid4().hex[:16]
+            self.fs.db.set_kv("etcd_member_id", got)
+        return str(got)
 
     async def leave_job(self) -> None:
         """Revoke the lease (the others see this node gone at once); best effort."""
