@@ -2,8 +2,8 @@
 
 A node that mounts with an empty store asks the job rather than deciding alone:
 
-1. It waits (up to ``wait_s``) until the placement's holders of its rank are registered in
-   etcd, then lists what the other nodes hold of its rank (``ListManifests(of_rank=me)``):
+1. When etcd's record of its rank names a step, it waits (up to ``wait_s``) until the
+   placement's holders of its rank are registered in etcd; then it lists what the other nodes hold of its rank (``ListManifests(of_rank=me)``):
    the holders first, every other known node if none of them answers. Steps whose replica
    is complete on some holder, and steps the backup tier holds complete for this rank, are
    *restorable*.
@@ -53,8 +53,10 @@ async def choose_and_fetch(tier: Any, want: int | None, *,
         PeerError, BackupError: the chosen manifest cannot be read from any tier.
     """
     t0 = time.monotonic()
-    missing = await tier.wait_for_members([r for r in tier.peer_ranks() if r != tier.rank],
-                                          wait_s)
+    # Holders can only hold a step of this rank that its record names (it is recorded
+    # before it is replicated): a rank that never recorded one does not wait for them.
+    holders = [r for r in tier.peer_ranks() if r != tier.rank]
+    missing = await tier.wait_for_members(holders, wait_s if tier.recorded_steps() else 0)
     if missing:
         log.info("restore: no address known for holder rank(s) %s after %g s", missing, wait_s)
     peer_steps = await trio.to_thread.run_sync(_list_holders, tier)

@@ -223,6 +223,10 @@ class MembershipRounds:
         return await trio.to_thread.run_sync(self.step_records.decide_current, self.cfg.nodes,
                                              abandon_on_cancel=True)
 
+    def recorded_steps(self) -> set[int]:
+        """The steps etcd's record of this rank names (its previous lives' included)."""
+        return set(self._recorded or ())
+
     async def wait_for_members(self, ranks: list[int], timeout: float) -> list[int]:
         """Wait (up to ``timeout`` s) until every rank of ``ranks`` has a known address;
         returns those that still have none."""
