@@ -222,3 +222,53 @@ def test_a_node_partitioned_from_etcd_during_a_save(make_cluster, shm_dir):
             c.cleanup()
         if etcd is not None:
             etcd.stop()
+
+
+@pytest.mark.watchdog(300)
+def test_a_close_on_a_cut_off_node_fails_and_the_copies_agree_after_the_heal(make_cluster,
+                                                                              shm_dir):
+    """A file written on the cut-off node and closed there before the heal: the close
+    cannot publish it and fails with EIO within the bound (the user knows the new content
+    did not reach the job). After the heal every node should read the same bytes for it.
+
+    Known defect (xfail until fixed): the node that failed to publish keeps serving its
+    unpublished content while the others serve the last published one (seen: 20,000 bytes
+    on the writer's node, 0 on the other, still so 10 s after the heal; the same with a
+    rewritten existing file). The version whose publication failed stays the node's current
+    one (mtcfs/fs/jobns.py, _ns_publish records seal_error only); either it is published
+    again once etcd answers, or the node goes back to the job's version.
+    """
+    etcd = None
+    c = None
+    try:
+        etcd = EtcdCluster(shm_dir / "etcdc", 1, netns_clients=2)
+        etcd.start()
+        c = make_cluster(2, job=_job(),
+                         options={"scope": "job", "replicas": 1,
+                                  "coord_timeout": f"{COORD_TIMEOUT_S:g}s"},
+                         coord_for_rank=etcd.client_url)
+        _write(c[1].path("old"), b"o" * 1000)
+        fd_new = os.open(c[1].path("new"), os.O_CREAT | os.O_WRONLY, 0o644)
+        fd_old = os.open(c[1].path("old"), os.O_WRONLY | os.O_TRUNC)
+        os.write(fd_new, b"a" * 10_000)
+        os.write(fd_old, b"n" * 500)
+        etcd.partition(1)
+        os.write(fd_new, b"b" * 10_000)
+        for fd in (fd_new, fd_old):
+            _timed_eio("close", lambda fd=fd: os.close(fd), c[1].log)
+        etcd.heal(1)
+        c[1].wait_for(lambda: c[1].status()["namespace"]["unavailable_s"] is None,
+                      timeout=CATCH_UP_S, what="node 1's namespace available again")
+        os.mkdir(c[1].path("after"))  # its changes work again
+        assert sorted(os.listdir(c[0].mnt)) == sorted(os.listdir(c[1].mnt)) == \
+            ["after", "new", "old"]
+        seen = {r: {n: c[r].path(n).read_bytes() for n in ("new", "old")} for r in range(2)}
+        if seen[0] != seen[1]:
+            pytest.xfail("known defect: after a close that failed to publish on a cut-off "
+                         "node, that node keeps its unpublished content: "
+                         f"{ {r: {n: len(b) for n, b in s.items()} for r, s in seen.items()} }")
+    finally:
+        if c is not None:
+            c.cleanup()
+        if etcd is not None:
+            etcd.stop()
