@@ -33,15 +33,16 @@ import random
 import re
 import subprocess
 import threading
+from typing import Self
 
 PREFIX = "mtcfs-pt"  # namespace names: mtcfs-pt<pid>-<hex>
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)$")
-_live: set["NetNs"] = set()
+_live: set[NetNs] = set()
 _live_lock = threading.Lock()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if check and r.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
     return r
@@ -159,7 +160,7 @@ class NetNs:
 
     # -- life cycle --------------------------------------------------------------------------
 
-    def create(self, tries: int = 20) -> "NetNs":
+    def create(self, tries: int = 20) -> Self:
         """Make the namespace, the veth and the addresses (all undone when one step fails).
 
         Raises:
@@ -231,7 +232,7 @@ class NetNs:
         with _live_lock:
             _live.discard(self)
 
-    def __enter__(self) -> "NetNs":
+    def __enter__(self) -> Self:
         return self.create()
 
     def __exit__(self, *exc: object) -> None:
