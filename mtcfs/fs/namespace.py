@@ -29,8 +29,8 @@ log = logging.getLogger("mtcfs.fs.core")
 #: File types mknod makes as special files (metadata-only inodes).
 SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
 
-#: scope=job: seconds the root's getattr waits for the namespace before it answers from
-#: this node's copy (see ``getattr``).
+#: scope=job: seconds the getattr of the root or of a file open here waits for the namespace
+#: before it answers from this node's copy (see ``getattr``).
 ROOT_FRESH_S = 1.0
 
 
@@ -62,13 +62,18 @@ class NamespaceOps:
 
     async def getattr(self, ino: int) -> Attr:
         if self.ns_log is not None:
-            if ino != ROOT_INO:
+            node = self.inodes.get(ino)
+            if ino != ROOT_INO and (node is None or node.opens == 0):
                 await self.ns_log.fresh()
-            else:
-                # The root's attributes come from this node's copy when the namespace cannot
-                # answer within a second: the kernel asks for them before it reads the root's
-                # user.mtcfs.control, and `mtcfs status` must work on a node cut off from
-                # the job's namespace (to say so).
+            elif not self.ns_log.unavailable:
+                # The root's attributes, and those of a file open on this node, come from
+                # this node's copy when the namespace cannot answer within a second (at
+                # once while it is known to be unavailable): the kernel asks for the root's
+                # before it reads user.mtcfs.control (`mtcfs status` must work on a node cut
+                # off from the job's namespace, to say so), and for an open file's before
+                # every read(2) and write(2) (attributes are never cached in scope=job),
+                # and the data path must go on there. Close-to-open needs an open file's
+                # attributes to be current only at its open.
                 with trio.move_on_after(ROOT_FRESH_S):
                     await self.ns_log.fresh()
         return self.attr(self._inode(ino))

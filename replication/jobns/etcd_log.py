@@ -224,7 +224,7 @@ class EtcdNamespace:
         while True:
             await self._check_serving(deadline)
             try:
-                newest = await self._barrier()
+                newest = await self._barrier(deadline)
                 break
             except EtcdError as exc:
                 self._failed(exc)
@@ -242,12 +242,13 @@ class EtcdNamespace:
                               f"history ({self._last_error})")
             await trio.sleep(0.1)
 
-    async def _barrier(self) -> int:
+    async def _barrier(self, deadline: float) -> int:
         """The revision of the newest op in etcd, read after this call began.
 
         Reads that wait at the same time share one etcd read: one is in flight; those that
         come while it is share the next one (a read started before them cannot answer for
-        them)."""
+        them). Raises EtcdUnavailable at ``deadline`` (a read that waits for the next one
+        behind one etcd does not answer would otherwise wait two calls' timeouts)."""
         if self._nursery is None:  # not running yet (joining): no sharing
             floor = self._floor()
             return self._checked(await self._etcd(self._newest_op), floor)
@@ -258,7 +259,11 @@ class EtcdNamespace:
             if self._barrier_next is None:
                 self._barrier_next = (trio.Event(), [])
             mine = self._barrier_next
-        await mine[0].wait()
+        with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await mine[0].wait()
+        if not mine[0].is_set():
+            raise EtcdUnavailable(f"etcd did not answer a read barrier within "
+                                  f"{self.timeout_s:g} s ({self._last_error})")
         value = mine[1][0]
         if isinstance(value, Exception):
             raise value
@@ -717,6 +722,11 @@ class EtcdNamespace:
             recv.close()
         if failure is not None:
             raise failure
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether the last call to etcd failed (and none succeeded since)."""
+        return self._unavailable_since is not None
 
     def _unavailable_s(self) -> float | None:
         if self._unavailable_since is None:

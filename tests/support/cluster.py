@@ -34,7 +34,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Self
 
@@ -74,6 +74,10 @@ class Cluster:
         options: ``-o`` options for every rank (``replicas``, ``placement``, ``backup``, ...).
         per_rank_options: rank -> options that override ``options`` for that rank
             (``topology``, a different ``size``, ...).
+        coord_for_rank: rank -> that rank's ``coord=`` URL (each node reaches etcd through
+            its own address: ``EtcdCluster(netns_clients=...).client_url``); the cluster's
+            ``coord_prefix`` goes with it. None: ``options``' ``coord``, or for scope=job
+            the process's shared etcd.
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -81,7 +85,8 @@ class Cluster:
     def __init__(self, root: Path, nodes: int, job: str = "testjob",
                  options: dict | None = None,
                  per_rank_options: dict[int, dict] | None = None,
-                 learn_addresses: bool = False) -> None:
+                 learn_addresses: bool = False,
+                 coord_for_rank: Callable[[int], str] | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -96,6 +101,7 @@ class Cluster:
         #: no ``peers=``: the addresses are learned from etcd at run time, as a new user's
         #: job does
         self.learn_addresses = learn_addresses
+        self.coord_for_rank = coord_for_rank
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
         self._mounts = [self._new_mount(r) for r in range(nodes)]
@@ -106,13 +112,16 @@ class Cluster:
     def options(self, rank: int) -> dict[str, str | None]:
         """The full ``-o`` options of ``rank`` (``store`` and ``size`` come from Mount)."""
         extra = {}
-        if self.nodes > 1 and "coord" not in self._options:
+        if self.nodes > 1 and "coord" not in self._options and self.coord_for_rank is None:
             # the nodes of a job agree through etcd: the process's shared one
             from .etcd import shared_etcd
             extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
         where = {} if self.learn_addresses else {"peers": ",".join(self.addresses)}
         if "coord" in self._options and "coord_prefix" not in self._options:
             extra = {"coord_prefix": self.coord_prefix, **extra}
+        if self.coord_for_rank is not None:
+            extra = {**extra, "coord": self.coord_for_rank(rank),
+                     "coord_prefix": self._options.get("coord_prefix") or self.coord_prefix}
         return {**self._options,
                 "rank": str(rank), "nodes": str(self.nodes),
                 **where, "listen": self.addresses[rank],

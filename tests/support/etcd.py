@@ -3,10 +3,15 @@
 * :class:`EtcdCluster` starts 1 or 3 members on free loopback ports with their data on
   tmpfs, waits until the cluster serves a linearizable read, and can kill, pause and
   restart a member (the fault tests: kill the etcd leader during a save).
+* ``EtcdCluster(..., netns_clients=N)`` runs the members in a network namespace of their
+  own (tests/support/netns.py) instead: client node ``rank`` (0..N-1) reaches every member
+  through its own address (:meth:`EtcdCluster.client_url`), and
+  :meth:`EtcdCluster.partition` cuts it off (a blackhole: its calls hit their deadlines),
+  :meth:`EtcdCluster.heal` joins it again. The partition tests.
 * ``etcd_server`` is a session-scoped pytest fixture (one member) shared by the tests;
   each test uses its own key prefix (``etcd_prefix``), so they never see each other's keys.
 
-Nothing here reaches beyond 127.0.0.1.
+Nothing here reaches beyond 127.0.0.1 and the namespaces it creates.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from .cluster import free_ports
+from .netns import NetNs
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -70,32 +76,70 @@ def _spawn(args: list[str], **kwargs) -> subprocess.Popen:
 class EtcdCluster:
     """``members`` etcd processes forming one cluster on loopback.
 
+    Args:
+        root: a directory for the members' data and logs (on tmpfs).
+        members: 1 or 3 (or more).
+        extra_args: more etcd flags, for every member.
+        netns_clients: run the members in a network namespace of their own, reachable by
+            that many client nodes, each through its own address (see the module's
+            docstring); None: on the root namespace's loopback.
+
     Attributes:
-        endpoints: client ``host:port`` of each member, in member order.
+        endpoints: client ``host:port`` of each member, in member order (in a namespace:
+            through its own address, which no partition cuts).
         url: ``etcd://h:p,h:p,...`` (the form of the ``coord=`` mount option).
+        netns: the :class:`NetNs`, or None.
     """
 
-    def __init__(self, root: Path, members: int = 1, extra_args: list[str] | None = None
-                 ) -> None:
+    def __init__(self, root: Path, members: int = 1, extra_args: list[str] | None = None,
+                 netns_clients: int | None = None) -> None:
         self.root = Path(root)
         self.extra_args = list(extra_args or [])
         self.members = members
-        ports = free_ports(2 * members)
-        self.client_ports = ports[:members]
-        self.peer_ports = ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen | None] = [None] * members
-        self.endpoints = [f"127.0.0.1:{p}" for p in self.client_ports]
+        self.netns: NetNs | None = None
+        if netns_clients is None:
+            ports = free_ports(2 * members)
+            self.client_ports = ports[:members]
+            self.peer_ports = ports[members:]
+            host = peer_host = "127.0.0.1"
+        else:  # a namespace of their own: every port is free there
+            self.client_ports = [23790 + i for i in range(members)]
+            self.peer_ports = [23800 + i for i in range(members)]
+            self.netns = NetNs(netns_clients).create()
+            host, peer_host = self.netns.service, "127.0.0.1"
+        self.endpoints = [f"{host}:{p}" for p in self.client_ports]
         self.url = "etcd://" + ",".join(self.endpoints)
-        self._initial = ",".join(f"{n}=http://127.0.0.1:{p}"
+        self._peer_host = peer_host
+        self._initial = ",".join(f"{n}=http://{peer_host}:{p}"
                                  for n, p in zip(self.names, self.peer_ports))
         self.token = f"mtcfs-test-{uuid.uuid4().hex[:8]}"
 
+    def client_url(self, rank: int) -> str:
+        """The ``coord=`` URL of client node ``rank``: every member, through that node's
+        own address in the namespace (``netns_clients`` only)."""
+        assert self.netns is not None, "only for an EtcdCluster in a network namespace"
+        a = self.netns.client_addr(rank)
+        return "etcd://" + ",".join(f"{a}:{p}" for p in self.client_ports)
+
+    def partition(self, rank: int) -> None:
+        """Cut client node ``rank`` off every member (``netns_clients`` only)."""
+        assert self.netns is not None, "only for an EtcdCluster in a network namespace"
+        self.netns.partition(rank)
+
+    def heal(self, rank: int) -> None:
+        """Undo :meth:`partition`."""
+        assert self.netns is not None, "only for an EtcdCluster in a network namespace"
+        self.netns.heal(rank)
+
     def _cmd(self, i: int) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
-        return [ETCD, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
+        peer = f"http://{self._peer_host}:{self.peer_ports[i]}"
+        client = f"http://{self.endpoints[i]}"
+        listen = client if self.netns is None else f"http://0.0.0.0:{self.client_ports[i]}"
+        return [*(self.netns.exec_prefix() if self.netns is not None else []),
+                ETCD, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
+                "--listen-client-urls", listen, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self._initial, "--initial-cluster-token", self.token,
                 "--initial-cluster-state", "new",
@@ -203,6 +247,8 @@ class EtcdCluster:
             except subprocess.TimeoutExpired:
                 pass
             self.procs[i] = None
+        if self.netns is not None:
+            self.netns.destroy()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
