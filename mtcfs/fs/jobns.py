@@ -110,6 +110,8 @@ class JobNamespaceOps:
         if v.size <= INLINE_BYTES:
             data = os.pread(self._fd(v), v.size, 0)
             op["data"] = base64.b64encode(data).decode()
+        # the job's version this one replaces: a later try publishes only over it
+        expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
         v.pins += 1  # must be here when this node applies its own publish
         v.publishing = True  # and a snapshot installed meanwhile keeps it (ns_install)
         try:
@@ -117,8 +119,39 @@ class JobNamespaceOps:
         except FsError as exc:
             v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
             self._error(v.seal_error)
+            if exc.errno == errno.EIO and self._nursery is not None:
+                self._nursery.start_soon(self._republish, ino, v, {**op, "expect": expect})
         finally:
             v.publishing = False
+            v.pins -= 1
+            self._release_version(v)
+
+    async def _republish(self, ino: Inode, v: Version, op: dict[str, Any]) -> None:
+        """Publish again a version whose publication failed because etcd did not answer
+        (its close(2) got EIO: the outcome unknown, as for any network filesystem's
+        timeout), until etcd takes or refuses it. The op carries ``expect``, the job's
+        version it replaces: applied only if the job still has that one, so a newer
+        publication by any node wins; taken, every node serves what this node's writer
+        closed, as if the first try had taken effect late. Never does this node keep
+        serving bytes no other node has (docs/consistency.md)."""
+        v.pins += 1
+        delay = 1.0
+        try:
+            while ino.vid == v.vid and ino.nlink > 0 and v.seal_error:
+                await trio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                try:
+                    await self.ns_log.submit(op)
+                except FsError as exc:
+                    if exc.errno == errno.EIO:
+                        continue  # etcd still away
+                    log.info("%s: not published again (%s): the job's newer version stays",
+                             self.path_of(ino), exc.strerror)
+                    return
+                log.info("%s: published job-wide after etcd came back", self.path_of(ino))
+                v.seal_error = ""
+                return
+        finally:
             v.pins -= 1
             self._release_version(v)
 
@@ -263,6 +296,9 @@ class JobNamespaceOps:
         ino = self.inodes.get(op["ino"])
         if ino is None or not ino.is_file or ino.nlink <= 0:
             return  # unlinked meanwhile: nobody can open it by name
+        if "expect" in op and (ino.published or {}).get("blake3", EMPTY_BLAKE3) != op["expect"]:
+            # a publication tried again (_republish): another version was published since
+            raise FsError(errno.ESTALE, "the file was published again meanwhile")
         chunks = tuple(op["chunks"])
         ino.published = {k: op[k] for k in ("size", "chunk_size", "chunks", "blake3", "rank")}
         if op["rank"] == self.rank:
