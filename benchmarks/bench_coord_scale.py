@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -168,13 +169,15 @@ class Probe:
         self.pid = cluster.procs[0].pid  # type: ignore[union-attr]
         self.client = client
         self.served = served
+        self.pids: list[int] = []  # the members process
 
     def snap(self) -> dict[str, Any]:
         served = self.served.snap()
         cpu, rss = proc_stats(self.pid)
         _kvs, _rev, _more, keys = self.client.range(b"\0", b"\0", count_only=True)
         return {"t": time.monotonic(), "m": scrape(self.metrics_url), "cpu": cpu, "rss": rss,
-                "keys": keys, "self_cpu": self_cpu(), "served": served}
+                "keys": keys, "self_cpu": self_cpu(), "served": served,
+                "members_cpu": sum(proc_stats(p)[0] for p in self.pids)}
 
     @staticmethod
     def delta(a: dict[str, Any], b: dict[str, Any], delivered: int) -> dict[str, Any]:
@@ -202,8 +205,93 @@ class Probe:
             "etcd_rss_mib": round(b["rss"] / 2**20, 1),
             "etcd_cpu_pct": round(100 * (b["cpu"] - a["cpu"]) / dt, 1) if dt else 0,
             "harness_cpu_pct": round(100 * (b["self_cpu"] - a["self_cpu"]) / dt, 1) if dt else 0,
+            "members_proc_cpu_pct": round(100 * (b["members_cpu"] - a.get("members_cpu", 0))
+                                          / dt, 1) if dt else 0,
             "load1": round(os.getloadavg()[0], 2),
         }
+
+
+def _members_main(conn: Any, endpoints: list[str], n: int, prefix: str, ttl: int,
+                  per_client: int, view_mode: str) -> None:
+    """The members process: N memberships (leases, records, keepalive threads, views),
+    driven over ``conn``: ``join``, ``health``, ``leave``, ``stop``. Apart from the
+    process that decides, so the decision's CPU load does not starve the keepalives (a
+    daemon's keepalive runs on its own host)."""
+    threading.stack_size(512 * 1024)
+    clients = [Etcd(endpoints, timeout_s=30.0) for _ in range((n + per_client - 1) // per_client)]
+    if view_mode == "per-client":
+        views = [MemberView(c, prefix, progress_s=30.0) for c in clients]
+    else:
+        views = [MemberView(clients[r // per_client], prefix, progress_s=30.0)
+                 for r in range(n)]
+    members = [Membership(clients[r // per_client], prefix, r,
+                          f"10.{r // 65536}.{r // 256 % 256}.{r % 256}:7070",
+                          {"zone": f"z{r % 4}", "rack": f"r{r // 32}"}, ttl_s=ttl,
+                          progress_s=30.0,
+                          view=views[r // per_client if view_mode == "per-client" else r])
+               for r in range(n)]
+    while True:
+        cmd = conn.recv()
+        if cmd == "join":
+            t0 = time.monotonic()
+            for v in views:
+                v.start()
+            with ThreadPoolExecutor(32) as pool:
+                retries = sum(pool.map(join, members))
+            registered = time.monotonic() - t0
+            for v in views:
+                v.wait_for(n, timeout=300)
+            conn.send({"join_retries": retries, "registered_s": round(registered, 3),
+                       "views": len(views), "boots": [m.record.boot for m in members]})
+        elif cmd == "health":
+            conn.send({"delivered": sum(v.counters["watch_events"] for v in views),
+                       "members_in_error": sum(1 for m in members if m.error),
+                       "reregistrations": sum(m.counters["reregistrations"] for m in members),
+                       "keepalive_errors": sum(m.counters.get("etcd_errors", 0)
+                                               for m in members),
+                       "view_sizes_min": min(len(v.view()) for v in views)})
+        elif cmd == "leave":
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda m: m.leave(), members))
+            conn.send({"leave_s": round(time.monotonic() - t0, 3)})
+        elif cmd == "stop":
+            for m in members:
+                m._stop.set()
+            for v in views:
+                v.stop()
+            for c in clients:
+                c.close()
+            conn.send("stopped")
+            return
+
+
+class MembersProc:
+    """The parent's handle on :func:`_members_main`."""
+
+    def __init__(self, endpoints: list[str], n: int, prefix: str,
+                 args: argparse.Namespace) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_members_main, daemon=True, args=(
+            child, endpoints, n, prefix, args.ttl, args.per_client, args.view))
+        self.proc.start()
+
+    def ask(self, cmd: str, timeout: float = 600.0) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the members process did not answer {cmd!r}")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.ask("stop", 30)
+        except (OSError, EOFError, TimeoutError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def join(m: Membership, tries: int = 5) -> int:
@@ -268,20 +356,24 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     interval = COMPLETE_EVERY_S * max(1.0, n / COMPLETE_SCALE_NODES)
     res: dict[str, Any] = {"members": n, "ttl_s": args.ttl, "clients": len(clients),
                            "record_steps": args.record_steps, "read_interval_s": interval}
-    members: list[Membership] = []
-    views: list[MemberView] = []
+    mp: MembersProc | None = None
     my_steps = [100 * (i + 1) for i in range(args.record_steps)]
     newest = my_steps[-1]
+    h0: dict[str, Any] = {}
 
     def delivered() -> int:
-        return sum(v.counters["watch_events"] for v in views)
+        nonlocal h0
+        h0 = mp.ask("health") if mp else {}
+        return h0.get("delivered", 0)
 
     def health(d: dict[str, Any], rereg0: int) -> None:
-        d["members_in_error"] = sum(1 for m in members if m.error)
-        d["reregistrations"] = sum(m.counters["reregistrations"] for m in members) - rereg0
+        h = mp.ask("health") if mp else {}
+        d["members_in_error"] = h.get("members_in_error", 0)
+        d["reregistrations"] = h.get("reregistrations", 0) - rereg0
+        d["keepalive_errors"] = h.get("keepalive_errors", 0)
 
     def rereg() -> int:
-        return sum(m.counters["reregistrations"] for m in members)
+        return h0.get("reregistrations", 0)
 
     try:
         # idle: the baseline
@@ -322,31 +414,16 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{n}] baseline {res['baseline']['puts_per_s']} puts/s, "
               f"{res['baseline']['range_kvs_per_s']} kvs/s in ranges", flush=True)
 
-        # join: one membership view per client (per --per-client members), or per member
-        if args.view == "per-client":
-            views = [MemberView(c, prefix, progress_s=30.0) for c in clients]
-        else:
-            views = [MemberView(clients[r // args.per_client], prefix, progress_s=30.0)
-                     for r in range(n)]
-        members = [Membership(clients[r // args.per_client], prefix, r,
-                              f"10.{r // 65536}.{r // 256 % 256}.{r % 256}:7070",
-                              {"zone": f"z{r % 4}", "rack": f"r{r // 32}"}, ttl_s=args.ttl,
-                              progress_s=30.0,
-                              view=views[r // args.per_client if args.view == "per-client"
-                                         else r])
-                   for r in range(n)]
-        res["views"] = len(views)
+        # join: one membership view per client (per --per-client members), or per member;
+        # the members live in their own process (MembersProc)
+        mp = MembersProc(cluster.endpoints, n, prefix, args)
+        probe.pids.append(mp.proc.pid)
         a = probe.snap()
-        for v in views:
-            v.start()
-        with ThreadPoolExecutor(32) as pool:
-            join_retries = sum(pool.map(join, members))
-        registered = time.monotonic() - a["t"]
-        for v in views:
-            v.wait_for(n, timeout=300)
+        joined = mp.ask("join")
+        res["views"] = joined["views"]
         res["join"] = probe.delta(a, probe.snap(), delivered())
-        res["join"]["registered_s"] = round(registered, 3)
-        res["join"]["join_retries"] = join_retries
+        res["join"]["registered_s"] = joined["registered_s"]
+        res["join"]["join_retries"] = joined["join_retries"]
         print(f"[{n}] join {res['join']['wall_s']} s", flush=True)
 
         # rest
@@ -355,11 +432,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(args.rest_s)
         res["rest"] = probe.delta(a, probe.snap(), delivered() - d0)
         health(res["rest"], r0)
-        res["rest"]["view_sizes_min"] = min(len(v.view()) for v in views)
+        res["rest"]["view_sizes_min"] = h0.get("view_sizes_min")
         print(f"[{n}] rest {res['rest']['requests_per_s']} req/s", flush=True)
 
         # save: one step record per member
-        steps = [StepRecords(clients[r // args.per_client], prefix, r, boot=members[r].record.boot)
+        steps = [StepRecords(clients[r // args.per_client], prefix, r, boot=joined["boots"][r])
                  for r in range(n)]
         d0, r0 = delivered(), rereg()
         a = probe.snap()
@@ -448,9 +525,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         # restart (older API, not the daemon's path): every member drops, then all decide
         d0 = delivered()
         a = probe.snap()
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda m: m.leave(), members))
-        left_s = time.monotonic() - a["t"]
+        left_s = mp.ask("leave")["leave_s"]
         a2 = probe.snap()
         out, done = all_at_once(n, lambda r: steps[r].decide_restore(
             n, incarnation=2, wait_s=args.wait_s, timeout=120), join_s=180)
@@ -465,10 +540,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{n}] restart (decide_restore): decide {res['restart']['decide_s']} s, "
               f"same={same}", flush=True)
     finally:
-        for m in members:
-            m._stop.set()
-        for v in views:
-            v.stop()
+        if mp is not None:
+            mp.stop()
         for c in clients:
             c.close()
         admin.close()
