@@ -3,8 +3,10 @@
 ``python -m benchmarks.bench_coord_scale [--members 64,1000] [--rest-s 60] [--ttl 5]
 [--per-client 50] [--reads-s 0] [--json OUT]`` (or ``make bench-coord-scale``). No FUSE, no
 daemon: the coordination code (replication/coord/membership.py, steps.py, rounds.py) runs
-in this process, many members per process, members sharing one :class:`Etcd` client (one
-gRPC channel) per ``--per-client`` members. Each member size gets a fresh one-member etcd
+as many light members, sharing one :class:`Etcd` client (one gRPC channel) per
+``--per-client`` members. The memberships (leases, keepalive threads, views) live in one
+child process (:class:`MembersProc`), the deciding and reading members in this one, so the
+deciders' CPU does not starve the keepalives. Each member size gets a fresh one-member etcd
 on /dev/shm (tests/support/etcd.EtcdCluster). The TTL defaults to the daemon's (5 s: the
 daemon's ``ttl_s = max(2, round(liveness_s))``, liveness 5 s), so a keepalive every 1.7 s.
 
