@@ -20,13 +20,16 @@ every rank's entry up to ``wait_s``; past it, the caller gets :class:`RoundTimeo
 the ranks that never asked (a decision without them could name a step they lack).
 
 Load: per restore, per rank, about four small transactions and a poll every 0.1–0.5 s while
-waiting (docs/benchmarks.md, "Coordination at scale").
+waiting; a poll counts the round's entries (one number), and reads them only to name the
+missing ranks once, and when the count is complete (docs/benchmarks.md, "Coordination at
+scale").
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +42,9 @@ from replication.coord.etcd import (
 
 #: Seconds a round waits for every rank's entry.
 WAIT_S = 600.0
+#: Seconds between two reads of a round's entries while it fills (to name the missing
+#: ranks); the polls between only count them.
+NAME_EVERY_S = 5.0
 
 
 class RoundTimeout(EtcdError):
@@ -80,8 +86,12 @@ class RestoreRounds:
         Raises:
             EtcdError: etcd did not answer within ``timeout``.
         """
+        # the nonce tells this call's own entry (an attempt etcd applied whose answer was
+        # lost, then retried) from an entry of an earlier restart of this rank
+        nonce = uuid.uuid4().hex
         body = json.dumps({"rank": self.rank, "steps": sorted(set(int(s) for s in steps)),
-                           "at": round(time.time(), 3)}, separators=(",", ":")).encode()
+                           "nonce": nonce, "at": round(time.time(), 3)},
+                          separators=(",", ":")).encode()
         deadline = time.monotonic() + timeout
         while True:
             kv, _rev = self.etcd.get(self.round_key)
@@ -92,14 +102,16 @@ class RestoreRounds:
             k = int(kv.value)
             r = self.etcd.txn([mod_is(self.round_key, kv.mod_revision),
                                absent(self._entry(k))], [put_op(self._entry(k), body)],
-                              retry=True)
-            if r.succeeded:
+                              [get_op(self._entry(k))], retry=True)
+            got = [] if r.succeeded else r.responses[0].response_range.kvs
+            if r.succeeded or (got and _nonce_of(got[0].value) == nonce):
                 self.last_round = k
                 return k
-            # Either the round moved (read it again), or this rank is in round k already:
-            # its trainer restarted, so the job restarts again: open round k + 1.
-            self.etcd.txn([mod_is(self.round_key, kv.mod_revision)],
-                          [put_op(self.round_key, str(k + 1).encode())], retry=True)
+            if got:
+                # This rank is in round k already: its trainer restarted, so the job
+                # restarts again: open round k + 1 (unless the round moved meanwhile).
+                self.etcd.txn([mod_is(self.round_key, kv.mod_revision)],
+                              [put_op(self.round_key, str(k + 1).encode())], retry=True)
             if time.monotonic() > deadline:
                 raise EtcdError(f"could not join a restore round within {timeout:g} s")
 
@@ -116,11 +128,13 @@ class RestoreRounds:
         k = self.join(steps)
         deadline = time.monotonic() + wait_s
         pause = 0.1
+        named = -NAME_EVERY_S  # when the missing ranks were last read
         while True:
             dkey, entries = self._decision(k), self._entries(k)
+            # while waiting, count the entries (one number, not N records per poll)
             r = self.etcd.txn([], [get_op(dkey), pb.RequestOp(request_range=pb.RangeRequest(
-                key=entries, range_end=prefix_end(entries))), get_op(self.round_key)],
-                retry=True)
+                key=entries, range_end=prefix_end(entries), count_only=True)),
+                get_op(self.round_key)], retry=True)
             got = r.responses[0].response_range.kvs
             if got:
                 self.waiting_for = []
@@ -129,8 +143,16 @@ class RestoreRounds:
             if current and int(current[0].value) > k:
                 k = self.join(steps)  # undecided and left behind: follow the job
                 continue
+            if int(r.responses[1].response_range.count) < self.nodes and \
+                    time.monotonic() < min(deadline, named + NAME_EVERY_S):
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.5)
+                continue
+            # complete, or time to say again who is missing: read the entries
+            named = time.monotonic()
+            kvs, _rev, _more, _n = self.etcd.range(entries, prefix_end(entries))
             joined: dict[int, set[int]] = {}
-            for kv in r.responses[1].response_range.kvs:
+            for kv in kvs:
                 try:
                     rank = int(kv.key[len(entries):])
                     joined[rank] = {int(x) for x in json.loads(kv.value).get("steps", [])}
@@ -159,6 +181,13 @@ class RestoreRounds:
         steps = list(steps)
         return await trio.to_thread.run_sync(lambda: self.agree_sync(steps, wait_s=wait_s),
                                              abandon_on_cancel=True)
+
+
+def _nonce_of(body: bytes) -> str:
+    try:
+        return str(json.loads(body).get("nonce", ""))
+    except (ValueError, AttributeError):
+        return ""
 
 
 def _step_of(body: bytes) -> int | None:

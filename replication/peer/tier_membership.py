@@ -38,8 +38,9 @@ log = logging.getLogger("replication.peer.tier")
 
 #: Seconds between reads of every rank's step record (the newest step complete on all
 #: ranks), for jobs up to :data:`COMPLETE_SCALE_NODES` nodes; larger jobs read less often
-#: (``nodes / COMPLETE_SCALE_NODES`` times this), so etcd serves about the same keys per
-#: second at any size (docs/benchmarks.md, "Coordination at scale").
+#: (``nodes / COMPLETE_SCALE_NODES`` times this), so etcd serves the same number of these
+#: ranges per second at any size (50 /s above 500 nodes), each of ``nodes`` records: the
+#: records it returns grow with the job (docs/benchmarks.md, "Coordination at scale").
 COMPLETE_EVERY_S = 10.0
 COMPLETE_SCALE_NODES = 500
 #: Steps a record keeps.
