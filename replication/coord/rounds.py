@@ -28,6 +28,7 @@ scale").
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from collections.abc import Iterable
@@ -42,8 +43,12 @@ from replication.coord.etcd import (
 
 #: Seconds a round waits for every rank's entry.
 WAIT_S = 600.0
+#: Polls per second of all the waiting ranks together, once a wait is long (each rank
+#: polls at most every ``max(0.5, nodes / POLLS_PER_S)`` s): at 1,000 ranks polling every
+#: 0.5 s, etcd on 2 shared cores fell behind and leases expired (docs/benchmarks.md).
+POLLS_PER_S = 250.0
 #: Seconds between two reads of a round's entries while it fills (to name the missing
-#: ranks); the polls between only count them.
+#: ranks; at least ``nodes / 10``); the polls between only count them.
 NAME_EVERY_S = 5.0
 
 
@@ -128,7 +133,11 @@ class RestoreRounds:
         k = self.join(steps)
         deadline = time.monotonic() + wait_s
         pause = 0.1
-        named = -NAME_EVERY_S  # when the missing ranks were last read
+        # N ranks poll while a round fills: their rate is capped near POLLS_PER_S in all
+        most = max(0.5, self.nodes / POLLS_PER_S)
+        # and the reads of every entry (N records each) at most ~10 per second in all
+        name_every = max(NAME_EVERY_S, self.nodes / 10.0)
+        named = -1e9  # when the missing ranks were last read
         while True:
             dkey, entries = self._decision(k), self._entries(k)
             # while waiting, count the entries (one number, not N records per poll)
@@ -144,9 +153,9 @@ class RestoreRounds:
                 k = self.join(steps)  # undecided and left behind: follow the job
                 continue
             if int(r.responses[1].response_range.count) < self.nodes and \
-                    time.monotonic() < min(deadline, named + NAME_EVERY_S):
-                time.sleep(pause)
-                pause = min(pause * 1.5, 0.5)
+                    time.monotonic() < min(deadline, named + name_every):
+                time.sleep(pause * random.uniform(0.8, 1.2))
+                pause = min(pause * 1.5, most)
                 continue
             # complete, or time to say again who is missing: read the entries
             named = time.monotonic()
@@ -173,8 +182,8 @@ class RestoreRounds:
             if time.monotonic() >= deadline:
                 raise RoundTimeout(f"restore round {k}: rank(s) {self.waiting_for[:10]} did "
                                    f"not ask for a restore within {wait_s:g} s")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.5)
+            time.sleep(pause * random.uniform(0.8, 1.2))
+            pause = min(pause * 1.5, most)
 
     async def agree(self, steps: Iterable[int], *, wait_s: float = WAIT_S) -> int | None:
         """:meth:`agree_sync` in a worker thread."""
