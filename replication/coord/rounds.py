@@ -38,7 +38,7 @@ import trio
 
 from replication.coord._pb import etcd_v3_subset_pb2 as pb
 from replication.coord.etcd import (
-    Etcd, EtcdError, absent, get_op, mod_is, prefix_end, put_op,
+    Etcd, EtcdError, EtcdUnavailable, absent, get_op, mod_is, prefix_end, put_op,
 )
 
 #: Seconds a round waits for every rank's entry.
@@ -84,16 +84,16 @@ class RestoreRounds:
     def _decision(self, k: int) -> bytes:
         return f"{self.base}decision-{k}".encode()
 
-    def join(self, steps: Iterable[int], *, timeout: float = 30.0) -> int:
+    def join(self, steps: Iterable[int], *, timeout: float = 30.0, nonce: str = "") -> int:
         """Join the current round (or open the next, see the module docstring) with the
         steps this rank can restore; returns the round number.
 
         Raises:
             EtcdError: etcd did not answer within ``timeout``.
         """
-        # the nonce tells this call's own entry (an attempt etcd applied whose answer was
+        # the nonce tells this restore's own entry (an attempt etcd applied whose answer was
         # lost, then retried) from an entry of an earlier restart of this rank
-        nonce = uuid.uuid4().hex
+        nonce = nonce or uuid.uuid4().hex
         body = json.dumps({"rank": self.rank, "steps": sorted(set(int(s) for s in steps)),
                            "nonce": nonce, "at": round(time.time(), 3)},
                           separators=(",", ":")).encode()
@@ -130,8 +130,21 @@ class RestoreRounds:
             EtcdError: etcd did not answer (after its own deadline).
         """
         steps = list(steps)
-        k = self.join(steps)
         deadline = time.monotonic() + wait_s
+        nonce = uuid.uuid4().hex  # one per restore: a retried join finds its own entry
+        while True:  # a busy etcd's timeouts are retried within the round's wait
+            try:
+                return self._agree(steps, nonce, deadline, wait_s)
+            except RoundTimeout:
+                raise
+            except EtcdUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(random.uniform(0.5, 1.5))
+
+    def _agree(self, steps: list[int], nonce: str, deadline: float,
+               wait_s: float) -> int | None:
+        k = self.join(steps, nonce=nonce)
         pause = 0.1
         # N ranks poll while a round fills: their rate is capped near POLLS_PER_S in all
         most = max(0.5, self.nodes / POLLS_PER_S)
@@ -150,7 +163,7 @@ class RestoreRounds:
                 return _step_of(got[0].value)
             current = r.responses[2].response_range.kvs
             if current and int(current[0].value) > k:
-                k = self.join(steps)  # undecided and left behind: follow the job
+                k = self.join(steps, nonce=nonce)  # undecided, left behind: follow the job
                 continue
             if int(r.responses[1].response_range.count) < self.nodes and \
                     time.monotonic() < min(deadline, named + name_every):
