@@ -417,8 +417,9 @@ class MtcReplicator:
                 except FsError as exc:
                     why = exc.strerror or str(exc)
                     tries += 1
-                    # The step was restorable when this rank joined the round: a holder that does not
-                    # answer now, or is busy with its own restore, is asked again.
+                    # The step was restorable when this rank joined the round: a holder
+                    # that does not answer now, or is busy with its own restore, is asked
+                    # again.
                     if exc.errno != errno.ENOENT or tries >= FETCH_TRIES:
                         raise RestoreFailed(why if why.startswith("step ") else
                                             f"step {step.step}: {why}") from None

@@ -3,8 +3,9 @@
 A node that mounts with an empty store asks the job rather than deciding alone:
 
 1. When etcd's record of its rank names a step, it waits (up to ``wait_s``) until the
-   placement's holders of its rank are registered in etcd; then it lists what the other nodes hold of its rank (``ListManifests(of_rank=me)``):
-   the holders first, every other known node if none of them answers. Steps whose replica
+   placement's holders of its rank are registered in etcd; then it lists what the other
+   nodes hold of its rank (``ListManifests(of_rank=me)``): the holders first, every other
+   known node if none of them answers. Steps whose replica
    is complete on some holder, and steps the backup tier holds complete for this rank, are
    *restorable*.
 2. It reads the job's restore decision from etcd (``restore/current``, see

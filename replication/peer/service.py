@@ -1,7 +1,8 @@
 """The Peer gRPC service over a :class:`~replication.peer.replica_store.ReplicaStore`.
 
 It runs grpcio's *synchronous* server: each call is served in a thread of the server's own
-pool, and touches only thread-safe objects (the replica store and the counters). It never runs on, or waits for, the trio loop that serves FUSE. Later calls into
+pool, and touches only thread-safe objects (the replica store and the counters). It never
+runs on, or waits for, the trio loop that serves FUSE. Later calls into
 the filesystem core (which is trio-side) go through ``trio.from_thread.run``; see
 docs/peer-protocol.md for why grpcio's asyncio API is not used.
 
