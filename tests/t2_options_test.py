@@ -190,28 +190,35 @@ def test_peer_option_errors_name_the_option(opts, words):
 # ---------------------------------------------------------------------- status output
 
 STATUS_PEERS = {
-    "rank": 0, "nodes": 3, "listen": "127.0.0.1:7471", "coordinator": 0,
-    "coordinator_address": "127.0.0.1:7471", "replicas": 1, "placement": "ring",
+    "rank": 0, "nodes": 3, "listen": "127.0.0.1:7471",
+    "membership": {"registered": True, "error": None, "lease_ttl_s": 5},
+    "replicas": 1, "placement": "ring",
     "peers": [1], "holds_for": [2], "latest_complete": {"step": "step_20", "number": 20},
     "members": [
-        {"rank": 0, "address": "127.0.0.1:7471", "alive": True, "age_s": 0.1, "labels": {},
-         "capacity_bytes": 1 << 30, "used_bytes": 5 << 20},
-        {"rank": 2, "address": "127.0.0.1:7473", "alive": False, "age_s": 31.0,
-         "labels": {}, "capacity_bytes": None, "used_bytes": None}],
+        {"rank": 0, "address": "127.0.0.1:7471", "alive": True, "member_for_s": 12.0,
+         "labels": {}},
+        {"rank": 2, "address": "127.0.0.1:7473", "alive": False, "member_for_s": 31.0,
+         "labels": {}}],
     "replication": [
         {"peer": 1, "address": "127.0.0.1:7472", "state": "lagging", "lag_steps": 1,
          "lag_bytes": 12 << 20, "last_replicated": "step_10",
          "last_error": "RESOURCE_EXHAUSTED: replica store full", "bytes_sent": 0,
          "chunks_skipped": 3}],
-    "replica_store": {"chunks": 3, "manifests": 2, "used_bytes": 123, "corrupt_deleted": 1}, "bad_peers": {"2": 1}, "restore": None}
+    "replica_store": {"chunks": 3, "manifests": 2, "used_bytes": 123, "corrupt_deleted": 1},
+    "bad_peers": {"2": 1}, "restore": None}
 
 
 def test_status_peer_section():
     text = "\n".join(format_peer_status(STATUS_PEERS))
-    for want in ["rank 0 of 3", "listening on 127.0.0.1:7471",
-                 "coordinator rank 0 (127.0.0.1:7471)", "step_20", "DEAD", "31.0s ago", "5.0 MiB / 1.0 GiB", "lagging", "1 step,",
-                 "12.0 MiB", "step_10", "replica store full", "3 chunks, 2 manifests, 123 B", "corrupt_deleted 1", "rank 2: 1"]:
+    for want in ["rank 0 of 3", "listening on 127.0.0.1:7471, registered in etcd",
+                 "step_20", "DEAD", "MEMBER FOR", "31s", "lagging", "1 step,",
+                 "12.0 MiB", "step_10", "replica store full", "3 chunks, 2 manifests, 123 B",
+                 "corrupt_deleted 1", "rank 2: 1"]:
         assert want in text, want
+    cut = {**STATUS_PEERS, "membership": {"registered": False,
+                                          "error": "not registered in etcd: no answer"}}
+    assert "NOT REGISTERED in etcd (not registered in etcd: no answer)" in \
+        format_peer_status(cut)[0]
 
 
 def test_status_peer_section_tolerates_missing_keys():

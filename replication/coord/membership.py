@@ -13,7 +13,9 @@ Registration is a create-if-absent transaction. When the key exists:
   re-attaching): the record moves to the new lease;
 * with another boot id: another daemon holds the rank. A daemon that crashed and restarted
   within the TTL finds its previous life's record; registration waits (``wait_s``, by
-  default 1.5 x TTL) for that lease to expire, then takes the rank. When the other holder
+  default 1.5 x TTL) for that lease to expire, then takes the rank; at once when the
+  record names the address this daemon has bound (``address_is_mine``: the holder
+  cannot be listening there, so it is dead). When the other holder
   still renews after the wait, two daemons were started as the same rank: registration
   refuses with :class:`RankTaken` (one line naming the holder).
 
@@ -101,7 +103,8 @@ class Membership:
     def __init__(self, etcd: Etcd, prefix: str, rank: int, address: str = "",
                  labels: dict[str, str] | None = None, *, ttl_s: int = TTL_S,
                  boot_id: str | None = None, incarnation: int = 0, watch: bool = True,
-                 progress_s: float = PROGRESS_S, view: "MemberView | None" = None) -> None:
+                 progress_s: float = PROGRESS_S, view: "MemberView | None" = None,
+                 address_is_mine: bool = False) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.rank = rank
@@ -112,6 +115,10 @@ class Membership:
         self.key = member_key(prefix, rank)
         self.members_prefix = f"{prefix}members/".encode()
         self.lease = 0
+        #: this daemon has bound ``address`` (only one process can): a record of another
+        #: life that names it is a dead daemon's, taken over at once instead of waiting for
+        #: its lease (a replacement on the same host and port, its store wiped)
+        self.address_is_mine = address_is_mine
         self.error = ""            # why this member lost its registration ("" while fine)
         self.counters: dict[str, int] = {"keepalives": 0, "reregistrations": 0,
                                          "etcd_errors": 0}
@@ -158,7 +165,10 @@ class Membership:
                     holder = MemberRecord.decode(kv.value)
                 except (ValueError, KeyError):
                     holder = MemberRecord(rank=self.rank)
-                if holder.boot == self.record.boot or kv.lease == lease:
+                if holder.boot == self.record.boot or kv.lease == lease or (
+                        self.address_is_mine and holder.address == self.record.address):
+                    # (or the record names the address this daemon listens on now: its
+                    # holder cannot be listening there any more, so it is dead)
                     # our own record (a lease lost and re-attached): move it to this lease
                     r2 = self.etcd.txn([mod_is(self.key, kv.mod_revision)],
                                        [put_op(self.key, body, lease)], retry=True)

@@ -60,7 +60,7 @@ class MembershipRounds:
     members: dict[int, MemberInfo]
     restorable: dict[str, int]
     latest_complete: StepRef | None
-    coord: Any
+    server: Any
 
     def _setup_membership(self, etcd: Any, prefix: str) -> None:
         self.etcd = etcd
@@ -87,7 +87,8 @@ class MembershipRounds:
             ttl = max(2, int(round(self.cfg.liveness_s)))
             self.member = Membership(self.etcd, self.coord_prefix, self.rank, self.advertise,
                                      dict(self.cfg.labels), ttl_s=ttl, progress_s=30.0,
-                                     boot_id=self._member_id())
+                                     boot_id=self._member_id(),
+                                     address_is_mine=self.server is not None)
         if self._joined:
             return
         try:
