@@ -81,15 +81,22 @@ def fuse_connection_dir(mountpoint: str | os.PathLike[str]) -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def force_unmount(mountpoint: str | os.PathLike[str]) -> None:
-    """Unmount even if the daemon is dead or stuck: abort the connection, lazy unmount."""
-    if not is_mounted(mountpoint):
-        return
-    conn = fuse_connection_dir(mountpoint)
+def abort_connection(mountpoint: str | os.PathLike[str]) -> None:
+    """Abort the kernel's FUSE connection of ``mountpoint`` through fusectl (every request
+    waiting on its daemon ends with ENOTCONN), and nothing else: no subprocess. Does
+    nothing when it is not a mounted FUSE filesystem."""
+    conn = fuse_connection_dir(mountpoint) if is_mounted(mountpoint) else None
     if conn:
         try:
             with open(os.path.join(conn, "abort"), "w") as f:
                 f.write("1")
         except OSError:
             pass
+
+
+def force_unmount(mountpoint: str | os.PathLike[str]) -> None:
+    """Unmount even if the daemon is dead or stuck: abort the connection, lazy unmount."""
+    if not is_mounted(mountpoint):
+        return
+    abort_connection(mountpoint)
     subprocess.run(["umount", "-l", os.path.abspath(mountpoint)], capture_output=True)

@@ -16,16 +16,9 @@ from replication.coord.lock import EtcdLock, LockTimeout
 from replication.coord.membership import Membership, RankTaken
 from replication.coord.rounds import RestoreRounds, RoundTimeout
 from replication.coord.steps import StepRecords
-from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
+from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 TTL = 2
-
-
-@pytest.fixture
-def client(etcd_server):  # noqa: F811
-    c = Etcd(etcd_server.endpoints, timeout_s=5.0)
-    yield c
-    c.close()
 
 
 # ---------------------------------------------------------------------- membership

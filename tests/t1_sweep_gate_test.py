@@ -29,19 +29,12 @@ from replication.coord.backup_gate import EtcdSweepGate
 from replication.coord.etcd import Etcd, put_op
 from replication.coord.rwlock import EtcdRWLock, RWLockLost, RWLockTimeout
 from support.cluster import free_ports
-from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
+from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 from t1_backup_ranks_test import (  # noqa: F401 (gates: a fixture)
     CHUNK, NOW, Counting, blob, chunk_keys, gates, make_step, restore_files,
 )
 
 TTL = 2
-
-
-@pytest.fixture
-def client(etcd_server):  # noqa: F811
-    c = Etcd(etcd_server.endpoints, timeout_s=5.0)
-    yield c
-    c.close()
 
 
 def wait_until(cond, timeout: float = 10.0) -> bool:
@@ -171,6 +164,23 @@ class NoGate:
         return "no gate"
 
 
+def _x_held_by_rank_1(be, gate):
+    """Stores of rank 0 (the sweeper) and rank 1 (the uploader) on ``be``, each with
+    ``gate(rank)``: step 10 complete on both (rank 1's holds chunk X, referenced nowhere
+    else), then step 20 (X in neither). Returns (sweeper, uploader, chunks, X)."""
+    sweeper, uploader = (BackupStore(be, rank=r, clock_ns=lambda: NOW, gate=gate(r))
+                         for r in (0, 1))
+    chunks: dict[str, bytes] = {}
+    x = blob(7, CHUNK)
+    sweeper.put_step(make_step(10, {"a": blob(8, CHUNK)}, rank=0, chunks=chunks),
+                     chunks.__getitem__)
+    uploader.put_step(make_step(10, {"x": x}, rank=1, chunks=chunks), chunks.__getitem__)
+    for r, st in ((0, sweeper), (1, uploader)):
+        st.put_step(make_step(20, {"b": blob(20 + r, CHUNK)}, rank=r, chunks=chunks),
+                    chunks.__getitem__)
+    return sweeper, uploader, chunks, x
+
+
 @pytest.fixture(params=["no gate", "etcd gate"])
 def two_nodes(request, tmp_path, etcd_server, etcd_prefix):  # noqa: F811
     """Rank 0 (the sweeper) and rank 1 (the uploader) on one bucket: step 10 (rank 1's
@@ -186,16 +196,7 @@ def two_nodes(request, tmp_path, etcd_server, etcd_prefix):  # noqa: F811
         return EtcdSweepGate(clients[-1], etcd_prefix + "backup/", owner=f"rank {rank}",
                              ttl_s=5)
 
-    sweeper, uploader = (BackupStore(be, rank=r, clock_ns=lambda: NOW, gate=gate(r))
-                         for r in (0, 1))
-    chunks: dict[str, bytes] = {}
-    x = blob(7, CHUNK)
-    sweeper.put_step(make_step(10, {"a": blob(8, CHUNK)}, rank=0, chunks=chunks),
-                     chunks.__getitem__)
-    uploader.put_step(make_step(10, {"x": x}, rank=1, chunks=chunks), chunks.__getitem__)
-    for r, st in ((0, sweeper), (1, uploader)):
-        st.put_step(make_step(20, {"b": blob(20 + r, CHUNK)}, rank=r, chunks=chunks),
-                    chunks.__getitem__)
+    sweeper, uploader, chunks, x = _x_held_by_rank_1(be, gate)
     assert uploader.has_chunk(chunk_hash(x))
     yield request.param == "etcd gate", be, sweeper, uploader, chunks, x
     for c in clients:
@@ -261,16 +262,7 @@ def test_an_upload_in_progress_holds_a_sweep_off(tmp_path, gates) -> None:  # no
     it) and is still uploading when rank 0 starts a sweep. The sweep waits for the upload's
     COMPLETE, then reads its manifest and keeps X."""
     be = Counting(FileBackend(tmp_path))
-    sweeper, uploader = (BackupStore(be, rank=r, clock_ns=lambda: NOW, gate=gates(r))
-                         for r in (0, 1))
-    chunks: dict[str, bytes] = {}
-    x = blob(7, CHUNK)
-    sweeper.put_step(make_step(10, {"a": blob(8, CHUNK)}, rank=0, chunks=chunks),
-                     chunks.__getitem__)
-    uploader.put_step(make_step(10, {"x": x}, rank=1, chunks=chunks), chunks.__getitem__)
-    for r, st in ((0, sweeper), (1, uploader)):
-        st.put_step(make_step(20, {"b": blob(20 + r, CHUNK)}, rank=r, chunks=chunks),
-                    chunks.__getitem__)
+    sweeper, uploader, chunks, x = _x_held_by_rank_1(be, gates)
     reading, go = threading.Event(), threading.Event()
 
     def slow_read(h: str) -> bytes:

@@ -29,6 +29,7 @@ before each, waited for etcd).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -81,6 +82,28 @@ def _timed_eio(what: str, fn, log) -> float:
     assert ei.value.errno == errno.EIO, (what, ei.value, log()[-3000:])
     assert took < EIO_BOUND_S, (what, took)
     return took
+
+
+@contextlib.contextmanager
+def _job_on_a_netns_etcd(make_cluster, shm_dir: Path, nodes: int = 2, members: int = 1):
+    """A scope=job cluster of ``nodes`` on an etcd of ``members`` in a network namespace,
+    each node through its own address (so ``etcd.partition(rank)`` cuts one off);
+    yields (etcd, cluster) and ends both, whatever happens."""
+    etcd = None
+    c = None
+    try:
+        etcd = EtcdCluster(shm_dir / "etcdc", members, netns_clients=nodes)
+        etcd.start()
+        c = make_cluster(nodes, job=_job(),
+                         options={"scope": "job", "replicas": 1,
+                                  "coord_timeout": f"{COORD_TIMEOUT_S:g}s"},
+                         coord_for_rank=etcd.client_url)
+        yield etcd, c
+    finally:
+        if c is not None:
+            c.cleanup()
+        if etcd is not None:
+            etcd.stop()
 
 
 @pytest.mark.watchdog(300)  # a daemon that hangs fails the test, never the suite
@@ -243,15 +266,7 @@ def test_a_close_on_a_cut_off_node_fails_and_the_copies_agree_after_the_heal(mak
     node, 0 on the other, still so 10 s after the heal; the same with a rewritten existing
     file). Fixed in mtcfs/fs/jobns.py (_republish, and _apply_publish's ``expect``).
     """
-    etcd = None
-    c = None
-    try:
-        etcd = EtcdCluster(shm_dir / "etcdc", 1, netns_clients=2)
-        etcd.start()
-        c = make_cluster(2, job=_job(),
-                         options={"scope": "job", "replicas": 1,
-                                  "coord_timeout": f"{COORD_TIMEOUT_S:g}s"},
-                         coord_for_rank=etcd.client_url)
+    with _job_on_a_netns_etcd(make_cluster, shm_dir) as (etcd, c):
         _write(c[1].path("old"), b"o" * 1000)
         fd_new = os.open(c[1].path("new"), os.O_CREAT | os.O_WRONLY, 0o644)
         fd_old = os.open(c[1].path("old"), os.O_WRONLY | os.O_TRUNC)
@@ -279,11 +294,6 @@ def test_a_close_on_a_cut_off_node_fails_and_the_copies_agree_after_the_heal(mak
             seen = {r: {n: len(c[r].path(n).read_bytes()) for n in want} for r in range(2)}
             raise AssertionError(f"the copies differ after the heal (bytes): {seen}") from None
         assert "published job-wide after etcd came back" in c[1].log()
-    finally:
-        if c is not None:
-            c.cleanup()
-        if etcd is not None:
-            etcd.stop()
 
 
 @pytest.mark.watchdog(300)
@@ -295,15 +305,7 @@ def test_a_rewrite_on_each_side_of_a_partition_ends_the_same_on_every_node(make_
     only over the version it replaced), or node 1's when its first try, stuck in the cut
     connection, reaches etcd after node 0's (a timed-out change may still take effect,
     docs/coordination.md). Never a node left with bytes the other does not serve."""
-    etcd = None
-    c = None
-    try:
-        etcd = EtcdCluster(shm_dir / "etcdc", 1, netns_clients=2)
-        etcd.start()
-        c = make_cluster(2, job=_job(),
-                         options={"scope": "job", "replicas": 1,
-                                  "coord_timeout": f"{COORD_TIMEOUT_S:g}s"},
-                         coord_for_rank=etcd.client_url)
+    with _job_on_a_netns_etcd(make_cluster, shm_dir) as (etcd, c):
         _write(c[0].path("f"), b"o" * 1000)
         c[1].wait_for(lambda: c[1].path("f").exists(), timeout=CATCH_UP_S, what="f on node 1")
         fd = os.open(c[1].path("f"), os.O_WRONLY | os.O_TRUNC)
@@ -327,8 +329,3 @@ def test_a_rewrite_on_each_side_of_a_partition_ends_the_same_on_every_node(make_
                           what="node 1 gives up its older version")
         time.sleep(2)  # nothing changes it afterwards
         assert c[0].path("f").read_bytes() == c[1].path("f").read_bytes() == final
-    finally:
-        if c is not None:
-            c.cleanup()
-        if etcd is not None:
-            etcd.stop()

@@ -288,3 +288,12 @@ def etcd_server():
 def etcd_prefix():
     """A key prefix no other test uses."""
     return f"/mtcfs-test/{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture(name="client")
+def etcd_client(etcd_server):
+    """A client of the session's etcd (5 s deadline per call), closed after the test."""
+    from replication.coord.etcd import Etcd
+    c = Etcd(etcd_server.endpoints, timeout_s=5.0)
+    yield c
+    c.close()

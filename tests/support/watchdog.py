@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from mtcfs import mountinfo
 from mtcfs.mountinfo import force_unmount, fuse_connection_dir, is_mounted
 
 if TYPE_CHECKING:
@@ -156,14 +157,7 @@ def abort_connection(mount: Mount) -> None:
     """Abort the FUSE connection of ``mount`` through fusectl, and nothing else: no
     subprocess (a child forked while the test holds a file open on a mount whose daemon
     does not answer blocks in its close of that file, before exec, and its parent with it)."""
-    mnt = str(mount.mnt)
-    conn = fuse_connection_dir(mnt) if is_mounted(mnt) else None
-    if conn:
-        try:
-            with open(os.path.join(conn, "abort"), "w") as f:
-                f.write("1")
-        except OSError:
-            pass
+    mountinfo.abort_connection(mount.mnt)
 
 
 def end_mount(mount: Mount) -> str:
