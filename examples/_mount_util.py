@@ -40,6 +40,16 @@ def local_etcd(tag: str) -> dict[str, str]:
     return {"coord": shared_etcd().url, "coord_prefix": f"/mtcfs-demo/{tag}-{os.getpid()}"}
 
 
+def job_tls(work: Path, job: str, nodes: int) -> Callable[[int], dict[str, str]]:
+    """A job CA and a peer certificate per rank in ``work/pki`` (what ``mtcfs certs`` makes);
+    returns rank -> its ``tls_ca=``, ``tls_cert=``, ``tls_key=`` options (docs/security.md)."""
+    from mtcfs.pki import JobCa
+    ca = JobCa(work / "pki", job)
+    issued = [ca.issue_rank(job, r) for r in range(nodes)]
+    return lambda r: {"tls_ca": str(issued[r].ca), "tls_cert": str(issued[r].cert),
+                      "tls_key": str(issued[r].key)}
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

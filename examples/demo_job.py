@@ -197,7 +197,7 @@ def worker(a: argparse.Namespace) -> None:
 
 sys.path.insert(0, str(HERE.parent))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, local_etcd, print_node_logs, run_in_scratch,
+    MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
 )
 from demo import human  # noqa: E402
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
@@ -404,12 +404,13 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     mounts: list[MtcfsMount] = []
     # the nodes agree (scope=job's namespace included) through etcd: a local one-member one
     coord = local_etcd("job")
+    tls = job_tls(work, f"demo-job-{os.getpid()}", NODES)  # the job CA: mutual TLS
     for r in range(NODES):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         mounts.append(MtcfsMount(f"demo-job-{os.getpid()}", work / f"n{r}" / "mnt", {
             "store": str(work / f"n{r}" / "store"), "size": args.size, "rank": str(r),
             "nodes": str(NODES), "peers": peers, "listen": f"127.0.0.1:{ports[r]}",
-            "replicas": "1", "scope": "job", **coord}))
+            "replicas": "1", "scope": "job", **coord, **tls(r)}))
     mnts = [m.mnt for m in mounts]
     say(f"mtcfs scope=job demo: {NODES} nodes on this machine, one directory; torch "
         f"FSDP2 + DCP, gloo, one process per rank; replicas=1 (ring: node r's files have a "

@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, local_etcd, print_node_logs, run_in_scratch,
+    MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
 )
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
 from support.mtc_trainer import run_trainers  # noqa: E402
@@ -78,13 +78,14 @@ def run(args: argparse.Namespace, work: Path) -> bool:
     bucket.mkdir()
     mounts: list[MtcfsMount] = []
     coord = local_etcd("mtc")  # the nodes agree on the step to restore through etcd
+    tls = job_tls(work, "demo", n)  # the job CA: the peers speak mutual TLS
     for r in range(n):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         mounts.append(MtcfsMount("demo", work / f"n{r}" / "mnt", {
             "store": str(work / f"n{r}" / "store"), "rank": str(r), "nodes": str(n),
             "peers": peers, "listen": f"127.0.0.1:{peer_ports[r]}", "size": args.size,
             "backup": f"file://{bucket}", "mtc": None,
-            "jax_coordinator": f"127.0.0.1:{jax_port}", **coord}))
+            "jax_coordinator": f"127.0.0.1:{jax_port}", **coord, **tls(r)}))
     try:
         on_all(lambda m: m.mount(), mounts)
         say(f"{n} nodes mounted with -o mtc; node 0's jax-init-info.txt: "

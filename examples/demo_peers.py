@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, force_unmount, is_mounted, local_etcd, mtcfs, print_node_logs,
+    MtcfsMount, force_unmount, is_mounted, job_tls, local_etcd, mtcfs, print_node_logs,
     run_in_scratch,
 )
 from demo import TorchJob, human  # noqa: E402
@@ -267,11 +267,12 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     bucket.mkdir()
     mounts: list[MtcfsMount] = []
     coord = local_etcd("peers")  # the nodes find each other and agree through etcd
+    tls = job_tls(work, f"demo-peers-{os.getpid()}", NODES)  # the job CA: mutual TLS
     for r in range(NODES):
         (work / f"n{r}" / "mnt").mkdir(parents=True)
         opts = {"store": str(work / f"n{r}" / "store"), "size": args.size,
                 "rank": str(r), "nodes": str(NODES), "peers": peers,
-                "listen": f"127.0.0.1:{ports[r]}", "replicas": "1", **coord}
+                "listen": f"127.0.0.1:{ports[r]}", "replicas": "1", **coord, **tls(r)}
         if not args.no_backup:
             opts.update({"backup": f"file://{bucket}", "backup_interval": "1h"})
         mounts.append(MtcfsMount(f"demo-peers-{os.getpid()}", work / f"n{r}" / "mnt", opts))

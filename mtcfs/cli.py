@@ -27,7 +27,7 @@ from mtcfs import control, mountinfo
 from mtcfs.options import OptionError, parse_mount_options
 
 SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "verify", "backup",
-               "umount", "mount")
+               "umount", "mount", "certs")
 EXIT_USAGE = 2
 
 
@@ -86,6 +86,13 @@ def cmd_mount(argv: list[str]) -> None:
         _die(str(exc), EXIT_USAGE)
     except OSError as exc:
         _die(f"bad option store={opts.store}: {exc.strerror or exc}", EXIT_USAGE)
+    if opts.tls_ca:
+        from replication.peer.tls import TlsError, TlsFiles
+        try:  # a certificate that would be refused by every peer is an option error
+            assert opts.tls_cert and opts.tls_key
+            TlsFiles(opts.tls_ca, opts.tls_cert, opts.tls_key).check_for(opts.job, opts.rank)
+        except TlsError as exc:
+            _die(f"bad option {exc}", EXIT_USAGE)
     warning = filesystem_warning(opts.store)["warning"]
     if warning:
         print(f"mtcfs: {warning}", file=sys.stderr)
@@ -683,7 +690,39 @@ def _sub_parser() -> argparse.ArgumentParser:
                    help="abort the FUSE connection of a dead or stuck daemon (open files fail)")
     u.add_argument("--timeout", type=float, default=60.0)
     u.set_defaults(fn=cmd_umount)
+    c = sub.add_parser("certs", help="make a job CA and one peer certificate per rank "
+                                     "(tls_ca=, tls_cert=, tls_key=; docs/security.md)")
+    c.add_argument("directory", help="where the PEM files go (created; must be empty)")
+    c.add_argument("--job", required=True)
+    c.add_argument("--nodes", type=int, required=True, help="ranks 0..nodes-1")
+    c.add_argument("--days", type=int, default=365, help="validity of every certificate")
+    c.set_defaults(fn=cmd_certs)
     return p
+
+
+def cmd_certs(a: argparse.Namespace) -> None:
+    """``mtcfs certs DIR --job J --nodes N``: ``J-ca.pem``/``.key`` and ``rank-R.pem``/``.key``
+    for every rank. Keep the CA key off the nodes (docs/security.md)."""
+    import datetime as dt
+    from pathlib import Path
+
+    from mtcfs.options import _JOB_RE
+    from mtcfs.pki import JobCa
+    if not _JOB_RE.match(a.job):
+        _die(f"bad --job {a.job!r}: letters, digits, '.', '_', '-' (at most 128)", EXIT_USAGE)
+    if not 1 <= a.nodes <= 65536 or not 1 <= a.days <= 36500:
+        _die("--nodes must be in 1..65536 and --days in 1..36500", EXIT_USAGE)
+    d = Path(a.directory).absolute()
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        _die(f"{d} exists and is not an empty directory: certificates are never overwritten",
+             EXIT_USAGE)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ca = JobCa(d, a.job, days=a.days + 1)
+    for r in range(a.nodes):
+        ca.issue_rank(a.job, r, valid_for=dt.timedelta(days=a.days))
+    print(f"{d}: {ca.ca.name} (the job CA; {a.job}-ca.key stays off the nodes), "
+          f"rank-0..{a.nodes - 1}.pem/.key; mount rank R with "
+          f"-o tls_ca={ca.ca},tls_cert={d}/rank-R.pem,tls_key={d}/rank-R.key")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -159,6 +159,25 @@ class Daemon:
             return await self.restore_from_job(number, check_space=True)
         return await self.restore_step(number, check_space=True)
 
+    def _peer_tls(self) -> Any:
+        """The peer tier's TLS files (checked for this rank), or None with ``insecure``, which
+        is logged as a warning at every start.
+
+        Raises:
+            TlsError (a ValueError): the files do not make this rank's identity.
+        """
+        from replication.peer.tls import TlsFiles
+        o = self.opts
+        if not o.tls_ca:
+            log.warning("option insecure: the peer traffic of this node is PLAINTEXT and "
+                        "unauthenticated: anyone who reaches %s can read and change its "
+                        "checkpoints (docs/security.md)", o.listen)
+            return None
+        assert o.tls_cert and o.tls_key
+        tls = TlsFiles(o.tls_ca, o.tls_cert, o.tls_key)
+        tls.check_for(o.job, o.rank)
+        return tls
+
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
         from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
@@ -172,7 +191,7 @@ class Daemon:
         cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
-                         huge_model=o.huge_model, keep=o.keep)
+                         huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls())
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         if o.scope == "job":

@@ -34,8 +34,9 @@ _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 #: Separators accepted inside ``peers=`` and ``topology=`` besides the comma (which mount(8)
 #: also uses between options): ``peers=a:1;b:2`` and ``peers=a:1+b:2`` need no guessing.
 _LIST_SEP_RE = re.compile(r"[;+]")
-#: Where the Peer service listens when ``nodes`` > 1 and neither listen= nor peers= says.
-DEFAULT_PEER_LISTEN = "0.0.0.0:7470"
+#: The Peer service's port when ``nodes`` > 1 and neither listen= nor peers= says; the host
+#: is the address this host's name resolves to (never a wildcard unless listen= says so).
+DEFAULT_PEER_PORT = 7470
 PLACEMENTS = ("ring", "group")
 
 
@@ -218,6 +219,14 @@ class MountOptions:
     coord_prefix: str | None = None
     #: Seconds a namespace change or read waits for etcd before it fails with EIO.
     coord_timeout: float = 60.0
+    #: Mutual TLS of the peer tier (docs/security.md): the job CA's certificate, this
+    #: rank's certificate and its key (PEM paths; all three or none).
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Plaintext, unauthenticated traffic where no TLS material is given (option
+    #: ``insecure``): a multi-node mount refuses to start without TLS unless this is set.
+    insecure: bool = False
     #: Seconds a read waits for data that is not on this node (fault-in from peers or the
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
@@ -356,6 +365,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.restore = value
                 elif name == "allow_other" and flag:
                     o.allow_other = True
+                elif name == "insecure" and flag:
+                    o.insecure = True
+                elif name in ("tls_ca", "tls_cert", "tls_key") and value:
+                    setattr(o, name, _tls_path(value))
                 elif name == "debug" and flag:
                     o.debug = True
                 elif name == "rank" and value:
@@ -443,6 +456,9 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
             raise OptionError(f"bad option backup={o.backup}: file:// needs an absolute path"
                               " (file:///path)")
     _check_peer_tier(o, given)
+    _check_security(o)
+    if o.multi_node and o.listen is None:  # last: every other mistake is named first
+        o.listen = default_listen()
     o.given = given
     return o
 
@@ -476,6 +492,59 @@ def _extend(o: MountOptions, given: dict[str, str], list_name: str, text: str,
         raise OptionError(f"bad option {list_name}={given[list_name]}: {exc}") from None
 
 
+def _tls_path(value: str) -> str:
+    """An absolute path of a PEM file (checked for use when the mount starts)."""
+    if "\0" in value or not value.strip():
+        raise ValueError("expected the path of a PEM file")
+    return os.path.abspath(value)
+
+
+def default_listen() -> str:
+    """``<address of this host's name>:7470``: where the Peer service listens when neither
+    listen= nor peers= says. Not a wildcard: the port is reachable on one interface only.
+
+    Raises:
+        OptionError: the host name does not resolve, or only to a loopback address (as
+            Debian's /etc/hosts does by default), which peers on other hosts cannot reach.
+    """
+    import ipaddress
+    import socket
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as exc:
+        addr, why = "", f"does not resolve ({exc})"
+    else:
+        why = f"resolves to the loopback address {addr}"
+    if not addr or ipaddress.ip_address(addr).is_loopback:
+        raise OptionError(f"nodes > 1 needs listen=HOST:PORT, the address other nodes reach "
+                          f"this one at: the host name {host!r} {why} "
+                          f"(listen=0.0.0.0:{DEFAULT_PEER_PORT} listens on every interface)")
+    return f"{addr}:{DEFAULT_PEER_PORT}"
+
+
+def _check_security(o: MountOptions) -> None:
+    """The TLS options together; plaintext only when asked for (docs/security.md).
+
+    Raises:
+        OptionError: tls_* given in part, or on one node; nodes > 1 with neither TLS
+            material nor ``insecure``; ``insecure`` beside complete TLS material.
+    """
+    tls = {n: getattr(o, n) for n in ("tls_ca", "tls_cert", "tls_key")}
+    given = [n for n, v in tls.items() if v]
+    if given and len(given) < 3:
+        missing = ", ".join(f"{n}=" for n, v in tls.items() if not v)
+        raise OptionError(f"option {given[0]}= needs {missing} too: the job CA, this rank's "
+                          "certificate and its key (docs/security.md)")
+    if given and not o.multi_node:
+        raise OptionError("options tls_ca=, tls_cert=, tls_key= secure the traffic between "
+                          "nodes: they need nodes >= 2")
+    if o.multi_node and not given and not o.insecure:
+        raise OptionError(f"nodes={o.nodes} needs tls_ca=, tls_cert= and tls_key= (the job's "
+                          "CA, this rank's certificate and key; docs/security.md), or the "
+                          "option insecure for plaintext peer traffic")
+
+
 def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
     """Cross-option checks of the peer tier, once every option is read; fills the defaults
     of ``listen``.
@@ -502,8 +571,6 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
             first_rank[addr] = r
         if o.listen is None:
             o.listen = o.peers[o.rank]
-    elif o.multi_node and o.listen is None:
-        o.listen = DEFAULT_PEER_LISTEN
     if o.coordinator is not None:
         raise bad("coordinator", "is gone: the nodes find each other through etcd "
                                  "(coord=etcd://HOST:PORT,...); leave coordinator out")
@@ -554,9 +621,10 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
-          "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate"}
+          "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
+          "tls_ca", "tls_cert", "tls_key", "insecure"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology", "coord"}
 #: The options that take no value; they may be repeated (``debug,debug`` means debug).
-_FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc"}
+_FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc", "insecure"}

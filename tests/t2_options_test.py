@@ -7,7 +7,7 @@ import pytest
 
 from mtcfs.cli import format_peer_status
 from mtcfs.options import (
-    DEFAULT_PEER_LISTEN, OptionError, parse_address, parse_mount_options, parse_size,
+    DEFAULT_PEER_PORT, OptionError, parse_address, parse_mount_options, parse_size,
 )
 from support.mount import is_mounted
 
@@ -59,6 +59,15 @@ PEERS3 = "10.0.0.1:7470,10.0.0.2:7470,10.0.0.3:7470"
 
 
 def parse(*opts: str):
+    """Parse; a multi-node mount that names no TLS files is parsed as ``insecure`` (the
+    security options have their own tests below)."""
+    text = ",".join(opts)
+    if "nodes=" in text and "tls_" not in text and "insecure" not in text:
+        opts = (*opts, "insecure")
+    return parse_mount_options("j", "/m", list(opts))
+
+
+def parse_exactly(*opts: str):
     return parse_mount_options("j", "/m", list(opts))
 
 
@@ -99,8 +108,8 @@ def test_explicit_listen_and_no_peers():
     o = parse("nodes=2,rank=1,coord=etcd://e:1,listen=0.0.0.0:0")
     assert o.listen == "0.0.0.0:0" and o.peers is None and o.coord == ["e:1"]
     assert o.peer_address(0) is None  # learned from etcd at run time
-    o = parse("nodes=2,coord=etcd://e:1")
-    assert o.listen == DEFAULT_PEER_LISTEN == "0.0.0.0:7470"
+    o = parse("nodes=2,coord=etcd://e:1,listen=0.0.0.0:7470")  # a wildcard when asked
+    assert o.listen == "0.0.0.0:7470"
     o = parse("nodes=2,peers=a:1,b:2,listen=[::]:7470,coord=etcd://e:1")
     assert o.listen == "[::]:7470"
 
@@ -129,7 +138,7 @@ def test_topology_labels_continue_across_commas():
 
 
 def test_replicas_placement_data_parallelism():
-    o = parse("nodes=4,coord=etcd://e:1,replicas=3,placement=group")
+    o = parse("nodes=4,coord=etcd://e:1,replicas=3,placement=group,listen=h:1")
     assert o.replicas == 3 and o.placement == "group"
     o = parse("nodes=8,coord=etcd://e:1,assume_data_parallelism=2,huge_model")
     assert o.assume_data_parallelism == 2 and o.huge_model and o.replicas == 1
@@ -305,7 +314,8 @@ def test_out_of_range_values_are_refused(opts, words):
 
 
 def test_values_at_the_bounds_are_accepted():
-    o = parse("nodes=65536,coord=etcd://e:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h")
+    o = parse("nodes=65536,coord=etcd://e:1,keep=1000,replicas=16,size=1024P,mount_timeout=1h",
+              "listen=h:1")
     assert (o.nodes, o.keep, o.replicas, o.size) == (65536, 1000, 16, 1024 ** 6)
     assert o.mount_timeout == 3600 and parse("").mount_timeout == 300
     o = parse("backup=file:///b,backup_interval=30d,backup_keep=100000")
@@ -350,7 +360,7 @@ def test_failpoints_parse_and_refuse_what_they_do_not_know():
 def test_coord_lists_etcd_endpoints_across_commas():
     o = parse_mount_options("j", "/m", [
         "nodes=4,rank=1,scope=job,peers=h0:1,h1:1,h2:1,h3:1,"
-        "coord=etcd://e1:2379,e2:2379;e3:2379,coord_prefix=/jobs/j1/"])
+        "coord=etcd://e1:2379,e2:2379;e3:2379,coord_prefix=/jobs/j1/", "insecure"])
     assert o.coord == ["e1:2379", "e2:2379", "e3:2379"]
     assert o.coord_prefix == "/jobs/j1/"
     assert o.ns_quorum is None  # etcd's quorum orders the namespace
@@ -374,3 +384,37 @@ def test_coord_errors_name_the_option(opts, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, (w, msg)
+
+
+# -- security: TLS or an explicit insecure (docs/security.md) --------------------------------
+
+def test_default_listen_is_this_hosts_address_never_a_wildcard(monkeypatch):
+    import socket
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.1.2.3")
+    assert parse("nodes=2,coord=etcd://e:1").listen == f"10.1.2.3:{DEFAULT_PEER_PORT}"
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")  # Debian's /etc/hosts
+    with pytest.raises(OptionError) as e:
+        parse("nodes=2,coord=etcd://e:1")
+    assert "needs listen=HOST:PORT" in str(e.value) and "127.0.1.1" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_multi_node_without_tls_or_insecure_is_refused():
+    with pytest.raises(OptionError) as e:
+        parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1")
+    assert "needs tls_ca=, tls_cert= and tls_key=" in str(e.value)
+    assert "option insecure" in str(e.value) and "\n" not in str(e.value)
+    o = parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1,insecure")
+    assert o.insecure and o.tls_ca is None
+
+
+def test_tls_files_go_together_and_only_with_several_nodes():
+    with pytest.raises(OptionError) as e:
+        parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1,tls_ca=/ca.pem,tls_cert=/c.pem")
+    assert "needs tls_key=" in str(e.value)
+    with pytest.raises(OptionError) as e:
+        parse_exactly("tls_ca=/ca.pem,tls_cert=/c.pem,tls_key=/c.key")
+    assert "need nodes >= 2" in str(e.value)
+    o = parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1,tls_ca=ca.pem,tls_cert=/c.pem,"
+                      "tls_key=/c.key")
+    assert o.tls_ca.startswith("/") and o.tls_ca.endswith("/ca.pem") and not o.insecure

@@ -44,6 +44,7 @@ from replication.peer.limits import (
     RECONNECT_CLIENT,
 )
 from replication.peer.records import ManifestInfo, PublishResult, PutResult
+from replication.peer.tls import TlsFiles, server_name
 from replication.peer.wire import code_of, decode_bitmap, put_requests
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class PeerClient:
         stop: when set (daemon shutdown), retries stop and the last error is raised.
         rng: random source for the jitter (reproducible tests).
         max_message_bytes: grpc's send and receive limit; must match the server's.
+        tls: the job CA and this rank's certificate: the channel then speaks TLS, presents
+            the certificate and accepts only a server whose certificate the job CA signed
+            for this job (:func:`~replication.peer.tls.server_name`). None: plaintext.
 
     The channel connects lazily; a peer that is down shows up as :class:`PeerUnavailable`
     on the first call, after the retries.
@@ -85,7 +89,8 @@ class PeerClient:
     def __init__(self, address: str, job: str, rank: int, timeout: float = 30.0, *,
                  stream_timeout: float = 600.0, retry: RetryPolicy | None = None,
                  stop: threading.Event | None = None, rng: random.Random | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 tls: TlsFiles | None = None) -> None:
         if timeout <= 0 or stream_timeout <= 0:
             raise ValueError("timeouts must be > 0 seconds")
         self.address = address
@@ -96,7 +101,7 @@ class PeerClient:
         self._retry = retry or DEFAULT_RETRY
         self._stop = stop
         self._rng = rng
-        self._channel = grpc.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # A peer that hangs (stopped, or its host gone without a reset) fails a call in
@@ -104,7 +109,15 @@ class PeerClient:
             # holding it to the 600 s stream timeout, retries included.
             *KEEPALIVE_CLIENT,
             *RECONNECT_CLIENT,
-        ])
+        ]
+        #: the TLS files' generation this channel was built with (None: plaintext)
+        self.tls_generation = None if tls is None else tls.generation
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(
+                address, tls.channel_credentials(),
+                options=[*options, ("grpc.ssl_target_name_override", server_name(job))])
         self._stub = pb_grpc.PeerStub(self._channel)
         self._counters = Counters((
             "calls", "retries", "failures", "bytes_sent", "bytes_received", "chunks_sent",

@@ -12,6 +12,9 @@ on, and the server keeps serving:
 =========================================  ===========================================
 request                                    status
 =========================================  ===========================================
+(TLS) the caller's certificate names another PERMISSION_DENIED (whole call); a caller
+job, or another rank than the request         without a certificate of the job CA fails
+                                           the TLS handshake (UNAVAILABLE at the client)
 another job                                FAILED_PRECONDITION (whole call)
 rank (or of_rank) outside [0, nodes)       INVALID_ARGUMENT (whole call)
 malformed digest, too many digests,        INVALID_ARGUMENT (whole call)
@@ -52,6 +55,7 @@ from replication.peer.limits import (
 )
 from replication.peer.put_stream import PutStream, Refused
 from replication.peer.replica_store import ReplicaStore
+from replication.peer.tls import TlsFiles, caller_identities
 from replication.peer.wire import encode_bitmap
 
 log = logging.getLogger(__name__)
@@ -67,12 +71,16 @@ class PeerService(pb_grpc.PeerServicer):
         store: where replicas live.
         job: the job served; requests for any other are FAILED_PRECONDITION.
         nodes: ranks in the job; a rank outside [0, nodes) is INVALID_ARGUMENT.
+        authenticate: serve a call only when the caller's verified TLS certificate names
+            this job and the rank the request says it comes from (docs/security.md). False
+            only for a server without TLS (mount option ``insecure``, and unit tests).
 
     Raises:
         ValueError: if ``job`` is empty or ``nodes < 1``.
     """
 
-    def __init__(self, store: ReplicaStore, job: str, nodes: int) -> None:
+    def __init__(self, store: ReplicaStore, job: str, nodes: int, *,
+                 authenticate: bool = False) -> None:
         if not job:
             raise ValueError("job must not be empty")
         if nodes < 1:
@@ -80,13 +88,14 @@ class PeerService(pb_grpc.PeerServicer):
         self._store = store
         self._job = job
         self._nodes = nodes
+        self._authenticate = authenticate
         #: Fault injection for tests (``mtcfs`` control ``fault``): calls from these ranks are
         #: refused with UNAVAILABLE, as if the network between them were cut.
         self.partitioned: set[int] = set()
         self._counters = Counters((
             "calls", "calls_refused", "bytes_received", "bytes_sent", "chunks_received",
             "chunks_already_present", "chunks_rejected", "chunks_sent", "chunks_unavailable",
-            "manifests_published",
+            "manifests_published", "calls_denied",
         ))
 
     @property
@@ -125,20 +134,35 @@ class PeerService(pb_grpc.PeerServicer):
         log.warning("refused %s from %s: %s %s", what, context.peer(), code.name, message)
         context.abort(code, message)
 
-    def _check(self, job: str, rank: int) -> None:
+    def _check(self, job: str, rank: int, context: grpc.ServicerContext) -> None:
+        if self._authenticate:
+            self._check_caller(rank, context)
         if job != self._job:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"this peer serves job {self._job!r}, not {job!r}")
+                           "the request names another job than the one this peer serves")
         self._check_rank(rank, "rank")
         if rank in self.partitioned:
             raise Refused(grpc.StatusCode.UNAVAILABLE,
                           f"rank {rank} is cut off from this node (injected fault)")
 
+    def _check_caller(self, rank: int, context: grpc.ServicerContext) -> None:
+        """Refuse a caller whose certificate is not rank ``rank`` of this job."""
+        ids = caller_identities(context)
+        if (self._job, rank) in ids:
+            return
+        self._counters.add("calls_denied")
+        mine = [r for j, r in ids if j == self._job]
+        if mine:
+            why = (f"the caller's certificate is for rank {mine[0]}, the request says rank "
+                   f"{rank}: a rank calls only as itself")
+        else:
+            why = "the caller's certificate does not name a member of this job"
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED, why)
+
     def _check_rank(self, rank: int, field: str) -> None:
         if not 0 <= rank < self._nodes:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"{field} {rank} is outside 0..{self._nodes - 1} "
-                           f"(job {self._job!r} has {self._nodes} nodes)")
+                           f"{field} {rank} is not a rank of this job")
 
     @staticmethod
     def _check_digests(digests: list[str]) -> None:
@@ -157,7 +181,7 @@ class PeerService(pb_grpc.PeerServicer):
     def HasChunks(self, request: pb.HasChunksRequest,
                   context: grpc.ServicerContext) -> pb.HasChunksReply:
         with self._call(context, "HasChunks"):
-            self._check(request.job, request.rank)
+            self._check(request.job, request.rank, context)
             digests = list(request.digests)
             self._check_digests(digests)
             flags = self._store.has_many(digests)
@@ -166,13 +190,15 @@ class PeerService(pb_grpc.PeerServicer):
     def PutChunks(self, request_iterator: Iterator[pb.PutChunksRequest],
                   context: grpc.ServicerContext) -> pb.PutChunksReply:
         with self._call(context, "PutChunks"):
-            return PutStream(self._store, self._counters, self._check,
+            def check(job: str, rank: int) -> None:
+                self._check(job, rank, context)
+            return PutStream(self._store, self._counters, check,
                              context.peer()).run(request_iterator)
 
     def GetChunks(self, request: pb.GetChunksRequest,
                   context: grpc.ServicerContext) -> Iterator[pb.GetChunksReply]:
         with self._call(context, "GetChunks"):
-            self._check(request.job, request.rank)
+            self._check(request.job, request.rank, context)
             digests = list(request.digests)
             self._check_digests(digests)
             yield from stream_chunks(self._store, digests, context, self._counters)
@@ -180,7 +206,7 @@ class PeerService(pb_grpc.PeerServicer):
     def PublishManifest(self, request: pb.PublishManifestRequest,
                         context: grpc.ServicerContext) -> pb.PublishManifestReply:
         with self._call(context, "PublishManifest"):
-            self._check(request.job, request.rank)
+            self._check(request.job, request.rank, context)
             raw = request.manifest
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -210,7 +236,7 @@ class PeerService(pb_grpc.PeerServicer):
     def ListManifests(self, request: pb.ListManifestsRequest,
                       context: grpc.ServicerContext) -> Iterator[pb.StoredManifest]:
         with self._call(context, "ListManifests"):
-            self._check(request.job, request.rank)
+            self._check(request.job, request.rank, context)
             self._check_rank(request.of_rank, "of_rank")
             infos = self._store.list_manifests(request.of_rank, step=request.step or None)
             for info in infos:
@@ -281,8 +307,9 @@ def _register(service: PeerService, server: grpc.Server) -> None:
 def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
           workers: int = DEFAULT_WORKERS,
           max_message_bytes: int = MAX_MESSAGE_BYTES,
-          extra: Sequence[Callable[[grpc.Server], None]] = ()) -> PeerServer:
-    """Start the Peer service on ``listen`` (plaintext gRPC) and return at once.
+          extra: Sequence[Callable[[grpc.Server], None]] = (),
+          tls: TlsFiles | None = None) -> PeerServer:
+    """Start the Peer service on ``listen`` and return at once.
 
     Args:
         store: the replica store to serve.
@@ -295,6 +322,10 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             too.
         extra: registrations of other services on the same server and port (the job
             namespace of scope=job), called before it starts.
+        tls: the job CA and this rank's certificate: the server then takes only TLS
+            connections from clients with a certificate of the job CA, and serves a call
+            only from the rank the certificate names (docs/security.md). None: plaintext,
+            no authentication (mount option ``insecure``; unit tests).
 
     Returns:
         The running server; call ``stop()`` to end it.
@@ -303,7 +334,7 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
         ValueError: on a bad ``job`` or ``nodes``.
         OSError: if the address cannot be bound (in use, bad host).
     """
-    service = PeerService(store, job, nodes)
+    service = PeerService(store, job, nodes, authenticate=tls is not None)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtcfs-peer"),
         options=[
@@ -316,7 +347,10 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
     for add in extra:
         add(server)
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, tls.server_credentials())
     except RuntimeError as exc:  # grpcio raises when binding fails
         server.stop(None)
         raise OSError(f"cannot listen on {listen}: {exc}") from exc
@@ -326,5 +360,6 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
     server.start()
     host = listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
-    log.info("peer service of job %r (%d nodes) listening on %s", job, nodes, address)
+    log.info("peer service of job %r (%d nodes) listening on %s (%s)", job, nodes, address,
+             "mutual TLS" if tls else "PLAINTEXT, no authentication")
     return PeerServer(server=server, service=service, address=address, port=port)

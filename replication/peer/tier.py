@@ -49,6 +49,7 @@ from replication.peer.records import MemberInfo, StepRef
 from replication.peer.replica_store import ReplicaStore
 from replication.peer.service import PeerServer, serve
 from replication.peer.sources import ATTEMPT_S, FsLocalChunks
+from replication.peer.tls import TlsFiles
 from replication.peer.tier_membership import MembershipRounds
 from replication.peer.tier_replication import PeerLink, Replication
 
@@ -77,6 +78,8 @@ class TierConfig:
     liveness_s: float = 5.0    # the etcd lease's TTL: a dead node is gone after this
     twin_wait_s: float = 60.0
     keep: int = 2
+    #: the job CA and this rank's certificate (None: plaintext, mount option ``insecure``)
+    tls: TlsFiles | None = None
 
 
 class PeerTier(MembershipRounds, Replication):
@@ -122,6 +125,7 @@ class PeerTier(MembershipRounds, Replication):
         self.restore_decision: dict[str, Any] | None = None  # etcd's, at the last restore
         self._stop = threading.Event()
         self._clients_lock = threading.Lock()
+        self._retired: list[PeerClient] = []  # clients of an older certificate
         self._wake: dict[int, trio.Event] = {}
         self._replicating: set[int] = set()   # peers with a running replication task
         self._bulk = trio.CapacityLimiter(4)
@@ -151,7 +155,7 @@ class PeerTier(MembershipRounds, Replication):
         """Start the Peer service (threads). Call from the trio loop the core runs on."""
         self.replica_store._local = FsLocalChunks(self.fs, token)
         self.server = serve(self.replica_store, self.cfg.listen, self.cfg.job, self.cfg.nodes,
-                            workers=32, extra=self.extra_services)
+                            workers=32, extra=self.extra_services, tls=self.cfg.tls)
         self.server.service.partitioned = self.partitioned
         if self.cfg.listen.endswith(":0"):  # tests: the port was picked by the kernel
             self.advertise = self._advertised(self.server.address)
@@ -166,7 +170,7 @@ class PeerTier(MembershipRounds, Replication):
         if self.server is not None:
             self.server.stop(grace=1.0).wait(2.0)
         with self._clients_lock:
-            for c in self.clients.values():
+            for c in [*self.clients.values(), *self._retired]:
                 c.close()
 
     async def run(self) -> None:
@@ -222,18 +226,25 @@ class PeerTier(MembershipRounds, Replication):
             if self._stop.is_set():
                 raise PeerUnavailable(addr, "this node is shutting down")
             c = self.clients.get(key)
+            tls = self.cfg.tls
+            if c is not None and tls is not None and c.tls_generation != tls.generation:
+                # The certificate was renewed on disk: new connections must present it. The
+                # old channel may still carry calls; it is closed at stop.
+                self._retired.append(c)
+                c = None
             if c is None:
                 c = self.clients[key] = self._new_client(addr, kind)
         return c
 
     def _new_client(self, addr: str, kind: str) -> PeerClient:
         job, rank, stop = self.cfg.job, self.rank, self._stop
+        tls = self.cfg.tls
         if kind in ("fetch", "bulk"):
             return PeerClient(addr, job, rank, timeout=ATTEMPT_S,
                               stream_timeout=ATTEMPT_S if kind == "fetch" else BULK_CALL_S,
-                              stop=stop,
+                              stop=stop, tls=tls,
                               retry=RetryPolicy(max_attempts=1, base_delay=0.1, max_delay=0.1))
-        return PeerClient(addr, job, rank, timeout=10.0, stop=stop,
+        return PeerClient(addr, job, rank, timeout=10.0, stop=stop, tls=tls,
                           retry=RetryPolicy(max_attempts=3, base_delay=0.1, max_delay=1.0))
 
     def report_bad(self, rank: int, message: str) -> None:

@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Self
 
 from mtcfs import control
+from replication.peer.tls import TlsFiles
 
 from .mount import Mount, force_unmount
+from .pki import Issued, TestCa
 
 _REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
 
@@ -78,6 +80,8 @@ class Cluster:
             its own address: ``EtcdCluster(netns_clients=...).client_url``); the cluster's
             ``coord_prefix`` goes with it. None: ``options``' ``coord``, or for scope=job
             the process's shared etcd.
+        tls: (nodes > 1) the peers speak mutual TLS with certificates of a CA made for this
+            cluster (``tls_ca=``, ``tls_cert=``, ``tls_key=``); False: option ``insecure``.
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -86,7 +90,8 @@ class Cluster:
                  options: dict | None = None,
                  per_rank_options: dict[int, dict] | None = None,
                  learn_addresses: bool = False,
-                 coord_for_rank: Callable[[int], str] | None = None) -> None:
+                 coord_for_rank: Callable[[int], str] | None = None,
+                 tls: bool = True) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -104,6 +109,10 @@ class Cluster:
         self.coord_for_rank = coord_for_rank
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
+        #: the job CA of this cluster (tls=True), which signed every rank's certificate
+        self.ca: TestCa | None = None
+        if nodes > 1 and tls:
+            self.ca = TestCa(self.root / "pki", job)
         self._mounts = [self._new_mount(r) for r in range(nodes)]
         self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
 
@@ -122,10 +131,32 @@ class Cluster:
         if self.coord_for_rank is not None:
             extra = {**extra, "coord": self.coord_for_rank(rank),
                      "coord_prefix": self._options.get("coord_prefix") or self.coord_prefix}
+        if self.nodes > 1:
+            extra = {**self._security(rank), **extra}
         return {**self._options,
                 "rank": str(rank), "nodes": str(self.nodes),
                 **where, "listen": self.addresses[rank],
                 **self._per_rank.get(rank, {}), **extra}
+
+    def issued(self, rank: int) -> Issued:
+        """Rank ``rank``'s certificate and key (made on first use), signed by :attr:`ca`."""
+        assert self.ca is not None, "a cluster made with tls=False has no certificates"
+        stem = f"rank-{rank}"
+        if not (self.ca.dir / f"{stem}.pem").exists():
+            return self.ca.issue_rank(self.job, rank)
+        return Issued(cert=self.ca.dir / f"{stem}.pem", key=self.ca.dir / f"{stem}.key",
+                      ca=self.ca.ca)
+
+    def tls_files(self, rank: int) -> TlsFiles:
+        """What a client calling as ``rank`` presents (PeerClient(tls=...))."""
+        i = self.issued(rank)
+        return TlsFiles(str(i.ca), str(i.cert), str(i.key))
+
+    def _security(self, rank: int) -> dict[str, str | None]:
+        if self.ca is None or "insecure" in self._options:
+            return {"insecure": None}
+        i = self.issued(rank)
+        return {"tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key)}
 
     def _new_mount(self, rank: int) -> Mount:
         return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
