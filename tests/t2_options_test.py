@@ -59,11 +59,13 @@ PEERS3 = "10.0.0.1:7470,10.0.0.2:7470,10.0.0.3:7470"
 
 
 def parse(*opts: str):
-    """Parse; a multi-node mount that names no TLS files is parsed as ``insecure`` (the
-    security options have their own tests below)."""
+    """Parse; a multi-node mount that names no TLS files is parsed as ``insecure``, and one
+    with no address as ``listen=h:1`` (both have their own tests below)."""
     text = ",".join(opts)
     if "nodes=" in text and "tls_" not in text and "insecure" not in text:
         opts = (*opts, "insecure")
+    if "nodes=" in text and "listen=" not in text and "peers=" not in text:
+        opts = (*opts, "listen=h:1")  # the default is this host's address (tested below)
     return parse_mount_options("j", "/m", list(opts))
 
 
@@ -391,10 +393,11 @@ def test_coord_errors_name_the_option(opts, words):
 def test_default_listen_is_this_hosts_address_never_a_wildcard(monkeypatch):
     import socket
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.1.2.3")
-    assert parse("nodes=2,coord=etcd://e:1").listen == f"10.1.2.3:{DEFAULT_PEER_PORT}"
+    o = parse_exactly("nodes=2,coord=etcd://e:1,insecure")
+    assert o.listen == f"10.1.2.3:{DEFAULT_PEER_PORT}"
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")  # Debian's /etc/hosts
     with pytest.raises(OptionError) as e:
-        parse("nodes=2,coord=etcd://e:1")
+        parse_exactly("nodes=2,coord=etcd://e:1,insecure")
     assert "needs listen=HOST:PORT" in str(e.value) and "127.0.1.1" in str(e.value)
     assert "\n" not in str(e.value)
 
