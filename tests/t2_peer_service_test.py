@@ -293,7 +293,8 @@ def test_unknown_job_is_failed_precondition(cluster, clients):
         with pytest.raises(PeerError) as exc:
             call()
         assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert "another-job" in str(exc.value)
+        assert "another job" in str(exc.value)
+        assert repr(JOB) not in str(exc.value)  # this job's name is not told to strangers
     assert b.service.stats()["calls_refused"] == 4
     assert b.service.store.stats()["chunks"] == 0
     assert_serving(clients(b.address, 0))
