@@ -78,6 +78,9 @@ class Cluster:
             its own address: ``EtcdCluster(netns_clients=...).client_url``); the cluster's
             ``coord_prefix`` goes with it. None: ``options``' ``coord``, or for scope=job
             the process's shared etcd.
+        test_faults: mount every rank with the ``test_faults`` option, which lets
+            :meth:`partition` cut the network through the daemon's ``fault`` control hook
+            (a test option: production units never set it, docs/security-local.md).
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -86,7 +89,8 @@ class Cluster:
                  options: dict | None = None,
                  per_rank_options: dict[int, dict] | None = None,
                  learn_addresses: bool = False,
-                 coord_for_rank: Callable[[int], str] | None = None) -> None:
+                 coord_for_rank: Callable[[int], str] | None = None,
+                 test_faults: bool = True) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -102,6 +106,7 @@ class Cluster:
         #: job does
         self.learn_addresses = learn_addresses
         self.coord_for_rank = coord_for_rank
+        self.test_faults = test_faults
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
         self._mounts = [self._new_mount(r) for r in range(nodes)]
@@ -122,7 +127,8 @@ class Cluster:
         if self.coord_for_rank is not None:
             extra = {**extra, "coord": self.coord_for_rank(rank),
                      "coord_prefix": self._options.get("coord_prefix") or self.coord_prefix}
-        return {**self._options,
+        faults = {"test_faults": None} if self.test_faults else {}
+        return {**self._options, **faults,
                 "rank": str(rank), "nodes": str(self.nodes),
                 **where, "listen": self.addresses[rank],
                 **self._per_rank.get(rank, {}), **extra}
@@ -256,7 +262,8 @@ class Cluster:
     def partition(self, *groups: Iterable[int]) -> None:
         """Cut the network between ``groups`` of ranks, as a failed switch would: each rank
         of a group refuses calls from, and makes none to, the ranks of the other groups (the
-        daemon's ``fault`` control hook). ``partition()`` heals every cut."""
+        daemon's ``fault`` control hook; needs ``test_faults``, the default).
+        ``partition()`` heals every cut."""
         sets = [set(self._ranks(g)) for g in groups]
         cut: dict[int, list[int]] = {}
         for g in sets:
