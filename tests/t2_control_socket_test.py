@@ -47,7 +47,7 @@ def test_the_socket_is_0600_before_it_has_its_name(tmp_path, monkeypatch):
     path = tmp_path / "control.sock"
     old = os.umask(0)
     try:
-        got, calls = serve_and(path, lambda: (
+        got, _calls = serve_and(path, lambda: (
             stat.S_IMODE(os.stat(path).st_mode), control.call(str(path), "status", timeout=10)))
     finally:
         os.umask(old)

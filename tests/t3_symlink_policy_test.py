@@ -11,12 +11,12 @@ from __future__ import annotations
 import errno
 
 import pytest
+from support.corefs import run
 
 from mtcfs.errors import FsError
 from mtcfs.fs.model import ROOT_INO
 from mtcfs.fs.symlinks import MAX_TARGET, escapes
 from mtcfs.manifest import Entry, StepManifest
-from support.corefs import run
 
 
 @pytest.mark.parametrize("target,depth,out", [

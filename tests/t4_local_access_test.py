@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import pickle
 import stat

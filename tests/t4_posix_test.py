@@ -5,8 +5,9 @@ plain tmpfs directory (/dev/shm). Both runs make the same assertions, so mtcfs m
 the same results and the same errno as tmpfs. Where mtcfs deliberately differs (statfs,
 st_blksize, directory st_size, the virtual ``user.mtcfs.*`` attributes, top-level step
 directories, ENOSPC at ``size=``) the mtcfs behaviour is tested on its own in the
-``test_mtcfs_*`` tests. Read-backs also go around the page cache (:func:`uncached`), and
-the restart test compares what the daemon kept with what the kernel showed.
+``test_mtcfs_*`` tests; symlinks that would leave the mount (EPERM) in t4_local_access.
+Read-backs also go around the page cache (:func:`uncached`), and the restart test compares
+what the daemon kept with what the kernel showed.
 
 One mount serves the whole module (a mount costs about 2 s to stop); each test gets its
 own directory in it, removed afterwards with ``shutil.rmtree`` (itself a check of
