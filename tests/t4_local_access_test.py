@@ -1,9 +1,9 @@
 """The local attack surface of a real mount: symlinks that leave the mount, users other
 than the one who mounted (allow_other, default_permissions, size=), and the control socket.
 
-See docs/security-local.md. Every test mounts for real (``make_mount``) and asserts what a
-user sees: the errno of the system call, the bytes read, and that nothing was created
-outside the mount.
+See docs/security-local.md. Every test mounts for real (``make_mount``, ``make_cluster``)
+and asserts what a user sees: the errno of the system call, the bytes read, and that
+nothing was created outside the mount.
 """
 
 from __future__ import annotations
@@ -272,3 +272,22 @@ def test_without_allow_other_another_user_gets_nothing(make_mount):
     assert as_nobody(lambda: (m.mnt / "public").read_bytes())["errno"] == errno.EACCES
     got = as_nobody(lambda: cli.main(["status", str(m.mnt)]))
     assert got["exit"] == 1 and "is not on an mtcfs mount" in got["stderr"]
+
+
+def test_scope_job_refuses_them_on_every_node(make_cluster, shm_dir):
+    """scope=job: the same rule on the job-wide namespace; a link that stays inside is
+    seen on the other node, one that leaves is refused and reaches no node."""
+    c = make_cluster(2, options={"scope": "job", "replicas": 1, "chunk_size": "1M"})
+    outside = shm_dir / "outside"
+    outside.mkdir()
+    a, b = c.node(0).mnt, c.node(1).mnt
+    assert err(os.symlink, str(outside), a / "step_30") == errno.EPERM
+    (a / "step_29").mkdir()
+    assert err(os.symlink, "../..", a / "step_29" / "up") == errno.EPERM
+    os.symlink("../step_29", a / "step_29" / "self")
+    assert os.readlink(b / "step_29" / "self") == "../step_29"
+    assert not os.path.lexists(b / "step_30")
+    os.makedirs(b / "step_30", exist_ok=True)
+    (b / "step_30" / "w").write_bytes(b"x")
+    assert os.listdir(outside) == []
+    assert (a / "step_30" / "w").read_bytes() == b"x"
