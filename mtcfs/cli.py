@@ -7,6 +7,8 @@ it, exit code 2, nothing mounted), then daemonizes and returns once the mount is
 
 Subcommands talk to the daemon over its control socket:
 ``status``, ``checkpoints``, ``restore``, ``seal``, ``gc``, ``verify``, ``backup``, ``umount``.
+Only root and the user who mounted may use it, for every subcommand (the daemon checks the
+caller's uid; docs/security-local.md): anyone else gets a one-line refusal and exit 1.
 """
 
 from __future__ import annotations

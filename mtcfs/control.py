@@ -5,13 +5,21 @@ xattr, so a subcommand needs only the mount point). One request per connection: 
 sends one JSON line ``{"cmd": ..., ...}``; the server answers with zero or more progress
 lines ``{"progress": [done, total]}`` and one final line ``{"ok": true, "result": ...}`` or
 ``{"ok": false, "error": "...", "errno": N}``.
+
+Who may use it (docs/security-local.md): root and the daemon's own user only. The socket
+file is mode 0600 from the moment it exists (bound inside a private 0700 directory, then
+renamed into place), and every connection's peer uid is read with ``SO_PEERCRED``: any
+other uid gets ``{"ok": false, "errno": EACCES}`` and nothing it sent is read.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
+import struct
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -31,20 +39,89 @@ class ControlError(Exception):
         self.errno = errno_
 
 
-async def serve(path: str, handler: Handler, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve requests on Unix socket ``path`` until cancelled."""
+#: The private directory, beside the socket, that the socket is bound in before it is
+#: renamed into place (mode 0700; a leftover of a killed daemon is removed first).
+_BIND_DIR = ".ctl"
+
+
+def allowed_uids() -> frozenset[int]:
+    """The uids that may use this process's control socket: root and its effective uid."""
+    return frozenset({0, os.geteuid()})
+
+
+def peer_uid(sock: Any) -> int:
+    """The uid of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def refusal(uid: int) -> str:
+    """The message a caller of another uid gets (also printed by the CLI)."""
+    me = os.geteuid()
+    who = "root" if me == 0 else f"root and uid {me}, the user who mounted it"
+    return (f"permission denied: only {who} may use this mount's control socket "
+            f"(you are uid {uid})")
+
+
+def _private_dir(parent: str) -> str:
+    """A new directory ``parent/.ctl`` of mode 0700 that this process created (a leftover
+    of a killed daemon, the store's lock makes sure, is removed first).
+
+    Raises:
+        OSError: it cannot be made, or a leftover that is not a directory of this uid.
+    """
+    d = os.path.join(parent, _BIND_DIR)
     try:
-        os.unlink(path)
+        st = os.lstat(d)
     except FileNotFoundError:
         pass
+    else:
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EEXIST, f"{d} exists and is not this daemon's directory")
+        for name in os.listdir(d):
+            os.unlink(os.path.join(d, name))
+        os.rmdir(d)
+    os.mkdir(d, 0o700)  # fails if anyone made it meanwhile
+    os.chmod(d, 0o700)
+    return d
+
+
+async def serve(path: str, handler: Handler, *, uids: frozenset[int] | None = None,
+                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve requests on Unix socket ``path`` until cancelled.
+
+    Args:
+        path: the socket's path (its directory must exist).
+        handler: ``await handler(request, progress)`` -> the result (JSON-able).
+        uids: the peer uids served; None: :func:`allowed_uids` (root and this process's
+            effective uid). Any other gets an EACCES reply, and its request is not read.
+
+    The socket file is mode 0600 from its first moment: it is bound in a private 0700
+    directory and renamed over ``path``.
+    """
+    allowed = allowed_uids() if uids is None else uids
+    parent = os.path.dirname(os.path.abspath(path))
+    private = _private_dir(parent)
+    tmp = os.path.join(private, "s")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, 0o600)
+    try:
+        await sock.bind(tmp)
+        os.chmod(tmp, 0o600)
+        os.rename(tmp, path)  # replaces a stale socket of a killed daemon
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        os.rmdir(private)
     sock.listen(16)
     listener = trio.SocketListener(sock)
     task_status.started()
     try:
-        await trio.serve_listeners(lambda s: _one(s, handler), [listener])
+        await trio.serve_listeners(lambda s: _one(s, handler, allowed), [listener])
     finally:
         try:
             os.unlink(path)
@@ -52,8 +129,19 @@ async def serve(path: str, handler: Handler, *, task_status: Any = trio.TASK_STA
             pass
 
 
-async def _one(stream: trio.SocketStream, handler: Handler) -> None:
+async def _one(stream: trio.SocketStream, handler: Handler, allowed: frozenset[int]) -> None:
     async with stream:
+        try:
+            uid = peer_uid(stream.socket)
+        except OSError:
+            return
+        if uid not in allowed:
+            reply = {"ok": False, "error": refusal(uid), "errno": errno.EACCES}
+            try:
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            return
         buf = b""
         while b"\n" not in buf and len(buf) < MAX_REQUEST:
             data = await stream.receive_some(65536)
@@ -111,9 +199,19 @@ def request(sock_path: str, cmd: str, timeout: float | None = None,
     try:
         s.connect(sock_path)
     except OSError as exc:
-        raise ControlError(f"cannot reach the mtcfs daemon at {sock_path}: {exc.strerror}") from None
+        s.close()
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise ControlError(
+                f"permission denied: only root and the user who mounted it may use this "
+                f"mount's control socket ({sock_path}; you are uid {os.geteuid()})",
+                errno.EACCES) from None
+        raise ControlError(f"cannot reach the mtcfs daemon at {sock_path}: {exc.strerror}",
+                           exc.errno or 0) from None
     with s, s.makefile("rb") as f:
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        try:
+            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before it read the request: its reply is still to be read
         for line in f:
             msg = json.loads(line)
             if "progress" in msg:

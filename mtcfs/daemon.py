@@ -385,8 +385,16 @@ class Daemon:
     # ------------------------------------------------------------------ running
 
     def fuse_options(self) -> set[str]:
+        """The options of the FUSE mount (a set of ``name`` or ``name=value`` strings).
+
+        ``default_permissions`` always (pyfuse3's default, kept explicitly): the kernel
+        checks every access against the modes and owners mtcfs reports, so with
+        ``allow_other`` another user gets what the file modes allow and no more
+        (docs/security-local.md).
+        """
         o = self.opts
         opts = set(pyfuse3.default_options)
+        opts.add("default_permissions")
         opts.add(f"fsname={o.job}")
         opts.add("subtype=mtcfs")
         if o.allow_other:
@@ -432,6 +440,9 @@ class Daemon:
                     # Before the kernel's first request is served (they queue until
                     # pyfuse3.main runs), so the trainer never sees the root without it.
                     await self.mtc.write_init_info()
+                if self.opts.test_faults:
+                    log.warning("test_faults: the control socket accepts fault injection "
+                                "(a test option; never use it in production)")
                 await n.start(control.serve, self.store.control_socket, self.handle)
                 n.start_soon(self._signals, n)
                 n.start_soon(self.fs.scrub_loop)
@@ -555,7 +566,10 @@ class Daemon:
             return res
         if cmd == "fault":
             # Test hook: cut this node off from the given ranks, both ways, as a network
-            # partition would (``partition=[]`` heals it).
+            # partition would (``partition=[]`` heals it). Only with the test_faults option.
+            if not self.opts.test_faults:
+                raise FsError(errno.EPERM, "the fault command is a test hook: this daemon "
+                              "was not started with the test_faults option")
             if self.peer is None:
                 raise FsError(errno.EINVAL, "not a multi-node mount")
             self.peer.partitioned.clear()

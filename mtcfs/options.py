@@ -241,6 +241,9 @@ class MountOptions:
     jax_coordinator: str | None = None
     #: Seconds ``mtcfs`` waits for the mount to come up before it stops its daemon (exit 1).
     mount_timeout: float = DEFAULT_MOUNT_TIMEOUT
+    #: Test only: the control socket accepts the ``fault`` command (cut this node off its
+    #: peers). Production units never set it (docs/security-local.md).
+    test_faults: bool = False
     #: Each option's text as given (name -> value), for messages that name it.
     given: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -414,6 +417,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.huge_model = True
                 elif name == "mtc" and flag:
                     o.mtc = True
+                elif name == "test_faults" and flag:
+                    o.test_faults = True
                 elif name == "jax_coordinator" and value:
                     o.jax_coordinator = parse_address(value)
                 elif name == "scope" and value:
@@ -622,9 +627,9 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
-          "tls_ca", "tls_cert", "tls_key", "insecure"}
+          "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology", "coord"}
 #: The options that take no value; they may be repeated (``debug,debug`` means debug).
-_FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc", "insecure"}
+_FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc", "insecure", "test_faults"}

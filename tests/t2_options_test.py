@@ -421,3 +421,32 @@ def test_tls_files_go_together_and_only_with_several_nodes():
     o = parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1,tls_ca=ca.pem,tls_cert=/c.pem,"
                       "tls_key=/c.key")
     assert o.tls_ca.startswith("/") and o.tls_ca.endswith("/ca.pem") and not o.insecure
+
+
+def test_test_faults_is_an_off_by_default_flag():
+    """test_faults (the control socket's fault hook, for tests only) is off unless given;
+    it takes no value (docs/security-local.md)."""
+    assert parse().test_faults is False
+    assert parse("test_faults").test_faults and parse("test_faults,test_faults").test_faults
+    with pytest.raises(OptionError) as ei:
+        parse("test_faults=1")
+    assert str(ei.value) == "bad option 'test_faults=1': takes no value"
+
+
+def test_production_units_never_set_test_faults():
+    """The systemd unit and the packaging notes never pass the test option."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    for f in [*root.glob("systemd/*"), *root.glob("packaging/**/*")]:
+        if f.is_file():
+            assert "test_faults" not in f.read_text(), f
+
+
+@pytest.mark.parametrize("opts", ["", "allow_other", "allow_other,ro"])
+def test_the_kernel_always_checks_modes(opts):
+    """default_permissions on every mount, so that allow_other lets another user do what
+    the file modes allow and no more."""
+    from mtcfs.daemon import Daemon
+    fuse = Daemon(parse(opts)).fuse_options()
+    assert "default_permissions" in fuse
+    assert ("allow_other" in fuse) == ("allow_other" in opts)

@@ -5,8 +5,9 @@ plain tmpfs directory (/dev/shm). Both runs make the same assertions, so mtcfs m
 the same results and the same errno as tmpfs. Where mtcfs deliberately differs (statfs,
 st_blksize, directory st_size, the virtual ``user.mtcfs.*`` attributes, top-level step
 directories, ENOSPC at ``size=``) the mtcfs behaviour is tested on its own in the
-``test_mtcfs_*`` tests. Read-backs also go around the page cache (:func:`uncached`), and
-the restart test compares what the daemon kept with what the kernel showed.
+``test_mtcfs_*`` tests; symlinks that would leave the mount (EPERM) in t4_local_access.
+Read-backs also go around the page cache (:func:`uncached`), and the restart test compares
+what the daemon kept with what the kernel showed.
 
 One mount serves the whole module (a mount costs about 2 s to stop); each test gets its
 own directory in it, removed afterwards with ``shutil.rmtree`` (itself a check of
@@ -1535,7 +1536,7 @@ def test_mtcfs_restart_keeps_everything(make_mount):
     os.link(root / "a" / "big", root / "a" / "b" / "big.hardlink")
     os.link(root / "a" / "mode600", root / "toplink")
     os.symlink("../a/big", root / "a" / "b" / "rel.symlink")
-    os.symlink("/nonexistent/target", root / "abs.symlink")
+    os.symlink("nonexistent/target", root / "dangling.symlink")
     os.setxattr(root / "a" / "big", "user.k", b"v" * 300)
     os.setxattr(root / "a" / "b", "user.dirattr", b"\0\1\2")
     (root / "renamed.tmp").write_bytes(b"renamed")

@@ -19,6 +19,7 @@ from mtcfs.errors import FsError
 from mtcfs.fs import steps as stepnames
 from mtcfs.fs.model import ROOT_INO, Inode, Version
 from mtcfs.fs.records import StepRecord, now_ns as _now_ns
+from mtcfs.fs.symlinks import escapes
 from mtcfs.manifest import SPECIAL_MODES, Entry, StepManifest, special_node
 from mtcfs.store.fdcache import FdCache
 
@@ -302,6 +303,8 @@ class CheckpointOps:
 
         Files appear at once with their sizes; their chunks are missing and are faulted in
         on read or by the background prefetcher.
+        A symlink entry whose target is absolute or leaves the mount is not created (logged;
+        docs/security-local.md), whoever wrote the manifest.
 
         Args:
             m: the step's manifest (from the backup tier or a peer).
@@ -320,6 +323,13 @@ class CheckpointOps:
                 parent_path, _, base = e.path.rpartition("/")
                 parent = self.resolve(parent_path)
                 name = base.encode(errors="surrogateescape")
+                if e.kind == "symlink" and escapes(
+                        e.target.encode(errors="surrogateescape"),
+                        len([p for p in parent_path.split("/") if p not in ("", ".")])):
+                    # docs/security-local.md: never made, whoever wrote the manifest
+                    log.warning("restore of %s: symlink %s -> %r points outside the mount:"
+                                " not created", m.step, e.path, e.target)
+                    continue
                 if e.kind == "dir":
                     ino = self._new_inode("dir", stat.S_IFDIR | e.mode, uid, gid)
                     parent.nlink += 1

@@ -48,6 +48,7 @@ from mtcfs.chunking import chunk_span
 from mtcfs.errors import FsError
 from mtcfs.fs.model import ROOT_INO, Attr, Inode, Version
 from mtcfs.fs.records import StepRecord
+from mtcfs.fs.symlinks import escapes
 
 log = logging.getLogger("mtcfs.fs.core")
 
@@ -422,7 +423,8 @@ class JobNamespaceOps:
         from its replicas (or the backup tier) like any other rank's. A file this node is
         writing (open for writing, or closed and not yet published) stays this node's
         current version when the snapshot still has the file under the same name: its
-        writer's close publishes it as if nothing happened.
+        writer's close publishes it as if nothing happened. A symlink whose target is
+        absolute or leaves the mount is not created (logged; docs/security-local.md).
         """
         writing: dict[int, tuple[Version, int, bytes, dict | None]] = {}
         for v in self.versions.values():
@@ -468,6 +470,13 @@ class JobNamespaceOps:
             for e in snap["entries"]:
                 parent = self.inodes[e["parent"]]
                 kind = e["kind"]
+                if kind == "symlink" and escapes(_name(e["target"]),
+                                                 self._dir_depth(parent) or 0):
+                    # docs/security-local.md: never made, whoever sent the snapshot
+                    log.warning("namespace snapshot: symlink %s/%s -> %r points outside "
+                                "the mount: not created", self.path_of(parent), e["name"],
+                                e["target"])
+                    continue
                 linked = self.inodes.get(e["ino"])
                 if linked is not None and kind != "dir":  # another name of an inode here
                     self._link(parent, _name(e["name"]), linked)

@@ -19,6 +19,7 @@ from mtcfs.fs import steps as stepnames
 from mtcfs.fs.capacity import MAX_FILE_SIZE
 from mtcfs.fs.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.fs.records import now_ns as _now_ns
+from mtcfs.fs.symlinks import check_target, escapes
 
 
 def _text(name: bytes) -> str:
@@ -187,6 +188,13 @@ class NamespaceOps:
         return ino
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        """A symlink ``name`` -> ``target`` in ``parent``.
+
+        Raises:
+            FsError: EPERM for a target that is absolute or leaves the mount
+                (:mod:`mtcfs.fs.symlinks`); the errors of a new name.
+        """
+        self._check_link_target(target, self._dir(parent), name)  # before any op is logged
         if self.ns_log is not None:
             return await self._ns_new_entry({"op": "symlink", "parent": parent, "name": name,
                                              "target": target, "uid": uid, "gid": gid})
@@ -196,6 +204,7 @@ class NamespaceOps:
 
     def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         d = self._dir_for_new_name(parent, name)
+        self._check_link_target(target, d, name)  # also for scope=job ops of other nodes
         with self.db.transaction():
             ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
             ino.target = target
@@ -238,10 +247,78 @@ class NamespaceOps:
         return ino
 
     async def readlink(self, num: int) -> bytes:
+        """The target of symlink ``num``.
+
+        Raises:
+            FsError: EINVAL (not a symlink); EPERM for a target that leaves the mount from
+                where the link is (one made before the symlink rule, in a store of an older
+                version): the kernel then resolves no path through it.
+        """
         ino = self._inode(num)
         if ino.kind != "symlink":
             raise FsError(errno.EINVAL)
+        d = self.inodes.get(ino.parent) if ino.parent else None
+        depth = self._dir_depth(d) if d is not None else None
+        if depth is not None and escapes(ino.target, depth):
+            log.warning("symlink %s points outside the mount (%r): not followed",
+                        self.path_of(ino), ino.target)
+            raise FsError(errno.EPERM)
         return ino.target
+
+    def _dir_depth(self, d: Inode) -> int | None:
+        """Components between the root and directory ``d`` (0 for the root); None when
+        ``d`` is no longer linked into the namespace."""
+        n = 0
+        cur = d
+        while cur.ino != ROOT_INO:
+            nxt = self.inodes.get(cur.parent) if cur.parent else None
+            if nxt is None or n > len(self.inodes):
+                return None
+            n += 1
+            cur = nxt
+        return n
+
+    def _check_link_target(self, target: bytes, d: Inode, name: bytes = b"") -> None:
+        """Refuse a symlink ``target`` in directory ``d`` (:func:`check_target`).
+
+        Raises:
+            FsError: EPERM, ENAMETOOLONG or EINVAL (see :func:`check_target`); ENOENT when
+                ``d`` was removed.
+        """
+        depth = self._dir_depth(d)
+        if depth is None:
+            raise FsError(errno.ENOENT)
+        where = "/".join(filter(None, (self.path_of(d), _text(name))))
+        check_target(target, depth, where)
+
+    def _check_links_moved(self, ino: Inode, src_dir: Inode, dst_dir: Inode,
+                           new_name: bytes) -> None:
+        """Refuse to move ``ino`` from ``src_dir`` to ``dst_dir`` as ``new_name`` (a
+        rename) when that makes a symlink leave the mount: ``ino`` itself, or one in the
+        tree below it. Only a move closer to the root can; the tree is walked only then.
+
+        Raises:
+            FsError: EPERM naming the first such link.
+        """
+        if ino.kind != "symlink" and not ino.is_dir:
+            return
+        old, new = self._dir_depth(src_dir), self._dir_depth(dst_dir)
+        if old is None or new is None or new >= old:
+            return
+        if ino.kind == "symlink":
+            self._check_link_target(ino.target, dst_dir, new_name)
+            return
+        stack = [(ino, new + 1)]
+        while stack:
+            d, depth = stack.pop()
+            for name, num in d.children.items():  # type: ignore[union-attr]
+                child = self.inodes[num]
+                if child.kind == "symlink" and escapes(child.target, depth):
+                    raise FsError(errno.EPERM, f"moving {self.path_of(ino)} would make "
+                                  f"symlink {self.path_of(d)}/{_text(name)} point outside "
+                                  "the mount")
+                if child.is_dir:
+                    stack.append((child, depth + 1))
 
     async def link(self, num: int, new_parent: int, new_name: bytes) -> Attr:
         ino = self._inode(num)
@@ -261,6 +338,8 @@ class NamespaceOps:
         if ino.is_dir:
             raise FsError(errno.EPERM)
         d = self._dir_for_new_name(new_parent, new_name)
+        if ino.kind == "symlink":  # a hard link of a symlink: its target read from there
+            self._check_link_target(ino.target, d, new_name)
         with self.db.transaction():
             self._link(d, new_name, ino)
             ino.nlink += 1
@@ -343,6 +422,7 @@ class NamespaceOps:
                 if cur.ino == ino.ino:
                     raise FsError(errno.EINVAL)
                 cur = self.inodes.get(cur.parent)
+        self._check_links_moved(ino, src_dir, dst_dir, new_name)
         victim_num = dst_dir.children.get(new_name)  # type: ignore[union-attr]
         victim = self.inodes[victim_num] if victim_num is not None else None
         if victim is ino:

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
 
 from mtcfs import mountinfo
@@ -88,7 +89,7 @@ class Store:
     """A store directory opened by one daemon.
 
     Args:
-        path: the store directory; created (mode 0700) if missing.
+        path: the store directory; created (mode 0700) if missing, made 0700 if not.
         job: the job name; a store created for one job refuses to serve another.
         chunk_size: chunk size in bytes for new versions.
         lock_wait: seconds to wait for a previous daemon to release the store.
@@ -127,6 +128,10 @@ class Store:
         except StoreError:
             self.close()
             raise
+        # Only its user may enter it: file data, metadata, the log and the control socket
+        # are there (docs/security-local.md); a directory made beforehand is closed too.
+        if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
+            os.chmod(self.path, 0o700)
         marker = os.path.join(self.path, "STORE")
         if os.path.exists(marker):
             with open(marker) as f:

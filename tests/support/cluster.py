@@ -82,6 +82,9 @@ class Cluster:
             the process's shared etcd.
         tls: (nodes > 1) the peers speak mutual TLS with certificates of a CA made for this
             cluster (``tls_ca=``, ``tls_cert=``, ``tls_key=``); False: option ``insecure``.
+        test_faults: mount every rank with the ``test_faults`` option, which lets
+            :meth:`partition` cut the network through the daemon's ``fault`` control hook
+            (a test option: production units never set it, docs/security-local.md).
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -91,7 +94,7 @@ class Cluster:
                  per_rank_options: dict[int, dict] | None = None,
                  learn_addresses: bool = False,
                  coord_for_rank: Callable[[int], str] | None = None,
-                 tls: bool = True) -> None:
+                 tls: bool = True, test_faults: bool = True) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -107,6 +110,7 @@ class Cluster:
         #: job does
         self.learn_addresses = learn_addresses
         self.coord_for_rank = coord_for_rank
+        self.test_faults = test_faults
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
         #: the job CA of this cluster (tls=True), which signed every rank's certificate
@@ -133,7 +137,8 @@ class Cluster:
                      "coord_prefix": self._options.get("coord_prefix") or self.coord_prefix}
         if self.nodes > 1:
             extra = {**self._security(rank), **extra}
-        return {**self._options,
+        faults = {"test_faults": None} if self.test_faults else {}
+        return {**self._options, **faults,
                 "rank": str(rank), "nodes": str(self.nodes),
                 **where, "listen": self.addresses[rank],
                 **self._per_rank.get(rank, {}), **extra}
@@ -287,7 +292,8 @@ class Cluster:
     def partition(self, *groups: Iterable[int]) -> None:
         """Cut the network between ``groups`` of ranks, as a failed switch would: each rank
         of a group refuses calls from, and makes none to, the ranks of the other groups (the
-        daemon's ``fault`` control hook). ``partition()`` heals every cut."""
+        daemon's ``fault`` control hook; needs ``test_faults``, the default).
+        ``partition()`` heals every cut."""
         sets = [set(self._ranks(g)) for g in groups]
         cut: dict[int, list[int]] = {}
         for g in sets:
