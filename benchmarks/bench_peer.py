@@ -165,10 +165,11 @@ class _LocalDict:
         return self.chunks.get(digest)
 
 
-def _serve_peer(root: str, capacity: int,
-                local_size: int) -> tuple[Any, int, Callable[[], dict]]:
+def _serve_peer(root: str, capacity: int, local_size: int,
+                tls_dir: str | None = None) -> tuple[Any, int, Callable[[], dict]]:
     """serve() over a ReplicaStore at ``root``; with ``local_size``, a LocalChunks holding
-    the data-parallel chunks (seed DP_SEED)."""
+    the data-parallel chunks (seed DP_SEED); with ``tls_dir``, mutual TLS as rank 1 with
+    the job CA in that directory (``_tls_files``)."""
     from mtcfs.chunking import chunk_hash
     from replication.peer.replica_store import ReplicaStore
     from replication.peer.service import serve
@@ -177,16 +178,32 @@ def _serve_peer(root: str, capacity: int,
     if local_size:
         local = _LocalDict({chunk_hash(c): c for c in make_chunks(DP_SEED, local_size)})
     store = ReplicaStore(root, capacity, local=local)
-    srv = serve(store, "127.0.0.1:0", JOB, nodes=2)
+    srv = serve(store, "127.0.0.1:0", JOB, nodes=2,
+                tls=_tls_files(tls_dir, 1) if tls_dir else None)
     return srv.server, srv.port, lambda: {"service": srv.service.stats(),
                                           "store": store.stats()}
+
+
+def _tls_files(directory: str, rank: int) -> Any:
+    """Rank ``rank``'s TLS files of the job CA in ``directory`` (made by ``_make_ca``)."""
+    from replication.peer.tls import TlsFiles
+    d = Path(directory)
+    return TlsFiles(str(d / f"{JOB}-ca.pem"), str(d / f"rank-{rank}.pem"),
+                    str(d / f"rank-{rank}.key"))
+
+
+def _make_ca(directory: Path) -> None:
+    from mtcfs.pki import JobCa
+    ca = JobCa(directory, JOB)
+    for r in (0, 1):
+        ca.issue_rank(JOB, r)
 
 
 def serve_main(a: argparse.Namespace) -> int:
     if a.serve == "stream":
         server, port, stats = _serve_stream(a.size)
     else:
-        server, port, stats = _serve_peer(a.root, a.capacity, a.local_size)
+        server, port, stats = _serve_peer(a.root, a.capacity, a.local_size, a.tls_dir)
     print(f"ready {port}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     server.stop(None)
@@ -299,14 +316,21 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
                 s_dp = ServerProc("peer", "--root", str(shm / "replica-dp"), "--capacity",
                                   str(GiB), "--local-size", str(size))
                 servers["dp"] = s_dp
+                _make_ca(shm / "pki")
+                s_tls = ServerProc("peer", "--root", str(shm / "replica-tls"), "--capacity",
+                                   str((reps + 2) * size), "--tls-dir", str(shm / "pki"))
+                servers["tls"] = s_tls
                 client = PeerClient(s_peer.address, JOB, rank=0)
                 client_dp = PeerClient(s_dp.address, JOB, rank=0)
+                client_tls = PeerClient(s_tls.address, JOB, rank=0,
+                                        tls=_tls_files(str(shm / "pki"), 0))
                 client.list_manifests(of_rank=0)  # connect before timing
                 client_dp.list_manifests(of_rank=0)
+                client_tls.list_manifests(of_rank=0)
                 dp_chunks = make_chunks(DP_SEED, size)
                 dp_items = [(chunk_hash(c), c) for c in dp_chunks]
 
-                def peer(rep: int) -> None:
+                def peer(rep: int, client: Any = client, key: str = "client") -> None:
                     chunks = make_chunks(5000 + rep, size)  # fresh every repeat
                     items = [(chunk_hash(c), c) for c in chunks]
                     touch_ram()
@@ -318,7 +342,7 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
                                            f"{len(r.rejected)} rejected, {r.bytes_sent} bytes "
                                            f"sent of {size}: {list(r.rejected.items())[:3]}")
                     del chunks
-                    rec("client-put", gbps(size, t_put))
+                    rec(f"{key}-put", gbps(size, t_put))
                     touch_ram()
                     n = 0
                     t0 = time.perf_counter()
@@ -327,7 +351,7 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
                     t_get = time.perf_counter() - t0
                     if n != size:
                         raise RuntimeError(f"get_chunks returned {n} bytes of {size}")
-                    rec("client-get", gbps(size, t_get))
+                    rec(f"{key}-get", gbps(size, t_get))
 
                 def dp(rep: int) -> None:
                     t0 = time.perf_counter()
@@ -337,7 +361,8 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
                     rec("dp-bytes-sent", r.bytes_sent)
                     rec("dp-chunks-skipped", len(r.skipped))
 
-                jobs += [("client", peer), ("client-dp", dp)]
+                jobs += [("client", peer), ("client-dp", dp),
+                         ("client-tls", lambda rep: peer(rep, client_tls, "tls"))]
             for rep in range(reps):
                 k = rep % len(jobs)
                 for name, fn in jobs[k:] + jobs[:k]:
@@ -349,8 +374,10 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
             if "client" in parts:
                 runs["client-stats"] = client.stats()
                 runs["client-dp-stats"] = client_dp.stats()
+                runs["client-tls-stats"] = client_tls.stats()
                 client.close()
                 client_dp.close()
+                client_tls.close()
             if "baseline" in parts:
                 channel.close()
         finally:
@@ -390,6 +417,13 @@ def _stream_results(parts: list[str], size: int, reps: int, runs: dict[str, list
         r_get = median(get) / base_get if median(get) and base_get else None
         res.rows.append(["put_chunks (replicate)", fmt_noise(put), fmt(base_put), fmt(r_put)])
         res.rows.append(["get_chunks (restore)", fmt_noise(get), fmt(base_get), fmt(r_get)])
+        tput, tget = runs.get("tls-put", []), runs.get("tls-get", [])
+        res.rows.append(["put_chunks, mutual TLS", fmt_noise(tput), "-",
+                         f"{fmt(median(tput) / median(put)) if median(tput) and median(put) else '-'}"
+                         " of plaintext"])
+        res.rows.append(["get_chunks, mutual TLS", fmt_noise(tget), "-",
+                         f"{fmt(median(tget) / median(get)) if median(tget) and median(get) else '-'}"
+                         " of plaintext"])
         dp_t = runs.get("dp-put-seconds", [])
         dp_sent = runs.get("dp-bytes-sent", [])
         dp_server = (server_stats.get("dp") or {}).get("service", {})
@@ -709,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--capacity", type=int, default=64 * GiB, help=argparse.SUPPRESS)
     p.add_argument("--local-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--tls-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve:
         return serve_main(a)

@@ -191,7 +191,8 @@ class Daemon:
         cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
-                         huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls())
+                         huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls(),
+                         replica_quota=o.replica_quota)
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         if o.scope == "job":

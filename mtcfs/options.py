@@ -224,6 +224,9 @@ class MountOptions:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: Bytes one other rank's replicas may take in this node's replica store; None: a fair
+    #: share, size / (1 + replicas) (docs/security.md).
+    replica_quota: int | None = None
     #: Plaintext, unauthenticated traffic where no TLS material is given (option
     #: ``insecure``): a multi-node mount refuses to start without TLS unless this is set.
     insecure: bool = False
@@ -368,6 +371,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.restore = value
                 elif name == "allow_other" and flag:
                     o.allow_other = True
+                elif name == "replica_quota" and value:
+                    o.replica_quota = parse_size(value)
+                    if not 1 <= o.replica_quota <= MAX_SIZE:
+                        raise ValueError("expected a size such as 512M")
                 elif name == "insecure" and flag:
                     o.insecure = True
                 elif name in ("tls_ca", "tls_cert", "tls_key") and value:
@@ -627,7 +634,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
-          "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults"}
+          "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology", "coord"}

@@ -367,3 +367,51 @@ def test_concurrent_puts_keep_the_books_straight(tmp_path):
     assert s["chunks"] == 16 and s["chunks_stored"] == 16
     assert s["chunks_stored"] + s["chunks_already_present"] == 8 * 16
     assert store.used == 16 * CHUNK and tmp_files(store) == []
+
+
+# -- the per-rank quota -------------------------------------------------------------------------
+
+def test_each_sender_rank_holds_at_most_its_quota(tmp_path):
+    from replication.peer.errors import ReplicaQuotaExceeded
+    quota = 3 * CHUNK + 100
+    s = ReplicaStore(str(tmp_path / "r"), capacity=100 * CHUNK, quota=lambda: quota)
+    mine = [blob(i, CHUNK) for i in range(5)]
+    for data in mine[:3]:
+        w = s.chunk_writer(chunk_hash(data), len(data), rank=1)
+        w.write(data)
+        assert w.commit()
+    with pytest.raises(ReplicaQuotaExceeded) as e:
+        s.chunk_writer(chunk_hash(mine[3]), CHUNK, rank=1)
+    assert e.value.errno == errno.ENOSPC and "rank 1's share" in str(e.value)
+    assert not tmp_files(s) and s.held_by_rank() == {1: 3 * CHUNK}
+    # another rank has its own share; the node's own hand-overs (no rank) have none
+    w = s.chunk_writer(chunk_hash(mine[3]), CHUNK, rank=2)
+    w.write(mine[3])
+    w.commit()
+    s.put_chunk(chunk_hash(mine[4]), mine[4])
+    assert s.held_by_rank() == {1: 3 * CHUNK, 2: CHUNK}
+    # a chunk already held costs its sender nothing; a manifest counts against its rank
+    w = s.chunk_writer(chunk_hash(mine[0]), CHUNK, rank=2)
+    w.write(mine[0])
+    assert not w.commit()
+    m = make_step(JOB, 1, 10, {"f": b"".join(mine[:3])})
+    with pytest.raises(ReplicaQuotaExceeded):  # 3 chunks + a manifest > 3 chunks + 100
+        s.put_manifest(StepManifest(job=JOB, step="10", step_number=10, created_ns=1,
+                                    entries=[*m.entries,
+                                             Entry(path="10/pad", kind="file", mode=0o644,
+                                                   mtime_ns=1, size=0)], rank=1))
+    # freed by gc: the share is usable again
+    s.gc(keep_steps_per_rank=1, orphan_grace_s=0)
+    assert s.held_by_rank() == {}
+    w = s.chunk_writer(chunk_hash(mine[3]), CHUNK, rank=1)
+    w.abort()
+
+
+def test_chunks_found_at_start_belong_to_the_rank_whose_manifest_lists_them(tmp_path):
+    data = blob(7, 2 * CHUNK)
+    s = ReplicaStore(str(tmp_path / "r"), capacity=100 * CHUNK)
+    for h, piece in chunks_of(data).items():
+        s.put_chunk(h, piece)
+    s.put_manifest(make_step(JOB, 3, 10, {"f": data}))
+    again = ReplicaStore(str(tmp_path / "r"), capacity=100 * CHUNK, quota=lambda: 10 * CHUNK)
+    assert again.held_by_rank()[3] >= 2 * CHUNK

@@ -446,8 +446,10 @@ def test_full_peer_shows_lag_and_catches_up_when_space_frees(make_cluster):
     """One RAM budget: replicas count against the receiving node's size=. A peer without
     room refuses the chunks (RESOURCE_EXHAUSTED), the sender shows the link lagging and the
     application on both nodes goes on; once the peer frees space, the step is replicated."""
+    # (rank 1's RAM is smaller than rank 0's step pair: its quota for rank 0 is raised
+    # from the fair share, size/2, to all of it)
     c = make_cluster(2, options={"replicas": 1, "keep": 1},
-                     per_rank_options={1: {"size": "40M"}})
+                     per_rank_options={1: {"size": "40M", "replica_quota": "40M"}})
     own = blob(7, 24 * MiB)
     write_files(c[1], "scratch", {"own.bin": own})       # not a step: never evicted
     data = blob(8, 24 * MiB)

@@ -264,3 +264,30 @@ def test_mtcfs_certs_makes_what_a_mount_accepts(tmp_path):
     again = subprocess.run(MTCFS + ["certs", str(tmp_path / "pki"), "--job", JOB, "--nodes",
                                     "3"], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "never overwritten" in again.stderr
+
+
+def test_a_member_cannot_fill_a_nodes_ram_tier(make_cluster):
+    """The reproduced attack with a member's certificate: junk chunks put into rank 0 until
+    it refuses. Rank 1 gets at most its share (size / (1 + replicas)), and rank 0's own
+    write of most of the rest still succeeds."""
+    from replication.peer import PeerClient
+    from replication.backup.retry import RetryPolicy
+    size = 256 * MiB
+    c = make_cluster(2, options={"replicas": 1, "size": "256M"})
+    share = c.status(0)["peers"]["replica_store"]["quota_per_rank_bytes"]
+    assert share == size // 2
+    junk = [blob(1000 + i, 4 * MiB) for i in range(size // (4 * MiB))]
+    with PeerClient(c.addresses[0], JOB, 1, timeout=10, stream_timeout=60,
+                    retry=RetryPolicy(max_attempts=1), tls=c.tls_files(1)) as as_1:
+        put = as_1.put_chunks((chunk_hash(b), b) for b in junk)
+    assert put.rejected, "rank 0 took junk worth its whole RAM tier"
+    assert all(v.startswith("RESOURCE_EXHAUSTED") and "share" in v
+               for v in put.rejected.values()), put.rejected
+    held = c.status(0)["peers"]["replica_store"]["held_by_rank"]["1"]
+    assert held <= share
+    # rank 0's own checkpoint still fits in its own share
+    data = blob(5, 100 * MiB)
+    d = c[0].path("10")
+    d.mkdir()
+    (d / "w.bin").write_bytes(data)
+    assert (d / "w.bin").read_bytes() == data

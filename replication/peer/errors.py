@@ -111,3 +111,25 @@ class PeerChunkCorrupt(PeerError):
         super().__init__(peer, f"served corrupt data for chunk {chunk}: {reason}",
                          grpc.StatusCode.DATA_LOSS)
         self.chunk = chunk
+
+
+class ReplicaQuotaExceeded(ReplicaFull):
+    """Storing would take one sender rank past its share of the replica store (its quota),
+    although the store itself may have room: one peer cannot fill a node's RAM tier.
+
+    Attributes:
+        rank: the sender.
+        held: bytes it holds here now (reservations included).
+        quota: bytes it may hold.
+    """
+
+    def __init__(self, rank: int, needed: int, held: int, quota: int) -> None:
+        ReplicaError.__init__(self, f"rank {rank}'s share of this replica store is full: "
+                                    f"{needed} bytes needed, {held} of its {quota} bytes "
+                                    f"used")
+        self.errno = errno.ENOSPC
+        self.needed = needed
+        self.free = max(0, quota - held)
+        self.rank = rank
+        self.held = held
+        self.quota = quota

@@ -88,6 +88,7 @@ class PutStream:
                 if job is None:
                     self._check(req.job, req.rank)
                     job, rank = req.job, req.rank
+                    sink.rank = rank  # before its first piece is queued
                 elif req.job != job or req.rank != rank:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                   "job or rank changed in the middle of a PutChunks stream")
@@ -150,6 +151,8 @@ class _Sink:
         self._accepted: list[str] = []
         self._rejected: list[pb.ChunkStatus] = []
         self._already = 0
+        #: the sender, whose per-rank quota the chunks count against (set once checked)
+        self.rank: int | None = None
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="mtcfs-peer-put", daemon=True)
@@ -220,7 +223,7 @@ class _Sink:
 
     def _open(self, digest: str, total: int) -> ChunkWriter | None:
         try:
-            return self._store.chunk_writer(digest, total)
+            return self._store.chunk_writer(digest, total, rank=self.rank)
         except ReplicaFull as exc:
             # refuse this chunk and skip its pieces; a later, smaller one may still fit
             self._reject(digest, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

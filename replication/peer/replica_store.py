@@ -53,6 +53,7 @@ from replication.backup.counters import Counters
 from replication.backup.layout import check_hash, check_step
 from replication.peer.errors import (
     ChunkMismatch, ChunkNotFound, ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
+    ReplicaQuotaExceeded,
 )
 from replication.peer.limits import MAX_CHUNK_BYTES
 from replication.peer.records import GcStats, ManifestInfo, PublishResult
@@ -105,6 +106,9 @@ class ReplicaStore:
         local: the node's own RAM tier, consulted by :meth:`has` and :meth:`get_chunk` for
             chunks the node wrote itself; None for none.
         clock: monotonic seconds, for the gc grace period (injectable for tests).
+        quota: bytes one sender rank may hold here (chunks it brought first, its manifests,
+            its writes in progress), read at every check; None: no per-rank limit. Chunks
+            found at start belong to the first rank whose manifest lists them.
 
     Raises:
         ValueError: if ``capacity`` is negative.
@@ -113,7 +117,8 @@ class ReplicaStore:
 
     def __init__(self, root: str, capacity: int | Callable[[], int], *,
                  local: LocalChunks | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 quota: Callable[[], int] | None = None) -> None:
         if not callable(capacity) and capacity < 0:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity}")
         self._root = os.path.abspath(root)
@@ -129,11 +134,14 @@ class ReplicaStore:
         self._chunk_bytes = 0
         self._manifest_bytes = 0
         self._reserved = 0
+        self._quota = quota
+        self._owner: dict[str, int] = {}          # digest -> the rank that brought it
+        self._by_rank: dict[int, int] = {}        # rank -> bytes it holds (see quota)
         self._counters = Counters((
             "chunks_stored", "bytes_stored", "chunks_already_present", "chunks_mismatched",
             "chunks_read", "bytes_read", "corrupt_deleted", "corrupt_local", "manifests_stored",
             "chunks_adopted",
-            "manifests_deleted", "chunks_deleted", "full_refusals",
+            "manifests_deleted", "chunks_deleted", "full_refusals", "quota_refusals",
         ))
         for sub in ("manifests", "tmp"):
             os.makedirs(os.path.join(self._root, sub), exist_ok=True)
@@ -206,6 +214,11 @@ class ReplicaStore:
                     os.unlink(path)
                     continue
                 self._add_manifest_locked((m.rank, m.step), m, len(raw))
+        for (r, _), record in sorted(self._manifests.items()):
+            for h in record.chunks:
+                if h in self._chunks and h not in self._owner:
+                    self._owner[h] = r
+                    self._charge(r, self._chunks[h])
         log.info("replica store %s: %d chunks (%d bytes), %d manifests, capacity %d bytes",
                  self._root, len(self._chunks), self._chunk_bytes, len(self._manifests),
                  self.capacity)
@@ -231,6 +244,24 @@ class ReplicaStore:
 
     def _used_locked(self) -> int:
         return self._chunk_bytes + self._manifest_bytes + self._reserved
+
+    def _charge(self, rank: int | None, n: int) -> None:
+        """Count ``n`` bytes (negative: release) against ``rank``'s quota; lock held."""
+        if rank is not None:
+            self._by_rank[rank] = self._by_rank.get(rank, 0) + n
+
+    def _check_quota_locked(self, rank: int | None, n: int) -> None:
+        if rank is None or self._quota is None:
+            return
+        quota, held = self._quota(), self._by_rank.get(rank, 0)
+        if held + n > quota:
+            self._counters.add("quota_refusals")
+            raise ReplicaQuotaExceeded(rank, n, held, quota)
+
+    def held_by_rank(self) -> dict[int, int]:
+        """Bytes each sender rank holds here (what its quota is checked against)."""
+        with self._lock:
+            return {r: n for r, n in sorted(self._by_rank.items()) if n}
 
     def _check_fits_locked(self, n: int) -> None:
         cap = self.capacity
@@ -323,16 +354,18 @@ class ReplicaStore:
         finally:
             w.abort()
 
-    def chunk_writer(self, h: str, size: int) -> ChunkWriter:
+    def chunk_writer(self, h: str, size: int, rank: int | None = None) -> ChunkWriter:
         """Start storing a chunk that arrives in pieces; ``size`` bytes are reserved now.
 
         If the chunk is already held, the writer only hashes what it is given (so a sender's
-        bad bytes are still refused) and stores nothing.
+        bad bytes are still refused) and stores nothing. ``rank``: the sender, whose quota
+        the chunk counts against (None: the node's own tier handing chunks over).
 
         Raises:
             ValueError: if ``h`` is malformed or ``size`` is negative or above the largest
                 chunk size.
-            ReplicaFull: if ``size`` bytes do not fit.
+            ReplicaFull: if ``size`` bytes do not fit (ReplicaQuotaExceeded: not in
+                ``rank``'s quota).
             OSError: if the temporary file cannot be created.
         """
         check_hash(h)
@@ -342,24 +375,28 @@ class ReplicaStore:
             if h in self._chunks:
                 self._touched[h] = self._clock()
                 return ChunkWriter(self, h, size, None)
+            self._check_quota_locked(rank, size)
             self._check_fits_locked(size)
             self._reserved += size
+            self._charge(rank, size)
         try:
             path = self._tmp_path(h)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except BaseException:
             with self._lock:
                 self._reserved -= size
+                self._charge(rank, -size)
             raise
-        return ChunkWriter(self, h, size, (fd, path))
+        return ChunkWriter(self, h, size, (fd, path), rank)
 
-    def _commit(self, h: str, size: int, tmp: str | None) -> bool:
+    def _commit(self, h: str, size: int, tmp: str | None, rank: int | None = None) -> bool:
         """Make a verified chunk visible; called by ChunkWriter.commit with the reservation
-        still held."""
+        still held (and charged to ``rank``, which keeps it if the chunk is new here)."""
         now = self._clock()
         with self._lock:
             if tmp is not None:
                 self._reserved -= size
+                self._charge(rank, -size)
             self._touched[h] = now
             if h in self._chunks:
                 self._counters.add("chunks_already_present")
@@ -374,6 +411,9 @@ class ReplicaStore:
                 self._chunks[h] = size
                 self._touched[h] = now
                 self._chunk_bytes += size
+                if rank is not None:
+                    self._owner[h] = rank
+                    self._charge(rank, size)
                 new = True
         if tmp is not None and not new:
             _unlink_quiet(tmp)
@@ -382,12 +422,13 @@ class ReplicaStore:
             self._counters.add("bytes_stored", size)
         return new
 
-    def _cancel(self, size: int, tmp: str | None) -> None:
+    def _cancel(self, size: int, tmp: str | None, rank: int | None = None) -> None:
         if tmp is None:
             return
         _unlink_quiet(tmp)
         with self._lock:
             self._reserved -= size
+            self._charge(rank, -size)
 
     def get_chunk(self, h: str) -> bytes:
         """Return the bytes of chunk ``h``, verified.
@@ -444,7 +485,9 @@ class ReplicaStore:
                 same = False
             if same and h in self._chunks:  # not replaced by a good copy meanwhile
                 os.unlink(path)
-                self._chunk_bytes -= self._chunks.pop(h)
+                size = self._chunks.pop(h)
+                self._chunk_bytes -= size
+                self._charge(self._owner.pop(h, None), -size)
                 self._touched.pop(h, None)
         self._counters.add("corrupt_deleted")
         log.error("replica chunk %s in %s is corrupt (%s); deleted", h, self._root, reason)
@@ -502,6 +545,7 @@ class ReplicaStore:
                 old = self._manifests.get(key)
                 grow = len(raw) - (old.size if old else 0)
                 if grow > 0:
+                    self._check_quota_locked(manifest.rank, grow)
                     self._check_fits_locked(grow)
                 path = self._manifest_path(*key)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -524,6 +568,7 @@ class ReplicaStore:
         record = _Manifest(m.step_number, m.created_ns, m.total_bytes, size, chunks)
         self._manifests[key] = record
         self._manifest_bytes += size
+        self._charge(key[0], size)
         for h in chunks:
             self._refs[h] = self._refs.get(h, 0) + 1
         return record
@@ -531,6 +576,7 @@ class ReplicaStore:
     def _remove_manifest_locked(self, key: tuple[int, str]) -> _Manifest:
         record = self._manifests.pop(key)
         self._manifest_bytes -= record.size
+        self._charge(key[0], -record.size)
         for h in record.chunks:
             n = self._refs[h] - 1
             if n:
@@ -659,6 +705,7 @@ class ReplicaStore:
                 size = self._chunks.pop(h)
                 self._touched.pop(h, None)
                 self._chunk_bytes -= size
+                self._charge(self._owner.pop(h, None), -size)
                 freed += size
                 chunks_deleted += 1
             stats = GcStats(manifests_deleted=sorted(deleted_manifests),
@@ -686,8 +733,9 @@ class ChunkWriter:
     """
 
     def __init__(self, store: ReplicaStore, digest: str, size: int,
-                 tmp: tuple[int, str] | None) -> None:
+                 tmp: tuple[int, str] | None, rank: int | None = None) -> None:
         self._store = store
+        self._rank = rank
         self.digest = digest
         self.size = size
         self.written = 0
@@ -753,7 +801,7 @@ class ChunkWriter:
             raise ChunkMismatch(self.digest, actual)
         self._close()
         self._done = True
-        return self._store._commit(self.digest, self.size, self._path)
+        return self._store._commit(self.digest, self.size, self._path, self._rank)
 
     def abort(self) -> None:
         """Discard the chunk unless committed; idempotent."""
@@ -761,7 +809,7 @@ class ChunkWriter:
             return
         self._done = True
         self._close()
-        self._store._cancel(self.size, self._path)
+        self._store._cancel(self.size, self._path, self._rank)
 
     def _close(self) -> None:
         if self._fd is not None:

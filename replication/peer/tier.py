@@ -80,6 +80,8 @@ class TierConfig:
     keep: int = 2
     #: the job CA and this rank's certificate (None: plaintext, mount option ``insecure``)
     tls: TlsFiles | None = None
+    #: bytes one other rank may hold here (``replica_quota=``); None: a fair share
+    replica_quota: int | None = None
 
 
 class PeerTier(MembershipRounds, Replication):
@@ -109,7 +111,8 @@ class PeerTier(MembershipRounds, Replication):
         self.addresses[self.rank] = self.advertise
         self._setup_membership(etcd, prefix)
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
-                                          capacity=lambda: fs.capacity - fs.used)
+                                          capacity=lambda: fs.capacity - fs.used,
+                                          quota=self.replica_quota)
         fs.shared_used = lambda: self.replica_store.used_estimate
         fs.chunk_keeper = self.replica_store  # replicas that count on this node's own copies
         self.server: PeerServer | None = None
@@ -138,6 +141,17 @@ class PeerTier(MembershipRounds, Replication):
         #: assume-data-parallelism): replication to them first offers hashes only.
         self.twin_override: set[int] | None = None
         fs.subscribe(self._on_event)
+
+    def replica_quota(self) -> int:
+        """Bytes one other rank may hold in this node's replica store: a fair share of the
+        node's RAM budget, ``size / (1 + replicas)`` — the node's own files and the
+        ``replicas`` ranks that place their copies here get one share each — or what
+        ``replica_quota=`` says. A peer (even a member gone wrong) that sends more gets
+        RESOURCE_EXHAUSTED for the excess, and this node's own writes keep their share
+        (docs/security.md)."""
+        if self.cfg.replica_quota is not None:
+            return min(self.cfg.replica_quota, self.fs.capacity)
+        return self.fs.capacity // (1 + max(1, self.cfg.replicas))
 
     @staticmethod
     def _advertised(listen: str) -> str:
@@ -345,7 +359,10 @@ class PeerTier(MembershipRounds, Replication):
                           if r != self.rank and self.rank in self._safe_peers_of(r)],
             "latest_complete": {"step": lc.step, "number": lc.step_number} if lc else None,
             "members": now_members, "replication": links,
-            "replica_store": self.replica_store.stats(),
+            "replica_store": {**self.replica_store.stats(),
+                              "quota_per_rank_bytes": self.replica_quota(),
+                              "held_by_rank": {str(r): n for r, n in
+                                               self.replica_store.held_by_rank().items()}},
             "server": self.server.service.stats() if self.server else None,
             "bad_peers": {str(k): v for k, v in self.bad_peers.items()},
             "partitioned": sorted(self.partitioned),
