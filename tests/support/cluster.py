@@ -78,6 +78,9 @@ class Cluster:
             its own address: ``EtcdCluster(netns_clients=...).client_url``); the cluster's
             ``coord_prefix`` goes with it. None: ``options``' ``coord``, or for scope=job
             the process's shared etcd.
+        own_prefix: give ``coord_prefix=`` a prefix of this cluster's own (a shared etcd);
+            False: none unless ``options`` says, so the daemons use their default,
+            ``/mtcfs/<job>/`` (an etcd of the test's own, as a user's job would).
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -86,7 +89,8 @@ class Cluster:
                  options: dict | None = None,
                  per_rank_options: dict[int, dict] | None = None,
                  learn_addresses: bool = False,
-                 coord_for_rank: Callable[[int], str] | None = None) -> None:
+                 coord_for_rank: Callable[[int], str] | None = None,
+                 own_prefix: bool = True) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -104,6 +108,7 @@ class Cluster:
         self.coord_for_rank = coord_for_rank
         #: this cluster's keys in a shared etcd (coord=): no other cluster sees them
         self.coord_prefix = f"/mtcfs-test/{os.urandom(6).hex()}"
+        self.own_prefix = own_prefix
         self._mounts = [self._new_mount(r) for r in range(nodes)]
         self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
 
@@ -117,7 +122,8 @@ class Cluster:
             from .etcd import shared_etcd
             extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
         where = {} if self.learn_addresses else {"peers": ",".join(self.addresses)}
-        if "coord" in self._options and "coord_prefix" not in self._options:
+        if "coord" in self._options and "coord_prefix" not in self._options \
+                and self.own_prefix:
             extra = {"coord_prefix": self.coord_prefix, **extra}
         if self.coord_for_rank is not None:
             extra = {**extra, "coord": self.coord_for_rank(rank),
