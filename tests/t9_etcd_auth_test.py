@@ -385,3 +385,15 @@ def test_cli_refuses_an_unreadable_coord_file_with_exit_2(shm_dir, pem):
     assert len(lines) == 1 and "coord_key=/no/such.key" in lines[0] \
         and "/no/such.key" in lines[0], r.stderr
     assert not is_mounted(str(mnt)) and not (shm_dir / "s").exists()
+
+
+def test_status_says_etcd_refuses_rather_than_does_not_answer():
+    """``mtcfs status``'s namespace line tells a refusal from an etcd that is unreachable."""
+    from mtcfs.cli import format_namespace_status
+    ns = {"engine": "etcd", "endpoints": ["10.0.0.11:2379"], "seq": 7, "unavailable_s": 3.0,
+          "last_error": "etcd 10.0.0.11:2379 denied Range of key '/mtcfs/j/ns/last': "
+                        "PERMISSION_DENIED", "denied": True}
+    line = format_namespace_status(ns)
+    assert "etcd REFUSES this node's keys" in line and "/mtcfs/j/ns/last" in line, line
+    line = format_namespace_status({**ns, "denied": False, "last_error": "DEADLINE_EXCEEDED"})
+    assert "etcd does not answer (DEADLINE_EXCEEDED)" in line, line
