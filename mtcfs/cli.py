@@ -373,8 +373,12 @@ def format_namespace_status(ns: dict[str, Any]) -> str:
         out = (f"  namespace: scope=job, ordered by etcd at {','.join(ns.get('endpoints', []))};"
                f" last op applied at revision {ns.get('seq', 0)}")
         if ns.get("unavailable_s") is not None:
-            out += (f"; UNAVAILABLE for {ns['unavailable_s']} s: etcd does not answer "
-                    f"({ns.get('last_error') or 'no answer'}), namespace calls here wait")
+            if ns.get("denied"):
+                out += (f"; UNAVAILABLE for {ns['unavailable_s']} s: etcd REFUSES this "
+                        f"node's keys ({ns.get('last_error')}), namespace calls here fail")
+            else:
+                out += (f"; UNAVAILABLE for {ns['unavailable_s']} s: etcd does not answer "
+                        f"({ns.get('last_error') or 'no answer'}), namespace calls here wait")
         return out
     role = "this node leads" if ns.get("leading") else f"leader rank {ns.get('leader')}"
     out = (f"  namespace: scope=job, {role}; {ns.get('seq', 0)} ops applied (epoch "

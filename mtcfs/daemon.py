@@ -43,6 +43,20 @@ def default_capacity(store_path: str) -> int:
     return st.f_blocks * st.f_frsize // 2
 
 
+def etcd_client(o: MountOptions) -> Any:
+    """The job's etcd client from the mount options: ``coord=`` endpoints, a deadline of
+    at most ``coord_timeout`` per call, TLS when ``coord_ca=`` is given (with the client
+    certificate of ``coord_cert=``/``coord_key=``).
+
+    Raises:
+        OSError: a TLS file cannot be read (it was readable when the options were parsed).
+    """
+    from replication.coord.etcd import CALL_TIMEOUT_S, Etcd, EtcdTls
+    assert o.coord, "the options checked that coord= is given"
+    tls = EtcdTls(o.coord_ca, o.coord_cert, o.coord_key) if o.coord_ca else None
+    return Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout), tls=tls)
+
+
 class Daemon:
     """One mount: ``mtcfs SOURCE MOUNTPOINT -o ...``.
 
@@ -180,14 +194,13 @@ class Daemon:
 
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
-        from replication.coord.etcd import CALL_TIMEOUT_S, Etcd
         from replication.peer.sources import PeerChunkSource
         from replication.peer.tier import PeerTier, TierConfig
         o = self.opts
         assert self.fs is not None and self.store is not None
         assert o.coord, "nodes > 1 needs coord= (checked by the options)"
         addresses = dict(enumerate(o.peers or []))
-        self.etcd = Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout))
+        self.etcd = etcd_client(o)
         cfg = TierConfig(job=o.job, rank=o.rank, nodes=o.nodes, listen=o.listen or "",
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
@@ -422,7 +435,9 @@ class Daemon:
     async def _run(self, ready: Callable[[], None]) -> None:
         assert self.fs is not None and self.store is not None
         if self.peer is not None:
-            await self.peer.join_job()  # registered in etcd (retried later if etcd is down)
+            # registered in etcd (retried later if etcd is down; refused by etcd's auth:
+            # the mount fails, with the job's prefix in the one-line error)
+            await self.peer.join_job(at_mount=True)
             await self._learn_jax_coordinator()
         if self.ns is not None:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtcfs.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -123,6 +124,26 @@ def parse_address(text: str) -> str:
     return text
 
 
+def check_pem_file(path: str, kind: str) -> str:
+    """Check that ``path`` is a readable PEM file holding a ``kind`` (``CERTIFICATE``,
+    ``PRIVATE KEY``) and return its absolute path.
+
+    Raises:
+        ValueError: it cannot be read (the reason), is empty, or holds no such PEM block.
+    """
+    path = os.path.abspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ValueError(f"{path} is empty")
+    if b"-----BEGIN " not in data or kind.encode() + b"-----" not in data:
+        raise ValueError(f"{path} holds no PEM {kind}")
+    return path
+
+
 def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str]:
     """Parse ``"zone=a;block=3"`` (the ``topology=`` option; ``,`` ``;`` ``+`` separate)
     into a dict, adding to ``into`` if given.
@@ -230,6 +251,13 @@ class MountOptions:
     #: Plaintext, unauthenticated traffic where no TLS material is given (option
     #: ``insecure``): a multi-node mount refuses to start without TLS unless this is set.
     insecure: bool = False
+    #: TLS to etcd (docs/security-etcd.md): the CA bundle that signed etcd's server
+    #: certificate (``coord_ca=``, turns TLS on), and this node's client certificate and key
+    #: (``coord_cert=``, ``coord_key=``: both or neither; their CN is the etcd user).
+    #: Absolute paths of PEM files, read when the daemon connects and again when they change.
+    coord_ca: str | None = None
+    coord_cert: str | None = None
+    coord_key: str | None = None
     #: Seconds a read waits for data that is not on this node (fault-in from peers or the
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
@@ -404,6 +432,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if not re.fullmatch(r"/[A-Za-z0-9._/-]{0,200}", value) or "//" in value:
                         raise ValueError("expected an absolute key path such as /mtcfs/myjob")
                     o.coord_prefix = value.rstrip("/") + "/"
+                elif name in _PEM_OPTIONS and value:
+                    setattr(o, name, check_pem_file(value, _PEM_OPTIONS[name]))
                 elif name == "coord_timeout" and value:
                     o.coord_timeout = parse_duration(value)
                     if not 1 <= o.coord_timeout <= 3600:
@@ -565,7 +595,8 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
         OptionError: rank outside 0..nodes-1; peers= not one address per rank, or an
             address twice; nodes > 1 without coord=; coordinator= (gone); replicas >
             nodes-1; assume_data_parallelism not dividing nodes; huge_model without
-            assume_data_parallelism >= 2 or with more replicas than data-parallel twins.
+            assume_data_parallelism >= 2 or with more replicas than data-parallel twins;
+            coord_ca, coord_cert and coord_key that do not fit (:func:`_check_coord_tls`).
     """
     def bad(name: str, why: str) -> OptionError:
         return OptionError(f"bad option {name}={given.get(name, getattr(o, name))}: {why}")
@@ -613,6 +644,7 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
         raise bad("coord_prefix", "names keys in etcd: it needs coord=etcd://...")
     if "coord_timeout" in given and o.coord is None:
         raise bad("coord_timeout", "bounds the waits on etcd: it needs coord=etcd://...")
+    _check_coord_tls(o, bad)
     if o.mtc and o.scope != "node":
         raise OptionError("option mtc needs scope=node: Orbax's multi-tier checkpointing "
                           "keeps each node's data in its own directory")
@@ -627,16 +659,39 @@ def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:
                                   f"twin(s) of assume_data_parallelism={dp}: at most {dp - 1}")
 
 
+def _check_coord_tls(o: MountOptions, bad: Callable[[str, str], OptionError]) -> None:
+    """coord_ca, coord_cert and coord_key fit together: each needs coord=, the certificate
+    and the key go together, and both need coord_ca (TLS).
+
+    Raises:
+        OptionError: from ``bad(name, why)``.
+    """
+    for name in _PEM_OPTIONS:
+        if getattr(o, name) is not None and o.coord is None:
+            raise bad(name, "is for TLS to etcd: it needs coord=etcd://...")
+    if (o.coord_cert is None) != (o.coord_key is None):
+        have, lacks = ("coord_cert", "coord_key") if o.coord_cert else ("coord_key",
+                                                                          "coord_cert")
+        raise bad(have, f"needs {lacks}= too (a client certificate and its key go together)")
+    if o.coord_cert is not None and o.coord_ca is None:
+        raise bad("coord_cert", "needs coord_ca= (the CA that signed etcd's server "
+                                "certificate: a client certificate is sent only over TLS)")
+
+
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
           "evict_unsaved",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
-          "coord", "coord_prefix", "coord_timeout", "assume_data_parallelism", "huge_model",
+          "coord", "coord_prefix", "coord_timeout", "coord_ca", "coord_cert", "coord_key",
+          "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
           "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology", "coord"}
+#: The options naming a PEM file, and what the file must hold.
+_PEM_OPTIONS = {"coord_ca": "CERTIFICATE", "coord_cert": "CERTIFICATE",
+                "coord_key": "PRIVATE KEY"}
 #: The options that take no value; they may be repeated (``debug,debug`` means debug).
 _FLAGS = {"allow_other", "debug", "ro", "huge_model", "mtc", "insecure", "test_faults"}

@@ -2,13 +2,14 @@
 # All set-up mtcfs needs on a fresh Debian 12 machine, as root: apt packages, a virtual
 # environment in .venv with mtcfs and its test dependencies, and the mount helper on PATH
 # (so `mount -t fuse.mtcfs` and fstab work); etcd-server is the coordination engine of
-# multi-node tests (a real server on loopback). Idempotent: a second run does nothing new.
+# multi-node tests (a real server on loopback), etcd-client (etcdctl) sets up its users and
+# roles in tests/t9_etcd_auth_test.py. Idempotent: a second run does nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server; do
+for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

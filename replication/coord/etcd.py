@@ -14,6 +14,15 @@ guarantees:
 * **Watches resume.** :meth:`Etcd.watch` returns an iterator of event batches, in revision
   order, that reconnects (from the revision after the last one delivered) when a member
   goes away, and raises :class:`EtcdCompacted` when etcd no longer holds that history.
+* **TLS and etcd's roles** (optional, :class:`EtcdTls`): the channels check etcd's server
+  certificate against a CA bundle and the endpoint's host, and present a client
+  certificate, whose CN is the etcd user when etcd runs with ``--client-cert-auth``. A
+  request etcd's auth refuses raises :class:`EtcdPermissionDenied` at once (never retried),
+  naming the keys; a TLS handshake that fails (an unknown CA, an expired certificate) is
+  retried like an unreachable member until the deadline, then raises
+  :class:`EtcdUnavailable` with the handshake's reason. The PEM files are read again when
+  they change on disk (checked at most every :data:`TLS_CHECK_S` s): new connections use
+  the new files, connections already open keep theirs for ``timeout_s`` more.
 
 The wire messages are etcd's (proto/etcd_v3_subset.proto); docs/coordination.md says why
 mtcfs generates its own stubs instead of using a client library.
@@ -21,6 +30,8 @@ mtcfs generates its own stubs instead of using a client library.
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -41,6 +52,10 @@ ATTEMPT_S = 2.0
 #: Largest message this client accepts (a range of many namespace keys).
 MAX_RECEIVE_BYTES = 256 * 1024 * 1024
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: Seconds between checks whether the TLS files changed on disk (a certificate rotated).
+TLS_CHECK_S = 1.0
+
+log = logging.getLogger(__name__)
 
 KeyValue = pb.KeyValue
 Event = pb.Event
@@ -52,6 +67,20 @@ class EtcdError(Exception):
 
 class EtcdUnavailable(EtcdError):
     """No endpoint served the request within its deadline."""
+
+
+class EtcdPermissionDenied(EtcdError):
+    """etcd's authentication refused a request: the etcd user of this client (the CN of its
+    certificate) has no role granting it these keys, or this client presented no user at
+    all to an etcd with auth enabled. Permanent: never retried.
+
+    Attributes:
+        keys: the keys the request named, as text (``prefix '/mtcfs/b/'``, ``key '...'``).
+    """
+
+    def __init__(self, message: str, keys: str = "") -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class EtcdCompacted(EtcdError):
@@ -135,23 +164,104 @@ class WatchBatch:
     revision: int
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd: paths of PEM files (the ``coord_ca``, ``coord_cert`` and ``coord_key``
+    mount options).
+
+    Attributes:
+        ca: the CA bundle that signed etcd's server certificates. Each endpoint's host (an
+            IP address or a DNS name, as written in the endpoint) must be in the server
+            certificate's subject alternative names.
+        cert, key: this client's certificate and private key (both or neither). With
+            etcd's ``--client-cert-auth`` the certificate's CN is the etcd user name.
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("an etcd client certificate needs its key, and a key its "
+                             "certificate")
+
+    def files(self) -> list[str]:
+        return [p for p in (self.ca, self.cert, self.key) if p]
+
+    def fingerprint(self) -> tuple[tuple[int, int, int], ...]:
+        """What changes when a file is rewritten or replaced (a rotation): the inode,
+        size and modification time of each file; (0, 0, 0) for one that cannot be read.
+        """
+        out = []
+        for p in self.files():
+            try:
+                st = os.stat(p)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append((0, 0, 0))
+        return tuple(out)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The files, read now, as gRPC channel credentials.
+
+        Raises:
+            OSError: a file cannot be read (the message names it).
+        """
+        def read(p: str | None) -> bytes | None:
+            if p is None:
+                return None
+            with open(p, "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca),
+                                            private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
 class Etcd:
     """A connection to one etcd cluster (thread-safe).
 
     Args:
         endpoints: ``host:port`` of the cluster's members (client URLs without scheme).
         timeout_s: deadline of one call over all endpoints.
+        tls: dial the endpoints with TLS (server certificate checked, client certificate
+            presented); None: plaintext.
+
+    Raises:
+        ValueError: no endpoint.
+        OSError: a TLS file cannot be read.
     """
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S,
+                 tls: EtcdTls | None = None) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self.tls = tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._current = 0
         self._closed = False
+        #: TLS: the credentials new channels get, the files' fingerprint they were read
+        #: at, when it was last checked, and channels made with older files, to close
+        #: once no call can still use them: (channel, monotonic time to close it).
+        self._creds = tls.credentials() if tls is not None else None
+        self._tls_seen = tls.fingerprint() if tls is not None else ()
+        self._tls_checked = time.monotonic()
+        self._retired: list[tuple[grpc.Channel, float]] = []
+        #: How many times the TLS files were read again after a change (for tests, status).
+        self.tls_reloads = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -159,17 +269,48 @@ class Etcd:
         with self._lock:
             if self._closed:
                 raise EtcdUnavailable("the etcd client is closed")
+            if self.tls is not None:
+                self._check_tls_files()
             ch = self._channels.get(endpoint)
             if ch is None:
-                ch = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=[
-                    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-                    ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
-                    ("grpc.keepalive_time_ms", 10_000),
-                    ("grpc.keepalive_timeout_ms", 5_000),
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1_000),
-                ])
+                if self._creds is None:
+                    ch = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.secure_channel(endpoint, self._creds, options=_CHANNEL_OPTIONS)
+                self._channels[endpoint] = ch
             return ch
+
+    def _check_tls_files(self) -> None:
+        """(With the lock held.) At most every TLS_CHECK_S: when a TLS file changed on disk,
+        read them again and retire every channel, so that new calls connect with the new
+        files. A retired channel is closed ``timeout_s`` + 1 s later (no call made on it
+        lasts longer; a watch on it then resumes on a new one). Files that cannot be read
+        (half-way through a rotation) keep the old ones in use until the next check."""
+        now = time.monotonic()
+        if self._retired:
+            done = [ch for ch, at in self._retired if at <= now]
+            self._retired = [(ch, at) for ch, at in self._retired if at > now]
+            for ch in done:
+                ch.close()
+        if now - self._tls_checked < TLS_CHECK_S:
+            return
+        self._tls_checked = now
+        assert self.tls is not None
+        seen = self.tls.fingerprint()
+        if seen == self._tls_seen:
+            return
+        try:
+            creds = self.tls.credentials()
+        except OSError as exc:
+            log.warning("etcd TLS files changed but cannot be read (%s): the old ones stay "
+                        "in use", exc)
+            return
+        self._creds, self._tls_seen = creds, seen
+        self.tls_reloads += 1
+        close_at = now + self.timeout_s + 1.0
+        self._retired += [(ch, close_at) for ch in self._channels.values()]
+        self._channels = {}
+        log.info("etcd TLS files changed on disk: new connections to etcd use them")
 
     def _order(self) -> list[str]:
         with self._lock:
@@ -202,6 +343,12 @@ class Etcd:
                                                  wait_for_ready=False)
                 except grpc.RpcError as exc:
                     code = exc.code()  # type: ignore[attr-defined]
+                    if _denied(exc):
+                        keys = _keys_of(request)
+                        raise EtcdPermissionDenied(
+                            f"etcd {endpoint} denied {method} of {keys}: "
+                            f"{code.name}: {exc.details()} ({self._who()})",  # type: ignore[attr-defined]
+                            keys) from None
                     if code not in _TRANSIENT and not _server_deadline(exc):
                         raise EtcdError(f"etcd {endpoint} refused {method}: "
                                         f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
@@ -215,14 +362,37 @@ class Etcd:
                 break
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.5)
-        why = _why(last) if last is not None else "no time left"
+        why = self._why(last) if last is not None else "no time left"
         raise EtcdUnavailable(f"etcd at {','.join(self.endpoints)} did not answer {method} "
                               f"within {timeout_s or self.timeout_s:g} s ({why})")
+
+    def _who(self) -> str:
+        """Which etcd user this client is, for a refusal."""
+        if self.tls is None or self.tls.cert is None:
+            return ("this client presents no certificate: with etcd's auth on, it needs a "
+                    "client certificate whose CN is an etcd user")
+        return (f"etcd user: the CN of {self.tls.cert}; its etcd role must grant "
+                f"readwrite on these keys' prefix")
+
+    def _why(self, exc: BaseException) -> str:
+        """A failed attempt's reason, with what to check when it is a TLS failure."""
+        why = _why(exc)
+        if self.tls is not None and _tls_failed(why):
+            why += (f"; TLS with etcd failed: check that {self.tls.ca} holds the CA of "
+                    "etcd's certificate and that certificate names the endpoint's host"
+                    + (f", and that etcd trusts the CA of {self.tls.cert} and it has not "
+                       "expired" if self.tls.cert else
+                       ", and whether etcd asks for a client certificate"))
+        elif self.tls is None and "socket closed" in why.lower():
+            why += "; an etcd that serves TLS closes plaintext connections so"
+        return why
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
+            channels += [ch for ch, _at in self._retired]
+            self._retired = []
         for ch in channels:
             ch.close()
 
@@ -327,7 +497,7 @@ class Etcd:
                 last = exc
                 self._moved_from(endpoint)
         raise EtcdUnavailable(f"etcd at {','.join(self.endpoints)} did not renew lease "
-                              f"{lease:x} ({_why(last) if last else 'no time left'})")
+                              f"{lease:x} ({self._why(last) if last else 'no time left'})")
 
     # ------------------------------------------------------------------ status and watch
 
@@ -384,6 +554,11 @@ class Etcd:
                     for r in call:
                         heard["at"] = time.monotonic()
                         if r.canceled:
+                            if "permission denied" in r.cancel_reason:
+                                keys = _range_text(key, range_end)
+                                raise EtcdPermissionDenied(
+                                    f"etcd {endpoint} denied a watch of {keys}: "
+                                    f"{r.cancel_reason} ({self._who()})", keys)
                             if r.compact_revision:
                                 raise EtcdCompacted(
                                     f"etcd compacted the history before revision "
@@ -402,7 +577,7 @@ class Etcd:
                     if stop.is_set():
                         return
                     last_err = (f"no answer from {endpoint} for {3 * progress_s:g} s"
-                                if heard["stale"] else _why(exc))
+                                if heard["stale"] else self._why(exc))
                     self._moved_from(endpoint)
                 finally:
                     requests.put(None)
@@ -434,6 +609,52 @@ def _progress_pinger(requests: queue.Queue[Any], stop: threading.Event, call: An
             break
         requests.put(pb.WatchRequest(progress_request=pb.WatchProgressRequest()))
     call.cancel()
+
+
+def _denied(exc: grpc.RpcError) -> bool:
+    """Whether etcd's auth refused the call: PERMISSION_DENIED (a user whose roles do not
+    grant the keys), or no user at all where etcd's auth is on."""
+    details = exc.details() or ""  # type: ignore[attr-defined]
+    return exc.code() == grpc.StatusCode.PERMISSION_DENIED or (  # type: ignore[attr-defined]
+        "user name is empty" in details or "invalid auth token" in details)
+
+
+def _tls_failed(why: str) -> bool:
+    """Whether a connection failure's text is a TLS handshake's (gRPC reports those as
+    UNAVAILABLE, like a member that is down)."""
+    w = why.lower()
+    return any(s in w for s in ("handshake", "ssl", "tsi_", "certificate"))
+
+
+def _text(key: bytes) -> str:
+    t = key.decode("utf-8", "backslashreplace")
+    return t if len(t) <= 120 else t[:117] + "..."
+
+
+def _range_text(key: bytes, range_end: bytes) -> str:
+    """``key '/a/b'``, ``prefix '/a/'`` or ``keys '/a' to '/b'`` (etcd's range form)."""
+    if not range_end:
+        return f"key {_text(key)!r}"
+    if range_end == prefix_end(key):
+        return f"prefix {_text(key)!r}"
+    return f"keys {_text(key)!r} to {_text(range_end)!r}"
+
+
+def _keys_of(request: Any) -> str:
+    """The keys a request names, as text for an error message."""
+    if isinstance(request, pb.TxnRequest):
+        parts: list[str] = []
+        for c in request.compare:
+            parts.append(_range_text(c.key, c.range_end))
+        for op in [*request.success, *request.failure]:
+            inner = getattr(op, op.WhichOneof("request") or "request_range")
+            parts.append(_range_text(inner.key, getattr(inner, "range_end", b"")))
+        uniq = list(dict.fromkeys(parts))
+        return ", ".join(uniq[:4]) + (f" and {len(uniq) - 4} more" if len(uniq) > 4 else "")
+    key = getattr(request, "key", None)
+    if key is None:
+        return "a request"
+    return _range_text(key, getattr(request, "range_end", b""))
 
 
 def _never_sent(exc: grpc.RpcError) -> bool:

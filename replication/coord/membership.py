@@ -42,7 +42,8 @@ from typing import Any
 import trio
 
 from replication.coord.etcd import (
-    Etcd, EtcdCompacted, EtcdError, absent, get_op, mod_is, prefix_end, put_op,
+    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
+    put_op,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 TTL_S = 10
 #: Seconds between watch progress requests (membership needs events, not progress).
 PROGRESS_S = 30.0
+#: Seconds the member view waits before it watches again after etcd's auth refused it.
+DENIED_PAUSE_S = 10.0
 
 
 class RankTaken(EtcdError):
@@ -340,6 +343,7 @@ class MemberView:
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
+            pause = 0.5
             try:
                 for batch in self.etcd.watch(self.members_prefix,
                                              prefix_end(self.members_prefix),
@@ -351,7 +355,9 @@ class MemberView:
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
                 log.warning("membership watch: %s", exc)
-            if self._stop.wait(0.5):
+                if isinstance(exc, EtcdPermissionDenied):
+                    pause = DENIED_PAUSE_S  # until a role is granted: not twice a second
+            if self._stop.wait(pause):
                 return
             try:
                 self._load_view()

@@ -55,8 +55,8 @@ import trio
 from mtcfs.errors import FsError
 from replication.coord._pb import etcd_v3_subset_pb2 as pb
 from replication.coord.etcd import (
-    Etcd, EtcdCompacted, EtcdError, EtcdUnavailable, WatchBatch, absent, delete_op, get_op,
-    mod_is, prefix_end, put_op,
+    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
+    delete_op, get_op, mod_is, prefix_end, put_op,
 )
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class EtcdNamespace:
         self._barrier_next: Any = None      # the one the reads that came later share
         self._unavailable_since: float | None = None
         self._last_error = ""
+        self._denied = False          # the last failure: etcd's auth refused a request
         self._lost = False            # etcd lost history: serve nothing until rejoined
         self.diverged = ""            # an op failed here for a local reason
         self._nursery: Any = None
@@ -228,6 +229,9 @@ class EtcdNamespace:
                 break
             except EtcdError as exc:
                 self._failed(exc)
+                if isinstance(exc, EtcdPermissionDenied):  # waiting would not change it
+                    raise FsError(errno.EIO, f"etcd refuses the job's namespace: {exc}") \
+                        from None
                 if time.monotonic() > deadline:
                     raise FsError(errno.EIO, f"the job's namespace (etcd) did not answer "
                                   f"within {self.timeout_s:g} s: {exc}") from None
@@ -318,6 +322,7 @@ class EtcdNamespace:
 
     def _failed(self, exc: BaseException) -> None:
         self._last_error = str(exc)
+        self._denied = isinstance(exc, EtcdPermissionDenied)
         if self._unavailable_since is None:
             self._unavailable_since = time.monotonic()
             log.warning("the job's namespace cannot reach etcd: %s", exc)
@@ -404,7 +409,7 @@ class EtcdNamespace:
                 return
             except EtcdError as exc:
                 self._failed(exc)
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or isinstance(exc, EtcdPermissionDenied):
                     raise FsError(errno.EIO, f"cannot join the job's namespace in etcd: "
                                   f"{exc}") from None
                 await trio.sleep(0.5)
@@ -738,6 +743,7 @@ class EtcdNamespace:
         return {"engine": "etcd", "endpoints": self.etcd.endpoints, "seq": self.seq,
                 "epoch": self.epoch, "unavailable_s": self._unavailable_s(),
                 "last_error": self._last_error if self._unavailable_since else "",
+                "denied": bool(self._unavailable_since and self._denied),
                 "base_rev": int(self._base.get("rev", 0)) if self._base else None,
                 "ops_since_base": self._since_base, "diverged": self.diverged,
                 **dict(self.counters)}

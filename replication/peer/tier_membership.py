@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from replication.coord.etcd import EtcdError
+from replication.coord.etcd import EtcdError, EtcdPermissionDenied
 from replication.coord.membership import Membership, MemberRecord, RankTaken
 from replication.coord.steps import StepRecords
 from replication.peer.records import MemberInfo, StepRef
@@ -75,13 +75,17 @@ class MembershipRounds:
 
     # ------------------------------------------------------------------ joining
 
-    async def join_job(self) -> None:
+    async def join_job(self, at_mount: bool = False) -> None:
         """Register this node, start the member view and load this rank's record. When etcd
         does not answer (within the client's deadline), log it and go on: the mount comes
-        up, ``peers=`` addresses still work, and every membership round tries again.
+        up, ``peers=`` addresses still work, and every membership round tries again. When
+        etcd's auth refuses this node's keys, the same later on (logged once, in
+        ``mtcfs status``: a role may be granted meanwhile), but at mount it is an error.
 
         Raises:
             RankTaken: another live daemon holds this rank (one line): never mount twice.
+            EtcdPermissionDenied: ``at_mount`` and etcd's auth refuses this node's keys
+                (one line naming the job's prefix).
         """
         if self.member is None:
             ttl = max(2, int(round(self.cfg.liveness_s)))
@@ -97,6 +101,15 @@ class MembershipRounds:
                                                            abandon_on_cancel=True)
         except RankTaken:
             raise
+        except EtcdPermissionDenied as exc:
+            why = (f"etcd denies rank {self.rank} the job's keys under {self.coord_prefix}: "
+                   f"{exc}")
+            if at_mount:
+                raise EtcdPermissionDenied(why, exc.keys) from None
+            if not self.membership_error.startswith("not registered in etcd: etcd denies"):
+                log.error("%s (retrying)", why)
+            self.membership_error = f"not registered in etcd: {why}"
+            return
         except EtcdError as exc:
             if not self.membership_error:
                 log.error("rank %d cannot register in etcd (retrying): %s", self.rank, exc)

@@ -85,6 +85,9 @@ class Cluster:
         test_faults: mount every rank with the ``test_faults`` option, which lets
             :meth:`partition` cut the network through the daemon's ``fault`` control hook
             (a test option: production units never set it, docs/security-local.md).
+        own_prefix: give ``coord_prefix=`` a prefix of this cluster's own (a shared etcd);
+            False: none unless ``options`` says, so the daemons use their default,
+            ``/mtcfs/<job>/`` (an etcd of the test's own, as a user's job would).
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -94,7 +97,8 @@ class Cluster:
                  per_rank_options: dict[int, dict] | None = None,
                  learn_addresses: bool = False,
                  coord_for_rank: Callable[[int], str] | None = None,
-                 tls: bool = True, test_faults: bool = True) -> None:
+                 tls: bool = True, test_faults: bool = True,
+                 own_prefix: bool = True) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
@@ -117,6 +121,7 @@ class Cluster:
         self.ca: TestCa | None = None
         if nodes > 1 and tls:
             self.ca = TestCa(self.root / "pki", job)
+        self.own_prefix = own_prefix
         self._mounts = [self._new_mount(r) for r in range(nodes)]
         self._retired: list[Mount] = []  # replaced by restart(); cleaned up too
 
@@ -130,7 +135,8 @@ class Cluster:
             from .etcd import shared_etcd
             extra = {"coord": shared_etcd().url, "coord_prefix": self.coord_prefix}
         where = {} if self.learn_addresses else {"peers": ",".join(self.addresses)}
-        if "coord" in self._options and "coord_prefix" not in self._options:
+        if "coord" in self._options and "coord_prefix" not in self._options \
+                and self.own_prefix:
             extra = {"coord_prefix": self.coord_prefix, **extra}
         if self.coord_for_rank is not None:
             extra = {**extra, "coord": self.coord_for_rank(rank),

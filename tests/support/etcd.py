@@ -8,6 +8,11 @@
   through its own address (:meth:`EtcdCluster.client_url`), and
   :meth:`EtcdCluster.partition` cuts it off (a blackhole: its calls hit their deadlines),
   :meth:`EtcdCluster.heal` joins it again. The partition tests.
+* ``EtcdCluster(..., tls=EtcdServerTls(...))`` serves its clients over TLS only, asks
+  them for a certificate its CA signed (``--client-cert-auth``: the certificate's CN is
+  the etcd user), and :meth:`EtcdCluster.enable_auth` turns on etcd's users and roles
+  with ``etcdctl`` (the commands docs/security-etcd.md gives): one role per job prefix.
+  The default stays plaintext without auth.
 * ``etcd_server`` is a session-scoped pytest fixture (one member) shared by the tests;
   each test uses its own key prefix (``etcd_prefix``), so they never see each other's keys.
 
@@ -27,14 +32,32 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from .cluster import free_ports
 from .netns import NetNs
+from .pki import Issued
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
+
+
+@dataclass(frozen=True)
+class EtcdServerTls:
+    """TLS on an :class:`EtcdCluster`'s client port.
+
+    Attributes:
+        server: etcd's certificate and key (its SAN must hold the endpoints' host, IP
+            127.0.0.1); its ``ca`` is also the CA etcd trusts for client certificates.
+        admin: a client certificate of that CA with CN ``root`` (etcd's root user once
+            auth is on), used by the cluster's own helpers (readiness, ``etcdctl``).
+    """
+
+    server: Issued
+    admin: Issued
 
 
 def _die_with_parent() -> None:
@@ -83,6 +106,9 @@ class EtcdCluster:
         netns_clients: run the members in a network namespace of their own, reachable by
             that many client nodes, each through its own address (see the module's
             docstring); None: on the root namespace's loopback.
+        tls: serve clients over TLS only, each with a certificate of ``tls.server.ca``
+            (``--client-cert-auth``); None: plaintext (members talk to each other in
+            plaintext either way).
 
     Attributes:
         endpoints: client ``host:port`` of each member, in member order (in a namespace:
@@ -92,8 +118,9 @@ class EtcdCluster:
     """
 
     def __init__(self, root: Path, members: int = 1, extra_args: list[str] | None = None,
-                 netns_clients: int | None = None) -> None:
+                 netns_clients: int | None = None, tls: EtcdServerTls | None = None) -> None:
         self.root = Path(root)
+        self.tls = tls
         self.extra_args = list(extra_args or [])
         self.members = members
         self.names = [f"m{i}" for i in range(members)]
@@ -135,8 +162,12 @@ class EtcdCluster:
 
     def _cmd(self, i: int) -> list[str]:
         peer = f"http://{self._peer_host}:{self.peer_ports[i]}"
-        client = f"http://{self.endpoints[i]}"
-        listen = client if self.netns is None else f"http://0.0.0.0:{self.client_ports[i]}"
+        scheme = "http" if self.tls is None else "https"
+        client = f"{scheme}://{self.endpoints[i]}"
+        listen = client if self.netns is None else f"{scheme}://0.0.0.0:{self.client_ports[i]}"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server.cert), "--key-file", str(self.tls.server.key),
+            "--client-cert-auth", "--trusted-ca-file", str(self.tls.server.ca)]
         return [*(self.netns.exec_prefix() if self.netns is not None else []),
                 ETCD, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
                 "--listen-client-urls", listen, "--advertise-client-urls", client,
@@ -147,7 +178,7 @@ class EtcdCluster:
                 "--heartbeat-interval", "50", "--election-timeout", "500",
                 "--logger", "zap", "--log-level", "error",
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
-                *self.extra_args]
+                *tls, *self.extra_args]
 
     def start(self, timeout: float = 30.0) -> "EtcdCluster":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -166,7 +197,7 @@ class EtcdCluster:
         """Until a linearizable read succeeds (the cluster has a leader)."""
         from replication.coord.etcd import Etcd, EtcdError
         c = Etcd([e for i, e in enumerate(self.endpoints) if self.procs[i] is not None],
-                 timeout_s=2.0)
+                 timeout_s=2.0, tls=self.admin_tls())
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -187,7 +218,7 @@ class EtcdCluster:
     def leader(self) -> int:
         """Index of the member that leads now."""
         from replication.coord.etcd import Etcd
-        c = Etcd(self.endpoints, timeout_s=2.0)
+        c = Etcd(self.endpoints, timeout_s=2.0, tls=self.admin_tls())
         try:
             for i, e in enumerate(self.endpoints):
                 if self.procs[i] is None:
@@ -201,6 +232,54 @@ class EtcdCluster:
         finally:
             c.close()
         raise RuntimeError("no etcd member leads")
+
+    def admin_tls(self):
+        """The :class:`replication.coord.etcd.EtcdTls` of the admin (root) certificate, or
+        None for a plaintext cluster."""
+        from replication.coord.etcd import EtcdTls
+        if self.tls is None:
+            return None
+        a = self.tls.admin
+        return EtcdTls(str(a.ca), str(a.cert), str(a.key))
+
+    def etcdctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """Run ``etcdctl`` (v3 API) against every member, as the admin when TLS is on.
+
+        Raises:
+            RuntimeError: ``check`` and etcdctl failed (its output in the message).
+        """
+        cmd = [ETCDCTL, "--endpoints",
+               ",".join(f"{'https' if self.tls else 'http'}://{e}" for e in self.endpoints)]
+        if self.tls is not None:
+            a = self.tls.admin
+            cmd += ["--cacert", str(a.ca), "--cert", str(a.cert), "--key", str(a.key)]
+        r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30, check=False,
+                           env={**os.environ, "ETCDCTL_API": "3"})
+        if check and r.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)} failed ({r.returncode}): "
+                               f"{r.stdout.strip()} {r.stderr.strip()}")
+        return r
+
+    def enable_auth(self, roles: dict[str, str]) -> None:
+        """Turn on etcd's authentication with a root user (the admin certificate's CN) and,
+        for each ``user -> key prefix`` of ``roles``, a user and a role of that name with
+        readwrite on exactly that prefix: the commands of docs/security-etcd.md."""
+        self.etcdctl("user", "add", "root", "--no-password")
+        self.etcdctl("role", "add", "root")
+        self.etcdctl("user", "grant-role", "root", "root")
+        for user, prefix in roles.items():
+            self.add_job_user(user, prefix)
+        self.etcdctl("auth", "enable")
+
+    def add_job_user(self, user: str, prefix: str | None) -> None:
+        """A user ``user`` (a client certificate's CN) with a role of the same name granting
+        readwrite on ``prefix`` and nothing else (None: a role that grants nothing)."""
+        self.etcdctl("user", "add", user, "--no-password")
+        self.etcdctl("role", "add", user)
+        if prefix is not None:
+            self.etcdctl("role", "grant-permission", user, "--prefix=true", "readwrite",
+                         prefix)
+        self.etcdctl("user", "grant-role", user, user)
 
     def wipe_member(self, i: int) -> None:
         """Delete a (stopped) member's data: it starts again as a new, empty cluster."""
