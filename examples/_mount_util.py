@@ -29,15 +29,46 @@ from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used b
 T = TypeVar("T")
 
 
+_etcd: dict[str, str] = {}
+_etcd_stop: list[Callable[[], None]] = []
+
+
+def stop_local_etcd() -> None:
+    """Stop :func:`local_etcd`'s etcd now (for a process that leaves with os._exit)."""
+    while _etcd_stop:
+        _etcd_stop.pop()()
+    _etcd.clear()
+
+
 def local_etcd(tag: str) -> dict[str, str]:
-    """The ``coord=`` and ``coord_prefix=`` options for a demo's nodes: a one-member etcd on
-    loopback (tests/support/etcd.py; data on tmpfs), started once per process and stopped
-    when it exits. A real job points ``coord=`` at its own etcd cluster."""
+    """The ``coord=``, ``coord_prefix=`` and etcd TLS options (``coord_ca=``,
+    ``coord_cert=``, ``coord_key=``) for a demo's nodes: a one-member etcd on loopback that
+    speaks only TLS and asks for a client certificate (tests/support/etcd.py; data and
+    certificates on tmpfs), started once per process and stopped when it exits. A real job
+    points ``coord=`` at its own etcd cluster (docs/security-etcd.md)."""
     tests = str(REPO / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    from support.etcd import shared_etcd
-    return {"coord": shared_etcd().url, "coord_prefix": f"/mtcfs-demo/{tag}-{os.getpid()}"}
+    import atexit
+
+    from mtcfs.pki import JobCa
+    from support.etcd import EtcdCluster, EtcdServerTls
+    if not _etcd:
+        root = Path(tempfile.mkdtemp(prefix="mtcfs-demo-etcd-", dir="/dev/shm"))
+        ca = JobCa(root / "pki", "etcd")
+        server = ca.issue("server", cn="etcd", ips=("127.0.0.1",))
+        cluster = EtcdCluster(root / "etcd", 1, tls=EtcdServerTls(
+            server=server, admin=ca.issue("root", cn="root"))).start()
+
+        def stop() -> None:
+            cluster.stop()
+            shutil.rmtree(root, ignore_errors=True)
+        atexit.register(stop_local_etcd)
+        _etcd_stop.append(stop)
+        client = ca.issue("mtcfs", cn="mtcfs")
+        _etcd.update(coord=cluster.url, coord_ca=str(ca.ca), coord_cert=str(client.cert),
+                     coord_key=str(client.key))
+    return {**_etcd, "coord_prefix": f"/mtcfs-demo/{tag}-{os.getpid()}"}
 
 
 def job_tls(work: Path, job: str, nodes: int) -> Callable[[int], dict[str, str]]:

@@ -197,7 +197,7 @@ def worker(a: argparse.Namespace) -> None:
 
 sys.path.insert(0, str(HERE.parent))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
+    MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch, stop_local_etcd,
 )
 from demo import human  # noqa: E402
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
@@ -573,9 +573,7 @@ if __name__ == "__main__":
     code = main()
     # A rank leaves without the interpreter's teardown: torch now and then aborts there
     # ("terminate called without an active exception") after destroy_process_group.
-    etcd = sys.modules.get("support.etcd")  # os._exit skips atexit: stop it here
-    if etcd is not None:
-        etcd.stop_shared()
+    stop_local_etcd()  # os._exit skips atexit: stop it here
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -24,7 +24,7 @@ from mtcfs.fs.core import Filesystem
 from mtcfs.fs.model import ROOT_INO
 from mtcfs.fuse_ops import Operations
 from mtcfs.mountinfo import device_of
-from mtcfs.options import MountOptions
+from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.store import Store, check_size, filesystem_warning
 
 log = logging.getLogger(__name__)
@@ -182,10 +182,12 @@ class Daemon:
         """
         from replication.peer.tls import TlsFiles
         o = self.opts
+        plain = plaintext_parts(o)
+        if plain:
+            log.warning("option insecure: %s is PLAINTEXT and unauthenticated: anyone who "
+                        "reaches it can read and change this job's checkpoints "
+                        "(docs/security.md)", " and ".join(plain))
         if not o.tls_ca:
-            log.warning("option insecure: the peer traffic of this node is PLAINTEXT and "
-                        "unauthenticated: anyone who reaches %s can read and change its "
-                        "checkpoints (docs/security.md)", o.listen)
             return None
         assert o.tls_cert and o.tls_key
         tls = TlsFiles(o.tls_ca, o.tls_cert, o.tls_key)

@@ -570,7 +570,8 @@ def _check_security(o: MountOptions) -> None:
 
     Raises:
         OptionError: tls_* given in part, or on one node; nodes > 1 with neither TLS
-            material nor ``insecure``; ``insecure`` beside complete TLS material.
+            material nor ``insecure`` for the peers, or for etcd (coord= without
+            coord_ca=); ``insecure`` where every connection has TLS.
     """
     tls = {n: getattr(o, n) for n in ("tls_ca", "tls_cert", "tls_key")}
     given = [n for n, v in tls.items() if v]
@@ -581,10 +582,30 @@ def _check_security(o: MountOptions) -> None:
     if given and not o.multi_node:
         raise OptionError("options tls_ca=, tls_cert=, tls_key= secure the traffic between "
                           "nodes: they need nodes >= 2")
-    if o.multi_node and not given and not o.insecure:
+    if o.insecure:
+        if o.multi_node and given and o.coord_ca:
+            raise OptionError("option insecure has nothing to allow: the peers use tls_ca=, "
+                              "tls_cert=, tls_key= and etcd uses coord_ca=; leave it out")
+        return
+    if o.multi_node and not given:
         raise OptionError(f"nodes={o.nodes} needs tls_ca=, tls_cert= and tls_key= (the job's "
                           "CA, this rank's certificate and key; docs/security.md), or the "
                           "option insecure for plaintext peer traffic")
+    if o.coord and not o.coord_ca:
+        raise OptionError(f"coord=etcd://{','.join(o.coord)} is plaintext: give "
+                          "coord_ca= (and coord_cert=, coord_key=; docs/security-etcd.md), "
+                          "or the option insecure for plaintext traffic to etcd")
+
+
+def plaintext_parts(o: MountOptions) -> list[str]:
+    """What of a mount's traffic goes without TLS (with option ``insecure``), for the
+    warning the daemon logs at every start."""
+    parts = []
+    if o.multi_node and not o.tls_ca:
+        parts.append(f"the peer traffic on {o.listen}")
+    if o.coord and not o.coord_ca:
+        parts.append("the traffic to etcd")
+    return parts
 
 
 def _check_peer_tier(o: MountOptions, given: dict[str, str]) -> None:

@@ -43,12 +43,14 @@ def shm_dir():
 @pytest.fixture
 def make_mount(shm_dir):
     """Factory: ``make_mount(name="a", **options) -> Mount`` (started). All are cleaned up.
-    A multi-node mount given no TLS files gets option ``insecure`` (the peer TLS itself is
-    tested through :class:`Cluster`, which gives every rank a certificate)."""
+    A multi-node mount given no TLS files (peers and etcd) gets option ``insecure`` (the
+    peer TLS is tested through :class:`Cluster`, which gives every rank a certificate, and
+    etcd's in t9_etcd_auth)."""
     mounts: list[Mount] = []
 
     def factory(name: str = "m", start: bool = True, job: str = "testjob", **options) -> Mount:
-        if int(options.get("nodes", 1)) > 1 and "tls_ca" not in options:
+        if int(options.get("nodes", 1)) > 1 and not ("tls_ca" in options
+                                                      and "coord_ca" in options):
             options.setdefault("insecure", True)
         m = Mount(shm_dir / name, job=job, options={k: (None if v is True else str(v))
                                                     for k, v in options.items()})

@@ -62,7 +62,8 @@ def parse(*opts: str):
     """Parse; a multi-node mount that names no TLS files is parsed as ``insecure``, and one
     with no address as ``listen=h:1`` (both have their own tests below)."""
     text = ",".join(opts)
-    if "nodes=" in text and "tls_" not in text and "insecure" not in text:
+    if "nodes=" in text and "insecure" not in text and not (
+            "tls_" in text and "coord_ca" in text):
         opts = (*opts, "insecure")
     if "nodes=" in text and "listen=" not in text and "peers=" not in text:
         opts = (*opts, "listen=h:1")  # the default is this host's address (tested below)
@@ -419,8 +420,24 @@ def test_tls_files_go_together_and_only_with_several_nodes():
         parse_exactly("tls_ca=/ca.pem,tls_cert=/c.pem,tls_key=/c.key")
     assert "need nodes >= 2" in str(e.value)
     o = parse_exactly("nodes=2,coord=etcd://e:1,listen=h:1,tls_ca=ca.pem,tls_cert=/c.pem,"
-                      "tls_key=/c.key")
-    assert o.tls_ca.startswith("/") and o.tls_ca.endswith("/ca.pem") and not o.insecure
+                      "tls_key=/c.key,insecure")  # insecure: etcd without coord_ca=
+    assert o.tls_ca.startswith("/") and o.tls_ca.endswith("/ca.pem") and o.insecure
+
+
+def test_plaintext_etcd_needs_insecure_and_insecure_needs_something_plaintext(tmp_path):
+    from mtcfs.pki import JobCa
+    ca = JobCa(tmp_path, "j")
+    e = ca.issue("etcd-client")
+    peer = "nodes=2,listen=h:1,tls_ca=/ca.pem,tls_cert=/c.pem,tls_key=/c.key"
+    with pytest.raises(OptionError) as ei:
+        parse_exactly(f"{peer},coord=etcd://e:1")
+    assert "coord=etcd://e:1 is plaintext" in str(ei.value) and "coord_ca=" in str(ei.value)
+    tls_etcd = f"coord=etcd://e:1,coord_ca={ca.ca},coord_cert={e.cert},coord_key={e.key}"
+    o = parse_exactly(f"{peer},{tls_etcd}")
+    assert not o.insecure and o.coord_ca == str(ca.ca)
+    with pytest.raises(OptionError) as ei:
+        parse_exactly(f"{peer},{tls_etcd},insecure")
+    assert "insecure has nothing to allow" in str(ei.value)
 
 
 def test_test_faults_is_an_off_by_default_flag():

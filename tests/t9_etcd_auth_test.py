@@ -223,8 +223,10 @@ def test_a_daemon_whose_user_has_no_role_for_its_prefix_does_not_mount(shm_dir, 
     mnt, store = shm_dir / "mnt", shm_dir / "store"
     mnt.mkdir()
     port = free_ports(1)[0]
+    peer = TestCa(shm_dir / "peer-ca", "jobC").issue_rank("jobC", 0)
     opts = {"store": str(store), "size": "256M", "rank": "0", "nodes": "2",
-            "listen": f"127.0.0.1:{port}", **_coord_options(e, "jobC")}
+            "listen": f"127.0.0.1:{port}", **_coord_options(e, "jobC"),
+            "tls_ca": str(peer.ca), "tls_cert": str(peer.cert), "tls_key": str(peer.key)}
     t0 = time.monotonic()
     r = subprocess.run([*MTCFS, "jobC", str(mnt), "-o",
                         ",".join(f"{k}={v}" for k, v in opts.items())],
@@ -322,7 +324,9 @@ def test_renewed_certificate_files_are_used_without_a_restart(secure_etcd, tmp_p
 # ---------------------------------------------------------------------- options
 
 def _parse(tmp_path, **kw):
-    base = {"rank": "0", "nodes": "2", "coord": "etcd://127.0.0.1:2379"}
+    # (the peers in plaintext: only etcd's options are under test here)
+    base = {"rank": "0", "nodes": "2", "coord": "etcd://127.0.0.1:2379", "listen": "h:1",
+            "insecure": None}
     opts = ",".join(k if v is None else f"{k}={v}" for k, v in {**base, **kw}.items())
     return parse_mount_options("j", str(tmp_path), [opts])
 

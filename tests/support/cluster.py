@@ -164,10 +164,14 @@ class Cluster:
         return TlsFiles(str(i.ca), str(i.cert), str(i.key))
 
     def _security(self, rank: int) -> dict[str, str | None]:
+        """TLS files for the peers; ``insecure`` where something stays plaintext (no CA,
+        or an etcd without ``coord_ca=``, as the shared test etcd on loopback is)."""
         if self.ca is None or "insecure" in self._options:
             return {"insecure": None}
         i = self.issued(rank)
-        return {"tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key)}
+        plain_etcd = {} if "coord_ca" in self._options else {"insecure": None}
+        return {"tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key),
+                **plain_etcd}
 
     def _new_mount(self, rank: int) -> Mount:
         return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
