@@ -95,10 +95,11 @@ class Entry:
                 number out of its bounds, or an entry :meth:`validate` refuses.
         """
         if not isinstance(d, dict):
-            raise ManifestError(f"a manifest entry is a JSON object, not {type(d).__name__}")
+            raise ManifestError(f"bad manifest entry: a JSON {_json_type(d)}, not an object")
         chunks = d.get("chunks", [])
         if not isinstance(chunks, list):
-            raise ManifestError(f"chunks of {d.get('path')!r} are not a list")
+            raise ManifestError(f"bad manifest entry: chunks of {d.get('path')!r} are a JSON "
+                                f"{_json_type(chunks)}, not an array")
         e = cls(
             path=_str(d, "path"), kind=_str(d, "kind"), mode=_int(d, "mode", 0, 0o7777),
             mtime_ns=_int(d, "mtime_ns", INT64_MIN, INT64_MAX),
@@ -190,12 +191,13 @@ class StepManifest:
         except ValueError as exc:  # JSONDecodeError, bad UTF-8, an int of > 4300 digits
             raise ManifestError(f"bad step manifest: {exc}") from None
         if not isinstance(d, dict):
-            raise ManifestError(f"bad step manifest: a JSON {type(d).__name__}, not an object")
+            raise ManifestError(f"bad step manifest: a JSON {_json_type(d)}, not an object")
         if d.get("format") != FORMAT_VERSION:
             raise ManifestError(f"unsupported manifest format {d.get('format')!r}")
         entries = d.get("entries")
         if not isinstance(entries, list):
-            raise ManifestError("bad step manifest: entries is not a list")
+            raise ManifestError(f"bad step manifest: entries is a JSON {_json_type(entries)}, "
+                                "not an array")
         m = cls(job=_str(d, "job"), step=_str(d, "step"),
                 step_number=_int(d, "step_number", 0, INT64_MAX),
                 created_ns=_int(d, "created_ns", 0, INT64_MAX),
@@ -221,6 +223,15 @@ def _all_hex64(digests: tuple[str, ...]) -> bool:
         len(c) == 64 for c in digests)
 
 
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+               float: "number with a fraction", type(None): "null"}
+
+
+def _json_type(v: Any) -> str:
+    """What a value from json.loads was in the JSON text."""
+    return _JSON_TYPES.get(type(v), type(v).__name__)
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
@@ -239,7 +250,7 @@ def _str(d: dict[str, Any], key: str, default: Any = _MISSING) -> str:
     """``d[key]`` if it is a string (``default`` when absent, if given)."""
     v = _field(d, key, default)
     if not isinstance(v, str):
-        raise ManifestError(f"bad manifest: {key} is a {type(v).__name__}, not a string")
+        raise ManifestError(f"bad manifest: {key} is a JSON {_json_type(v)}, not a string")
     return v
 
 
@@ -247,7 +258,7 @@ def _int(d: dict[str, Any], key: str, lo: int, hi: int, default: Any = _MISSING)
     """``d[key]`` if it is an integer in ``lo..hi`` (``default`` when absent, if given)."""
     v = _field(d, key, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ManifestError(f"bad manifest: {key} is a {type(v).__name__}, not an integer")
+        raise ManifestError(f"bad manifest: {key} is a JSON {_json_type(v)}, not an integer")
     if not lo <= v <= hi:
         digits = len(str(abs(v)))
         shown = v if digits <= 40 else f"(a {digits}-digit number)"
