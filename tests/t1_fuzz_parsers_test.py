@@ -150,7 +150,9 @@ def test_mount_options(job, groups):
     # found by the fuzzer: str.isdigit() takes Unicode digits, so a port of Arabic-Indic
     # digits passed and listen= held an address no socket can bind
     ["nodes=2,rank=0,listen=h:\u0663\u0663,coord=etcd://e:1"],
-    ["nodes=2,rank=0,peers=a:1,b:\u00b2,coord=etcd://e:1"],
+    ["nodes=2,rank=0,peers=a:1,b:\u00b2,coord=etcd://e:1"], ["listen=0:\u0660"],
+    # found by the fuzzer: a store path with a NUL byte was taken
+    ["store=/dev/shm/a\0b"],
 ])
 def test_regressions_options_are_refused_with_an_option_error(opts):
     with pytest.raises(OptionError) as exc:
@@ -268,10 +270,11 @@ def _bomb(key: str) -> str:
 
 
 @pytest.mark.parametrize("text,words", [
-    # found by the fuzzer: job-name printed with str() -> 9^9 list elements (never returned)
+    # found by the fuzzer: an alias bomb in framework (3 levels: a warning of 3,888
+    # characters); 9 levels in job-name or framework made str() build 9^9 elements, and in
+    # peer-ranks repr() did the same in the message: parsing never returned
     (_bomb("job-name"), ["job-name", "string"]),
     (_bomb("framework"), ["framework", "string"]),
-    # found by the fuzzer: repr() of a non-list peer-ranks in the message, same bomb
     (_bomb("peer-ranks"), ["peer-ranks", "list of integers"]),
     # found by the fuzzer: PyYAML's int() of more than 4300 digits raised ValueError
     ("nodes: " + "9" * 5000 + "\nnode-rank: 0\n", ["nodes"]),
@@ -281,10 +284,12 @@ def _bomb(key: str) -> str:
      ["nested 20000 levels deep"]),
     ("- " * 20_000 + "x\n", ["nested too deeply"]),
     ("job-name: " + "[" * 100_000 + "]" * 100_000 + "\n", ["200011 characters"]),
-    # found by the fuzzer: no upper bound, so 60.0 * minutes raised OverflowError later
+    # found by the fuzzer: nodes had no upper bound (it took 9999999999999999999)
+    ("nodes: 65537\nnode-rank: 0\n", ["nodes: 65537", "at most 65536"]),
+    # found while writing the fuzzer: no upper bound, so 60.0 * minutes raised
+    # OverflowError in the replicator after the yaml was accepted
     ("nodes: 2\nnode-rank: 0\nbackup-interval-minutes: " + "9" * 400 + "\n",
      ["backup-interval-minutes", "at most"]),
-    ("nodes: 65537\nnode-rank: 0\n", ["nodes: 65537", "at most 65536"]),
 ])
 def test_regressions_replicator_yaml_is_refused_at_once(text, words):
     exc = _parse_within(text)

@@ -76,6 +76,7 @@ def fuzz(short: int, most: int | None = None) -> settings:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                HealthCheck.large_base_example, HealthCheck.filter_too_much])
 
+
 # -- data the fuzzer mixes in ---------------------------------------------------------------
 
 _rng = random.Random(14)
@@ -201,7 +202,7 @@ def changes(before: dict, after: dict) -> tuple[set[str], set[str]]:
     return added, touched
 
 
-def size_of(msgs) -> bytes:
+def serialized(msgs) -> bytes:
     return b"".join(m.SerializeToString() for m in msgs)
 
 
@@ -224,8 +225,7 @@ def test_has_and_get_chunks(server, job, rank, digests):
         assert code is grpc.StatusCode.OK, details
         assert reply.count == len(digests)
         flags = [bool(reply.present[i >> 3] >> (i & 7) & 1) for i in range(len(digests))]
-        assert flags == [h in HELD_DIGESTS or h in server_new_chunks(server, h)
-                         for h in digests]
+        assert flags == [h in HELD_DIGESTS or held_now(server, h) for h in digests]
     elif code is grpc.StatusCode.OK:
         pytest.fail(f"accepted: job={job!r} rank={rank} digests={digests[:3]!r}...")
 
@@ -233,20 +233,22 @@ def test_has_and_get_chunks(server, job, rank, digests):
     code, details, items = outcome(lambda: list(server.stub.GetChunks(get_req,
                                                                          timeout=TIMEOUT)))
     check_status(code, details, get_req.SerializeToString())
+    if valid_call and well_formed:
+        assert code is grpc.StatusCode.OK, details
     if code is grpc.StatusCode.OK:
         got = reassemble(items)
         for h, data in got.items():
             assert chunk_hash(data) == h
             if h in BY_DIGEST:
                 assert data == BY_DIGEST[h]
-        assert set(got) | {u for u in unavailable(items)} == set(digests[:64])
+        assert set(got) | set(unavailable(items)) == set(digests[:64])
     assert changes(before, server.daemon.stored()) == (set(), set())
     server.check_serving()
 
 
-def server_new_chunks(server: Server, h: str) -> set[str]:
-    """{h} if the server stores chunk ``h`` on disk (an earlier input stored it), else {}."""
-    return {h} if (server.daemon.root / "chunks" / h[:2] / h).exists() else set()
+def held_now(server: Server, h: str) -> bool:
+    """Whether the server stores chunk ``h`` on disk (an earlier input stored it)."""
+    return (server.daemon.root / "chunks" / h[:2] / h).exists()
 
 
 def reassemble(items) -> dict[str, bytes]:
@@ -376,7 +378,7 @@ def check_put(server: Server, before: dict, msgs, code, reply) -> None:
 def test_put_chunks(server, msgs):
     before = server.daemon.stored()
     code, details, reply = outcome(lambda: server.stub.PutChunks(iter(msgs), timeout=TIMEOUT))
-    check_status(code, details, size_of(msgs))
+    check_status(code, details, serialized(msgs))
     check_put(server, before, msgs, code, reply)
     server.check_serving()
 
