@@ -455,7 +455,7 @@ def manifest_bodies(draw, step: str, step_number: int, rank: int) -> bytes:
         e = draw(st.sampled_from(entries))
         if where == "number":
             key = draw(st.sampled_from(NUMBER_FIELDS))
-            n = doc[key] if isinstance(doc[key], int) else 0
+            n = doc.get(key) if isinstance(doc.get(key), int) else 0
             doc[key] = draw(st.one_of(odd_numbers, st.sampled_from(
                 [n + 0.5, float(n), str(n), -n - 1])))
         elif where == "field":
