@@ -60,7 +60,7 @@ bench-coord-scale:
 
 # Fuzz tests, long form (docs/fuzzing.md): tests/t1_fuzz_parsers_test.py (mount options,
 # replicator.yaml, step manifests) and tests/t2_fuzz_peer_test.py (a Peer server fed hostile
-# messages) with FUZZ_EXAMPLES random inputs per test (20,000: about an hour on 2 cores; the
+# messages) with FUZZ_EXAMPLES random inputs per test (20,000: about 30 minutes on 2 cores; the
 # test suite runs a short, derandomized form). A failure prints the input and a
 # @reproduce_failure blob. make fuzz FUZZ_EXAMPLES=2000 ARGS="--hypothesis-seed=7 -x"
 FUZZ_EXAMPLES ?= 20000
