@@ -57,3 +57,14 @@ chaos:
 .PHONY: bench-coord-scale
 bench-coord-scale:
 	$(PYTHON) -m benchmarks.bench_coord_scale $(ARGS)
+
+# Fuzz tests, long form (docs/fuzzing.md): tests/t1_fuzz_parsers_test.py (mount options,
+# replicator.yaml, step manifests) and tests/t2_fuzz_peer_test.py (a Peer server fed hostile
+# messages) with FUZZ_EXAMPLES random inputs per test (20,000: about 30 minutes on 2 cores; the
+# test suite runs a short, derandomized form). A failure prints the input and a
+# @reproduce_failure blob. make fuzz FUZZ_EXAMPLES=2000 ARGS="--hypothesis-seed=7 -x"
+FUZZ_EXAMPLES ?= 20000
+.PHONY: fuzz
+fuzz:
+	MTCFS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q --timeout 0 -o session_timeout=86400 \
+		tests/t1_fuzz_parsers_test.py tests/t2_fuzz_peer_test.py $(ARGS)

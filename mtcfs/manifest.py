@@ -11,11 +11,24 @@ Both serialise to plain JSON so that a human can read a backup bucket with ``gsu
 from __future__ import annotations
 
 import json
+import re
 import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+
+#: Bounds of a manifest's numbers (an int64, as on the wire and in SQLite): step numbers,
+#: times, sizes, and the sum of a step's file sizes. A manifest can come from a peer or a
+#: bucket; :meth:`StepManifest.from_bytes` refuses one that leaves them.
+INT64_MAX = 2 ** 63 - 1
+INT64_MIN = -(2 ** 63)
+#: Largest ``chunk_size`` an entry may name, bytes (mtcfs.chunking.MAX_CHUNK_SIZE).
+MAX_ENTRY_CHUNK_SIZE = 256 * 1024 * 1024
+#: Longest name of one path component, bytes (Linux NAME_MAX).
+NAME_MAX = 255
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 #: Special file types a manifest names (``Entry.node``) -> their S_IFMT bits.
 SPECIAL_MODES = {"fifo": stat.S_IFIFO, "socket": stat.S_IFSOCK, "char": stat.S_IFCHR,
@@ -75,25 +88,41 @@ class Entry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Entry":
-        try:
-            e = cls(
-                path=str(d["path"]), kind=str(d["kind"]), mode=int(d["mode"]),
-                mtime_ns=int(d["mtime_ns"]), size=int(d.get("size", 0)),
-                chunk_size=int(d.get("chunk_size", 0)),
-                chunks=tuple(str(c) for c in d.get("chunks", ())),
-                blake3=str(d.get("blake3", "")), target=str(d.get("target", "")),
-                node=str(d.get("node", "")), rdev=int(d.get("rdev", 0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"bad manifest entry {d!r}: {exc}") from exc
+        """The entry a manifest's JSON object describes, validated.
+
+        Raises:
+            ManifestError: not an object, a field missing or of the wrong JSON type, a
+                number out of its bounds, or an entry :meth:`validate` refuses.
+        """
+        if not isinstance(d, dict):
+            raise ManifestError(f"bad manifest entry: a JSON {_json_type(d)}, not an object")
+        chunks = d.get("chunks", [])
+        if not isinstance(chunks, list):
+            raise ManifestError(f"bad manifest entry: chunks of {d.get('path')!r} are a JSON "
+                                f"{_json_type(chunks)}, not an array")
+        e = cls(
+            path=_str(d, "path"), kind=_str(d, "kind"), mode=_int(d, "mode", 0, 0o7777),
+            mtime_ns=_int(d, "mtime_ns", INT64_MIN, INT64_MAX),
+            size=_int(d, "size", 0, INT64_MAX, 0),
+            chunk_size=_int(d, "chunk_size", 0, MAX_ENTRY_CHUNK_SIZE, 0),
+            chunks=tuple(chunks), blake3=_str(d, "blake3", ""), target=_str(d, "target", ""),
+            node=_str(d, "node", ""), rdev=_int(d, "rdev", 0, 2 ** 64 - 1, 0),
+        )
         e.validate()
         return e
 
     def validate(self) -> None:
-        """Raise :class:`ManifestError` if the entry could escape the job or is inconsistent."""
+        """Raise :class:`ManifestError` if the entry could escape the job or is inconsistent:
+        a path that is empty, absolute, has an empty, '.' or '..' component, a NUL or a
+        component above :data:`NAME_MAX` bytes; an unknown kind; a file whose chunk list does
+        not cover its size or whose digests are not lowercase hex blake3."""
         parts = self.path.split("/")
-        if not self.path or self.path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        if not self.path or self.path.startswith("/") or "\0" in self.path \
+                or any(p in ("", ".", "..") for p in parts):
             raise ManifestError(f"bad path in manifest: {self.path!r}")
+        if any(len(p.encode(errors="surrogateescape")) > NAME_MAX for p in parts):
+            raise ManifestError(f"a name in path {self.path[:64]!r}... is longer than "
+                                f"{NAME_MAX} bytes")
         if self.kind not in ("file", "dir", "symlink", "special"):
             raise ManifestError(f"bad entry kind {self.kind!r} for {self.path!r}")
         if self.kind == "special" and self.node not in SPECIAL_MODES:
@@ -103,8 +132,10 @@ class Entry:
                 raise ManifestError(f"bad size/chunk_size for {self.path!r}")
             if self.size > 0 and len(self.chunks) != -(-self.size // self.chunk_size):
                 raise ManifestError(f"chunk list of {self.path!r} does not cover its size")
-            if any(len(c) != 64 for c in self.chunks):
+            if not _all_hex64(self.chunks):
                 raise ManifestError(f"bad chunk digest in {self.path!r}")
+            if self.blake3 and not _HEX64.fullmatch(self.blake3):
+                raise ManifestError(f"bad blake3 digest of {self.path!r}")
 
 
 @dataclass
@@ -144,18 +175,92 @@ class StepManifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "StepManifest":
+        """Parse and validate :meth:`to_bytes`'s output (which may come from a peer or a
+        bucket: anything).
+
+        Raises:
+            ManifestError: not JSON, nested too deeply, not a manifest object, a field
+                missing or of the wrong JSON type, ``step_number`` or ``created_ns`` outside
+                0..2^63-1, file sizes summing above that, an entry outside the step, or an
+                entry :meth:`Entry.validate` refuses.
+        """
         try:
-            d = json.loads(raw)
-            if d.get("format") != FORMAT_VERSION:
-                raise ManifestError(f"unsupported manifest format {d.get('format')!r}")
-            m = cls(job=str(d["job"]), step=str(d["step"]), step_number=int(d["step_number"]),
-                    created_ns=int(d["created_ns"]), rank=int(d.get("rank", 0)),
-                    entries=[Entry.from_json(e) for e in d["entries"]])
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            if isinstance(exc, ManifestError):
-                raise
-            raise ManifestError(f"bad step manifest: {exc}") from exc
+            d = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise ManifestError("bad step manifest: JSON nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, bad UTF-8, an int of > 4300 digits
+            raise ManifestError(f"bad step manifest: {exc}") from None
+        if not isinstance(d, dict):
+            raise ManifestError(f"bad step manifest: a JSON {_json_type(d)}, not an object")
+        if d.get("format") != FORMAT_VERSION:
+            raise ManifestError(f"unsupported manifest format {d.get('format')!r}")
+        entries = d.get("entries")
+        if not isinstance(entries, list):
+            raise ManifestError(f"bad step manifest: entries is a JSON {_json_type(entries)}, "
+                                "not an array")
+        m = cls(job=_str(d, "job"), step=_str(d, "step"),
+                step_number=_int(d, "step_number", 0, INT64_MAX),
+                created_ns=_int(d, "created_ns", 0, INT64_MAX),
+                rank=_int(d, "rank", 0, INT64_MAX, 0),
+                entries=[Entry.from_json(e) for e in entries])
         for e in m.entries:
             if e.path != m.step and not e.path.startswith(m.step + "/"):
                 raise ManifestError(f"entry {e.path!r} is outside step {m.step!r}")
+        if m.total_bytes > INT64_MAX:
+            raise ManifestError(f"the files of step {m.step!r} add up to more than "
+                                f"{INT64_MAX} bytes")
         return m
+
+
+def _all_hex64(digests: tuple[str, ...]) -> bool:
+    """Whether every item is a string of 64 lowercase hex digits (in bulk: a manifest may
+    list a million)."""
+    try:
+        joined = "".join(digests).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
+        return False
+    return not joined.translate(None, b"0123456789abcdef") and all(
+        len(c) == 64 for c in digests)
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+               float: "number with a fraction", type(None): "null"}
+
+
+def _json_type(v: Any) -> str:
+    """What a value from json.loads was in the JSON text."""
+    return _JSON_TYPES.get(type(v), type(v).__name__)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+_MISSING = object()
+
+
+def _field(d: dict[str, Any], key: str, default: Any) -> Any:
+    v = d.get(key, default)
+    if v is _MISSING:
+        raise ManifestError(f"bad manifest: {key} is missing")
+    return v
+
+
+def _str(d: dict[str, Any], key: str, default: Any = _MISSING) -> str:
+    """``d[key]`` if it is a string (``default`` when absent, if given)."""
+    v = _field(d, key, default)
+    if not isinstance(v, str):
+        raise ManifestError(f"bad manifest: {key} is a JSON {_json_type(v)}, not a string")
+    return v
+
+
+def _int(d: dict[str, Any], key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+    """``d[key]`` if it is an integer in ``lo..hi`` (``default`` when absent, if given)."""
+    v = _field(d, key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ManifestError(f"bad manifest: {key} is a JSON {_json_type(v)}, not an integer")
+    if not lo <= v <= hi:
+        digits = len(str(abs(v)))
+        shown = v if digits <= 40 else f"(a {digits}-digit number)"
+        raise ManifestError(f"bad manifest: {key} {shown} is outside {lo}..{hi}")
+    return v

@@ -25,13 +25,16 @@ _GENERIC = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "
             "auto", "noauto", "user", "nouser", "users", "defaults", "_netdev", "nofail",
             "lazytime", "nolazytime", "silent", "loud"}
 
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)$", re.IGNORECASE)
-_DUR_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|)$", re.IGNORECASE)
-_CKPT_RE = re.compile(r"^(\d+)\s*ckpts?$", re.IGNORECASE)
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HOST_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})$")
-_IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._-]+)?$")
-_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+# All matched with fullmatch ("$" would let a final newline in) and re.ASCII (\d would take
+# any Unicode digit, and IGNORECASE alone matches U+017F, the long s, as "s").
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)", re.IGNORECASE | re.ASCII)
+_DUR_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|)", re.IGNORECASE | re.ASCII)
+_CKPT_RE = re.compile(r"(\d+)\s*ckpts?", re.IGNORECASE | re.ASCII)
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HOST_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})")
+_IPV6_RE = re.compile(r"[0-9A-Fa-f:.]+(?:%[A-Za-z0-9._-]+)?")
+_LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")
+_PORT_RE = re.compile(r"[0-9]{1,5}")
 #: Separators accepted inside ``peers=`` and ``topology=`` besides the comma (which mount(8)
 #: also uses between options): ``peers=a:1;b:2`` and ``peers=a:1+b:2`` need no guessing.
 _LIST_SEP_RE = re.compile(r"[;+]")
@@ -67,7 +70,7 @@ def parse_size(text: str) -> int:
     Raises:
         ValueError: not a size.
     """
-    m = _SIZE_RE.match(text.strip())
+    m = _SIZE_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(f"expected a size like 512M or 60G, got {text!r}")
     mult = 1024 ** "_kmgtp".index((m.group(2) or "_").lower())
@@ -78,7 +81,7 @@ def parse_size(text: str) -> int:
 
 def parse_duration(text: str) -> float:
     """``"10m"`` -> 600.0 seconds (suffixes s, m, h, d; no suffix: seconds)."""
-    m = _DUR_RE.match(text.strip())
+    m = _DUR_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(f"expected a duration like 30s, 10m or 1h, got {text!r}")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2).lower()]
@@ -107,7 +110,7 @@ def parse_address(text: str) -> str:
     text = text.strip()
     if text.startswith("["):
         host, close, rest = text[1:].partition("]")
-        if not close or not rest.startswith(":") or not _IPV6_RE.match(host) \
+        if not close or not rest.startswith(":") or not _IPV6_RE.fullmatch(host) \
                 or ":" not in host:
             raise ValueError(f"expected [ipv6]:port, got {text!r}")
         port = rest[1:]
@@ -117,9 +120,9 @@ def parse_address(text: str) -> str:
             raise ValueError(f"expected host:port, got {text!r}")
         if ":" in host:
             raise ValueError(f"put an IPv6 address in brackets ([::1]:7470), got {text!r}")
-        if not _HOST_RE.match(host):
+        if not _HOST_RE.fullmatch(host):
             raise ValueError(f"expected host:port with a host name or address, got {text!r}")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not _PORT_RE.fullmatch(port) or not 0 <= int(port) <= 65535:
         raise ValueError(f"port must be an integer in 0..65535, got {text!r}")
     return text
 
@@ -159,7 +162,7 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
     for item in filter(None, (s.strip() for s in _LIST_SEP_RE.split(text.replace(",", ";")))):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or not _LABEL_KEY_RE.match(key):
+        if not sep or not _LABEL_KEY_RE.fullmatch(key):
             raise ValueError(f"bad topology label {item!r}: want key=value")
         if not value:
             raise ValueError(f"topology label {key!r} has no value")
@@ -176,7 +179,7 @@ def parse_backup_interval(text: str) -> BackupInterval:
         ValueError: not a duration or count, a duration outside 1s..30d, or a count outside
             1..1000000ckpt.
     """
-    m = _CKPT_RE.match(text.strip())
+    m = _CKPT_RE.fullmatch(text.strip())
     if m:
         n = int(m.group(1))
         if n < 1:
@@ -336,7 +339,7 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
         OptionError: unknown option, malformed value, bad job name, or peer tier options
             that do not fit together (see :func:`_check_peer_tier`).
     """
-    if not _JOB_RE.match(job):
+    if not _JOB_RE.fullmatch(job):
         raise OptionError(f"bad job name {job!r}: use letters, digits, '.', '_' and '-'")
     o = MountOptions(job=job, mountpoint=mountpoint, store=default_store(job),
                      foreground=foreground)
@@ -365,6 +368,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                 if name == "ro" and flag:
                     o.read_only = True
                 elif name == "store" and value:
+                    if "\0" in value:
+                        raise ValueError("a path cannot hold a NUL byte")
                     o.store = os.path.abspath(value)
                 elif name == "size" and value:
                     o.size = parse_size(value)

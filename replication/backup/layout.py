@@ -34,7 +34,7 @@ MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 RANK_DIR_PREFIX = "rank-"
 
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_HASH_RE = re.compile(r"[0-9a-f]{64}")  # fullmatch: "$" would let a trailing newline in
 _CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})\.zst$")
 _RANK_DIR_RE = re.compile(r"^rank-(0|[1-9][0-9]{0,8})$")
 
@@ -45,7 +45,7 @@ def check_hash(h: str) -> str:
     Raises:
         ValueError: otherwise (this also keeps odd strings out of object names).
     """
-    if not isinstance(h, str) or not _HASH_RE.match(h):
+    if not isinstance(h, str) or not _HASH_RE.fullmatch(h):
         raise ValueError(f"not a blake3 hex digest: {h!r}")
     return h
 

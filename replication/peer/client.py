@@ -16,7 +16,8 @@ guarantees:
   manifests are content-addressed or replace themselves).
 
 Timeouts: unary calls get ``timeout`` seconds; each streaming call gets ``stream_timeout``
-seconds and carries at most :data:`STREAM_BYTES` of payload (puts) or :data:`GET_BATCH`
+seconds and carries at most :data:`STREAM_BYTES` of payload and
+:data:`~replication.peer.limits.MAX_CHUNKS_PER_PUT` chunks (puts) or :data:`GET_BATCH`
 chunks (gets), so a slow but live peer finishes within it and a retry repeats little.
 """
 
@@ -40,8 +41,8 @@ from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 from replication.peer.limits import (
-    KEEPALIVE_CLIENT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES, MAX_MESSAGE_BYTES,
-    RECONNECT_CLIENT,
+    KEEPALIVE_CLIENT, MAX_CHUNKS_PER_PUT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES,
+    MAX_MESSAGE_BYTES, RECONNECT_CLIENT,
 )
 from replication.peer.records import ManifestInfo, PublishResult, PutResult
 from replication.peer.tls import TlsFiles, server_name
@@ -413,8 +414,8 @@ class PeerClient:
 
 class _PutBatch:
     """The request stream of one PutChunks call: chunks ``todo[start:]`` until
-    :data:`STREAM_BYTES` of payload have gone. Re-iterable, so a retry resends the same
-    batch."""
+    :data:`STREAM_BYTES` of payload have gone or :data:`MAX_CHUNKS_PER_PUT` chunks.
+    Re-iterable, so a retry resends the same batch."""
 
     def __init__(self, client: PeerClient, todo: list[tuple[str, ChunkData]], start: int,
                  rejected: dict[str, str]) -> None:
@@ -430,7 +431,8 @@ class _PutBatch:
         c = self._client
         sent = 0
         j = self._start
-        while j < len(self._todo) and (sent < STREAM_BYTES or j == self._start):
+        while j < len(self._todo) and (j == self._start or sent < STREAM_BYTES
+                                       and j - self._start < MAX_CHUNKS_PER_PUT):
             h, data = self._todo[j]
             j += 1
             self.end = j

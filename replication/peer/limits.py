@@ -31,6 +31,15 @@ MAX_CHUNK_BYTES = MAX_CHUNK_SIZE
 #: Most digests in one HasChunks or GetChunks request (about 4.3 MB of hex digests).
 MAX_DIGESTS_PER_CALL = 65536
 
+#: Most chunks in one PutChunks stream: the reply names each one (accepted or rejected), so
+#: a stream of many tiny chunks is bounded in what the server keeps for it, not only in
+#: bytes. The client starts a new stream after this many.
+MAX_CHUNKS_PER_PUT = 65536
+
+#: Longest step name PublishManifest accepts, bytes of UTF-8: the replica store keeps a
+#: manifest as ``<step>.json``, one file name (NAME_MAX 255).
+MAX_STEP_NAME_BYTES = 250
+
 
 #: Client keepalive: ping every 10 s while a call is in progress and fail it when no answer
 #: comes within 5 s (grpc's ping pacing makes it about a minute in practice, measured

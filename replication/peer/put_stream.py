@@ -3,7 +3,9 @@ each chunk, overlapping the store work with receiving.
 
 Pieces of a chunk must come in order and back to back (offsets 0, len0, len0+len1, ...),
 each repeating the digest and total size; a piece at offset 0 starts the next chunk.
-Breaking that refuses the whole call (:class:`Refused`, INVALID_ARGUMENT). A chunk whose
+Breaking that refuses the whole call (:class:`Refused`, INVALID_ARGUMENT), as do a piece
+above 16 MiB (:data:`~replication.peer.limits.PIECE_BYTES`) and more than 65,536 chunks in
+one stream (:data:`~replication.peer.limits.MAX_CHUNKS_PER_PUT`). A chunk whose
 bytes do not hash to its digest (DATA_LOSS), that does not fit (RESOURCE_EXHAUSTED) or that
 the stream leaves unfinished (INVALID_ARGUMENT) is refused alone, in the reply, and the stream
 goes on.
@@ -27,7 +29,7 @@ from replication.backup.counters import Counters
 from replication.backup.layout import check_hash
 from replication.peer._pb import mtcfs_peer_pb2 as pb
 from replication.peer.errors import ChunkMismatch, ReplicaError, ReplicaFull
-from replication.peer.limits import MAX_CHUNK_BYTES
+from replication.peer.limits import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_PUT, PIECE_BYTES
 from replication.peer.replica_store import ChunkWriter, ReplicaStore
 from replication.peer.wire import status
 
@@ -71,6 +73,7 @@ class PutStream:
         self._digest: str | None = None   # the chunk being received
         self._total = 0
         self._next = 0
+        self._chunks = 0                  # chunks started in this stream
 
     def run(self, requests: Iterator[pb.PutChunksRequest]) -> pb.PutChunksReply:
         """Consume the request stream and return the reply.
@@ -109,10 +112,17 @@ class PutStream:
         data = p.data  # one copy out of the message
         n = len(data)
         self._received += n
+        if n > PIECE_BYTES:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a piece of {n} bytes; at most {PIECE_BYTES}")
         if p.offset == 0:
             if self._digest is not None:
                 sink.abandon(grpc.StatusCode.INVALID_ARGUMENT,
                              f"next chunk started after {self._next} of {self._total} bytes")
+            self._chunks += 1
+            if self._chunks > MAX_CHUNKS_PER_PUT:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"more than {MAX_CHUNKS_PER_PUT} chunks in one PutChunks stream")
             try:
                 check_hash(p.digest)
             except ValueError as exc:

@@ -55,7 +55,7 @@ from replication.peer.errors import (
     ChunkMismatch, ChunkNotFound, ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
     ReplicaQuotaExceeded,
 )
-from replication.peer.limits import MAX_CHUNK_BYTES
+from replication.peer.limits import MAX_CHUNK_BYTES, MAX_STEP_NAME_BYTES
 from replication.peer.records import GcStats, ManifestInfo, PublishResult
 
 log = logging.getLogger(__name__)
@@ -525,7 +525,8 @@ class ReplicaStore:
                 serialised and validated here.
 
         Raises:
-            ValueError: if the rank is negative, the step name cannot be a file name, or the
+            ValueError: if the rank is negative, the step name cannot be a file name (or is
+                longer than :data:`~replication.peer.limits.MAX_STEP_NAME_BYTES`), or the
                 manifest is invalid (ManifestError: a path escaping the job or the step).
             ReplicaFull: if the manifest does not fit.
             OSError: if it cannot be written.
@@ -536,6 +537,9 @@ class ReplicaStore:
         if manifest.rank < 0:
             raise ValueError(f"bad rank {manifest.rank}")
         check_step(manifest.step)
+        if len(manifest.step.encode(errors="surrogateescape")) > MAX_STEP_NAME_BYTES:
+            raise ValueError(f"step name {manifest.step[:32]!r}... is longer than "
+                             f"{MAX_STEP_NAME_BYTES} bytes")
         key = (manifest.rank, manifest.step)
         tmp = self._tmp_path("manifest")
         with open(tmp, "wb") as f:

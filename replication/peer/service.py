@@ -12,13 +12,16 @@ on, and the server keeps serving:
 =========================================  ===========================================
 request                                    status
 =========================================  ===========================================
+bytes that are not the request message     INVALID_ARGUMENT (whole call)
 (TLS) the caller's certificate names another PERMISSION_DENIED (whole call); a caller
 job, or another rank than the request         without a certificate of the job CA fails
                                            the TLS handshake (UNAVAILABLE at the client)
 another job                                FAILED_PRECONDITION (whole call)
 rank (or of_rank) outside [0, nodes)       INVALID_ARGUMENT (whole call)
 malformed digest, too many digests,        INVALID_ARGUMENT (whole call)
-pieces out of order, chunk > 256 MiB
+pieces out of order, chunk > 256 MiB,
+piece > 16 MiB, > 65,536 chunks in a put,
+negative step_number, step name > 250 bytes
 message above the size limit               RESOURCE_EXHAUSTED (grpc itself)
 bytes that do not hash to their digest     DATA_LOSS in PutChunksReply.rejected (chunk)
 replica store full                         RESOURCE_EXHAUSTED in .rejected (chunk), or
@@ -27,6 +30,9 @@ bad manifest, path escaping the job or     INVALID_ARGUMENT (whole call)
 step, manifest of another job/rank/step
 chunk not held / corrupt on disk           NOT_FOUND / DATA_LOSS in GetChunksReply
 =========================================  ===========================================
+
+A refusal's reason is one line of at most :data:`MAX_REASON_CHARS` characters, and names
+neither this job nor its size.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from mtcfs.manifest import ManifestError, StepManifest
 from replication.backup.counters import Counters
@@ -62,6 +69,8 @@ log = logging.getLogger(__name__)
 
 #: Default threads of the server's pool (concurrent calls; more wait in line).
 DEFAULT_WORKERS = 8
+#: Longest reason a refused call carries, characters (what it quotes is cut).
+MAX_REASON_CHARS = 512
 
 
 class PeerService(pb_grpc.PeerServicer):
@@ -131,6 +140,7 @@ class PeerService(pb_grpc.PeerServicer):
         else:
             return
         self._counters.add("calls_refused")
+        message = _one_line(message)
         log.warning("refused %s from %s: %s %s", what, context.peer(), code.name, message)
         context.abort(code, message)
 
@@ -211,6 +221,9 @@ class PeerService(pb_grpc.PeerServicer):
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"manifest of {len(raw)} bytes; at most {MAX_MANIFEST_BYTES}")
+            if request.step_number < 0:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"step_number {request.step_number} is negative; at least 0")
             try:
                 check_step(request.step)
                 m = StepManifest.from_bytes(raw)
@@ -278,25 +291,78 @@ class PeerServer:
         return self.server.wait_for_termination(timeout)
 
 
+def _one_line(message: str) -> str:
+    """A refusal's reason as the caller gets it: one line of at most
+    :data:`MAX_REASON_CHARS` characters (a reason may quote hostile input)."""
+    message = " ".join(message.split())
+    if len(message) > MAX_REASON_CHARS:
+        message = message[:MAX_REASON_CHARS - 3] + "..."
+    return message
+
+
+def _parse(cls: type[Message], raw: bytes) -> Message:
+    """Parse one request message from its bytes.
+
+    Raises:
+        Refused: INVALID_ARGUMENT if the bytes are not a ``cls`` message.
+    """
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        why = str(exc).rpartition(": ")[2] or "malformed"
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the request is not a valid {cls.DESCRIPTOR.full_name} message "
+                      f"({why[:1].lower()}{why[1:]})") from None
+
+
+def _unary_in(service: PeerService, what: str, cls: type[Message],
+              method: Callable[[Message, grpc.ServicerContext], object]
+              ) -> Callable[[bytes, grpc.ServicerContext], object]:
+    """A handler for one request message that arrives as bytes (no deserializer): it parses
+    them itself, so bytes that are not the message are refused with INVALID_ARGUMENT
+    instead of grpc's INTERNAL ("Exception deserializing request")."""
+    def handle(raw: bytes, context: grpc.ServicerContext) -> object:
+        try:
+            request = _parse(cls, raw)
+        except Refused as exc:
+            with service._call(context, what):
+                raise exc
+        return method(request, context)
+    return handle
+
+
+def _stream_in(cls: type[Message],
+               method: Callable[[Iterator[Message], grpc.ServicerContext], object]
+               ) -> Callable[[Iterator[bytes], grpc.ServicerContext], object]:
+    """:func:`_unary_in` for a request stream: each message is parsed when the method reads
+    it, so :class:`Refused` reaches the method's own refusal handling."""
+    def handle(raws: Iterator[bytes], context: grpc.ServicerContext) -> object:
+        return method((_parse(cls, raw) for raw in raws), context)
+    return handle
+
+
 def _register(service: PeerService, server: grpc.Server) -> None:
     """Register the Peer methods as the generated ``add_PeerServicer_to_server`` does, except
-    that GetChunks replies arrive already serialized (see get_stream.py)."""
+    that requests arrive as bytes and are parsed by the handler (:func:`_unary_in`), and
+    GetChunks replies arrive already serialized (see get_stream.py)."""
     m = pb_grpc.grpc
     handlers = {
         "HasChunks": m.unary_unary_rpc_method_handler(
-            service.HasChunks, request_deserializer=pb.HasChunksRequest.FromString,
+            _unary_in(service, "HasChunks", pb.HasChunksRequest, service.HasChunks),
             response_serializer=pb.HasChunksReply.SerializeToString),
         "PutChunks": m.stream_unary_rpc_method_handler(
-            service.PutChunks, request_deserializer=pb.PutChunksRequest.FromString,
+            _stream_in(pb.PutChunksRequest, service.PutChunks),
             response_serializer=pb.PutChunksReply.SerializeToString),
         "GetChunks": m.unary_stream_rpc_method_handler(
-            service.GetChunks, request_deserializer=pb.GetChunksRequest.FromString,
+            _unary_in(service, "GetChunks", pb.GetChunksRequest, service.GetChunks),
             response_serializer=encode_reply),
         "PublishManifest": m.unary_unary_rpc_method_handler(
-            service.PublishManifest, request_deserializer=pb.PublishManifestRequest.FromString,
+            _unary_in(service, "PublishManifest", pb.PublishManifestRequest,
+                      service.PublishManifest),
             response_serializer=pb.PublishManifestReply.SerializeToString),
         "ListManifests": m.unary_stream_rpc_method_handler(
-            service.ListManifests, request_deserializer=pb.ListManifestsRequest.FromString,
+            _unary_in(service, "ListManifests", pb.ListManifestsRequest,
+                      service.ListManifests),
             response_serializer=pb.StoredManifest.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Peer"].full_name
