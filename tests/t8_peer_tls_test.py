@@ -246,7 +246,7 @@ def test_a_certificate_peers_would_refuse_is_refused_at_mount(case, tmp_path, sh
     r = subprocess.run(MTCFS + [JOB, str(mnt), "-o",
                                 f"store={shm_dir / 'store'},nodes=2,rank=0,listen=127.0.0.1:0,"
                                 f"coord=etcd://127.0.0.1:1,tls_ca={root},tls_cert={cert},"
-                                f"tls_key={key}"],
+                                f"tls_key={key},insecure"],  # insecure: etcd in plaintext
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r
     assert want in r.stderr and r.stderr.count("\n") == 1, r.stderr
