@@ -18,20 +18,12 @@ import sys
 import pytest
 
 from mtcfs import cli, control
+from support.poll import err
 
 #: The other, unprivileged local user of these tests (nobody); no user is created.
 NOBODY = 65534
 MiB = 1 << 20
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
-
-
-def err(fn, *args, **kwargs) -> int:
-    """The errno ``fn(*args)`` fails with, 0 if it succeeds."""
-    try:
-        fn(*args, **kwargs)
-    except OSError as exc:
-        return exc.errno
-    return 0
 
 
 def as_nobody(fn) -> dict:

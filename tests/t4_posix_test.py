@@ -37,6 +37,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support.mount import Mount  # noqa: E402
+from support.poll import err  # noqa: E402
 
 MiB = 1024 * 1024
 MOUNT_SIZE = "3G"
@@ -73,15 +74,6 @@ def fsdir(request):
     yield d
     shutil.rmtree(d)  # no ignore_errors: a failing removal is a bug too
     assert not d.exists()
-
-
-def err(fn, *args, **kwargs) -> int:
-    """The errno ``fn(*args)`` fails with, 0 if it succeeds."""
-    try:
-        fn(*args, **kwargs)
-    except OSError as exc:
-        return exc.errno
-    return 0
 
 
 def pattern(n: int, seed: int = 0) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 
 import grpc
@@ -26,6 +25,7 @@ from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from replication.peer.tls import TlsFiles, server_name
 from support.mount import MTCFS
 from support.peer import blob, make_step
+from support.poll import wait_for as _wait
 
 JOB = "testjob"
 MiB = 1 << 20
@@ -71,17 +71,6 @@ def _held(c, rank: int) -> tuple:
     """What ``rank``'s replica store holds, as its status reports it."""
     rs = c.status(rank)["peers"]["replica_store"]
     return rs["chunks"], rs["manifests"], rs["used_bytes"]
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last: {got!r})")
-        time.sleep(0.2)
 
 
 @pytest.fixture

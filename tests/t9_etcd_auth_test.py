@@ -40,6 +40,7 @@ from support.cluster import free_ports
 from support.etcd import EtcdCluster, EtcdServerTls
 from support.mount import MTCFS, is_mounted
 from support.pki import TestCa
+from support.poll import wait_for as _wait
 
 JOBS = ("jobA", "jobB", "jobD")
 
@@ -92,17 +93,6 @@ def _keys(e, prefix: bytes) -> dict[bytes, tuple[bytes, int]]:
         return {kv.key: (kv.value, kv.mod_revision) for kv in kvs}
     finally:
         c.close()
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------- a job over TLS
