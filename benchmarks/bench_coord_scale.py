@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.bench_coord_scale [--members 64,1000] [--rest-s 60] [--ttl 5]
 [--per-client 50] [--reads-s 0] [--json OUT]`` (or ``make bench-coord-scale``). No FUSE, no
-daemon: the coordination code (replication/coord/membership.py, steps.py, rounds.py) runs
+daemon: the coordination code (mtcfs/tiers/coord/membership.py, steps.py, rounds.py) runs
 as many light members, sharing one :class:`Etcd` client (one gRPC channel) per
 ``--per-client`` members. The memberships (leases, keepalive threads, views) live in one
 child process (:class:`MembersProc`), the deciding and reading members in this one, so the
@@ -69,11 +69,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from replication.coord.etcd import Etcd, EtcdError, prefix_end  # noqa: E402
-from replication.coord.membership import Membership, MemberView  # noqa: E402
-from replication.coord.rounds import RestoreRounds  # noqa: E402
-from replication.coord.steps import StepRecords  # noqa: E402
-from replication.peer.tier_membership import (  # noqa: E402
+from mtcfs.tiers.coord.etcd import Etcd, EtcdError, prefix_end  # noqa: E402
+from mtcfs.tiers.coord.membership import Membership, MemberView  # noqa: E402
+from mtcfs.tiers.coord.rounds import RestoreRounds  # noqa: E402
+from mtcfs.tiers.coord.steps import StepRecords  # noqa: E402
+from mtcfs.tiers.peer.tier_membership import (  # noqa: E402
     COMPLETE_EVERY_S, COMPLETE_SCALE_NODES,
 )
 from support.etcd import EtcdCluster  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from replication.coord.etcd import Etcd  # noqa: E402
+from mtcfs.tiers.coord.etcd import Etcd  # noqa: E402
 from support.etcd import EtcdCluster  # noqa: E402
 
 

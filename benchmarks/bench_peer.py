@@ -96,7 +96,7 @@ JOB = "bench"
 STREAM_SERVICE = "mtcfs.bench.Stream"
 PUT_METHOD = f"/{STREAM_SERVICE}/Put"
 GET_METHOD = f"/{STREAM_SERVICE}/Get"
-SERVER_WORKERS = 8                   # replication.peer.service.DEFAULT_WORKERS
+SERVER_WORKERS = 8                   # mtcfs.tiers.peer.service.DEFAULT_WORKERS
 DP_SEED = 777                        # the chunks both sides hold in the data-parallel case
 TARGET_CLIENT = 0.80                 # PeerClient put/get GB/s over the bare stream's
 TARGET_WRITE = 0.90                  # mount write GB/s while replicating over without
@@ -104,8 +104,8 @@ _REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
 
 
 def grpc_options() -> list[tuple[str, Any]]:
-    """The channel/server options of the Peer service (replication.peer.service.serve)."""
-    from replication.peer.limits import MAX_MESSAGE_BYTES
+    """The channel/server options of the Peer service (mtcfs.tiers.peer.service.serve)."""
+    from mtcfs.tiers.peer.limits import MAX_MESSAGE_BYTES
     return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
@@ -170,9 +170,9 @@ def _serve_peer(root: str, capacity: int, local_size: int,
     """serve() over a ReplicaStore at ``root``; with ``local_size``, a LocalChunks holding
     the data-parallel chunks (seed DP_SEED); with ``tls_dir``, mutual TLS as rank 1 with
     the job CA in that directory (``_tls_files``)."""
-    from mtcfs.chunking import chunk_hash
-    from replication.peer.replica_store import ReplicaStore
-    from replication.peer.service import serve
+    from mtcfs.base.chunking import chunk_hash
+    from mtcfs.tiers.peer.replica_store import ReplicaStore
+    from mtcfs.tiers.peer.service import serve
 
     local = None
     if local_size:
@@ -186,14 +186,14 @@ def _serve_peer(root: str, capacity: int, local_size: int,
 
 def _tls_files(directory: str, rank: int) -> Any:
     """Rank ``rank``'s TLS files of the job CA in ``directory`` (made by ``_make_ca``)."""
-    from replication.peer.tls import TlsFiles
+    from mtcfs.tiers.peer.tls import TlsFiles
     d = Path(directory)
     return TlsFiles(str(d / f"{JOB}-ca.pem"), str(d / f"rank-{rank}.pem"),
                     str(d / f"rank-{rank}.key"))
 
 
 def _make_ca(directory: Path) -> None:
-    from mtcfs.pki import JobCa
+    from mtcfs.base.pki import JobCa
     ca = JobCa(directory, JOB)
     for r in (0, 1):
         ca.issue_rank(JOB, r)
@@ -272,8 +272,8 @@ def run_streams(parts: list[str], size: int, reps: int, touch: bool) -> list[Ben
     """Parts ``baseline`` and ``client``; measurements rotate within each repeat."""
     import grpc
 
-    from mtcfs.chunking import chunk_hash
-    from replication.peer.client import PeerClient
+    from mtcfs.base.chunking import chunk_hash
+    from mtcfs.tiers.peer.client import PeerClient
 
     size = max(size // (16 * MiB), 1) * 16 * MiB  # whole 4 and 16 MiB messages
     runs: dict[str, list] = {}

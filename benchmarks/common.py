@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtcfs.mountinfo import device_of  # noqa: E402
+from mtcfs.base.mountinfo import device_of  # noqa: E402
 from tests.support.mount import Mount, force_unmount, is_mounted  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -437,14 +437,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_state() -> dict[str, Any]:
-    """HEAD and the uncommitted changes under mtcfs/ and replication/ (read-only git)."""
+    """HEAD and the uncommitted changes under mtcfs/ and mtcfs/tiers/ (read-only git)."""
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
                                   timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    dirty = git("status", "--porcelain", "--", "mtcfs", "replication")
+    dirty = git("status", "--porcelain", "--", "mtcfs")
     return {"head": git("rev-parse", "--short", "HEAD") or None,
             "uncommitted_in_mtcfs_replication": len(dirty.splitlines()) if dirty else 0}
 

@@ -27,7 +27,7 @@ import time
 import pyfuse3
 import trio
 
-from mtcfs.mountinfo import device_of
+from mtcfs.base.mountinfo import device_of
 
 FILE_INO = pyfuse3.ROOT_INODE + 1
 FILE_NAME = b"data"

@@ -1,7 +1,7 @@
 """Mount / unmount mtcfs through its CLI for the examples, with a teardown that always works.
 
 If a clean ``mtcfs umount`` fails (a file still open, a dead or stuck daemon), the teardown
-falls back to :func:`mtcfs.mountinfo.force_unmount` (abort the FUSE connection, lazy unmount)
+falls back to :func:`mtcfs.base.mountinfo.force_unmount` (abort the FUSE connection, lazy unmount)
 and kills the daemon.
 """
 
@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 
-from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
+from mtcfs.base.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ def local_etcd(tag: str) -> dict[str, str]:
         sys.path.insert(0, tests)
     import atexit
 
-    from mtcfs.pki import JobCa
+    from mtcfs.base.pki import JobCa
     from support.etcd import EtcdCluster, EtcdServerTls
     if not _etcd:
         root = Path(tempfile.mkdtemp(prefix="mtcfs-demo-etcd-", dir="/dev/shm"))
@@ -74,7 +74,7 @@ def local_etcd(tag: str) -> dict[str, str]:
 def job_tls(work: Path, job: str, nodes: int) -> Callable[[int], dict[str, str]]:
     """A job CA and a peer certificate per rank in ``work/pki`` (what ``mtcfs certs`` makes);
     returns rank -> its ``tls_ca=``, ``tls_cert=``, ``tls_key=`` options (docs/security.md)."""
-    from mtcfs.pki import JobCa
+    from mtcfs.base.pki import JobCa
     ca = JobCa(work / "pki", job)
     issued = [ca.issue_rank(job, r) for r in range(nodes)]
     return lambda r: {"tls_ca": str(issued[r].ca), "tls_cert": str(issued[r].cert),

@@ -34,7 +34,7 @@ for p in (str(REPO), str(REPO / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from mtcfs.fs.faultin import FETCH_DEADLINE_S  # noqa: E402
+from mtcfs.core.faultin import FETCH_DEADLINE_S  # noqa: E402
 from support.chaos import (  # noqa: E402
     BOUND_MARGIN_S, FAULT_KINDS, READ_BOUND_S, ChaosConfig, run_chaos,
 )

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Any
 
-from mtcfs import control, mountinfo
+from mtcfs import control
+from mtcfs.base import mountinfo
 from mtcfs.options import OptionError, parse_mount_options
 
 SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "verify", "backup",
@@ -80,7 +81,7 @@ def cmd_mount(argv: list[str]) -> None:
     if os.path.ismount(opts.mountpoint):
         _die(f"{opts.mountpoint} is already a mount point", 1)
     opts.mountpoint = os.path.abspath(opts.mountpoint)
-    from mtcfs.store import StoreError, check_size, check_store_dir, filesystem_warning
+    from mtcfs.core.store import StoreError, check_size, check_store_dir, filesystem_warning
     try:  # before anything is created: a foreign directory is never touched
         check_store_dir(opts.store, opts.mountpoint)
         check_size(opts.store, opts.size, opts.given.get("size"))
@@ -89,7 +90,7 @@ def cmd_mount(argv: list[str]) -> None:
     except OSError as exc:
         _die(f"bad option store={opts.store}: {exc.strerror or exc}", EXIT_USAGE)
     if opts.tls_ca:
-        from replication.peer.tls import TlsError, TlsFiles
+        from mtcfs.tiers.peer.tls import TlsError, TlsFiles
         try:  # a certificate that would be refused by every peer is an option error
             assert opts.tls_cert and opts.tls_key
             TlsFiles(opts.tls_ca, opts.tls_cert, opts.tls_key).check_for(opts.job, opts.rank)
@@ -485,7 +486,7 @@ def cmd_metrics(a: argparse.Namespace) -> None:
 
 
 def format_scrub_status(sc: dict) -> str:
-    """The ``scrub:`` line of ``mtcfs status`` (fs/scrub.py)."""
+    """The ``scrub:`` line of ``mtcfs status`` (core/scrub.py)."""
     if not sc.get("interval_s"):
         when = "off (scrub_interval=0)"
     else:
@@ -713,7 +714,7 @@ def cmd_certs(a: argparse.Namespace) -> None:
     from pathlib import Path
 
     from mtcfs.options import _JOB_RE
-    from mtcfs.pki import JobCa
+    from mtcfs.base.pki import JobCa
     if not _JOB_RE.match(a.job):
         _die(f"bad --job {a.job!r}: letters, digits, '.', '_', '-' (at most 128)", EXIT_USAGE)
     if not 1 <= a.nodes <= 65536 or not 1 <= a.days <= 36500:

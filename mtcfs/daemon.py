@@ -19,13 +19,13 @@ import pyfuse3
 import trio
 
 from mtcfs import control
-from mtcfs.errors import FsError
-from mtcfs.fs.core import Filesystem
-from mtcfs.fs.model import ROOT_INO
+from mtcfs.base.errors import FsError
+from mtcfs.core.core import Filesystem
+from mtcfs.core.model import ROOT_INO
 from mtcfs.fuse_ops import Operations
-from mtcfs.mountinfo import device_of
+from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
-from mtcfs.store import Store, check_size, filesystem_warning
+from mtcfs.core.store import Store, check_size, filesystem_warning
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def etcd_client(o: MountOptions) -> Any:
     Raises:
         OSError: a TLS file cannot be read (it was readable when the options were parsed).
     """
-    from replication.coord.etcd import CALL_TIMEOUT_S, Etcd, EtcdTls
+    from mtcfs.tiers.coord.etcd import CALL_TIMEOUT_S, Etcd, EtcdTls
     assert o.coord, "the options checked that coord= is given"
     tls = EtcdTls(o.coord_ca, o.coord_cert, o.coord_key) if o.coord_ca else None
     return Etcd(o.coord, timeout_s=min(CALL_TIMEOUT_S, o.coord_timeout), tls=tls)
@@ -113,13 +113,13 @@ class Daemon:
         if o.backup:
             backup = self._build_backup()
             if self.peer is not None and self.peer.twins():
-                from replication.peer.sources import TwinWait
+                from mtcfs.tiers.peer.sources import TwinWait
                 sources.append(("twins", TwinWait(self.peer.lower_live_twins,
                                                   self.peer.fetch_client)))
             sources.append(("backup", backup))
         if sources:
-            from replication.peer.sources import TieredChunkSource
-            from replication.restore import Prefetcher
+            from mtcfs.tiers.peer.sources import TieredChunkSource
+            from mtcfs.tiers.restore.from_backup import Prefetcher
             self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
@@ -128,11 +128,11 @@ class Daemon:
 
     def _build_mtc(self) -> None:
         """Option ``mtc``: this mount is the node's replicator for Orbax."""
-        from replication.mtc.replicator import MtcReplicator
+        from mtcfs.tiers.mtc.replicator import MtcReplicator
         o = self.opts
         rounds = None
         if self.peer is not None:
-            from replication.coord.rounds import RestoreRounds
+            from mtcfs.tiers.coord.rounds import RestoreRounds
             rounds = RestoreRounds(self.etcd, self._coord_prefix(), o.rank, o.nodes)
         self.mtc = MtcReplicator(
             self.fs, rank=o.rank, nodes=o.nodes, job=o.job,
@@ -180,7 +180,7 @@ class Daemon:
         Raises:
             TlsError (a ValueError): the files do not make this rank's identity.
         """
-        from replication.peer.tls import TlsFiles
+        from mtcfs.tiers.peer.tls import TlsFiles
         o = self.opts
         plain = plaintext_parts(o)
         if plain:
@@ -196,8 +196,8 @@ class Daemon:
 
     def _build_peer(self) -> Any:
         """The peer tier (``nodes`` > 1); returns its chunk source."""
-        from replication.peer.sources import PeerChunkSource
-        from replication.peer.tier import PeerTier, TierConfig
+        from mtcfs.tiers.peer.sources import PeerChunkSource
+        from mtcfs.tiers.peer.tier import PeerTier, TierConfig
         o = self.opts
         assert self.fs is not None and self.store is not None
         assert o.coord, "nodes > 1 needs coord= (checked by the options)"
@@ -211,8 +211,8 @@ class Daemon:
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         if o.scope == "job":
-            from replication.jobns.etcd_log import EtcdNamespace
-            from replication.jobns.sources import JobChunkSource
+            from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
+            from mtcfs.tiers.namespace.sources import JobChunkSource
             self.ns = self.fs.ns_log = EtcdNamespace(
                 self.fs, self.etcd, self._coord_prefix(), o.rank,
                 seed=self._job_restore_from_backup,
@@ -223,9 +223,9 @@ class Daemon:
 
     def _build_backup(self) -> Any:
         """The backup tier and its policy (``backup=``); returns its chunk source."""
-        from replication.backup import BackupStore, RetryingBackend, RetryPolicy, open_backend
-        from replication.restore import BackupChunkSource
-        from replication.scheduler import BackupService
+        from mtcfs.tiers.backup import BackupStore, RetryingBackend, RetryPolicy, open_backend
+        from mtcfs.tiers.restore.from_backup import BackupChunkSource
+        from mtcfs.tiers.backup.scheduler import BackupService
         o = self.opts
         # The deadline bounds every backend call, retries included: a sweep's delete stuck in
         # retries is the one window the sweep gate of a multi-node bucket leaves (backup/gate.py).
@@ -234,7 +234,7 @@ class Daemon:
                                               deadline=120.0))
         if o.multi_node:
             # uploads and chunk sweeps of the job's nodes agree through etcd
-            from replication.coord.backup_gate import EtcdSweepGate
+            from mtcfs.tiers.coord.backup_gate import EtcdSweepGate
             assert self.etcd is not None, "built with the peer tier (nodes > 1 needs coord=)"
             gate = EtcdSweepGate(self.etcd, self._coord_prefix() + "backup/",
                                  owner=f"rank {o.rank}")
@@ -283,8 +283,8 @@ class Daemon:
     async def _job_restore_from_backup(self) -> None:
         """scope=job, about to seed the job's empty etcd keyspace with an empty namespace
         (the job's namespace and every RAM tier were lost): install the newest step the
-        backup tier holds for every rank, which then seeds it (replication/jobns/etcd_log.py)."""
-        from replication.jobns.restore import latest_job_step, snapshot_from_manifests
+        backup tier holds for every rank, which then seeds it (mtcfs/tiers/namespace/etcd_log.py)."""
+        from mtcfs.tiers.restore.namespace import latest_job_step, snapshot_from_manifests
         fs, ns = self.fs, self.ns
         assert fs is not None and ns is not None and self.peer is not None
         if self.backup_store is None or self.opts.restore == "none" or \
@@ -323,7 +323,7 @@ class Daemon:
         Raises:
             FsError: ENOENT when no tier holds a step to restore; ENOSPC (``check_space``).
         """
-        from replication.peer.recovery import choose_and_fetch
+        from mtcfs.tiers.restore.from_peers import choose_and_fetch
         fs = self.fs
         assert fs is not None and self.peer is not None
         t0 = time.monotonic()
@@ -501,7 +501,7 @@ class Daemon:
     async def _restore_bulk(self) -> None:
         """Stream the restored step's chunks from the peers, then let the prefetcher (and
         so the backup tier) fetch whatever they did not serve."""
-        from replication.peer.bulk import restore_from_peers
+        from mtcfs.tiers.restore.bulk import restore_from_peers
         served = getattr(self.fs.chunk_source, "served", None)
 
         def count() -> None:

@@ -1,7 +1,7 @@
 """The pyfuse3 adapter: FUSE requests in, core calls, errno out.
 
 A thin, mechanical layer: it converts pyfuse3's types to the core's and
-:class:`mtcfs.errors.FsError` to ``pyfuse3.FUSEError``. Only ``FUSEError`` may escape a
+:class:`mtcfs.base.errors.FsError` to ``pyfuse3.FUSEError``. Only ``FUSEError`` may escape a
 handler; an unexpected exception is logged and reported as EIO so the mount stays up.
 """
 
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from mtcfs import procfs
-from mtcfs.errors import FsError
-from mtcfs.fs.core import Filesystem
-from mtcfs.fs.model import Attr
+from mtcfs.base import procfs
+from mtcfs.base.errors import FsError
+from mtcfs.core.core import Filesystem
+from mtcfs.core.model import Attr
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def entry(a: Attr, timeout: float | None = None) -> pyfuse3.EntryAttributes:
 
 
 class Operations(pyfuse3.Operations):
-    """pyfuse3 Operations over a :class:`~mtcfs.fs.core.Filesystem`.
+    """pyfuse3 Operations over a :class:`~mtcfs.core.core.Filesystem`.
 
     Writeback cache is on: the kernel batches small writes into 1 MiB requests (about 4x
     the throughput without it, library-fs-ops.md) and owns mtime/size while a file is open

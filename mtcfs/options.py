@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mtcfs.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 
 
 class OptionError(ValueError):
@@ -151,8 +151,8 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
     """Parse ``"zone=a;block=3"`` (the ``topology=`` option; ``,`` ``;`` ``+`` separate)
     into a dict, adding to ``into`` if given.
 
-    The same rules as :func:`replication.peer.placement.parse_labels` (not imported: the
-    ``replication.peer`` package pulls in grpc), plus a non-empty value.
+    The same rules as :func:`mtcfs.tiers.peer.placement.parse_labels` (not imported: the
+    ``mtcfs.tiers.peer`` package pulls in grpc), plus a non-empty value.
 
     Raises:
         ValueError: an item without ``=``, an empty or malformed key, an empty value, or a
@@ -265,7 +265,7 @@ class MountOptions:
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
     #: Seconds between background scrub passes over the RAM tier (0: no scrub) and the
-    #: bytes per second a pass may read (docs/reliability.md, mtcfs/fs/scrub.py).
+    #: bytes per second a pass may read (docs/reliability.md, mtcfs/core/scrub.py).
     scrub_interval: float = 24 * 3600.0
     scrub_rate: int = 100 * 1024 * 1024
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).

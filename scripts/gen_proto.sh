@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the Python code of the .proto files in proto/: mtcfs_peer.proto into
-# replication/peer/_pb/ and etcd_v3_subset.proto into replication/coord/_pb/ (or into
+# mtcfs/tiers/peer/_pb/ and etcd_v3_subset.proto into mtcfs/tiers/coord/_pb/ (or into
 # $1/peer and $1/coord when a directory is given). The only command that writes the
 # generated files; run it after any change to a .proto and commit its output
 # (tests/t1_proto_test.py fails on stale code).
@@ -13,7 +13,7 @@ py=${PYTHON:-.venv/bin/python}
 if [ $# -gt 0 ]; then
   peer_out=$1/peer coord_out=$1/coord
 else
-  peer_out=replication/peer/_pb coord_out=replication/coord/_pb
+  peer_out=mtcfs/tiers/peer/_pb coord_out=mtcfs/tiers/coord/_pb
 fi
 
 gen() {  # gen PROTO_BASENAME OUT_DIR

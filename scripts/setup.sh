@@ -3,7 +3,7 @@
 # environment in .venv with mtcfs and its test dependencies, and the mount helper on PATH
 # (so `mount -t fuse.mtcfs` and fstab work); etcd-server is the coordination engine of
 # multi-node tests (a real server on loopback), etcd-client (etcdctl) sets up its users and
-# roles in tests/t9_etcd_auth_test.py. Idempotent: a second run does nothing new.
+# roles in tests/t7_etcd_auth_test.py. Idempotent: a second run does nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)

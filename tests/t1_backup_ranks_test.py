@@ -23,16 +23,16 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.manifest import Entry, StepManifest
-from replication.backup import Backend, BackupError, BackupStore, FileBackend, NotFound
-from replication.backup.layout import (
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.manifest import Entry, StepManifest
+from mtcfs.tiers.backup import Backend, BackupError, BackupStore, FileBackend, NotFound
+from mtcfs.tiers.backup.layout import (
     check_rank, chunk_key, complete_key, manifest_key, parse_rank_step_key, parse_step_key,
     step_dir,
 )
-from replication.coord.backup_gate import EtcdSweepGate
-from replication.coord.etcd import Etcd
-from replication.scheduler import BackupService
+from mtcfs.tiers.coord.backup_gate import EtcdSweepGate
+from mtcfs.tiers.coord.etcd import Etcd
+from mtcfs.tiers.backup.scheduler import BackupService
 from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 CHUNK = 64 * 1024
@@ -638,7 +638,7 @@ def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
 
 
 def test_backup_interval_in_training_steps(tmp_path) -> None:
-    """Orbax's backup-interval-steps (replication/mtc/): the newest step is due when its
+    """Orbax's backup-interval-steps (mtcfs/tiers/mtc/): the newest step is due when its
     number is at least that far past the last backed-up step's, or when the job went back
     to an older step and trains again; a step restored under Orbax's marker resets the
     count (counted from it if it is backed up, else due at once)."""

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.manifest import Entry, StepManifest
-from replication.backup import (
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.manifest import Entry, StepManifest
+from mtcfs.tiers.backup import (
     Backend, BackupError, BackupStore, ChunkCorrupt, FileBackend, GCSBackend, NotFound,
     RetryingBackend, RetryPolicy, TransientError, open_backend,
 )
-from replication.backup.codec import encode_chunk
-from replication.backup.layout import chunk_key, complete_key, manifest_key
+from mtcfs.tiers.backup.codec import encode_chunk
+from mtcfs.tiers.backup.layout import chunk_key, complete_key, manifest_key
 from support.gcs import FlakyProxy, GcsEmulator
 
 CHUNK = 64 * 1024  # the smallest allowed chunk size keeps the suite fast

@@ -1,4 +1,4 @@
-"""Tier-1 tests of the coordination kept in etcd (replication/coord/membership.py, steps.py,
+"""Tier-1 tests of the coordination kept in etcd (mtcfs/tiers/coord/membership.py, steps.py,
 rounds.py, lock.py) against a real etcd on loopback: members join and leave with their
 leases, a rank cannot be held twice, racing members get one restore decision (per
 incarnation, and restore/current while it is current), every rank of an Orbax restart gets
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from replication.coord.etcd import Etcd, put_op
-from replication.coord.lock import EtcdLock, LockTimeout
-from replication.coord.membership import Membership, RankTaken
-from replication.coord.rounds import RestoreRounds, RoundTimeout
-from replication.coord.steps import StepRecords
+from mtcfs.tiers.coord.etcd import Etcd, put_op
+from mtcfs.tiers.coord.lock import EtcdLock, LockTimeout
+from mtcfs.tiers.coord.membership import Membership, RankTaken
+from mtcfs.tiers.coord.rounds import RestoreRounds, RoundTimeout
+from mtcfs.tiers.coord.steps import StepRecords
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 TTL = 2

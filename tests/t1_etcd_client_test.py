@@ -1,4 +1,4 @@
-"""Tier-1 tests of the etcd client (replication/coord/etcd.py) against a real etcd on
+"""Tier-1 tests of the etcd client (mtcfs/tiers/coord/etcd.py) against a real etcd on
 loopback: KV, create-if-absent transactions, leases that expire, watches that deliver in
 revision order and resume, failover between members, and a clear error at the deadline."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from replication.coord.etcd import (
+from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdUnavailable, absent, prefix_end, put_op,
 )
 from support.etcd import EtcdCluster, etcd_prefix, etcd_server  # noqa: F401 (fixtures)

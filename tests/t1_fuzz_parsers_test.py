@@ -3,8 +3,8 @@ mount options, ``replicator.yaml`` and step manifests.
 
 For any input, each parser returns a valid result or raises its one documented error type,
 with a one-line message: :class:`~mtcfs.options.OptionError`,
-:class:`~replication.mtc.config.ReplicatorConfigError`,
-:class:`~mtcfs.manifest.ManifestError`. Never another exception (TypeError, KeyError,
+:class:`~mtcfs.tiers.mtc.config.ReplicatorConfigError`,
+:class:`~mtcfs.base.manifest.ManifestError`. Never another exception (TypeError, KeyError,
 RecursionError, OverflowError, ...), and never a result that breaks the documented bounds.
 The inputs are structure-aware: option names the parser knows with values near and past
 their bounds, YAML documents with the keys Orbax writes, manifests with odd fields.
@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mtcfs import options as mopts
-from mtcfs.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from mtcfs.manifest import INT64_MAX, ManifestError, StepManifest
+from mtcfs.base.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mtcfs.base.manifest import INT64_MAX, ManifestError, StepManifest
 from mtcfs.options import MountOptions, OptionError, parse_mount_options
-from replication.mtc.config import (
+from mtcfs.tiers.mtc.config import (
     KNOWN_KEYS, MAX_BACKUP_MINUTES, ReplicatorConfig, ReplicatorConfigError,
     parse_replicator_yaml,
 )

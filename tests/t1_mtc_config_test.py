@@ -3,7 +3,7 @@ refusal names the key and the problem (it reaches the trainer through replicator
 
 import pytest
 
-from replication.mtc.config import ReplicatorConfigError, parse_replicator_yaml
+from mtcfs.tiers.mtc.config import ReplicatorConfigError, parse_replicator_yaml
 
 ORBAX = """job-name: run-7
 framework: orbax

@@ -7,7 +7,7 @@ from itertools import combinations
 
 import pytest
 
-from replication.peer.placement import (
+from mtcfs.tiers.peer.placement import (
     data_parallel_peers, group_peers, holders, parse_labels, ring_peers, topology_peers,
 )
 

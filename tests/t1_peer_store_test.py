@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.manifest import Entry, ManifestError, StepManifest
-from replication.peer import (
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.manifest import Entry, ManifestError, StepManifest
+from mtcfs.tiers.peer import (
     ChunkMismatch, ChunkNotFound, ReplicaChunkCorrupt, ReplicaFull, ReplicaStore,
 )
 from support.peer import CHUNK, LocalTier, blob, chunks_of, make_step
@@ -372,7 +372,7 @@ def test_concurrent_puts_keep_the_books_straight(tmp_path):
 # -- the per-rank quota -------------------------------------------------------------------------
 
 def test_each_sender_rank_holds_at_most_its_quota(tmp_path):
-    from replication.peer.errors import ReplicaQuotaExceeded
+    from mtcfs.tiers.peer.errors import ReplicaQuotaExceeded
     quota = 3 * CHUNK + 100
     s = ReplicaStore(str(tmp_path / "r"), capacity=100 * CHUNK, quota=lambda: quota)
     mine = [blob(i, CHUNK) for i in range(5)]

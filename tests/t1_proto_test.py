@@ -1,7 +1,7 @@
 """Tier-1 test: the committed generated code of proto/*.proto is not stale.
 
 Regenerates with scripts/gen_proto.sh into a temporary directory and compares with
-replication/peer/_pb/ and replication/coord/_pb/. When the installed grpcio-tools differs from the one the committed
+mtcfs/tiers/peer/_pb/ and mtcfs/tiers/coord/_pb/. When the installed grpcio-tools differs from the one the committed
 code was made with, lines that only carry the generator's version are ignored.
 """
 
@@ -36,7 +36,7 @@ def test_generated_code_is_current(tmp_path):
     subprocess.run([str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True,
                    env=env, cwd=ROOT, timeout=120)
     for part, names in GENERATED.items():
-        committed_dir = ROOT / "replication" / part / "_pb"
+        committed_dir = ROOT / "mtcfs" / "tiers" / part / "_pb"
         same_tools = (_generator_version((committed_dir / names[1]).read_text())
                       == version("grpcio-tools"))
         for name in names:
@@ -46,13 +46,13 @@ def test_generated_code_is_current(tmp_path):
                 same = fresh == committed
             else:
                 same = _strip_versions(fresh) == _strip_versions(committed)
-            assert same, (f"replication/{part}/_pb/{name} is stale: run scripts/gen_proto.sh "
+            assert same, (f"mtcfs/tiers/{part}/_pb/{name} is stale: run scripts/gen_proto.sh "
                           f"and commit the result")
 
 
 def test_generated_code_imports_as_a_package():
-    from replication.peer._pb import mtcfs_peer_pb2 as pb
-    from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+    from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
+    from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
     assert pb.DESCRIPTOR.package == "mtcfs.peer.v1"
     names = {m.name for m in pb.DESCRIPTOR.services_by_name["Peer"].methods}
     assert names == {"HasChunks", "PutChunks", "GetChunks", "PublishManifest",
@@ -63,7 +63,7 @@ def test_generated_code_imports_as_a_package():
 
 def test_etcd_stubs_use_etcds_service_names():
     """The method paths on the wire are etcd's own (/etcdserverpb.KV/Range, ...)."""
-    from replication.coord._pb import etcd_v3_subset_pb2 as pb
+    from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
     assert pb.DESCRIPTOR.package == "etcdserverpb"
     methods = {s: {m.name for m in pb.DESCRIPTOR.services_by_name[s].methods}
                for s in ("KV", "Watch", "Lease", "Maintenance")}

@@ -1,5 +1,5 @@
-"""Tier-1 tests of the backup tier's sweep gate on a real etcd (replication/coord/rwlock.py,
-replication/coord/backup_gate.py, replication/backup/gate.py).
+"""Tier-1 tests of the backup tier's sweep gate on a real etcd (mtcfs/tiers/coord/rwlock.py,
+mtcfs/tiers/coord/backup_gate.py, mtcfs/tiers/backup/gate.py).
 
 The readers-writer lock: shared holders share, a writer waits for them and readers that come
 after it wait behind it, a killed or revoked holder frees the lock within its TTL, and a
@@ -21,13 +21,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from mtcfs.chunking import chunk_hash
-from replication.backup import BackupStore, FileBackend, NotFound
-from replication.backup.errors import GateError, GateTimeout
-from replication.backup.layout import chunk_key, complete_key, manifest_key
-from replication.coord.backup_gate import EtcdSweepGate
-from replication.coord.etcd import Etcd, put_op
-from replication.coord.rwlock import EtcdRWLock, RWLockLost, RWLockTimeout
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.tiers.backup import BackupStore, FileBackend, NotFound
+from mtcfs.tiers.backup.errors import GateError, GateTimeout
+from mtcfs.tiers.backup.layout import chunk_key, complete_key, manifest_key
+from mtcfs.tiers.coord.backup_gate import EtcdSweepGate
+from mtcfs.tiers.coord.etcd import Etcd, put_op
+from mtcfs.tiers.coord.rwlock import EtcdRWLock, RWLockLost, RWLockTimeout
 from support.cluster import free_ports
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 from t1_backup_ranks_test import (  # noqa: F401 (gates: a fixture)

@@ -36,10 +36,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mtcfs.chunking import chunk_hash
-from replication.peer._pb import mtcfs_peer_pb2 as pb
-from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
-from replication.peer.limits import MAX_CHUNK_BYTES, MAX_DIGESTS_PER_CALL, PIECE_BYTES
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
+from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.peer.limits import MAX_CHUNK_BYTES, MAX_DIGESTS_PER_CALL, PIECE_BYTES
 from support.peer_daemon import PeerDaemon
 
 #: A distinctive job name: no refusal may show it to a caller that did not send it.

@@ -353,7 +353,7 @@ def test_empty_value_says_needs_a_value(opt, why):
 
 
 def test_failpoints_parse_and_refuse_what_they_do_not_know():
-    from mtcfs.failpoints import parse
+    from mtcfs.base.failpoints import parse
     assert parse("") == {}
     assert parse("backup.put_chunk=sleep(0.5); a=sleep(2)") == {"backup.put_chunk": 0.5, "a": 2.0}
     with pytest.raises(ValueError, match="NAME=sleep"):
@@ -425,7 +425,7 @@ def test_tls_files_go_together_and_only_with_several_nodes():
 
 
 def test_plaintext_etcd_needs_insecure_and_insecure_needs_something_plaintext(tmp_path):
-    from mtcfs.pki import JobCa
+    from mtcfs.base.pki import JobCa
     ca = JobCa(tmp_path, "j")
     e = ca.issue("etcd-client")
     peer = "nodes=2,listen=h:1,tls_ca=/ca.pem,tls_cert=/c.pem,tls_key=/c.key"

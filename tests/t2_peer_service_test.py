@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.manifest import Entry, StepManifest
-from replication.backup.retry import RetryPolicy
-from replication.peer import (
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.manifest import Entry, StepManifest
+from mtcfs.tiers.backup.retry import RetryPolicy
+from mtcfs.tiers.peer import (
     PeerChunkCorrupt, PeerClient, PeerError, PeerUnavailable, ReplicaStore, serve,
 )
-from replication.peer._pb import mtcfs_peer_pb2 as pb
-from replication.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
-from replication.peer.limits import MAX_MESSAGE_BYTES, PIECE_BYTES
+from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
+from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.peer.limits import MAX_MESSAGE_BYTES, PIECE_BYTES
 from support.peer import CHUNK, LocalTier, blob, chunks_of, make_step
 
 JOB = "job"

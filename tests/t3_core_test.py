@@ -7,10 +7,10 @@ import blake3
 import pytest
 import trio
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.errors import FsError
-from mtcfs.fs.model import ROOT_INO
-from mtcfs.store import Store, StoreError
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
+from mtcfs.core.model import ROOT_INO
+from mtcfs.core.store import Store, StoreError
 from support.corefs import CS, open_fs, run
 
 async def write_file(fs, parent, name, data, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC):

@@ -13,11 +13,11 @@ import os
 import pytest
 import trio
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.errors import FsError
-from mtcfs.fs.core import Filesystem
-from mtcfs.fs.jobns import EMPTY_BLAKE3
-from mtcfs.fs.model import ROOT_INO
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
+from mtcfs.core.core import Filesystem
+from mtcfs.core.jobns import EMPTY_BLAKE3
+from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, run
 
 

@@ -13,10 +13,10 @@ import errno
 import pytest
 from support.corefs import run
 
-from mtcfs.errors import FsError
-from mtcfs.fs.model import ROOT_INO
-from mtcfs.fs.symlinks import MAX_TARGET, escapes
-from mtcfs.manifest import Entry, StepManifest
+from mtcfs.base.errors import FsError
+from mtcfs.core.model import ROOT_INO
+from mtcfs.core.symlinks import MAX_TARGET, escapes
+from mtcfs.base.manifest import Entry, StepManifest
 
 
 @pytest.mark.parametrize("target,depth,out", [

@@ -1,7 +1,7 @@
 """The number of files is limited by ``size=``, not by the daemon's descriptor limit.
 
 The daemon opens data files when it needs them and keeps a bounded LRU of descriptors
-(mtcfs/store/fdcache.py); before, it kept one descriptor per closed file version and hit
+(mtcfs/core/store/fdcache.py); before, it kept one descriptor per closed file version and hit
 EMFILE at RLIMIT_NOFILE files (issue 12). The daemon here runs with RLIMIT_NOFILE=256.
 """
 

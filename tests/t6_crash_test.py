@@ -222,7 +222,7 @@ def test_a_stop_signal_unmounts_and_keeps_every_file(make_mount, sig):
     import signal
     import time
 
-    from mtcfs.mountinfo import is_mounted
+    from mtcfs.base.mountinfo import is_mounted
     m = make_mount("node")
     data = os.urandom(3 * MiB)
     m.path("f.bin").write_bytes(data)

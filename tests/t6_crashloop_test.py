@@ -182,7 +182,7 @@ def test_pending_backup_resumes_after_kill9(make_mount, shm_dir, monkeypatch):
     'pending' for ever, and mtcfs status said the backup had run 'never')."""
     bucket = shm_dir / "bucket"
     bucket.mkdir()
-    # Each chunk upload pauses (mtcfs/failpoints.py): the upload of step_1 (10 chunks) is
+    # Each chunk upload pauses (mtcfs/base/failpoints.py): the upload of step_1 (10 chunks) is
     # certain to be running when the kill comes, however fast the machine.
     monkeypatch.setenv("MTCFS_FAILPOINTS", "backup.put_chunk=sleep(0.5)")
     m = make_mount("node", size="1G", backup=f"file://{bucket}", backup_interval="1ckpt",
@@ -380,7 +380,7 @@ def test_step_whose_marker_reseals_after_kill_is_no_leftover(make_mount):
     pressure in that window deleted the newest complete checkpoint)."""
     import trio
 
-    from mtcfs.chunking import DEFAULT_CHUNK_SIZE
+    from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE
     from support.corefs import Filesystem, Store
 
     m = make_mount("node", size="64M", evict_unsaved="no")

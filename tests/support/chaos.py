@@ -1,6 +1,6 @@
 """A seeded chaos run: several real mtcfs daemons on loopback, a DCP-style save loop, faults.
 
-One engine for the short form in the test suite (``tests/t11_chaos_test.py``) and the long
+One engine for the short form in the test suite (``tests/t7_chaos_test.py``) and the long
 form (``examples/chaos.py``, ``make chaos``); what it does and the figures of one long run
 are in docs/reliability.md.
 
@@ -24,7 +24,7 @@ are in docs/reliability.md.
   node itself (scope=node), through a replacement, through the survivors while a node is
   dead. Every read (and every other call into a mount) goes through :meth:`Chaos._guarded`:
   a thread with a deadline of :data:`READ_BOUND_S`. A read still waiting at the bound is a
-  violation; the reading node's FUSE connection is then aborted (mtcfs.mountinfo's
+  violation; the reading node's FUSE connection is then aborted (mtcfs.base.mountinfo's
   ``force_unmount``) so the thread returns, and the node is restarted on its store.
 * **Invariants** (a breach is a *violation*; the run must end with none):
 
@@ -76,10 +76,10 @@ from pathlib import Path
 from typing import Any
 
 from mtcfs import control
-from mtcfs.chunking import chunk_hash
-from mtcfs.fs.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S
-from mtcfs.manifest import StepManifest
-from mtcfs.mountinfo import force_unmount
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.core.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S
+from mtcfs.base.manifest import StepManifest
+from mtcfs.base.mountinfo import force_unmount
 
 from .cluster import Cluster
 
@@ -95,7 +95,7 @@ NAMESPACE_BOUND_S = 60.0
 READ_BOUND_S = max(FETCH_DEADLINE_S, NAMESPACE_BOUND_S) + BOUND_MARGIN_S
 
 #: fault-in fails a read of a chunk whose fetch failed less than this long ago at once
-#: (mtcfs/fs/faultin.py REFETCH_AFTER_S; one more second for the reader's own timing)
+#: (mtcfs/core/faultin.py REFETCH_AFTER_S; one more second for the reader's own timing)
 REFETCH_WINDOW_S = REFETCH_AFTER_S + 1.0
 
 
@@ -482,7 +482,7 @@ class GcsTier:
     kind = "gcs"
 
     def __init__(self, root: Path, seed: int) -> None:
-        from replication.backup.gcs_backend import GCSBackend
+        from mtcfs.tiers.backup.gcs_backend import GCSBackend
 
         from .gcs import FlakyProxy, GcsEmulator
         self.emu = GcsEmulator().start()
@@ -1041,7 +1041,7 @@ class Chaos:
             return None
 
     def _backup_copy(self, digest: str) -> bool:
-        from replication.backup.codec import decode_chunk
+        from mtcfs.tiers.backup.codec import decode_chunk
         assert self.tier is not None
         blob = self.tier.get(f"chunks/{digest[:2]}/{digest}.zst")
         if blob is None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Self
 
 from mtcfs import control
-from replication.peer.tls import TlsFiles
+from mtcfs.tiers.peer.tls import TlsFiles
 
 from .mount import Mount, force_unmount
 from .pki import Issued, TestCa

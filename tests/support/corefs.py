@@ -7,8 +7,8 @@ from pathlib import Path
 
 import trio
 
-from mtcfs.fs.core import Filesystem
-from mtcfs.store import Store
+from mtcfs.core.core import Filesystem
+from mtcfs.core.store import Store
 
 #: Chunk size of the in-process tests: small, so that files of a few chunks stay tiny.
 CS = 64 * 1024

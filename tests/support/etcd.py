@@ -195,7 +195,7 @@ class EtcdCluster:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until a linearizable read succeeds (the cluster has a leader)."""
-        from replication.coord.etcd import Etcd, EtcdError
+        from mtcfs.tiers.coord.etcd import Etcd, EtcdError
         c = Etcd([e for i, e in enumerate(self.endpoints) if self.procs[i] is not None],
                  timeout_s=2.0, tls=self.admin_tls())
         deadline = time.monotonic() + timeout
@@ -217,7 +217,7 @@ class EtcdCluster:
 
     def leader(self) -> int:
         """Index of the member that leads now."""
-        from replication.coord.etcd import Etcd
+        from mtcfs.tiers.coord.etcd import Etcd
         c = Etcd(self.endpoints, timeout_s=2.0, tls=self.admin_tls())
         try:
             for i, e in enumerate(self.endpoints):
@@ -234,9 +234,9 @@ class EtcdCluster:
         raise RuntimeError("no etcd member leads")
 
     def admin_tls(self):
-        """The :class:`replication.coord.etcd.EtcdTls` of the admin (root) certificate, or
+        """The :class:`mtcfs.tiers.coord.etcd.EtcdTls` of the admin (root) certificate, or
         None for a plaintext cluster."""
-        from replication.coord.etcd import EtcdTls
+        from mtcfs.tiers.coord.etcd import EtcdTls
         if self.tls is None:
             return None
         a = self.tls.admin
@@ -372,7 +372,7 @@ def etcd_prefix():
 @pytest.fixture(name="client")
 def etcd_client(etcd_server):
     """A client of the session's etcd (5 s deadline per call), closed after the test."""
-    from replication.coord.etcd import Etcd
+    from mtcfs.tiers.coord.etcd import Etcd
     c = Etcd(etcd_server.endpoints, timeout_s=5.0)
     yield c
     c.close()

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtcfs.mountinfo import force_unmount, is_mounted  # noqa: F401 (re-exported to tests)
+from mtcfs.base.mountinfo import force_unmount, is_mounted  # noqa: F401 (re-exported to tests)
 
 from .watchdog import WATCHDOG
 

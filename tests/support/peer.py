@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from mtcfs.chunking import chunk_hash
-from mtcfs.manifest import Entry, StepManifest
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.manifest import Entry, StepManifest
 
 #: The smallest chunk size mtcfs allows keeps the suites fast.
 CHUNK = 64 * 1024

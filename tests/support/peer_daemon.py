@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     root, job, nodes, capacity = argv[0], argv[1], int(argv[2]), int(argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from replication.peer import ReplicaStore, serve
+    from mtcfs.tiers.peer import ReplicaStore, serve
 
     store = ReplicaStore(root, capacity)
     server = serve(store, "127.0.0.1:0", job, nodes, workers=4)

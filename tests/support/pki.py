@@ -1,6 +1,6 @@
-"""The job CA of tests: :class:`mtcfs.pki.JobCa` (kept here under its test name)."""
+"""The job CA of tests: :class:`mtcfs.base.pki.JobCa` (kept here under its test name)."""
 
-from mtcfs.pki import Issued, JobCa
+from mtcfs.base.pki import Issued, JobCa
 
 TestCa = JobCa
 TestCa.__test__ = False  # type: ignore[attr-defined]  # not a pytest class

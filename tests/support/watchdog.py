@@ -13,7 +13,7 @@ waits for ever. So a watchdog *thread* (not a signal) watches each test:
   that it may be blocked on):
 
   1. aborts its FUSE connection (``/sys/fs/fuse/connections/<minor of st_dev>/abort``)
-     and detaches it lazily, with :func:`mtcfs.mountinfo.force_unmount`: every request
+     and detaches it lazily, with :func:`mtcfs.base.mountinfo.force_unmount`: every request
      in flight fails (ENOTCONN, ECONNABORTED or EIO) and the reader returns;
   2. SIGKILLs the daemon, the mtcfs processes of that mount point, and every process in
      the daemon's session (the children it started);
@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from mtcfs import mountinfo
-from mtcfs.mountinfo import force_unmount, fuse_connection_dir, is_mounted
+from mtcfs.base import mountinfo
+from mtcfs.base.mountinfo import force_unmount, fuse_connection_dir, is_mounted
 
 if TYPE_CHECKING:
     from .mount import Mount

@@ -1,0 +1,613 @@
+"""The filesystem core: namespace, handles, versions, seal, steps, capacity.
+
+:class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
+module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, versions, seal),
+:mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
+:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`.
+
+It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
+methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
+for long:
+
+- small file I/O (FUSE requests are at most 1 MiB) is done inline with ``os.pwrite`` /
+  ``os.pread`` on tmpfs: measured faster than a thread hop (library-fs-ops.md);
+- hashing (seal), copies of large versions, and fault-in of chunks run in worker threads
+  under :attr:`Filesystem.cpu_limiter`;
+- metadata goes to SQLite on tmpfs inline, one transaction per namespace change.
+
+Concurrency protocol: a coroutine may only rely on in-memory state it read after its last
+``await``. Sealing re-checks ``Version.gen`` after hashing; fault-in re-checks
+``Version.missing`` after each fetch. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from mtcfs.base.chunking import chunk_count, chunk_span
+from mtcfs.base.errors import FsError
+from mtcfs.base.failpoints import failpoint
+from mtcfs.core.capacity import CapacityOps
+from mtcfs.core.checkpoints import CheckpointOps
+from mtcfs.core.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
+from mtcfs.core.files import FileOps
+from mtcfs.core.jobns import JobNamespaceOps
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
+from mtcfs.core.namespace import NamespaceOps
+from mtcfs.core.own_files import OwnFileOps
+from mtcfs.core.records import ChunkSource, Counters, StepRecord
+from mtcfs.core.records import now_ns as _now_ns
+from mtcfs.core.scrub import ScrubOps
+from mtcfs.core.xattrs import XattrOps
+from mtcfs.core.store import Store
+from mtcfs.core.store.fdcache import FdCache
+
+__all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+#: kv key of the store: "1" once a daemon stopped cleanly, "0" while one serves (a crash
+#: leaves it so). See Filesystem.close and crash_leftovers (core/capacity.py).
+CLEAN_SHUTDOWN_KEY = "clean_shutdown"
+
+
+class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
+                 JobNamespaceOps, OwnFileOps, ScrubOps):
+    """The core of one mount.
+
+    Args:
+        store: the opened store (RAM tier on disk).
+        capacity: bytes of file data the RAM tier may hold (``size=`` option).
+        keep: complete checkpoints always kept in RAM (``keep=`` option).
+        chunk_size: chunk size in bytes for new versions.
+        job: the job name, recorded in manifests.
+        rank: this node's rank in the job, recorded in manifests (0 on a single node).
+    """
+
+    def __init__(self, store: Store, *, capacity: int, keep: int = 2,
+                 chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
+        self.store = store
+        self.db = store.db
+        self.capacity = capacity
+        self.keep = keep
+        self.chunk_size = chunk_size or store.chunk_size
+        self.job = job
+        self.rank = rank
+        self.inodes: dict[int, Inode] = {}
+        self.versions: dict[int, Version] = {}
+        self.handles: dict[int, Handle | DirHandle] = {}
+        #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
+        self.fds = FdCache(store.open_data)
+        self.steps: dict[str, StepRecord] = {}
+        self.used = 0
+        #: Bytes set aside for chunks being written by fault-in threads (not yet in ``used``).
+        self.in_flight = 0
+        self.counters = Counters()
+        self.errors: list[str] = []
+        self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
+        self.chunk_source: ChunkSource | None = None
+        #: Bytes of the same RAM budget used outside the core (the replicas this node holds
+        #: for its peers), read on every reservation; wired by the daemon.
+        self.shared_used: Callable[[], int] = lambda: 0
+        #: time.monotonic() of the last write() by the application (background tiers yield
+        #: to it).
+        self.last_write = 0.0
+        self.cpu_limiter = trio.CapacityLimiter(2)
+        self._fetch_limiter = trio.CapacityLimiter(8)
+        #: Seconds a read waits for a missing chunk before EIO (core/faultin.py).
+        self.fetch_deadline_s = FETCH_DEADLINE_S
+        #: The last fault-in that failed: what it read, why, the sources tried (status).
+        self.last_fault_error = ""
+        #: (vid, chunk index) -> (trio time, error) of fetches that failed lately; a new
+        #: fetch of the same chunk within ``refetch_after_s`` fails at once (core/faultin.py).
+        self._failed_fetches: dict[tuple[int, int], tuple[float, str]] = {}
+        self.refetch_after_s = REFETCH_AFTER_S
+        self._observers: list[Callable[[str, Any], None]] = []
+        self._next_fh = 1
+        self._nursery: trio.Nursery | None = None
+        self._inflight: dict[tuple[int, int], trio.Event] = {}
+        #: digest -> (vid, chunk index) of one local copy; ``_chunk_alts``: the other
+        #: local copies of the same chunk (identical data in several files or steps).
+        self._chunk_locations: dict[str, tuple[int, int]] = {}
+        self._chunk_alts: dict[str, set[tuple[int, int]]] = {}
+        #: Told before this node drops its last local copy of a chunk (a version freed or
+        #: evicted): ``wants(digest) -> bool``, ``keep(digest, data)``. The peer tier's
+        #: replica store, whose replicas of other ranks may count on this node's copy.
+        self.chunk_keeper: Any = None
+        self._unsealed_at_load: list[Version] = []
+        #: scope=job: the job's namespace log (None in scope=node); see core/jobns.py.
+        self.ns_log: Any = None
+        #: scope=job: kernel inode number -> core inode number, for files renumbered for
+        #: the kernel (Inode.kid).
+        self.aliases: dict[int, int] = {}
+        #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
+        self.chunk_origins: dict[str, int] = {}
+        self._next_kid = 1 << 48
+        #: Under memory pressure, delete committed steps no other tier holds (oldest first,
+        #: with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``).
+        self.evict_unsaved = True
+        #: The last steps deleted that way (status shows them as a warning).
+        self.unsaved_deleted: list[str] = []
+        #: Crash leftovers (core/capacity.py ``crash_leftovers``): when the store was loaded,
+        #: the inodes there were then, and the top-level directories then uncommitted.
+        self._loaded_ns = 0
+        self._inos_at_load: set[int] = set()
+        self._leftover_dirs: set[int] = set()
+        #: The daemon before this one did not stop cleanly (set by _load).
+        self.previous_crash = False
+        self._load()
+        self._init_scrub()  # core/scrub.py: what is in RAM now is verified on first read
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _load(self) -> None:
+        """Load the namespace from SQLite and repair what a crash may have left."""
+        db = self.db
+        now = _now_ns()
+        fresh = db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None
+        # (a) of crash_leftovers (core/capacity.py): did the daemon before stop cleanly? "1":
+        # it did (close(clean=True)); "0": it was serving and never got there (a crash). A
+        # store created fresh had no run before; one from before this flag counts as clean
+        # (nothing in it is deleted as a crash leftover).
+        self.previous_crash = not fresh and db.get_kv(CLEAN_SHUTDOWN_KEY) == "0"
+        if fresh:
+            with db.transaction():
+                self._new_root()
+                db.set_kv("next_ino", "2")
+                db.set_kv("next_vid", "1")
+        self._next_ino = int(db.get_kv("next_ino") or 2)
+        self._next_vid = int(db.get_kv("next_vid") or 1)
+        for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
+                              " ctime_ns, target, vid, parent, name, rdev FROM inodes"):
+            ino = Inode(*row[:9], target=row[9] or b"", vid=row[10], parent=row[11] or 0,
+                        name=row[12] or b"", rdev=row[13])
+            if ino.is_dir:
+                ino.children = {}
+            self.inodes[ino.ino] = ino
+        for parent, name, child in db.execute("SELECT parent, name, ino FROM dentries"):
+            p = self.inodes.get(parent)
+            if p is not None and p.children is not None and child in self.inodes:
+                p.children[bytes(name)] = child
+        for num, name, value in db.execute("SELECT ino, name, value FROM xattrs"):
+            if num in self.inodes:
+                self.inodes[num].xattrs[bytes(name)] = bytes(value)
+        for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
+                              " backed_up, origin FROM versions"):
+            v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
+                        sealed=bool(row[4]), chunks=tuple(row[5].split()) if row[5] else (),
+                        blake3=row[6], missing={int(i) for i in row[7].split()},
+                        backed_up=bool(row[8]), origin=row[9])
+            self.versions[v.vid] = v
+        for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
+            self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
+                                            committed_ns=row[3], backed_up_ns=row[4], source=row[5])
+        self._repair()
+
+    def _repair(self) -> None:
+        """Crash recovery: free orphans, adopt data file lengths of unsealed versions."""
+        db = self.db
+        with db.transaction():
+            # Inodes no directory refers to (unlinked while open at the crash) are garbage.
+            linked = {ROOT_INO}
+            for ino in self.inodes.values():
+                if ino.children:
+                    linked.update(ino.children.values())
+            for num in [n for n in self.inodes if n not in linked]:
+                self._delete_inode_rows(self.inodes.pop(num))
+            current = {i.vid for i in self.inodes.values() if i.vid is not None}
+            for vid in [v for v in self.versions if v not in current]:
+                self.versions.pop(vid)
+                db.execute("DELETE FROM versions WHERE vid=?", (vid,))
+            on_disk = self.store.data_vids()
+            for vid in on_disk - set(self.versions):
+                self.store.remove_data(vid)
+            for v in self.versions.values():
+                if v.vid not in on_disk:
+                    fd = self.store.open_data(v.vid, create=True)
+                    os.ftruncate(fd, v.size)
+                    os.close(fd)
+                    if v.sealed:
+                        v.missing = set(range(chunk_count(v.size, v.chunk_size)))
+                        self._write_version(v)
+                if not v.sealed:
+                    # Being written at the crash: keep what reached the data file; it is
+                    # sealed again after mount (may be short, never garbage).
+                    v.size = os.stat(self.store.data_path(v.vid)).st_size
+                    self._write_version(v)
+                    self._unsealed_at_load.append(v)
+            for name in [n for n, s in self.steps.items()
+                         if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
+                self.steps.pop(name)
+                db.execute("DELETE FROM steps WHERE name=?", (name,))
+        for v in self.versions.values():  # what counts against size=: capacity.py, _account
+            v.alloc = os.stat(self.store.data_path(v.vid)).st_blocks * 512
+        self.used = sum(v.alloc for v in self.versions.values())
+        self._loaded_ns = _now_ns()
+        self._inos_at_load = set(self.inodes)
+        self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
+                               if name.decode(errors="surrogateescape") not in self.steps} \
+            if self.previous_crash else set()
+        for v in self.versions.values():
+            self._index_chunks(v)
+            if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
+                self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Attach the core to a nursery for its background work; seals what a crash left open."""
+        self._nursery = nursery
+        # Serving from now on: until close(clean=True), a stop is a crash.
+        self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
+        for v in self._unsealed_at_load:
+            nursery.start_soon(self._seal, v)
+        self._unsealed_at_load.clear()
+        if self.ns_log is None:
+            self._commit_sealed_markers()
+
+    def close(self, clean: bool = False) -> None:
+        """Close data file descriptors (the store itself is closed by its owner).
+
+        ``clean``: the daemon stops cleanly (unmounted, or a stop signal); recorded in the
+        store, so that the next start knows no crash interrupted a save (crash_leftovers).
+        """
+        if clean:
+            self.db.set_kv(CLEAN_SHUTDOWN_KEY, "1")
+        self.fds.close_all()
+
+    def subscribe(self, observer: Callable[[str, Any], None]) -> None:
+        """Register ``observer(event, obj)``; events: 'sealed' (Version), 'committed'
+        (StepRecord), 'step_removed' (str), 'invalidate_entry' ((parent ino, name, child
+        ino): a name the core removed on its own, which the kernel may still cache).
+        Observers must not block."""
+        self._observers.append(observer)
+
+    def _emit(self, event: str, obj: Any) -> None:
+        for fn in self._observers:
+            try:
+                fn(event, obj)
+            except Exception:  # an observer bug must not break the filesystem
+                log.exception("observer failed on %s", event)
+
+    def _new_root(self) -> Inode:
+        now = _now_ns()
+        root = Inode(ROOT_INO, "dir", stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), 2, now,
+                     now, now, children={})
+        self._write_inode(root)
+        return root
+
+    # ------------------------------------------------------------------ persistence
+
+    def _write_inode(self, ino: Inode) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO inodes(ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
+            " ctime_ns, target, vid, parent, name, rdev) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (ino.ino, ino.kind, ino.mode, ino.uid, ino.gid, ino.nlink, ino.atime_ns, ino.mtime_ns,
+             ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name, ino.rdev))
+
+    def _write_version(self, v: Version) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO versions(vid, ino, size, chunk_size, sealed, chunks, blake3,"
+            " missing, backed_up, origin) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (v.vid, v.ino, v.size, v.chunk_size, int(v.sealed), " ".join(v.chunks), v.blake3,
+             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
+
+    def _write_step(self, s: StepRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO steps(name, number, ino, committed_ns, backed_up_ns, source)"
+            " VALUES (?,?,?,?,?,?)", (s.name, s.number, s.ino, s.committed_ns, s.backed_up_ns, s.source))
+
+    def _delete_inode_rows(self, ino: Inode) -> None:
+        self.db.execute("DELETE FROM inodes WHERE ino=?", (ino.ino,))
+        self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino.ino,))
+
+    def _alloc_ino(self) -> int:
+        n = self._next_ino
+        self._next_ino += 1
+        self.db.set_kv("next_ino", str(self._next_ino))
+        return n
+
+    def _alloc_vid(self) -> int:
+        n = self._next_vid
+        self._next_vid += 1
+        self.db.set_kv("next_vid", str(self._next_vid))
+        return n
+
+    # ------------------------------------------------------------------ helpers
+
+    def _inode(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            alias = self.aliases.get(ino)
+            if alias is not None and alias in self.inodes:
+                return self.inodes[alias]
+            raise FsError(errno.ENOENT) from None
+
+    def _dir(self, ino: int) -> Inode:
+        d = self._inode(ino)
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return d
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL)
+
+    def attr(self, ino: Inode) -> Attr:
+        size = 0
+        if ino.is_file and ino.vid is not None:
+            size = self.versions[ino.vid].size
+        elif ino.kind == "symlink":
+            size = len(ino.target)
+        elif ino.is_dir:
+            size = 4096
+        return Attr(ino.kid or ino.ino, ino.mode, ino.nlink, ino.uid, ino.gid, size,
+                    ino.atime_ns, ino.mtime_ns, ino.ctime_ns, rdev=ino.rdev)
+
+    def path_of(self, ino: Inode) -> str | None:
+        """Path relative to the job root ('' for the root), None if unlinked."""
+        parts: list[bytes] = []
+        cur = ino
+        while cur.ino != ROOT_INO:
+            if not cur.parent or cur.parent not in self.inodes:
+                return None
+            parts.append(cur.name)
+            cur = self.inodes[cur.parent]
+        return "/".join(p.decode(errors="surrogateescape") for p in reversed(parts))
+
+    def resolve(self, path: str) -> Inode:
+        """Look up a job-relative path without touching lookup counts."""
+        cur = self.inodes[ROOT_INO]
+        for part in [p for p in path.split("/") if p and p != "."]:
+            if not cur.is_dir:
+                raise FsError(errno.ENOTDIR)
+            child = cur.children.get(part.encode(errors="surrogateescape"))  # type: ignore[union-attr]
+            if child is None:
+                raise FsError(errno.ENOENT, f"no such file: {path}")
+            cur = self.inodes[child]
+        return cur
+
+    def _top_dir(self, ino: Inode) -> Inode | None:
+        """The top-level directory containing ``ino`` (itself if top-level)."""
+        cur = ino
+        while cur.parent and cur.parent != ROOT_INO:
+            cur = self.inodes.get(cur.parent)
+            if cur is None:
+                return None
+        return cur if cur.parent == ROOT_INO else None
+
+    def step_of(self, ino: Inode) -> StepRecord | None:
+        top = self._top_dir(ino)
+        if top is None:
+            return None
+        return self.steps.get(top.name.decode(errors="surrogateescape"))
+
+    def _touch_dir(self, d: Inode) -> None:
+        d.mtime_ns = d.ctime_ns = _now_ns()
+        self._write_inode(d)
+
+    def _link(self, parent: Inode, name: bytes, child: Inode) -> None:
+        parent.children[name] = child.ino  # type: ignore[index]
+        self.db.execute("INSERT OR REPLACE INTO dentries(parent, name, ino) VALUES (?,?,?)",
+                        (parent.ino, name, child.ino))
+        child.parent, child.name = parent.ino, name
+
+    def _unlink_entry(self, parent: Inode, name: bytes) -> None:
+        del parent.children[name]  # type: ignore[union-attr]
+        self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent.ino, name))
+
+    def _child(self, d: Inode, name: bytes) -> Inode:
+        """The inode ``name`` names in directory ``d``.
+
+        Raises:
+            FsError: ENOENT; ENAMETOOLONG for a name no entry can have (over NAME_MAX
+                bytes), as the kernel's own filesystems answer a lookup of one.
+        """
+        num = d.children.get(name)  # type: ignore[union-attr]
+        if num is None:
+            raise FsError(errno.ENAMETOOLONG if len(name) > NAME_MAX else errno.ENOENT)
+        return self.inodes[num]
+
+    def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
+        """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
+        eviction); a step directory at the root stops being a checkpoint. The caller
+        writes ``parent``."""
+        self._unlink_entry(parent, name)
+        d.nlink = 0
+        d.parent, d.name = 0, b""
+        self._write_inode(d)
+        parent.nlink -= 1
+        if parent.ino == ROOT_INO:
+            self._forget_step(name)
+
+    def _new_inode(self, kind: str, mode: int, uid: int, gid: int) -> Inode:
+        now = _now_ns()
+        ino = Inode(self._alloc_ino(), kind, mode, uid, gid, 2 if kind == "dir" else 1,
+                    now, now, now, children={} if kind == "dir" else None)
+        self.inodes[ino.ino] = ino
+        return ino
+
+    def _new_version(self, ino: Inode, copy_from: Version | None = None,
+                     take_over: Version | None = None) -> Version:
+        """A new version of ``ino``: empty, a copy of ``copy_from`` (its data extents only:
+        holes stay holes), or ``take_over``'s data file itself (a second name for it; the
+        caller makes sure nothing else uses that version, which goes at ``_set_current``)."""
+        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
+        src = take_over or copy_from
+        if take_over is not None:
+            os.link(self.store.data_path(take_over.vid), self.store.data_path(v.vid))
+            self.fds.adopt(v, self.store.open_data(v.vid))
+        else:
+            fd = self.store.open_data(v.vid, create=True)
+            self.fds.adopt(v, fd)
+            os.ftruncate(fd, 0)
+            if copy_from is not None and copy_from.size:
+                sfd = self.fds.lease(copy_from)  # two descriptors in use: neither is evicted
+                dfd = self.fds.lease(v)
+                try:
+                    self._copy_extents(sfd, dfd, copy_from.size)
+                finally:
+                    self.fds.unlease(v, dfd)
+                    self.fds.unlease(copy_from, sfd)
+        if src is not None and src.size:
+            v.size = src.size
+            v.missing = set(src.missing)
+            v.chunk_size = src.chunk_size
+        self._account(v)
+        self.versions[v.vid] = v
+        self._write_version(v)
+        return v
+
+    @staticmethod
+    def _copy_extents(src: int, dst: int, size: int) -> None:
+        """Copy the first ``size`` bytes of ``src`` to ``dst``, data extents only."""
+        off = 0
+        while off < size:
+            try:
+                data = os.lseek(src, off, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            if data >= size:
+                break
+            end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+            pos = data
+            while pos < end:
+                n = os.copy_file_range(src, dst, end - pos, pos, pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, "copy of a version's data ended early")
+                pos += n
+            off = end
+        os.ftruncate(dst, size)
+
+    def _fd(self, v: Version) -> int:
+        """``v``'s data file descriptor, for use on the loop before the next ``await``
+        (across one, or in a thread: ``self.fds.lease``)."""
+        return self.fds.get(v)
+
+    def _release_version(self, v: Version) -> None:
+        """Free a version that is no longer current, once nothing uses it."""
+        if self.versions.get(v.vid) is not v:
+            # Replaced by a namespace snapshot install (core/jobns.py): the handles and reads
+            # that held it read on through its descriptor; the last one closes it.
+            if not (v.handles or v.pins):
+                self.fds.drop(v)
+            return
+        if v.current or v.handles or v.pins:
+            return
+        if v.sealing is not None:
+            # Only its seal (hashing in a worker thread) holds it: give its pages back now
+            # (an unlinked file's space is free when unlink returns); the seal drops its
+            # result and frees the rest.
+            if not v.dropped:
+                v.dropped = True
+                os.ftruncate(self._fd(v), 0)
+                self._account(v)
+            return
+        del self.versions[v.vid]
+        self._unverified.pop(v.vid, None)  # core/scrub.py: nothing left to verify
+        self._hand_over_last_copies(v)
+        self.fds.drop(v)
+        self.used -= v.alloc
+        v.alloc = 0
+        self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
+        # The data file goes once the deletion of its row is committed (store/meta.py).
+        self.db.after_commit(functools.partial(self.store.remove_data, v.vid))
+        failpoint("core.release_in_transaction")  # tests: a crash before that commit
+        for d in v.chunks:
+            self._forget_chunk(d, v.vid)
+
+    def _hand_over_last_copies(self, v: Version) -> None:
+        """Give ``chunk_keeper`` the chunks of ``v`` that no other local file holds and that
+        it wants, before ``v``'s data goes."""
+        keeper = self.chunk_keeper
+        if keeper is None or not v.sealed:
+            return
+        for i, d in enumerate(v.chunks):
+            if i in v.missing or self._chunk_locations.get(d, (None,))[0] != v.vid:
+                continue
+            if any(a[0] != v.vid for a in self._chunk_alts.get(d, ())):
+                continue  # another local file holds it too
+            try:
+                if not keeper.wants(d):
+                    continue
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                keeper.keep(d, os.pread(self._fd(v), length, off))  # keep() verifies it
+            except Exception as exc:  # the keeper's problem must not stop a delete
+                log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
+
+    def _note_chunk(self, digest: str, vid: int, idx: int) -> None:
+        """Chunk ``digest`` is in RAM as chunk ``idx`` of version ``vid``."""
+        loc = self._chunk_locations.get(digest)
+        if loc is None:
+            self._chunk_locations[digest] = (vid, idx)
+        elif loc != (vid, idx):
+            self._chunk_alts.setdefault(digest, set()).add((vid, idx))
+
+    def _forget_chunk(self, digest: str, vid: int) -> None:
+        """Version ``vid`` no longer holds ``digest`` in RAM; another local copy, if any,
+        takes its place (the replica store counts on this node's copies)."""
+        alts = self._chunk_alts.get(digest)
+        if alts:
+            for a in [a for a in alts if a[0] == vid]:
+                alts.discard(a)
+        loc = self._chunk_locations.get(digest)
+        if loc is not None and loc[0] == vid:
+            # Replaced in one step, never deleted first: other threads (the replica
+            # store's has_chunk) read this index without a lock.
+            while alts:
+                a = alts.pop()
+                other = self.versions.get(a[0])
+                if other is not None and a[1] not in other.missing:
+                    self._chunk_locations[digest] = a
+                    break
+            else:
+                del self._chunk_locations[digest]
+        if alts is not None and not alts:
+            del self._chunk_alts[digest]
+
+    def _set_current(self, ino: Inode, v: Version | None) -> None:
+        old = self.versions.get(ino.vid) if ino.vid is not None else None
+        ino.vid = v.vid if v is not None else None
+        if old is not None and old is not v:
+            old.current = False
+            self._release_version(old)
+
+    def _maybe_free_inode(self, ino: Inode) -> None:
+        if ino.nlink > 0 or ino.ino == ROOT_INO:
+            return
+        if ino.opens == 0 and ino.vid is not None:
+            # No name and no open handle: the data can go now, even while the kernel still
+            # holds a lookup reference (it cannot read without opening).
+            with self.db.transaction():
+                self._set_current(ino, None)
+                self._write_inode(ino)
+        if ino.lookups > 0 or ino.opens > 0:
+            return
+        if self.inodes.pop(ino.ino, None) is None:
+            return
+        if ino.kid:
+            for k in [k for k, n in self.aliases.items() if n == ino.ino]:
+                del self.aliases[k]
+        with self.db.transaction():
+            self._delete_inode_rows(ino)
+            self._set_current(ino, None)
+
+    def _error(self, msg: str) -> None:
+        log.error("%s", msg)
+        self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")
+        self.errors_total += 1
+        del self.errors[:-50]

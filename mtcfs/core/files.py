@@ -1,0 +1,383 @@
+"""File handles and versions: open, create, read, write, fsync, release, and seal on last close.
+
+A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
+concurrency protocol every method follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from mtcfs.base.chunking import hash_fd
+from mtcfs.base.errors import FsError
+from mtcfs.core.capacity import MAX_FILE_SIZE
+from mtcfs.core.model import Attr, Handle, Inode, Version
+from mtcfs.core.records import now_ns as _now_ns
+
+log = logging.getLogger("mtcfs.core.core")
+
+
+class FileOps:
+    """File handles and versions: open, create, read, write, fsync, release, and seal on last close."""
+
+    # ------------------------------------------------------------------ files
+
+    async def _writable_version(self, ino: Inode, *, trunc: bool) -> Version:
+        """The version a new writer writes to: the open one, or a new copy-on-write one.
+
+        The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
+        sealed version nothing else uses is not copied: the new version takes its data
+        file over.
+        """
+        for _attempt in range(3):
+            cur = self.versions[ino.vid] if ino.vid is not None else None
+            if cur is not None and not cur.sealed and cur.sealing is None:
+                if trunc and cur.size:
+                    os.ftruncate(self._fd(cur), 0)
+                    cur.size = 0
+                    cur.missing.clear()
+                    cur.gen += 1
+                    self._account(cur)
+                return cur
+            if cur is not None and not trunc and cur.missing:
+                raise FsError(errno.EAGAIN, "file is still being restored")
+            take = (cur is not None and not trunc and self.ns_log is None and cur.sealed
+                    and not (cur.handles or cur.pins or cur.sealing is not None
+                             or cur.publishing))
+            need = cur.alloc if cur is not None and not trunc and not take else 0
+            if need and self.used + self.shared_used() + need > self.capacity:
+                cur.pins += 1  # not evicted while we wait for room
+                try:
+                    await self._reserve(need)
+                finally:
+                    cur.pins -= 1
+                continue  # the state may have moved during the wait: look again
+            with self.db.transaction():
+                v = self._new_version(ino, copy_from=None if trunc or take else cur,
+                                      take_over=cur if take else None)
+                self._set_current(ino, v)
+                self._write_inode(ino)
+            return v
+        self.counters.enospc += 1
+        raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
+
+    async def open(self, num: int, flags: int) -> tuple[int, bool]:
+        """Open a file. Returns ``(fh, keep_cache)``.
+
+        Raises:
+            FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
+        """
+        if self.ns_log is not None:
+            await self.ns_log.fresh()
+        ino = self._inode(num)
+        if ino.is_dir:
+            raise FsError(errno.EISDIR)
+        if not ino.is_file:
+            raise FsError(errno.EINVAL)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        if writable and not trunc:
+            await self._fault_in_all(ino)
+        if writable:
+            v = await self._writable_version(ino, trunc=trunc)
+            v.writers += 1
+            if trunc:
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
+        else:
+            if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
+                # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
+                # dropped its own size to 0 (atomic_o_trunc): follow it.
+                await self._truncate(ino, 0, None)
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
+            v = self.versions[ino.vid]  # type: ignore[index]
+        v.handles += 1
+        ino.opens += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND))
+        # Close-to-open across nodes (scope=job): the kernel may keep its page cache only
+        # if this node served the same version at its last open.
+        keep = ino.last_open_vid == v.vid or self.ns_log is None
+        ino.last_open_vid = v.vid
+        return fh, keep
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Attr]:
+        if self.ns_log is not None:
+            return await self._ns_create(parent, name, mode, flags, uid, gid)
+        d = self._dir(parent)
+        self._check_name(name)
+        existing = d.children.get(name)  # type: ignore[union-attr]
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            fh, _ = await self.open(existing, flags)
+            ino = self.inodes[existing]
+            ino.lookups += 1
+            return fh, self.attr(ino)
+        with self.db.transaction():
+            ino = self._new_inode("file", stat.S_IFREG | (mode & 0o7777), uid, gid)
+            v = self._new_version(ino)
+            ino.vid = v.vid
+            self._link(d, name, ino)
+            self._write_inode(ino)
+            self._touch_dir(d)
+        v.writers += 1
+        v.handles += 1
+        ino.opens += 1
+        ino.lookups += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND))
+        return fh, self.attr(ino)
+
+    def _handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if not isinstance(h, Handle):
+            raise FsError(errno.EBADF)
+        return h
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        """Read up to ``size`` bytes at ``off``; waits for missing chunks (fault-in).
+
+        Served with ``pread``: a read-only mapping would skip one copy but costs a page
+        fault per page on first touch (slower on the measured VM, docs/benchmarks.md) and
+        makes the store's pages count in the daemon's RSS, the OOM killer's measure.
+        """
+        h = self._handle(fh)
+        v = h.version
+        ino = self.inodes.get(h.ino)
+        if not v.current and ino is not None and ino.vid is not None:
+            # Rewritten (copy-on-write) since this handle was opened: one file has one
+            # content, so read the current version, as the kernel's page cache does.
+            v = self.versions[ino.vid]
+        if off >= v.size:
+            return b""
+        size = min(size, v.size - off)
+        if v.missing or v.vid in self._unverified:  # fault-in, or verify first (core/scrub.py)
+            v.pins += 1  # a version this handle does not hold must outlive the await
+            try:
+                await self.fault_in(v, off, size)
+                data = os.pread(self._fd(v), size, off)
+            finally:
+                v.pins -= 1
+                self._release_version(v)  # no-op unless rewritten meanwhile
+        else:
+            data = os.pread(self._fd(v), size, off)
+        self.counters.bytes_read += len(data)
+        return data
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        v = h.version
+        if v.sealed:
+            v = await self._reopen_sealed(h)
+        if h.append:
+            off = v.size
+        end = off + len(buf)
+        if end > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
+        need = self._new_bytes(v, off, end)
+        if need:
+            await self._reserve(need)
+        try:
+            n = os.pwrite(self._fd(v), buf, off)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.counters.enospc += 1
+                raise FsError(errno.ENOSPC, "store directory is full") from None
+            raise
+        if end > v.size:
+            v.size = end
+        self._account(v)
+        v.gen += 1
+        self.counters.bytes_written += n
+        self.last_write = time.monotonic()
+        return n
+
+    async def flush(self, fh: int, final: bool = True) -> None:
+        """close(2) of one descriptor. Seal happens at release of the last writer, except in
+        scope=job: there close(2) of the last writer seals and publishes the version
+        job-wide before it returns (close-to-open consistency, docs/consistency.md).
+
+        ``final``: False when the adapter knows the process that opened the file still holds
+        a descriptor of it (this close came from a child that inherited one): then nothing
+        is sealed.
+
+        Raises:
+            FsError: EIO when the version could not be published (the namespace service is
+                unreachable past its deadline).
+        """
+        h = self._handle(fh)
+        if final:
+            h.closed = True  # its RELEASE follows (capacity.py: settle_releases)
+        if self.ns_log is None or not h.writable or not final:
+            return
+        v = h.version
+        if v.writers == 1 and not v.sealed:
+            if v.sealing is not None:
+                await v.sealing.wait()
+            if not v.sealed and v.writers == 1:
+                await self._seal(v, allow_writers=1)
+            if v.seal_error:
+                raise FsError(errno.EIO, v.seal_error)
+
+    def kernel_inos(self, fh: int) -> set[int]:
+        """The inode numbers the kernel may know the file of handle ``fh`` by."""
+        h = self._handle(fh)
+        ino = self.inodes.get(h.ino)
+        out = {h.ino}
+        if ino is not None and ino.kid:
+            out.update(k for k, n in self.aliases.items() if n == h.ino)
+        return out
+
+    async def _reopen_sealed(self, h: Handle) -> Version:
+        """A write through a handle whose version was sealed at an earlier close(2) of a
+        duplicate descriptor (scope=job): continue in a new copy-on-write version."""
+        old = h.version
+        ino = self._inode(h.ino)
+        if ino.vid != old.vid:
+            raise FsError(errno.ESTALE, "the file was replaced since this descriptor was opened")
+        v = await self._writable_version(ino, trunc=False)
+        if h.version is not old:
+            return h.version  # reopened by another write of this handle meanwhile
+        old.writers -= 1
+        old.handles -= 1
+        v.writers += 1
+        v.handles += 1
+        h.version = v
+        self._release_version(old)
+        return v
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handle(fh)
+        if h.writable and not h.version.sealed:
+            # Record the length reached so far; the bytes are already in the data file.
+            with self.db.transaction():
+                self._write_version(h.version)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if not isinstance(h, Handle):
+            return
+        v = h.version
+        v.handles -= 1
+        ino = self.inodes.get(h.ino)
+        if h.writable:
+            v.writers -= 1
+        if ino is not None:
+            ino.opens -= 1
+            self._maybe_free_inode(ino)  # an unlinked file's space comes back here
+        if h.writable:
+            self._after_write_close(v)
+        self._release_version(v)
+        self._released_one()
+
+    def _after_write_close(self, v: Version) -> None:
+        if not v.current or self.versions.get(v.vid) is not v:
+            return  # freed (unlinked) or replaced: nothing to seal
+        if v.writers == 0 and not v.sealed and v.sealing is None and self._nursery is not None:
+            v.sealing = trio.Event()
+            self._nursery.start_soon(self._seal, v)
+
+    # ------------------------------------------------------------------ seal
+
+    async def _seal(self, v: Version, allow_writers: int = 0) -> None:
+        """Hash a closed version into chunks off the FUSE loop and record its manifest.
+
+        ``allow_writers``: writers that may still hold the version (1 when close(2) of the
+        last writable descriptor seals it before its RELEASE, in scope=job)."""
+        if v.sealing is None:
+            v.sealing = trio.Event()
+        done = v.sealing
+        cancelled = False
+        try:
+            while True:
+                gen, size = v.gen, v.size
+                try:
+                    fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
+                    try:
+                        res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
+                                                            limiter=self.cpu_limiter)
+                    finally:
+                        self.fds.unlease(v, fd)
+                except OSError as exc:
+                    if v.dropped:
+                        return  # freed while hashing (core: _release_version)
+                    v.seal_error = str(exc)
+                    self._error(f"seal of version {v.vid} failed: {exc}")
+                    return
+                if v.vid not in self.versions or v.dropped:
+                    return
+                if v.writers > allow_writers:
+                    return  # reopened for writing; the next close seals again
+                if v.gen != gen or v.size != size:
+                    continue
+                break
+            v.sealed = True
+            v.chunks = res.chunks
+            v.blake3 = res.file_hash
+            v.backed_up = False
+            ino = self.inodes.get(v.ino)
+            with self.db.transaction():
+                self._write_version(v)
+                if ino is not None:
+                    self._write_inode(ino)
+            self._index_chunks(v)
+            self.counters.seals += 1
+            v.sealing = None
+            if ino is not None:
+                self._step_changed(ino)
+            if self.ns_log is not None and ino is not None and ino.nlink > 0:
+                # scope=job: commit markers are detected when the publish op is applied
+                await self._ns_publish(ino, v)
+            if ino is not None and ino.vid == v.vid:
+                self._emit("sealed", v)
+                if self.ns_log is None:
+                    with self.db.transaction():
+                        self._maybe_commit_by_file(ino)
+        except trio.Cancelled:
+            cancelled = True  # the daemon stops: the next start seals it (core: _repair)
+            raise
+        finally:
+            v.sealing = None
+            done.set()
+            if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
+                    and not allow_writers and not cancelled:
+                self._after_write_close(v)
+            self._release_version(v)
+
+    async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:
+        """Wait until the current version of file ``ino`` is sealed.
+
+        The kernel sends RELEASE shortly after close(2) returns, so a version that still has
+        writers gets ``grace`` seconds to lose them. Returns None if it is still open then.
+        """
+        deadline = trio.current_time() + grace
+        while True:
+            if ino.vid is None:
+                return None
+            v = self.versions[ino.vid]
+            if v.sealed:
+                return v
+            if v.sealing is not None:
+                await v.sealing.wait()
+                continue
+            if trio.current_time() >= deadline:
+                return None
+            await trio.sleep(0.01)
+
+    def _index_chunks(self, v: Version) -> None:
+        if not v.sealed:
+            return
+        for i, d in enumerate(v.chunks):
+            if i not in v.missing:
+                self._note_chunk(d, v.vid, i)

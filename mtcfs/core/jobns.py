@@ -1,0 +1,573 @@
+"""scope=job: the core's side of the job-wide namespace (docs/consistency.md).
+
+A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change of a
+scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log``
+(:mod:`mtcfs.tiers.namespace.etcd_log`) has etcd order each op into the job's log, and every
+node applies it, in log order, with :meth:`ns_apply`. Applying is deterministic and
+synchronous (one trio step, one SQLite transaction): every node that applied the same ops
+holds the same namespace, with the same inode numbers, because only :meth:`ns_apply`
+allocates them. The errno with which applying refuses an op (the same on every node) is
+the answer to the system call that made it.
+
+The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
+applied it. File data never travels in ops, except the bytes of small files (every DCP rank
+reads ``.metadata`` at load): a sealed version is *published* as its chunk list and the rank
+that wrote it, and other nodes fault its chunks in on read.
+
+Op kinds and fields (names are strings, surrogate-escaped; ``rank`` is the origin):
+
+==========  ==================================================================
+mkdir       parent, name, mode, uid, gid -> {"ino"}
+create      parent, name, mode, uid, gid, excl -> {"ino", "existed"}
+symlink     parent, name, target, uid, gid -> {"ino"}
+mknod       parent, name, mode (with the S_IFMT bits), rdev, uid, gid -> {"ino"}
+link        ino, new_parent, new_name (a hard link; never of a directory)
+unlink      parent, name
+rmdir       parent, name
+rename      parent, name, new_parent, new_name, flags
+setattr     ino, mode, uid, gid, atime_ns, mtime_ns (None: unchanged)
+publish     ino, vid (at the origin), size, chunk_size, chunks, blake3, mtime_ns,
+            data (base64, files up to INLINE_BYTES)
+noop        (none: changes nothing; kept for logs written before etcd ordered them)
+==========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import logging
+import os
+import stat
+from typing import Any
+
+import blake3
+import trio
+
+from mtcfs.base.chunking import chunk_span
+from mtcfs.base.errors import FsError
+from mtcfs.core.model import ROOT_INO, Attr, Inode, Version
+from mtcfs.core.records import StepRecord
+from mtcfs.core.symlinks import escapes
+
+log = logging.getLogger("mtcfs.core.core")
+
+#: Seconds this node keeps the data of its own file after another node removed or replaced
+#: it, so that nodes still reading the file can copy what they lack (docs/consistency.md).
+LINGER_S = 30.0
+
+#: blake3 of no bytes: the content of a file created and not yet published.
+EMPTY_BLAKE3 = blake3.blake3(b"").hexdigest()
+
+#: Files up to this size travel inside their publish op, so that N ranks reading the same
+#: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
+INLINE_BYTES = 256 * 1024
+
+
+def _name(s: str) -> bytes:
+    return s.encode(errors="surrogateescape")
+
+
+def _text(b: bytes) -> str:
+    return b.decode(errors="surrogateescape")
+
+
+class JobNamespaceOps:
+    """scope=job: submit, apply, snapshot and install the job-wide namespace."""
+
+    # ------------------------------------------------------------------ submitting
+
+    async def _ns_new_entry(self, op: dict[str, Any]) -> Attr:
+        """Submit an op that creates an entry (mkdir, symlink); its attributes here."""
+        op = dict(op, parent=self._dir(op["parent"]).ino, name=_text(op["name"]))
+        if "target" in op:
+            op["target"] = _text(op["target"])
+        res = await self.ns_log.submit(op)
+        ino = self._inode(res["ino"])
+        ino.lookups += 1
+        return self.attr(ino)
+
+    async def _ns_create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                         gid: int) -> tuple[int, Attr]:
+        res = await self.ns_log.submit({
+            "op": "create", "parent": self._dir(parent).ino, "name": _text(name), "mode": mode,
+            "uid": uid, "gid": gid, "excl": bool(flags & os.O_EXCL)})
+        ino = self._inode(res["ino"])
+        # A new file's first writer starts an empty local version (O_TRUNC).
+        fh, _ = await self.open(ino.ino, flags if res.get("existed") else flags | os.O_TRUNC)
+        ino.lookups += 1
+        return fh, self.attr(ino)
+
+    async def _ns_publish(self, ino: Inode, v: Version) -> None:
+        """Publish sealed version ``v`` of ``ino`` job-wide (called by the seal).
+
+        Records the failure as ``v.seal_error`` (close(2) then returns EIO) when the
+        namespace service cannot be reached before its deadline.
+        """
+        op: dict[str, Any] = {
+            "op": "publish", "ino": ino.ino, "vid": v.vid, "size": v.size,
+            "chunk_size": v.chunk_size, "chunks": list(v.chunks), "blake3": v.blake3,
+            "mtime_ns": ino.mtime_ns}
+        if v.size <= INLINE_BYTES:
+            data = os.pread(self._fd(v), v.size, 0)
+            op["data"] = base64.b64encode(data).decode()
+        # the job's version this one replaces: a later try publishes only over it
+        expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
+        v.pins += 1  # must be here when this node applies its own publish
+        v.publishing = True  # and a snapshot installed meanwhile keeps it (ns_install)
+        try:
+            await self.ns_log.submit(op)
+        except FsError as exc:
+            v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
+            self._error(v.seal_error)
+            if exc.errno == errno.EIO and self._nursery is not None:
+                self._nursery.start_soon(self._republish, ino, v, {**op, "expect": expect})
+        finally:
+            v.publishing = False
+            v.pins -= 1
+            self._release_version(v)
+
+    async def _republish(self, ino: Inode, v: Version, op: dict[str, Any]) -> None:
+        """Publish again a version whose publication failed because etcd did not answer
+        (its close(2) got EIO: the outcome unknown, as for any network filesystem's
+        timeout), until etcd takes or refuses it. The op carries ``expect``, the job's
+        version it replaces: applied only if the job still has that one, so a newer
+        publication by any node wins; taken, every node serves what this node's writer
+        closed, as if the first try had taken effect late. Never does this node keep
+        serving bytes no other node has (docs/consistency.md)."""
+        v.pins += 1
+        delay = 1.0
+        try:
+            while ino.vid == v.vid and ino.nlink > 0 and v.seal_error:
+                await trio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                try:
+                    await self.ns_log.submit(op)
+                except FsError as exc:
+                    if exc.errno == errno.EIO:
+                        continue  # etcd still away
+                    log.info("%s: not published again (%s): the job's newer version stays",
+                             self.path_of(ino), exc.strerror)
+                    return
+                log.info("%s: published job-wide after etcd came back", self.path_of(ino))
+                v.seal_error = ""
+                return
+        finally:
+            v.pins -= 1
+            self._release_version(v)
+
+    # ------------------------------------------------------------------ applying
+
+    def ns_apply(self, op: dict[str, Any], seq: int, epoch: int) -> tuple[dict[str, Any],
+                                                                          list[Version]]:
+        """Apply one op of the job's log (deterministic; no await).
+
+        Returns:
+            (result for the submitter, versions this node has open whose data it should
+            fetch before acknowledging: a file another node unlinked or replaced while
+            this node reads it keeps its content here).
+
+        Raises:
+            FsError: the op is refused (the submitter's system call gets that errno).
+        """
+        fn = getattr(self, "_apply_" + op["op"], None)
+        if fn is None:
+            raise FsError(errno.EINVAL, f"unknown namespace op {op['op']!r}")
+        keep: list[Version] = []
+        with self.db.transaction():
+            res = fn(op, keep)
+            self.db.set_kv("ns_seq", str(seq))
+            self.db.set_kv("ns_epoch", str(epoch))
+        return res or {}, keep
+
+    def ns_position(self) -> tuple[int, int]:
+        """(epoch, seq) of the last op applied here (0, 0 when none)."""
+        return int(self.db.get_kv("ns_epoch") or 0), int(self.db.get_kv("ns_seq") or 0)
+
+    def _ns_dir(self, num: int) -> Inode:
+        d = self._dir(num)
+        if d.ino != ROOT_INO and not d.parent:
+            raise FsError(errno.ENOENT)  # removed; may linger for the kernel here only
+        return d
+
+    def _origin(self, op: dict[str, Any]) -> int:
+        return -1 if op["rank"] == self.rank else op["rank"]
+
+    def _apply_noop(self, op: dict[str, Any], keep: list[Version]) -> None:
+        return None
+
+    def _apply_mkdir(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._mkdir_now(op["parent"], _name(op["name"]), op["mode"], op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_symlink(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._symlink_now(op["parent"], _name(op["name"]), _name(op["target"]),
+                                op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_mknod(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op["parent"])
+        ino = self._mknod_now(op["parent"], _name(op["name"]), op["mode"], op["rdev"],
+                              op["uid"], op["gid"])
+        return {"ino": ino.ino}
+
+    def _apply_link(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or ino.nlink <= 0:
+            raise FsError(errno.ENOENT)
+        self._ns_dir(op["new_parent"])
+        self._link_now(ino, op["new_parent"], _name(op["new_name"]))
+
+    def _apply_create(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
+        d = self._ns_dir(op["parent"])
+        name = _name(op["name"])
+        self._check_name(name)
+        existing = d.children.get(name)  # type: ignore[union-attr]
+        if existing is not None:
+            if op["excl"]:
+                raise FsError(errno.EEXIST)
+            if not self.inodes[existing].is_file:
+                raise FsError(errno.EISDIR)
+            return {"ino": existing, "existed": True}
+        ino = self._new_inode("file", stat.S_IFREG | (op["mode"] & 0o7777), op["uid"], op["gid"])
+        v = self._new_version(ino)
+        v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
+        self._write_version(v)
+        ino.vid = v.vid
+        ino.published = self._published(v, op["rank"])
+        self._link(d, name, ino)
+        self._write_inode(ino)
+        self._touch_dir(d)
+        return {"ino": ino.ino, "existed": False}
+
+    def _apply_unlink(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        victim = self._child(self._dir(op["parent"]), _name(op["name"]))
+        if victim.nlink <= 1:  # another hard link keeps the content reachable
+            self._keep_if_open(victim, keep)
+        self._unlink_now(op["parent"], _name(op["name"]))
+
+    def _apply_rmdir(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        self._rmdir_now(op["parent"], _name(op["name"]))
+
+    def _apply_rename(self, op: dict[str, Any], keep: list[Version]) -> None:
+        self._ns_dir(op["parent"])
+        dst = self._ns_dir(op["new_parent"])
+        victim = dst.children.get(_name(op["new_name"]))  # type: ignore[union-attr]
+        if victim is not None and victim in self.inodes and self.inodes[victim].nlink <= 1:
+            self._keep_if_open(self.inodes[victim], keep)
+        self._rename_now(op["parent"], _name(op["name"]), op["new_parent"],
+                         _name(op["new_name"]), op["flags"])
+
+    def _apply_setattr(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or (ino.nlink <= 0 and ino.ino != ROOT_INO):
+            raise FsError(errno.ENOENT)
+        if op["mode"] is not None:
+            ino.mode = stat.S_IFMT(ino.mode) | (op["mode"] & 0o7777)
+        if op["uid"] is not None:
+            ino.uid = op["uid"]
+        if op["gid"] is not None:
+            ino.gid = op["gid"]
+        if op["atime_ns"] is not None:
+            ino.atime_ns = op["atime_ns"]
+        if op["mtime_ns"] is not None:
+            ino.mtime_ns = op["mtime_ns"]
+        self._write_inode(ino)
+
+    def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
+        """``ino`` loses its name or content job-wide: keep what nodes reading it need."""
+        v = self.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
+        if v is None:
+            return
+        if ino.opens and v.missing:
+            keep.append(v)  # this node reads it: copy the rest before acknowledging
+        if v.origin < 0 and v.sealed and self._nursery is not None:
+            v.pins += 1  # this node wrote it: other readers copy from here for a while
+            self._nursery.start_soon(self._unpin_later, v)
+
+    async def _unpin_later(self, v: Version) -> None:
+        await trio.sleep(LINGER_S)
+        self.unpin([v])
+
+    def _apply_publish(self, op: dict[str, Any], keep: list[Version]) -> None:
+        ino = self.inodes.get(op["ino"])
+        if ino is None or not ino.is_file or ino.nlink <= 0:
+            return  # unlinked meanwhile: nobody can open it by name
+        if "expect" in op and (ino.published or {}).get("blake3", EMPTY_BLAKE3) != op["expect"]:
+            # a publication tried again (_republish): another version was published since
+            raise FsError(errno.ESTALE, "the file was published again meanwhile")
+        chunks = tuple(op["chunks"])
+        ino.published = {k: op[k] for k in ("size", "chunk_size", "chunks", "blake3", "rank")}
+        if op["rank"] == self.rank:
+            v = self.versions.get(op["vid"])
+            if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
+                if ino.vid != v.vid:  # another node's earlier publish replaced it here
+                    v.current = True
+                    self._set_current(ino, v)
+                    self._renumber_for_kernel(ino)
+                v.origin = -1
+                self._write_version(v)
+                ino.mtime_ns = op["mtime_ns"]
+                self._write_inode(ino)
+                self._maybe_commit_by_file(ino, published=True)
+                return
+        cur = self.versions.get(ino.vid) if ino.vid is not None else None
+        if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op["size"]:
+            # this content already (a snapshot carried it, or the file was rewritten with
+            # the same bytes, or touched): only the time changes
+            ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+            self._write_inode(ino)
+            return
+        if cur is not None:
+            self._keep_if_open(ino, keep)
+        v = self._remote_version(ino, op)
+        self._set_current(ino, v)
+        ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+        self._renumber_for_kernel(ino)
+        self._write_inode(ino)
+        self._maybe_commit_by_file(ino)
+
+    @staticmethod
+    def _published(v: Version, rank: int) -> dict[str, Any]:
+        return {"size": v.size, "chunk_size": v.chunk_size, "chunks": list(v.chunks),
+                "blake3": v.blake3, "rank": rank}
+
+    def _renumber_for_kernel(self, ino: Inode) -> None:
+        """The content of ``ino`` changed under the kernel's feet: give it a new kernel
+        inode number, so that the next lookup of its name makes the kernel start a new inode
+        with the new size (with writeback cache on, it never refreshes a cached one)."""
+        if ino.lookups or ino.kid:
+            self._next_kid += 1
+            ino.kid = self._next_kid
+            self.aliases[ino.kid] = ino.ino
+
+    def _remote_version(self, ino: Inode, op: dict[str, Any]) -> Version:
+        """A sealed version of another rank's file: its chunks are missing unless they came
+        inline (verified here) — reads fault them in from that rank and its replicas."""
+        chunks = tuple(op["chunks"])
+        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=op["size"],
+                    chunk_size=op["chunk_size"], sealed=True, chunks=chunks,
+                    blake3=op["blake3"], missing=set(range(len(chunks))),
+                    origin=self._origin(op))
+        fd = self.store.open_data(v.vid, create=True)
+        self.fds.adopt(v, fd)
+        os.ftruncate(fd, v.size)
+        data = base64.b64decode(op["data"]) if op.get("data") is not None else None
+        if data is not None and len(data) == v.size:
+            for i, d in enumerate(chunks):
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                piece = data[off:off + length]
+                if blake3.blake3(piece).hexdigest() == d:
+                    os.pwrite(fd, piece, off)
+                    v.missing.discard(i)
+        self._account(v)
+        self.versions[v.vid] = v
+        self._write_version(v)
+        for d in chunks:
+            self.chunk_origins[d] = op["rank"]
+        self._index_chunks(v)
+        return v
+
+    # ------------------------------------------------------------------ snapshots
+
+    def ns_snapshot(self) -> dict[str, Any]:
+        """The whole namespace as a JSON-able dict (for a node that joins)."""
+        epoch, seq = self.ns_position()
+        out: list[dict[str, Any]] = []
+        for parent, name, ino in self._dentries():
+            # one entry per name: a hard-linked inode comes once per link, each with the
+            # same ino (ns_install links the later ones to the first)
+            e: dict[str, Any] = {"ino": ino.ino, "parent": parent, "name": _text(name),
+                                 "kind": ino.kind, "mode": ino.mode, "uid": ino.uid,
+                                 "gid": ino.gid, "mtime_ns": ino.mtime_ns,
+                                 "target": _text(ino.target)}
+            if ino.rdev:
+                e["rdev"] = ino.rdev
+            if ino.is_file and ino.vid is not None:
+                v = self.versions[ino.vid]
+                if v.sealed and v.sealing is None and not v.writers and not v.publishing \
+                        and not v.seal_error:
+                    e["version"] = self._published(v, self.rank if v.origin < 0 else v.origin)
+                else:  # being written or published here, or its publication failed: the
+                    # job knows the last published version
+                    e["version"] = ino.published or {
+                        "size": 0, "chunk_size": v.chunk_size, "chunks": [],
+                        "blake3": EMPTY_BLAKE3, "rank": self.rank}
+            out.append(e)
+        steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
+                  "committed_ns": s.committed_ns} for s in self.steps.values()]
+        return {"epoch": epoch, "seq": seq, "next_ino": self._next_ino, "entries": out,
+                "steps": steps}
+
+    def _dentries(self) -> list[tuple[int, bytes, Inode]]:
+        """Every (parent ino, name, inode) of the namespace, parents before children."""
+        out: list[tuple[int, bytes, Inode]] = []
+        stack = [self.inodes[ROOT_INO]]
+        while stack:
+            d = stack.pop()
+            for name, num in sorted(d.children.items()):  # type: ignore[union-attr]
+                child = self.inodes[num]
+                out.append((d.ino, name, child))
+                if child.is_dir:
+                    stack.append(child)
+        return out
+
+    def ns_install(self, snap: dict[str, Any]) -> None:
+        """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
+
+        This node's own files come back as versions with every chunk missing, faulted in
+        from its replicas (or the backup tier) like any other rank's. A file this node is
+        writing (open for writing, or closed and not yet published) stays this node's
+        current version when the snapshot still has the file under the same name: its
+        writer's close publishes it as if nothing happened. A symlink whose target is
+        absolute or leaves the mount is not created (logged; docs/security-local.md).
+        """
+        writing: dict[int, tuple[Version, int, bytes, dict | None]] = {}
+        for v in self.versions.values():
+            ino = self.inodes.get(v.ino)
+            if v.origin < 0 and v.current and ino is not None and ino.vid == v.vid and (
+                    v.writers or not v.sealed or v.sealing is not None or v.publishing):
+                writing[v.ino] = (v, ino.parent, ino.name, ino.published)
+        aside: list[Version] = []  # published here, then replaced by another node's
+        busy = {w[0].vid for w in writing.values()}
+        # Complete local copies of content the snapshot names are kept (a node that rejoins
+        # with its store keeps its own files, replicated or not).
+        have = {(v.chunks, v.size): v for v in self.versions.values()
+                if v.sealed and not v.missing and v.chunks and v.vid not in busy}
+        with self.db.transaction():
+            for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
+                self.db.execute(f"DELETE FROM {table}")
+            for v in self.versions.values():
+                if v.handles or v.pins:
+                    # open handles and reads under way read on through their descriptor,
+                    # never evicted: its path may name other data after the install
+                    self.fds.keep(v)
+                else:
+                    self.fds.drop(v)
+            # what the kernel and open descriptors know of inodes that stay
+            runtime = {n: (i.kind, i.lookups, i.opens, i.last_open_vid, i.kid)
+                       for n, i in self.inodes.items()}
+            content = {v.ino: (v.chunks, v.size) for v in self.versions.values()
+                       if v.current and v.sealed}
+            old_aliases = dict(self.aliases)
+            self.inodes.clear()
+            self.versions.clear()
+            self.steps.clear()
+            self._chunk_locations.clear()
+            self._chunk_alts.clear()
+            self.aliases.clear()
+            self.chunk_origins.clear()
+            self.used = 0
+            root = self._new_root()
+            self.inodes[ROOT_INO] = root
+            names: dict[int, set[tuple[int, bytes]]] = {}
+            for e in snap["entries"]:
+                names.setdefault(e["ino"], set()).add((e["parent"], _name(e["name"])))
+            for e in snap["entries"]:
+                parent = self.inodes[e["parent"]]
+                kind = e["kind"]
+                if kind == "symlink" and escapes(_name(e["target"]),
+                                                 self._dir_depth(parent) or 0):
+                    # docs/security-local.md: never made, whoever sent the snapshot
+                    log.warning("namespace snapshot: symlink %s/%s -> %r points outside "
+                                "the mount: not created", self.path_of(parent), e["name"],
+                                e["target"])
+                    continue
+                linked = self.inodes.get(e["ino"])
+                if linked is not None and kind != "dir":  # another name of an inode here
+                    self._link(parent, _name(e["name"]), linked)
+                    linked.nlink += 1
+                    self._write_inode(linked)
+                    continue
+                ino = Inode(e["ino"], kind, e["mode"], e["uid"], e["gid"],
+                            2 if kind == "dir" else 1, e["mtime_ns"], e["mtime_ns"],
+                            e["mtime_ns"], target=_name(e["target"]), rdev=e.get("rdev", 0),
+                            children={} if kind == "dir" else None)
+                rt = runtime.get(ino.ino)
+                if rt is not None and rt[0] == kind:
+                    _k, ino.lookups, ino.opens, ino.last_open_vid, ino.kid = rt
+                elif rt is not None:  # the number named another kind here (a diverged log)
+                    ino.lookups, ino.opens = rt[1], rt[2]
+                    self._renumber_for_kernel(ino)
+                self.inodes[ino.ino] = ino
+                if kind == "dir":
+                    parent.nlink += 1
+                ver = e.get("version")
+                mine = writing.get(ino.ino)
+                if mine is not None and (kind != "file" or mine[1:3] not in names[ino.ino]):
+                    mine = None
+                if mine is not None and mine[0].publishing and not mine[0].writers and \
+                        ver != mine[3] and not (ver is not None and ver["rank"] == self.rank
+                                                and tuple(ver["chunks"]) == mine[0].chunks):
+                    # Our publish was ordered before the snapshot and another node's after
+                    # it: theirs is the file now; ours stays known (not current) for our op.
+                    aside.append(mine[0])
+                    mine = None
+                if mine is not None:
+                    v = mine[0]  # being written here: it stays, and its close publishes it
+                    self.versions[v.vid] = v
+                    self.used += v.alloc
+                    self._write_version(v)
+                    if v.sealed:
+                        self._index_chunks(v)
+                    ino.vid = v.vid
+                    ino.published = dict(ver) if ver is not None else None
+                elif ver is not None:
+                    v = self._remote_version(ino, dict(ver))
+                    v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
+                    old = have.pop((v.chunks, v.size), None)
+                    if old is not None:  # take over the old data file
+                        self.fds.drop(v)
+                        os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
+                        v.missing.clear()
+                        self._account(v)
+                        # Chunks not hashed since this daemon started stay so under the new
+                        # version: a rejoin after a restart takes this path (core/scrub.py).
+                        self._carry_unverified(old, v)
+                    self._write_version(v)
+                    self._index_chunks(v)
+                    ino.vid = v.vid
+                    ino.published = dict(ver)
+                    if content.get(ino.ino) != (v.chunks, v.size):
+                        self._renumber_for_kernel(ino)  # the kernel may cache the old size
+                self._link(parent, _name(e["name"]), ino)
+                self._write_inode(ino)
+            self._write_inode(root)
+            root_rt = runtime.get(ROOT_INO)
+            if root_rt is not None:
+                root.lookups, root.opens = root_rt[1], root_rt[2]
+            self.aliases.update((k, n) for k, n in old_aliases.items() if n in self.inodes)
+            # A publish in flight whose file another node replaced, renamed or removed: its
+            # data stays (not current) until our op is applied, which may make it current.
+            set_aside = {v.vid for v in aside}
+            aside.extend(w[0] for w in writing.values()
+                         if w[0].publishing and w[0].vid not in self.versions and
+                         w[0].vid not in set_aside)
+            for v in aside:
+                v.current = False
+                self.versions[v.vid] = v
+                self.used += v.alloc
+                self._write_version(v)
+                if v.sealed:
+                    self._index_chunks(v)
+            for s in snap["steps"]:
+                rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
+                                 committed_ns=s["committed_ns"], source=s["source"])
+                self.steps[rec.name] = rec
+                self._write_step(rec)
+            new = {v.vid for v in self.versions.values()}
+            for v in self.fds.kept():  # still registered (being written here): evictable
+                if self.versions.get(v.vid) is v:
+                    self.fds.unkeep(v)
+            for vid in self.store.data_vids() - new:
+                self.store.remove_data(vid)  # open descriptors still read what they opened
+            self._next_ino = snap["next_ino"]
+            self.db.set_kv("next_ino", str(self._next_ino))
+            self.db.set_kv("ns_seq", str(snap["seq"]))
+            self.db.set_kv("ns_epoch", str(snap["epoch"]))
+        log.info("installed the job namespace at seq %d: %d entries, %d steps", snap["seq"],
+                 len(snap["entries"]), len(snap["steps"]))

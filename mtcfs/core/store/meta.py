@@ -1,0 +1,165 @@
+"""Crash-safe metadata of the RAM tier: one SQLite database in the store directory.
+
+Every namespace change is one transaction, so a ``kill -9`` of the daemon at any moment
+leaves a consistent namespace (SQLite WAL; the store is on tmpfs, so durability against a
+process crash is what matters, not against power loss). File sizes of versions still being
+written are recorded only on seal and fsync; recovery takes the data file's length instead
+(see :meth:`mtcfs.core.store.Store.recover`).
+
+The schema below is the canonical description of the on-disk metadata; every column's
+meaning and sentinel values are commented there.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+#: 2: inodes.rdev and kind 'special' (FIFOs, sockets, device nodes); a version-1 store
+#: gains the column at open (migrated in place, every existing inode rdev 0).
+SCHEMA_VERSION = 2
+
+SCHEMA = """
+-- One row per inode. kind: 'file' | 'dir' | 'symlink' | 'special' (a FIFO, socket or
+--   device node: metadata only, the type in mode's S_IFMT bits; schema 2).
+-- vid: current version of a file (NULL for dirs, symlinks and special files).
+-- parent/name: for dirs, THE parent dentry; for files, the most recent link (used only to
+--   compute a path for manifests and step detection; hard links live in dentries).
+CREATE TABLE IF NOT EXISTS inodes (
+    ino       INTEGER PRIMARY KEY,
+    kind      TEXT NOT NULL,
+    mode      INTEGER NOT NULL,          -- full st_mode incl. S_IFMT bits
+    uid       INTEGER NOT NULL,
+    gid       INTEGER NOT NULL,
+    nlink     INTEGER NOT NULL,
+    atime_ns  INTEGER NOT NULL,
+    mtime_ns  INTEGER NOT NULL,
+    ctime_ns  INTEGER NOT NULL,
+    target    BLOB,                      -- symlink target, NULL otherwise
+    vid       INTEGER,
+    parent    INTEGER,                   -- 0 for the root and for unlinked inodes
+    name      BLOB,
+    rdev      INTEGER NOT NULL DEFAULT 0 -- device number of a device node (schema 2)
+);
+-- Directory entries. The root is ino 1 and has no entry.
+CREATE TABLE IF NOT EXISTS dentries (
+    parent INTEGER NOT NULL,
+    name   BLOB NOT NULL,
+    ino    INTEGER NOT NULL,
+    PRIMARY KEY (parent, name)
+);
+CREATE INDEX IF NOT EXISTS dentries_ino ON dentries(ino);
+-- File versions. A version is 'open' (sealed=0) while written, then sealed: chunks is the
+-- space-separated list of hex blake3 chunk digests, blake3 the whole-file digest.
+-- missing: space-separated chunk indices whose bytes are not in the data file yet
+--   (a restored or evicted version); '' when the data file is complete.
+-- backed_up: 1 once a backup containing this version completed.
+CREATE TABLE IF NOT EXISTS versions (
+    vid        INTEGER PRIMARY KEY,
+    ino        INTEGER NOT NULL,
+    size       INTEGER NOT NULL,
+    chunk_size INTEGER NOT NULL,
+    sealed     INTEGER NOT NULL DEFAULT 0,
+    chunks     TEXT NOT NULL DEFAULT '',
+    blake3     TEXT NOT NULL DEFAULT '',
+    missing    TEXT NOT NULL DEFAULT '',
+    backed_up  INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS xattrs (
+    ino   INTEGER NOT NULL,
+    name  BLOB NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (ino, name)
+);
+-- Checkpoints (steps): top-level directories the libraries committed.
+-- state: 'committed' (complete on this node). backed_up_ns: NULL until a backup of this
+-- step completed. source: what committed it ('orbax-rename', 'commit_success.txt',
+-- '.metadata', 'mtcfs seal', 'restore').
+CREATE TABLE IF NOT EXISTS steps (
+    name         TEXT PRIMARY KEY,
+    number       INTEGER NOT NULL,
+    ino          INTEGER NOT NULL,
+    committed_ns INTEGER NOT NULL,
+    backed_up_ns INTEGER,
+    source       TEXT NOT NULL
+);
+-- Small settings: schema_version, next_ino, next_vid, job, chunk_size.
+CREATE TABLE IF NOT EXISTS kv (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+class MetaDB:
+    """Thin wrapper around the SQLite connection; used only from the FUSE loop's thread.
+
+    Args:
+        path: database file, created if missing.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(SCHEMA)
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(versions)")}
+        if "origin" not in cols:  # scope=job: the rank that wrote a version (-1: this node)
+            self.conn.execute("ALTER TABLE versions ADD COLUMN origin INTEGER NOT NULL DEFAULT -1")
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(inodes)")}
+        if "rdev" not in cols:  # schema 1 -> 2: special files
+            self.conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
+        self._depth = 0
+        self._after_commit: list[Callable[[], None]] = []
+        version = self.get_kv("schema_version")
+        if version is None or int(version) < SCHEMA_VERSION:
+            self.set_kv("schema_version", str(SCHEMA_VERSION))
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group statements into one atomic transaction (nests: only the outer one commits)."""
+        if self._depth == 0:
+            self.conn.execute("BEGIN IMMEDIATE")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.conn.execute("ROLLBACK")
+                self._after_commit.clear()  # what the rows still name stays
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.conn.execute("COMMIT")
+            todo, self._after_commit = self._after_commit, []
+            for fn in todo:
+                fn()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the transaction in progress has committed (at once outside one).
+
+        For what must not happen before the rows that name it are gone: a data file is
+        unlinked only after its version's row is deleted for good, so a crash between the
+        two leaves an orphan file (removed at the next load), never a row without its file.
+        """
+        if self._depth == 0:
+            fn()
+        else:
+            self._after_commit.append(fn)
+
+    def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def get_kv(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_kv(self, key: str, value: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", (key, value))

@@ -1,0 +1,113 @@
+"""Extended attributes: stored user.* ones and the virtual user.mtcfs.* ones.
+
+A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
+concurrency protocol every method follows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+from mtcfs.base.chunking import chunk_count
+from mtcfs.base.errors import ENOATTR, FsError
+from mtcfs.base import steps as stepnames
+from mtcfs.core.model import ROOT_INO, Inode
+from mtcfs.core.records import StepRecord
+
+log = logging.getLogger("mtcfs.core.core")
+
+#: The namespace of the virtual, read-only attributes.
+XATTR_PREFIX = b"user.mtcfs."
+
+
+class XattrOps:
+    """Extended attributes: stored user.* ones and the virtual user.mtcfs.* ones."""
+
+    # ------------------------------------------------------------------ xattrs
+
+    async def getxattr(self, num: int, name: bytes) -> bytes:
+        ino = self._inode(num)
+        if name.startswith(XATTR_PREFIX):
+            return await self._mtcfs_xattr(ino, name[len(XATTR_PREFIX):])
+        try:
+            return ino.xattrs[name]
+        except KeyError:
+            raise FsError(ENOATTR) from None
+
+    async def setxattr(self, num: int, name: bytes, value: bytes) -> None:
+        ino = self._inode(num)
+        if name.startswith(XATTR_PREFIX):
+            raise FsError(errno.EPERM, "user.mtcfs.* attributes are read-only")
+        if not name.startswith(b"user."):
+            raise FsError(errno.ENOTSUP)
+        with self.db.transaction():
+            ino.xattrs[name] = value
+            self.db.execute("INSERT OR REPLACE INTO xattrs(ino, name, value) VALUES (?,?,?)",
+                            (num, name, value))
+
+    async def listxattr(self, num: int) -> list[bytes]:
+        # The virtual user.mtcfs.* attributes are read by name only, not listed: copy tools
+        # (cp -a --preserve=xattr, tar --xattrs, rsync -X) set every listed name on the copy
+        # and fail on read-only ones, and would carry stale hashes to other filesystems.
+        return list(self._inode(num).xattrs)
+
+    async def removexattr(self, num: int, name: bytes) -> None:
+        ino = self._inode(num)
+        if name not in ino.xattrs:
+            raise FsError(ENOATTR)
+        with self.db.transaction():
+            del ino.xattrs[name]
+            self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (num, name))
+
+    async def _mtcfs_xattr(self, ino: Inode, key: bytes) -> bytes:
+        if key == b"state":
+            return self.state_of(ino).encode()
+        if key == b"blake3" and ino.is_file:
+            v = await self.wait_sealed(ino)
+            if v is None:
+                raise FsError(ENOATTR)
+            return v.blake3.encode()
+        if key == b"control" and ino.ino == ROOT_INO:
+            return self.store.control_socket.encode()
+        raise FsError(ENOATTR)
+
+    def state_of(self, ino: Inode) -> str:
+        """The durability state shown in ``user.mtcfs.state``.
+
+        Files: ``writing`` (open for writing or being hashed), ``local`` (sealed, RAM only),
+        ``replicated k/R`` (sealed, in a checkpoint that k of its R peers confirmed holding),
+        ``backed-up`` (sealed, and in the backup tier), ``restoring`` (some chunks still
+        arriving), ``remote`` (evicted from RAM, in the backup tier).
+        Directories: a step dir is ``incomplete`` until committed, then ``local``,
+        ``replicated k/R`` or ``backed-up``; other dirs report ``local``.
+        """
+        if ino.is_file and ino.vid is not None:
+            v = self.versions[ino.vid]
+            if not v.sealed or v.sealing is not None or v.writers:
+                return "writing"
+            if v.missing:
+                if v.origin >= 0:
+                    return "remote"  # scope=job: another rank's file, on that rank
+                full = len(v.missing) == chunk_count(v.size, v.chunk_size)
+                return "remote" if full and v.backed_up else "restoring"
+            if v.backed_up:
+                return "backed-up"
+            rec = self.step_of(ino)
+            return self._replicated(rec) if rec is not None else "local"
+        if ino.is_dir and ino.parent == ROOT_INO:
+            rec = self.steps.get(ino.name.decode(errors="surrogateescape"))
+            if rec is None:
+                return "incomplete" if stepnames.step_number(ino.name) is not None or \
+                    stepnames.is_orbax_tmp(ino.name) else "local"
+            if rec.backed_up_ns is not None:
+                return "backed-up"
+            return self._replicated(rec)
+        return "local"
+
+    @staticmethod
+    def _replicated(rec: StepRecord) -> str:
+        """``replicated k/R`` once k of the R peers confirmed the step, else ``local``."""
+        if rec.replicas and rec.replicated:
+            return f"replicated {rec.replicated}/{rec.replicas}"
+        return "local"

@@ -1,0 +1,182 @@
+"""The object-store interface the backup tier is written against, and the URL parser.
+
+A :class:`Backend` is a flat key/value store of immutable-ish blobs under one root (a bucket
+prefix, a directory). Keys are '/'-separated relative paths such as
+``chunks/ab/ab12....zst``. Every operation is idempotent (a put of the same key with the same
+bytes, a delete of a missing key), which is what makes blind retries safe; see
+:mod:`mtcfs.tiers.backup.retry`.
+
+Implementations are synchronous and thread-safe: the daemon calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator
+from urllib.parse import unquote, urlsplit
+
+from mtcfs.tiers.backup.errors import BackupError, NotFound, TransientError
+
+__all__ = [
+    "Backend", "BackupError", "NotFound", "TransientError", "open_backend", "validate_key",
+    "validate_prefix",
+]
+
+_MAX_KEY_BYTES = 1024  # the GCS object-name limit, applied to every backend alike
+
+
+def validate_key(key: str) -> str:
+    """Check that ``key`` is a safe relative object key and return it.
+
+    Args:
+        key: '/'-separated path relative to the backend root.
+
+    Returns:
+        ``key`` unchanged.
+
+    Raises:
+        ValueError: if the key is empty, absolute, has an empty, '.' or '..' segment, a
+            control character, or is longer than 1024 bytes of UTF-8.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"bad backup object key {key!r}: empty")
+    _check_segments(key, key.split("/"))
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Check a listing prefix: ``""`` or a key-like string that may end in '/'.
+
+    Raises:
+        ValueError: under the same rules as :func:`validate_key`.
+    """
+    if prefix == "":
+        return prefix
+    if not isinstance(prefix, str):
+        raise ValueError(f"bad backup listing prefix {prefix!r}")
+    parts = prefix.split("/")
+    if parts[-1] == "":
+        parts.pop()
+    _check_segments(prefix, parts)
+    return prefix
+
+
+def _check_segments(text: str, parts: list[str]) -> None:
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"bad backup object key {text!r}: empty, '.' or '..' path segment")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in text):
+        raise ValueError(f"bad backup object key {text!r}: control character")
+    if len(text.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+        raise ValueError(f"bad backup object key {text[:40]!r}...: longer than 1024 bytes")
+
+
+class Backend(abc.ABC):
+    """A flat store of blobs under one root, addressed by relative keys.
+
+    All methods block; all may raise :class:`TransientError` (retry may help) or
+    :class:`BackupError` (permanent), and :class:`ValueError` for a malformed key.
+    """
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, replacing what was there, all or nothing.
+
+        Args:
+            key: relative object key.
+            data: the whole object, in memory (chunks are at most 256 MiB).
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object stored under ``key``.
+
+        Raises:
+            NotFound: if there is no such object.
+        """
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Return whether an object is stored under ``key``."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[str]:
+        """Yield the keys (relative to the root) that start with ``prefix``.
+
+        ``prefix`` is a plain string prefix, as in GCS, not a directory: ``"steps/1"`` matches
+        ``steps/1/...`` and ``steps/10/...``. Order is unspecified. Errors may surface while
+        iterating, not only at the call.
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object under ``key``; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Return a one-line human description (the URL), for logs and ``mtcfs status``."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_USAGE = "expected gs://BUCKET[/PREFIX] or file:///ABSOLUTE/PATH"
+
+
+def open_backend(url: str) -> Backend:
+    """Build the backend a ``backup=`` URL names. Performs no I/O.
+
+    Args:
+        url: ``gs://bucket[/prefix]`` (Google Cloud Storage; honours
+            ``STORAGE_EMULATOR_HOST``) or ``file:///absolute/path`` (any POSIX file system,
+            e.g. NFS or Lustre).
+
+    Returns:
+        A :class:`FileBackend` or :class:`GCSBackend` (not wrapped in retries; see
+        :func:`mtcfs.tiers.backup.factory.open_store`).
+
+    Raises:
+        ValueError: with a one-line message naming ``url`` if it is not one of those forms
+            (unknown scheme, missing bucket, relative path, query or fragment, '..').
+    """
+    def bad(why: str) -> ValueError:
+        return ValueError(f"bad backup URL {url!r}: {why}; {_USAGE}")
+
+    if not isinstance(url, str) or not url.strip():
+        raise bad("empty")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise bad("query strings and fragments are not allowed")
+    scheme = parts.scheme.lower()
+    if scheme == "gs":
+        bucket = parts.netloc
+        if not bucket:
+            raise bad("missing bucket name")
+        if not _BUCKET_RE.match(bucket) or ".." in bucket:
+            raise bad(f"invalid bucket name {bucket!r}")
+        prefix = parts.path.strip("/")
+        if prefix:
+            try:
+                validate_prefix(prefix)
+            except ValueError:
+                raise bad(f"invalid object prefix {prefix!r}") from None
+        from mtcfs.tiers.backup.gcs_backend import GCSBackend
+        return GCSBackend(bucket, prefix)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise bad("a file URL needs an absolute path, three slashes: file:///path "
+                      f"(host part {parts.netloc!r} given)")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise bad("a file URL needs an absolute path")
+        if any(seg in (".", "..") for seg in path.split("/")):
+            raise bad("'.' and '..' are not allowed in the path")
+        from mtcfs.tiers.backup.file_backend import FileBackend
+        return FileBackend(path)
+    if not scheme:
+        raise bad("no scheme")
+    raise bad(f"unsupported scheme {parts.scheme!r}")

@@ -1,0 +1,418 @@
+"""Who is in the job, kept in etcd: one leased key per live member.
+
+Each member holds an etcd lease and keeps it alive; its record (rank, address, topology
+labels, boot id, incarnation) lives at ``<prefix>members/<rank:06d>`` attached to that
+lease. A member is alive while its lease is: a daemon that dies stops renewing, etcd
+expires the lease after its TTL and deletes the record, and every member's watch sees the
+delete. Nothing of the liveness judgement is ours (no heartbeats between nodes, no
+timeouts of our own beyond the TTL).
+
+Registration is a create-if-absent transaction. When the key exists:
+
+* with this member's boot id: it is this daemon's own record (a lease it lost and is
+  re-attaching): the record moves to the new lease;
+* with another boot id: another daemon holds the rank. A daemon that crashed and restarted
+  within the TTL finds its previous life's record; registration waits (``wait_s``, by
+  default 1.5 x TTL) for that lease to expire, then takes the rank; at once when the
+  record names the address this daemon has bound (``address_is_mine``: the holder
+  cannot be listening there, so it is dead). When the other holder
+  still renews after the wait, two daemons were started as the same rank: registration
+  refuses with :class:`RankTaken` (one line naming the holder).
+
+Load on etcd (docs/benchmarks.md, "Coordination at scale"): one key per member, one
+keepalive request per member every TTL/3, and one watch per :class:`MemberView` over the
+members' prefix, so a membership change is delivered once per view (N events per change
+when each of N daemons keeps its own).
+
+Threads: :meth:`Membership.join` blocks; the keepalive loop and the watch run in daemon
+threads; every wait is bounded. Trio code calls the async wrappers (``ajoin``,
+``await_for``, ``aleave``), which run the blocking calls in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+
+from mtcfs.tiers.coord.etcd import (
+    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
+    put_op,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds a member's lease lives without a renewal (etcd's TTL), when the caller gives
+#: none; the daemon gives the peer tier's liveness (5 s, mtcfs/tiers/peer/tier_membership.py).
+TTL_S = 10
+#: Seconds between watch progress requests (membership needs events, not progress).
+PROGRESS_S = 30.0
+#: Seconds the member view waits before it watches again after etcd's auth refused it.
+DENIED_PAUSE_S = 10.0
+
+
+class RankTaken(EtcdError):
+    """Another live member holds this rank (two daemons started as the same rank)."""
+
+
+@dataclass
+class MemberRecord:
+    """One member as etcd holds it (JSON at ``<prefix>members/<rank:06d>``)."""
+
+    rank: int
+    address: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    boot: str = ""
+    incarnation: int = 0
+    since: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> "MemberRecord":
+        d = json.loads(body)
+        return cls(rank=int(d["rank"]), address=str(d.get("address", "")),
+                   labels=dict(d.get("labels") or {}), boot=str(d.get("boot", "")),
+                   incarnation=int(d.get("incarnation", 0)),
+                   since=float(d.get("since", 0.0)))
+
+
+def member_key(prefix: str, rank: int) -> bytes:
+    return f"{prefix}members/{rank:06d}".encode()
+
+
+class Membership:
+    """This member's registration and a live view of every member.
+
+    Args:
+        etcd: the job's etcd client (may be shared by many members in one process).
+        prefix: the job's key prefix (``/mtcfs/<job>/``).
+        rank: this member's rank.
+        address: where peers reach it (``host:port``); labels: topology (zone, rack, ...).
+        ttl_s: the lease's TTL; the keepalive runs every ``ttl_s / 3``.
+        boot_id: this daemon's life (a new one per start); incarnation: the job's.
+        watch: keep a watch-fed view of the members (False: register and renew only).
+        view: a :class:`MemberView` shared with other members of this process (not
+            stopped by this member); None: its own when ``watch``.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str, rank: int, address: str = "",
+                 labels: dict[str, str] | None = None, *, ttl_s: int = TTL_S,
+                 boot_id: str | None = None, incarnation: int = 0, watch: bool = True,
+                 progress_s: float = PROGRESS_S, view: "MemberView | None" = None,
+                 address_is_mine: bool = False) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self.rank = rank
+        self.ttl_s = int(ttl_s)
+        self.record = MemberRecord(rank=rank, address=address, labels=dict(labels or {}),
+                                   boot=boot_id or uuid.uuid4().hex[:16],
+                                   incarnation=incarnation)
+        self.key = member_key(prefix, rank)
+        self.members_prefix = f"{prefix}members/".encode()
+        self.lease = 0
+        #: this daemon has bound ``address`` (only one process can): a record of another
+        #: life that names it is a dead daemon's, taken over at once instead of waiting for
+        #: its lease (a replacement on the same host and port, its store wiped)
+        self.address_is_mine = address_is_mine
+        self.error = ""            # why this member lost its registration ("" while fine)
+        self.counters: dict[str, int] = {"keepalives": 0, "reregistrations": 0,
+                                         "etcd_errors": 0}
+        self._own_view = view is None and watch
+        self.members_view: MemberView | None = (
+            view if view is not None else MemberView(etcd, prefix, progress_s) if watch
+            else None)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ registration
+
+    def join(self, wait_s: float | None = None) -> None:
+        """Register (lease + record), then start the keepalive and the watch.
+
+        Raises:
+            RankTaken: another daemon still held this rank after ``wait_s``.
+            EtcdError: etcd did not answer (one line).
+        """
+        self._register(1.5 * self.ttl_s if wait_s is None else wait_s)
+        t = threading.Thread(target=self._keepalive_loop, daemon=True,
+                             name=f"member-{self.rank}-keepalive")
+        self._threads.append(t)
+        t.start()
+        if self._own_view and self.members_view is not None:
+            self.members_view.start()
+
+    def _register(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        lease, _ttl = self.etcd.grant(self.ttl_s)
+        try:
+            while True:
+                self.record.since = time.time()
+                body = self.record.encode()
+                r = self.etcd.txn([absent(self.key)], [put_op(self.key, body, lease)],
+                                  [get_op(self.key)], retry=True)
+                if r.succeeded:
+                    break
+                kvs = r.responses[0].response_range.kvs
+                if not kvs:
+                    continue  # expired between the compare and the read
+                kv = kvs[0]
+                try:
+                    holder = MemberRecord.decode(kv.value)
+                except (ValueError, KeyError):
+                    holder = MemberRecord(rank=self.rank)
+                if holder.boot == self.record.boot or kv.lease == lease or (
+                        self.address_is_mine and holder.address == self.record.address):
+                    # (or the record names the address this daemon listens on now: its
+                    # holder cannot be listening there any more, so it is dead)
+                    # our own record (a lease lost and re-attached): move it to this lease
+                    r2 = self.etcd.txn([mod_is(self.key, kv.mod_revision)],
+                                       [put_op(self.key, body, lease)], retry=True)
+                    if r2.succeeded:
+                        break
+                    continue
+                if time.monotonic() >= deadline:
+                    raise RankTaken(
+                        f"rank {self.rank} is held by another live member (boot "
+                        f"{holder.boot}, address {holder.address or '?'}, since "
+                        f"{time.strftime('%H:%M:%S', time.localtime(holder.since))}): "
+                        f"two daemons started as the same rank?")
+                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+                # keep the lease we wait with alive (the wait may outlast its TTL)
+                if self.etcd.keepalive(lease) <= 0:
+                    lease, _ttl = self.etcd.grant(self.ttl_s)
+        except BaseException:
+            self.etcd.revoke(lease)
+            raise
+        old, self.lease = self.lease, lease
+        self.error = ""
+        if old:
+            try:
+                self.etcd.revoke(old)
+            except EtcdError:
+                pass
+
+    def leave(self) -> None:
+        """Stop renewing and revoke the lease (the record goes at once)."""
+        self._stop.set()
+        self._join_threads()  # first: a renewal in flight must not see the revoke
+        if self.lease:
+            try:
+                self.etcd.revoke(self.lease)
+            except EtcdError as exc:
+                log.warning("rank %d: cannot revoke its lease (it expires in %d s): %s",
+                            self.rank, self.ttl_s, exc)
+        self.lease = 0
+
+    def stop(self) -> None:
+        """Stop renewing without revoking (as a killed daemon: the lease expires)."""
+        self._stop.set()
+        self._join_threads()
+
+    def _join_threads(self) -> None:
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=self.ttl_s + 2)
+        self._threads = []
+        if self._own_view and self.members_view is not None:
+            self.members_view.stop()
+
+    def renew(self) -> int:
+        """One keepalive; returns the remaining TTL (<= 0: the lease is gone)."""
+        ttl = self.etcd.keepalive(self.lease)
+        self.counters["keepalives"] += 1
+        return ttl
+
+    def _keepalive_loop(self) -> None:
+        every = max(self.ttl_s / 3.0, 0.2)
+        last_ok = time.monotonic()
+        while not self._stop.wait(every):
+            try:
+                ttl = self.renew()
+                if ttl > 0:
+                    last_ok = time.monotonic()
+                    continue
+                if self._stop.is_set():
+                    return  # leaving: the lease was revoked on purpose
+                log.warning("rank %d: its etcd lease expired; registering again", self.rank)
+                self.counters["reregistrations"] += 1
+                self._register(1.5 * self.ttl_s)
+                last_ok = time.monotonic()
+            except RankTaken as exc:
+                self.error = str(exc)
+                log.error("rank %d: %s", self.rank, exc)
+                return
+            except EtcdError as exc:
+                self.counters["etcd_errors"] += 1
+                if time.monotonic() - last_ok > self.ttl_s:
+                    self.error = f"lease not renewed for {self.ttl_s} s: {exc}"
+                log.warning("rank %d: keepalive failed: %s", self.rank, exc)
+
+    # ------------------------------------------------------------------ the view
+
+    def view(self) -> dict[int, MemberRecord]:
+        """The live members (rank -> record), as the watch last saw them."""
+        return self._need_view().view()
+
+    def alive(self, rank: int) -> bool:
+        return self._need_view().alive(rank)
+
+    def address(self, rank: int) -> str | None:
+        return self._need_view().address(rank)
+
+    def wait_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
+        """Block until at least ``n`` members are live (or ``timeout``); the view.
+
+        Raises:
+            TimeoutError: fewer than ``n`` after ``timeout`` (one line).
+        """
+        return self._need_view().wait_for(n, timeout)
+
+    def _need_view(self) -> "MemberView":
+        if self.members_view is None:
+            raise RuntimeError(f"rank {self.rank} keeps no membership view (watch=False)")
+        return self.members_view
+
+    # ------------------------------------------------------------------ trio adapters
+
+    async def ajoin(self, wait_s: float | None = None) -> None:
+        await trio.to_thread.run_sync(lambda: self.join(wait_s), abandon_on_cancel=True)
+
+    async def await_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
+        return await trio.to_thread.run_sync(lambda: self.wait_for(n, timeout),
+                                             abandon_on_cancel=True)
+
+    async def aleave(self) -> None:
+        await trio.to_thread.run_sync(self.leave, abandon_on_cancel=True)
+
+
+class MemberView:
+    """A watch-fed view of the job's live members (rank -> record).
+
+    One per member by default; members in one process may share one (``Membership(...,
+    view=shared)``): etcd then sends each membership change once per view instead of once
+    per member (the benchmark's harness does this; a daemon has one member anyway).
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str, progress_s: float = PROGRESS_S) -> None:
+        self.etcd = etcd
+        self.members_prefix = f"{prefix}members/".encode()
+        self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0}
+        self._progress_s = progress_s
+        self._view: dict[int, MemberRecord] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._view_rev = 0
+
+    def start(self) -> None:
+        """Load the members once, then follow them with a watch (a daemon thread)."""
+        if self._thread is not None:
+            return
+        self._load_view()
+        self._thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                        name="member-view-watch")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._progress_s + 2)
+        self._thread = None
+
+    def _load_view(self) -> None:
+        kvs, rev, _more, _n = self.etcd.range(self.members_prefix,
+                                              prefix_end(self.members_prefix))
+        view = {}
+        for kv in kvs:
+            try:
+                rec = MemberRecord.decode(kv.value)
+            except (ValueError, KeyError):
+                continue
+            view[rec.rank] = rec
+        with self._cond:
+            self._view, self._view_rev = view, rev
+            self._cond.notify_all()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            pause = 0.5
+            try:
+                for batch in self.etcd.watch(self.members_prefix,
+                                             prefix_end(self.members_prefix),
+                                             self._view_rev + 1, stop=self._stop,
+                                             progress_s=self._progress_s):
+                    self._apply(batch.events, batch.revision)
+            except EtcdCompacted:
+                pass
+            except EtcdError as exc:
+                self.counters["etcd_errors"] += 1
+                log.warning("membership watch: %s", exc)
+                if isinstance(exc, EtcdPermissionDenied):
+                    pause = DENIED_PAUSE_S  # until a role is granted: not twice a second
+            if self._stop.wait(pause):
+                return
+            try:
+                self._load_view()
+            except EtcdError as exc:
+                self.counters["etcd_errors"] += 1
+                log.warning("membership reload: %s", exc)
+
+    def _apply(self, events: Any, revision: int) -> None:
+        with self._cond:
+            for ev in events:
+                self.counters["watch_events"] += 1
+                try:
+                    rank = int(ev.kv.key[len(self.members_prefix):])
+                except ValueError:
+                    continue
+                if ev.type == 1:  # DELETE (lease expired or revoked)
+                    self._view.pop(rank, None)
+                else:
+                    try:
+                        self._view[rank] = MemberRecord.decode(ev.kv.value)
+                    except (ValueError, KeyError):
+                        continue
+            if events:
+                self._view_rev = max(self._view_rev, events[-1].kv.mod_revision)
+            self._cond.notify_all()
+
+    def view(self) -> dict[int, MemberRecord]:
+        """The live members (rank -> record), as the watch last saw them."""
+        with self._cond:
+            return dict(self._view)
+
+    def alive(self, rank: int) -> bool:
+        with self._cond:
+            return rank in self._view
+
+    def address(self, rank: int) -> str | None:
+        with self._cond:
+            rec = self._view.get(rank)
+            return rec.address if rec is not None else None
+
+    def wait_for(self, n: int, timeout: float) -> dict[int, MemberRecord]:
+        """Block until at least ``n`` members are live (or ``timeout``); the view.
+
+        Raises:
+            TimeoutError: fewer than ``n`` after ``timeout`` (one line: how many, which
+                ranks are missing among 0..n-1).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._view) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in range(n) if r not in self._view]
+                    raise TimeoutError(f"{len(self._view)} of {n} members live after "
+                                       f"{timeout:g} s (missing ranks {missing[:10]}"
+                                       f"{' ...' if len(missing) > 10 else ''})")
+                self._cond.wait(min(left, 1.0))
+            return dict(self._view)

@@ -1,0 +1,749 @@
+"""The job's namespace log for scope=job, kept in etcd (``coord=etcd://...``).
+
+etcd orders every namespace op; each node applies the ops in etcd's order to its own copy
+(the same deterministic ``fs.ns_apply`` on every node), so every copy goes through the same
+states. Nothing of the agreement is ours: no leader, no epochs, no quorum, no takeover.
+etcd's Raft (Ongaro and Ousterhout, USENIX ATC 2014) decides the order and keeps it through
+member failures; a node cut off from etcd cannot change the namespace (its calls wait, then
+fail with EIO) and serves no read it cannot prove current. This is state-machine replication
+over a shared log (Schneider, ACM Computing Surveys 1990), with etcd as the log.
+
+Keys, under ``<prefix>`` (``/mtcfs/<job>/`` unless ``coord_prefix=``):
+
+* ``ns/op/<rank>/<id>``: one op (JSON, the kinds of mtcfs/core/jobns.py), written once by
+  the node that submits it in a transaction that also sets ``ns/last``: create-if-absent,
+  so a retried submit never adds an op twice. Its create revision is its place in the order.
+* ``ns/last``: the key of the newest op; its mod revision is the newest op's revision (the
+  read barrier reads this one key).
+* ``ns/base``: ``{"incarnation", "rev", "parts", "tag"}``: the namespace as it was after
+  the op at revision ``rev``, a snapshot in ``parts`` keys ``ns/snap/<tag>/<i>``. Created
+  once per keyspace by the first node that joins (``rev`` 0: its own namespace, or what it
+  restored from the backup tier), then replaced every :data:`TRIM_OPS` ops by rank 0 (or
+  any node when the log grew past four times that), which then deletes the ops up to
+  ``rev``: the log in etcd stays bounded.
+
+Position: a node's ``(epoch, seq)`` is ``(incarnation, revision of the last op applied)``.
+A node whose epoch is not the keyspace's incarnation, or whose seq is older than the base
+(it was away while the log was trimmed), installs the base; otherwise it applies the ops
+after its seq.
+
+Reads (``fresh``): before a lookup or open answers, the node reads ``ns/last`` from etcd
+(linearizably; one read shared by the reads that wait at the same time) and waits until it
+applied that op: close-to-open holds job-wide (docs/consistency.md), at the cost of one
+round trip to etcd per read that the kernel does not answer from its cache.
+
+etcd losing its data under a running job (a member restored from an old snapshot, a wiped
+data directory) shows as its revision going below this node's: the node stops serving
+(EIO, status says why) and joins again.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import json
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import trio
+
+from mtcfs.base.errors import FsError
+from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
+from mtcfs.tiers.coord.etcd import (
+    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
+    delete_op, get_op, mod_is, prefix_end, put_op,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long a submit keeps trying (etcd unreachable, or its op not yet applied here), and
+#: a read waits for this node's copy to be current, before EIO (``coord_timeout=``).
+DEADLINE_S = 60.0
+#: Seconds a node may spend copying an open file's data another node removed.
+KEEP_S = 4.0
+#: Largest snapshot part (etcd refuses requests above 1.5 MiB by default).
+PART_BYTES = 1024 * 1024
+#: Results of ops applied here kept for their submitters.
+RESULTS_KEPT = 50_000
+#: Ops after which the log is folded into a new base and trimmed (the environment variable
+#: is for tests, which trim after a few ops).
+TRIM_OPS = int(os.environ.get("MTCFS_NS_TRIM_OPS", "20000"))
+#: Ops read per request when catching up (a page of the log).
+PAGE_OPS = 500
+#: Seconds the nodes that join an empty keyspace wait for each other before the best of
+#: those that came seeds it (all ``nodes`` there: no wait; a restarted job's nodes boot in
+#: any order, and the one that lost its RAM tier must not impose an empty namespace).
+SEED_WAIT_S = 10.0
+#: Seconds between an idle node's checks that etcd did not lose data.
+CHECK_S = 2.0
+#: Seconds the best candidate to seed may take (its restore from the backup tier included)
+#: before another node seeds instead, and the lease of a candidate record.
+SEED_TAKEOVER_S = 150.0
+CANDIDATE_TTL_S = 10
+#: etcd calls of the namespace at once (their own thread pool: a slow etcd never takes the
+#: threads the data path hashes and fetches with).
+ETCD_THREADS = 16
+
+
+class EtcdLost(EtcdError):
+    """etcd's revision went below one this node already saw: etcd lost its data."""
+
+
+class EtcdNamespace:
+    """The ``ns_log`` of a scope=job core, with etcd as the log.
+
+    Args:
+        fs: the filesystem core (``ns_apply``, ``ns_snapshot``, ``ns_install``,
+            ``ns_position``, ``fault_in``, ``db``).
+        etcd: the job's etcd client.
+        prefix: the job's key prefix (ends with ``/``).
+        rank: this node's rank.
+        seed: optional async callable run before this node seeds an empty keyspace with an
+            empty namespace (the daemon restores the job's newest step from the backup
+            tier there).
+        timeout_s: how long a change or a read waits for etcd before EIO.
+        nodes: the job's node count (who may seed an empty keyspace: :meth:`_seed`).
+    """
+
+    def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
+                 timeout_s: float = DEADLINE_S, nodes: int = 1) -> None:
+        self.fs = fs
+        self.nodes = nodes
+        self.etcd = etcd
+        self.rank = rank
+        self.seed = seed
+        self.timeout_s = timeout_s
+        p = prefix.encode()
+        self.op_prefix = p + b"ns/op/"
+        self.last_key = p + b"ns/last"
+        self.base_key = p + b"ns/base"
+        self.snap_prefix = p + b"ns/snap/"
+        self.cand_prefix = p + b"ns/seeders/"
+        self.epoch, self.seq = fs.ns_position()
+        self.results: collections.OrderedDict[str, tuple[int, str, dict]] = \
+            collections.OrderedDict()
+        self.applied = trio.Event()
+        self.limiter = trio.CapacityLimiter(ETCD_THREADS)
+        self._ids = itertools.count(1)
+        self._boot = f"{time.time_ns():x}"
+        self._watch_from = 0          # revision the watch resumes at
+        self._seen_rev = 0            # highest store revision etcd reported
+        self._base: dict[str, Any] = {}
+        self._base_mod = 0            # mod revision of ns/base as last read
+        self._base_create = 0         # its create revision: the keyspace's identity
+        self._since_base = 0          # ops applied after the base this node knows
+        self._barrier_running: Any = None   # (event, box) of the barrier read in flight
+        self._barrier_next: Any = None      # the one the reads that came later share
+        self._unavailable_since: float | None = None
+        self._last_error = ""
+        self._denied = False          # the last failure: etcd's auth refused a request
+        self._lost = False            # etcd lost history: serve nothing until rejoined
+        self.diverged = ""            # an op failed here for a local reason
+        self._nursery: Any = None
+        self.counters = collections.Counter[str]()
+
+    async def _etcd(self, fn: Any) -> Any:
+        """Run a blocking etcd call in the namespace's own threads."""
+        return await trio.to_thread.run_sync(fn, abandon_on_cancel=True, limiter=self.limiter)
+
+    # ------------------------------------------------------------------ the core's side
+
+    async def submit(self, op: dict[str, Any]) -> dict[str, Any]:
+        """Have ``op`` ordered by etcd and applied here; its result.
+
+        Raises:
+            FsError: the errno that refused it (decided by its place in etcd's order); EIO
+                when etcd did not take it within ``timeout_s``, refused it (too large), or
+                this node did not apply it within ``timeout_s`` after etcd took it.
+        """
+        op = dict(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
+        body = json.dumps(op, separators=(",", ":")).encode()
+        key = self.op_prefix + f"{self.rank:06d}/{op['id']}".encode()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            await self._check_serving(deadline)
+            # Only into the keyspace this node joined: the base's create revision is its
+            # identity (a wiped and reseeded etcd has another), so an op never lands in a
+            # keyspace with no base, or one this node has not caught up with.
+            same_base = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE,
+                                   key=self.base_key, create_revision=self._base_create)
+            try:
+                r = await self._etcd(lambda: self.etcd.txn(
+                    [absent(key), same_base],
+                    [put_op(key, body), put_op(self.last_key, key)],
+                    [get_op(key)], retry=True))
+                if r.succeeded or r.responses[0].response_range.kvs:
+                    break
+                self._lost = True  # the base is not the one this node joined: rejoin
+                self._failed(EtcdLost("the job's namespace base in etcd changed identity "
+                                      "(etcd was wiped or the prefix recreated)"))
+                await trio.sleep(0.1)
+                continue
+            except EtcdUnavailable as exc:
+                self._failed(exc)
+                if time.monotonic() > deadline:
+                    raise FsError(errno.EIO, f"the job's namespace (etcd) did not take the "
+                                  f"change within {self.timeout_s:g} s: {exc}") from None
+                await trio.sleep(0.2)
+            except EtcdError as exc:  # permanent (a request too large): no retry
+                raise FsError(errno.EIO, f"etcd refused a namespace change of "
+                              f"{len(body)} bytes ({op['op']}): {exc}") from None
+        if r.succeeded:
+            rev = r.revision
+        else:  # an earlier attempt got through
+            rev = r.responses[0].response_range.kvs[0].create_revision
+        # Committed job-wide: its own deadline for this node to apply it.
+        try:
+            await self._wait_applied(rev, time.monotonic() + self.timeout_s)
+        except FsError:
+            self.results.pop(op["id"], None)
+            raise FsError(errno.EIO, f"the namespace change ({op['op']}) is committed in "
+                          f"etcd at revision {rev} but not yet applied on this node") from None
+        got = self.results.pop(op["id"], None)
+        if got is None:  # applied by a path that did not record it (a base install)
+            raise FsError(errno.EIO, f"the namespace change ({op['op']}) at revision {rev} "
+                          "was folded into a snapshot before this node applied it")
+        err, message, res = got
+        self.counters["ops_submitted"] += 1
+        if err:
+            raise FsError(err, message or None)
+        return res
+
+    async def fresh(self) -> None:
+        """Return once this node applied every op etcd acknowledged before this call.
+
+        Raises:
+            FsError: EIO when etcd did not answer, or the ops did not arrive, within
+                ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            await self._check_serving(deadline)
+            try:
+                newest = await self._barrier(deadline)
+                break
+            except EtcdError as exc:
+                self._failed(exc)
+                if isinstance(exc, EtcdPermissionDenied):  # waiting would not change it
+                    raise FsError(errno.EIO, f"etcd refuses the job's namespace: {exc}") \
+                        from None
+                if time.monotonic() > deadline:
+                    raise FsError(errno.EIO, f"the job's namespace (etcd) did not answer "
+                                  f"within {self.timeout_s:g} s: {exc}") from None
+                await trio.sleep(0.2)
+        await self._wait_applied(newest, deadline)
+
+    async def _check_serving(self, deadline: float) -> None:
+        """Wait (until ``deadline``) while this node rejoins an etcd that lost data."""
+        while self._lost:
+            if time.monotonic() > deadline:
+                raise FsError(errno.EIO, "the job's namespace is rejoining etcd, which lost "
+                              f"history ({self._last_error})")
+            await trio.sleep(0.1)
+
+    async def _barrier(self, deadline: float) -> int:
+        """The revision of the newest op in etcd, read after this call began.
+
+        Reads that wait at the same time share one etcd read: one is in flight; those that
+        come while it is share the next one (a read started before them cannot answer for
+        them). Raises EtcdUnavailable at ``deadline`` (a read that waits for the next one
+        behind one etcd does not answer would otherwise wait two calls' timeouts)."""
+        if self._nursery is None:  # not running yet (joining): no sharing
+            floor = self._floor()
+            return self._checked(await self._etcd(self._newest_op), floor)
+        if self._barrier_running is None:
+            mine = self._barrier_running = (trio.Event(), [])
+            self._nursery.start_soon(self._run_barriers)
+        else:
+            if self._barrier_next is None:
+                self._barrier_next = (trio.Event(), [])
+            mine = self._barrier_next
+        with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await mine[0].wait()
+        if not mine[0].is_set():
+            raise EtcdUnavailable(f"etcd did not answer a read barrier within "
+                                  f"{self.timeout_s:g} s ({self._last_error})")
+        value = mine[1][0]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    async def _run_barriers(self) -> None:
+        while self._barrier_running is not None:
+            ev, box = self._barrier_running
+            try:
+                floor = self._floor()
+                box.append(self._checked(await self._etcd(self._newest_op), floor))
+            except Exception as exc:  # noqa: BLE001 (handed to every waiting read)
+                box.append(exc if isinstance(exc, EtcdError) else EtcdError(str(exc)))
+            ev.set()
+            self._barrier_running, self._barrier_next = self._barrier_next, None
+
+    def _newest_op(self) -> tuple[int, int]:
+        """(revision of the newest op: ``ns/last``'s mod revision, 0 when none; the store's
+        revision), read linearizably (in a worker thread)."""
+        kv, rev = self.etcd.get(self.last_key)
+        return (kv.mod_revision if kv is not None else 0), rev
+
+    def _checked(self, got: tuple[int, int], floor: int) -> int:
+        newest, rev = got
+        self._saw_revision(rev, floor)
+        return newest
+
+    def _floor(self) -> int:
+        """The revision a linearizable read started now must reach (taken before it is
+        sent: ops applied while it is on its way may be newer than what it saw)."""
+        return max(self.seq, self._seen_rev)
+
+    def _saw_revision(self, rev: int, floor: int) -> None:
+        """``rev``: the store revision of a linearizable read started when this node had
+        seen revision ``floor``; it is at least that of every write committed before the
+        read, so below ``floor`` etcd lost data."""
+        if rev < floor:
+            self._lost = True
+            raise EtcdLost(f"etcd's revision is {rev}, below {floor} seen before: etcd "
+                           "lost data (restored or wiped)")
+        self._seen_rev = max(self._seen_rev, rev)
+
+    async def _wait_applied(self, rev: int, deadline: float) -> None:
+        while self.seq < rev:
+            await self._check_serving(deadline)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FsError(errno.EIO, f"namespace op at etcd revision {rev} never reached "
+                              f"this node ({self._last_error or 'no watch event'})")
+            with trio.move_on_after(min(left, 0.5)):
+                await self.applied.wait()
+
+    def _failed(self, exc: BaseException) -> None:
+        self._last_error = str(exc)
+        self._denied = isinstance(exc, EtcdPermissionDenied)
+        if self._unavailable_since is None:
+            self._unavailable_since = time.monotonic()
+            log.warning("the job's namespace cannot reach etcd: %s", exc)
+        self.counters["etcd_errors"] += 1
+
+    def _ok(self) -> None:
+        if self._unavailable_since is not None:
+            log.info("the job's namespace reaches etcd again")
+        self._unavailable_since = None
+
+    # ------------------------------------------------------------------ applying
+
+    def _apply(self, rev: int, body: bytes) -> list[Any]:
+        """Apply one op at revision ``rev``; returns the versions to keep (open here)."""
+        try:
+            op = json.loads(body)
+        except ValueError:
+            log.error("namespace op at revision %d is not JSON: skipped", rev)
+            self._moved_past(rev)
+            self.seq = rev
+            return []
+        try:
+            res, keep = self.fs.ns_apply(op, rev, self.epoch)
+            err, message = 0, ""
+        except FsError as exc:  # refused by the namespace's rules: the same on every node
+            res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
+            self._moved_past(rev)
+        except Exception as exc:  # a local failure (a bug, an I/O error): this node differs
+            log.exception("namespace op at revision %d failed here", rev)
+            res, keep, err, message = {}, [], errno.EIO, f"namespace op failed here: {exc}"
+            self.diverged = f"op at revision {rev} failed here: {exc}"
+            self.counters["ops_failed_locally"] += 1
+            self._moved_past(rev)
+        self.seq = rev
+        self._since_base += 1
+        if op.get("rank") == self.rank and op.get("id", "").startswith(self._boot + "."):
+            self.results[op["id"]] = (err, message, res)
+            while len(self.results) > RESULTS_KEPT:
+                self.results.popitem(last=False)
+        self.counters["ops_applied"] += 1
+        return keep
+
+    def _moved_past(self, rev: int) -> None:
+        """An op that changed nothing still moves this node's position."""
+        self.fs.db.set_kv("ns_seq", str(rev))
+
+    def _apply_batch(self, batch: WatchBatch) -> list[Any]:
+        keep: list[Any] = []
+        for ev in batch.events:
+            kv = ev.kv
+            # a new op is a put that created its key; deletes are the trimming of old ops
+            if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
+                    and kv.key.startswith(self.op_prefix):
+                keep += self._apply(kv.create_revision, kv.value)
+        self.applied.set()
+        self.applied = trio.Event()
+        return keep
+
+    async def _keep(self, versions: list[Any]) -> None:
+        """Copy what this node lacks of files it has open that another node removed or
+        replaced (POSIX: an open file keeps its content); bounded, best effort."""
+        with trio.move_on_after(KEEP_S):
+            for v in versions:
+                try:
+                    await self.fs.fault_in(v, 0, v.size)
+                except Exception as exc:  # noqa: BLE001 (best effort, never fatal)
+                    log.warning("cannot keep an open file's content: %s", exc)
+
+    # ------------------------------------------------------------------ start and run
+
+    async def join(self, timeout: float = 60.0) -> None:
+        """At mount, before FUSE serves: take the job's namespace from etcd (seed it when
+        this node comes first), then apply every op after this node's position.
+
+        Raises:
+            FsError: EIO when etcd did not answer within ``timeout``, or its keyspace is
+                damaged (ops without a base).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self._catch_up(initial=True)
+                self._ok()
+                return
+            except EtcdError as exc:
+                self._failed(exc)
+                if time.monotonic() > deadline or isinstance(exc, EtcdPermissionDenied):
+                    raise FsError(errno.EIO, f"cannot join the job's namespace in etcd: "
+                                  f"{exc}") from None
+                await trio.sleep(0.5)
+
+    async def _catch_up(self, initial: bool = False) -> None:
+        """Read the base and every op after this node's position at ONE etcd revision (a
+        fold deleting ops meanwhile cannot make a page skip some), install the base when
+        this node is behind it, apply the ops, and have the watch go on after that
+        revision."""
+        floor = self._floor()
+        kv, pin = await self._etcd(lambda: self.etcd.get(self.base_key))
+        if self._lost:  # etcd lost history: start again from what it holds now
+            self._seen_rev = 0
+        else:
+            self._saw_revision(pin, floor)  # EtcdLost (and rejoin) when it went back
+        if kv is None:
+            if not initial and not self._lost:
+                raise EtcdError("the job's namespace base vanished from etcd while this "
+                                "node was running (was the key prefix deleted?)")
+            base = await self._seed()
+            kv, pin = await self._etcd(lambda: self.etcd.get(self.base_key))
+            if kv is None:
+                raise EtcdError("the job's namespace base vanished right after it was seeded")
+        base = json.loads(kv.value)
+        self._base, self._base_mod, self._base_create = base, kv.mod_revision, \
+            kv.create_revision
+        inc, brev = int(base["incarnation"]), int(base["rev"])
+        if self.epoch != inc or self.seq < brev or self._lost:
+            await self._install(base, at=pin)
+            self._lost = False
+            self._since_base = 0
+        keep: list[Any] = []
+        while True:  # the ops after this node's position, a page at a time, all at ``pin``
+            kvs, _at, more, _n = await self._etcd(lambda: self.etcd.range(
+                self.op_prefix, prefix_end(self.op_prefix), sort_create=True,
+                limit=PAGE_OPS, min_create_revision=self.seq + 1, revision=pin))
+            for op_kv in kvs:
+                if op_kv.create_revision > self.seq:
+                    keep += self._apply(op_kv.create_revision, op_kv.value)
+            if not more:
+                break
+        self.applied.set()
+        self.applied = trio.Event()
+        self._watch_from = pin + 1
+        if keep and self._nursery is not None:
+            self._nursery.start_soon(self._keep, keep)
+
+    async def _seed(self) -> dict[str, Any]:
+        """Create the keyspace's base from this node's namespace (first node to join);
+        returns the base that won (another node's when it came first).
+
+        A node with an empty namespace first waits up to SEED_WAIT_S for a node with files
+        to seed (a restarted job's nodes boot in any order: the one that lost its RAM tier
+        must not impose an empty or older namespace on those that kept theirs).
+
+        Raises:
+            EtcdError: ops exist without a base (a damaged keyspace: never seeded over).
+        """
+        snap = self.fs.ns_snapshot()
+        won = await self._elect_seeder(snap)
+        if won is not None:
+            return won
+        if not snap["entries"] and self.seed is not None:
+            await self.seed()
+            snap = self.fs.ns_snapshot()
+        inc = random.randrange(1, 2**31)
+        body = json.dumps(snap, separators=(",", ":")).encode()
+        tag = f"seed-{self.rank}-{inc}"
+        parts = await self._put_parts(tag, body)
+        base = {"incarnation": inc, "rev": 0, "parts": parts, "tag": tag,
+                "seeded_by": self.rank}
+        no_ops = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE,
+                            key=self.op_prefix, range_end=prefix_end(self.op_prefix),
+                            create_revision=0)
+        r = await self._etcd(lambda: self.etcd.txn(
+            [absent(self.base_key), no_ops],
+            [put_op(self.base_key, json.dumps(base).encode())],
+            [get_op(self.base_key)], retry=True))
+        if not r.succeeded:
+            kvs = r.responses[0].response_range.kvs
+            # (a retried transaction whose first try committed finds its own base: ours)
+            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+                await self._delete_parts(tag)
+                if kvs:
+                    return json.loads(kvs[0].value)
+                raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
+                                f"{self.op_prefix.decode()!r}): damaged keyspace, not "
+                                "seeded over; delete the job's prefix to start afresh")
+        await self._etcd(lambda: self.etcd.delete(self.cand_prefix,
+                                                  prefix_end(self.cand_prefix)))
+        # Our own namespace is the base: keep it, at this incarnation and revision 0.
+        self.epoch, self.seq = inc, 0
+        with self.fs.db.transaction():
+            self.fs.db.set_kv("ns_epoch", str(inc))
+            self.fs.db.set_kv("ns_seq", "0")
+        log.info("seeded the job's namespace in etcd (incarnation %d, %d entries)", inc,
+                 len(snap["entries"]))
+        return base
+
+    async def _elect_seeder(self, snap: dict[str, Any]) -> dict[str, Any] | None:
+        """Agree on the node that seeds an empty keyspace. Returns the base when another
+        node seeded it meanwhile, None when this node is to seed.
+
+        Each joining node puts a candidate record ``ns/seeders/<rank>`` (its newest step
+        and entry count) on a lease it renews while it waits, so a node that dies drops
+        out. The best candidate (newest step, then most entries, then lowest rank) seeds
+        once every rank's record is there, or SEED_WAIT_S after it joined; the others wait
+        for its base. Only the best runs the seed hook (the restore from the backup
+        tier). A node takes over only when no better live candidate is left, or after
+        SEED_TAKEOVER_S (the best is stuck): then, if it is empty, only when no candidate
+        holds files, so an empty node never imposes an empty namespace on nodes that
+        kept theirs while one of them is alive."""
+        steps = [int(s["number"]) for s in snap.get("steps", [])]
+        me = {"rank": self.rank, "newest_step": max(steps, default=-1),
+              "entries": len(snap["entries"])}
+        mine = self.cand_prefix + f"{self.rank:06d}".encode()
+        lease, _ttl = await self._etcd(lambda: self.etcd.grant(CANDIDATE_TTL_S))
+        await self._etcd(lambda: self.etcd.put(mine, json.dumps(me).encode(), lease=lease))
+        start = time.monotonic()
+        renewed = start
+        try:
+            while True:
+                kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+                if kv is not None:
+                    return json.loads(kv.value)
+                kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
+                    self.cand_prefix, prefix_end(self.cand_prefix)))
+                cands = [json.loads(c.value) for c in kvs] or [me]
+                best = max(cands, key=lambda c: (c["newest_step"], c["entries"], -c["rank"]))
+                waited = time.monotonic() - start
+                if best["rank"] == self.rank and (len(cands) >= self.nodes
+                                                  or waited > SEED_WAIT_S):
+                    return None
+                if waited > SEED_WAIT_S + SEED_TAKEOVER_S and (
+                        me["entries"] or not any(c["entries"] for c in cands)):
+                    log.warning("rank %d, the best candidate to seed the job's namespace, "
+                                "did not within %.0f s: this node seeds it", best["rank"],
+                                waited)
+                    return None
+                if time.monotonic() - renewed > CANDIDATE_TTL_S / 3:
+                    await self._etcd(lambda: self.etcd.keepalive(lease))
+                    renewed = time.monotonic()
+                await trio.sleep(0.2)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._etcd(lambda: self.etcd.revoke(lease))
+                except EtcdError:
+                    pass  # it expires on its own
+
+    async def _put_parts(self, tag: str, body: bytes) -> int:
+        parts = [body[i:i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
+        for i, part in enumerate(parts):
+            key = self.snap_prefix + f"{tag}/{i}".encode()
+            await self._etcd(lambda key=key, part=part: self.etcd.put(key, part))
+        return len(parts)
+
+    async def _delete_parts(self, tag: str) -> None:
+        p = self.snap_prefix + f"{tag}/".encode()
+        await self._etcd(lambda: self.etcd.delete(p, prefix_end(p)))
+
+    async def _install(self, base: dict[str, Any], at: int = 0) -> None:
+        p = self.snap_prefix + f"{base['tag']}/".encode()
+        kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(p, prefix_end(p),
+                                                                        revision=at))
+        parts = sorted(kvs, key=lambda kv: int(kv.key.rsplit(b"/", 1)[1]))
+        if len(parts) != int(base["parts"]):
+            raise EtcdError(f"the namespace base has {len(parts)} of {base['parts']} parts")
+        snap = json.loads(b"".join(kv.value for kv in parts))
+        snap["epoch"], snap["seq"] = int(base["incarnation"]), int(base["rev"])
+        self.fs.ns_install(snap)
+        self.epoch, self.seq = self.fs.ns_position()
+        self.diverged = ""
+        self.counters["snapshots_installed"] += 1
+
+    def reset_position(self) -> None:
+        """Take (epoch, seq) from the core after its namespace was replaced."""
+        self.epoch, self.seq = self.fs.ns_position()
+
+    # ------------------------------------------------------------------ trimming the log
+
+    async def _maybe_trim(self) -> None:
+        """Fold the log into a new base when it grew past TRIM_OPS (rank 0 does it; any
+        node past four times that, rank 0 being away), and delete the ops the previous base
+        already held: one fold behind, so that a submit retried after its first try
+        committed still finds its op's key (create-if-absent) and never adds it twice."""
+        if self._since_base < (TRIM_OPS if self.rank == 0 else 4 * TRIM_OPS) or self._lost:
+            return
+        kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
+        if kv is None or kv.mod_revision != self._base_mod:  # another node folded it
+            if kv is not None:
+                self._base, self._base_mod = json.loads(kv.value), kv.mod_revision
+            self._since_base = 0
+            return
+        rev = self.seq
+        snap = self.fs.ns_snapshot()  # no await since ``rev``: the namespace after op rev
+        body = json.dumps(snap, separators=(",", ":")).encode()
+        tag = f"{rev}-{self.rank}"
+        parts = await self._put_parts(tag, body)
+        base = {"incarnation": self.epoch, "rev": rev, "parts": parts, "tag": tag,
+                "trimmed_by": self.rank}
+        r = await self._etcd(lambda: self.etcd.txn(
+            [mod_is(self.base_key, self._base_mod)],
+            [put_op(self.base_key, json.dumps(base).encode())], [get_op(self.base_key)],
+            retry=True))
+        new_mod = r.revision
+        if not r.succeeded:
+            kvs = r.responses[0].response_range.kvs
+            # (a retried transaction whose first try committed finds its own base: ours)
+            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+                await self._delete_parts(tag)
+                if kvs:
+                    self._base, self._base_mod = json.loads(kvs[0].value), kvs[0].mod_revision
+                self._since_base = 0
+                return
+            new_mod = kvs[0].mod_revision
+        old = self._base
+        self._base, self._base_mod, self._since_base = base, new_mod, 0
+        if old.get("tag") and old.get("tag") != tag:
+            # (a node installing it reads at a pinned revision, which still holds them)
+            await self._delete_parts(old["tag"])
+        old_rev = int(old.get("rev", 0))
+        deleted = 0
+        while old_rev > 0:  # the ops the previous base held, one transaction per batch
+            kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
+                self.op_prefix, prefix_end(self.op_prefix), keys_only=True, limit=100,
+                max_create_revision=old_rev))
+            if not kvs:
+                break
+            await self._etcd(lambda kvs=kvs: self.etcd.txn(
+                [], [delete_op(kv.key) for kv in kvs], retry=True))
+            deleted += len(kvs)
+        self.counters["log_trims"] += 1
+        log.info("folded the job's namespace log into a base at revision %d (%d ops up to "
+                 "revision %d deleted, %d bytes of snapshot)", rev, deleted, old_rev, len(body))
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> None:
+        """Apply the job's ops as etcd delivers them, for ever."""
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            n.start_soon(self._trim_loop)
+            while True:
+                try:
+                    await self._follow()
+                except EtcdCompacted as exc:
+                    log.warning("namespace watch: %s; catching up from etcd's keys", exc)
+                except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
+                    if not isinstance(exc, EtcdError):
+                        log.exception("namespace watch failed")
+                    self._failed(exc)
+                await trio.sleep(0.5)
+                try:
+                    await self._catch_up()
+                    self._ok()
+                except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
+                    if not isinstance(exc, EtcdError):
+                        log.exception("catching up with the job's namespace failed")
+                    self._failed(exc)
+
+    async def _trim_loop(self) -> None:
+        """Every few seconds: check that etcd did not lose data (an idle node makes no read
+        that would notice), and fold the log when it grew."""
+        while True:
+            await trio.sleep(CHECK_S)
+            try:
+                if not self._lost:
+                    floor = self._floor()
+                    self._checked(await self._etcd(self._newest_op), floor)
+                await self._maybe_trim()
+            except EtcdError as exc:
+                self._failed(exc)
+            except Exception as exc:  # noqa: BLE001 (the next round tries again)
+                log.warning("folding the namespace log failed: %s", exc)
+
+    async def _follow(self) -> None:
+        send, recv = trio.open_memory_channel[Any](4)
+        token = trio.lowlevel.current_trio_token()
+        stop = threading.Event()
+        start = self._watch_from or self.seq + 1
+
+        def pump() -> None:
+            try:
+                for batch in self.etcd.watch(self.op_prefix, prefix_end(self.op_prefix),
+                                             start, stop=stop):
+                    trio.from_thread.run(send.send, batch, trio_token=token)
+            except BaseException as exc:  # noqa: BLE001 (handed to the loop)
+                try:
+                    trio.from_thread.run(send.send, exc, trio_token=token)
+                except BaseException:  # noqa: BLE001 (the loop is gone)
+                    pass
+
+        # A plain thread, not one of trio's: it lives as long as the watch.
+        threading.Thread(target=pump, daemon=True, name="mtcfs-ns-watch").start()
+        failure: BaseException | None = None
+        try:
+            async for item in recv:
+                if isinstance(item, BaseException):
+                    failure = item  # raised below, outside any nursery
+                    break
+                if self._lost:  # a watch on what etcd lost delivers nothing: rejoin
+                    failure = EtcdLost(self._last_error or "etcd lost data")
+                    break
+                # (no revision check here: a watch's header comes from whichever member
+                # serves it, which may lag; only linearizable reads prove a loss)
+                self._ok()
+                keep = self._apply_batch(item)
+                if item.events:
+                    self._watch_from = item.events[-1].kv.mod_revision + 1
+                if keep and self._nursery is not None:
+                    self._nursery.start_soon(self._keep, keep)
+        finally:
+            stop.set()
+            recv.close()
+        if failure is not None:
+            raise failure
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether the last call to etcd failed (and none succeeded since)."""
+        return self._unavailable_since is not None
+
+    def _unavailable_s(self) -> float | None:
+        if self._unavailable_since is None:
+            return None
+        return round(time.monotonic() - self._unavailable_since, 1)
+
+    def status(self) -> dict[str, Any]:
+        """The namespace's part of ``mtcfs status``."""
+        return {"engine": "etcd", "endpoints": self.etcd.endpoints, "seq": self.seq,
+                "epoch": self.epoch, "unavailable_s": self._unavailable_s(),
+                "last_error": self._last_error if self._unavailable_since else "",
+                "denied": bool(self._unavailable_since and self._denied),
+                "base_rev": int(self._base.get("rev", 0)) if self._base else None,
+                "ops_since_base": self._since_base, "diverged": self.diverged,
+                **dict(self.counters)}

@@ -1,6 +1,0 @@
-"""The replicator: peer service, peer selection, coordination through etcd, backup tier and
-restore.
-
-Subpackages are imported explicitly (``from replication.backup import BackupStore``); this
-package itself imports nothing so that loading one part does not pull in the others.
-"""
