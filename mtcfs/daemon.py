@@ -21,20 +21,17 @@ import trio
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
-from mtcfs.core.model import ROOT_INO
 from mtcfs.fuse_ops import Operations
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.core.store import Store, check_size, filesystem_warning
+from mtcfs.tiers.restore.restorer import Restorer
 
 log = logging.getLogger(__name__)
 
 #: Read-ahead for the mount's backing device info, in KiB: lets the kernel send 1 MiB read
 #: requests instead of 128 KiB ones (library-fs-ops.md: cold reads ~35% faster).
 READ_AHEAD_KB = 4096
-#: The bound on a restore before the mount comes up (restore=, or scope=job from the backup
-#: tier), seconds: past it the mount comes up without it (logged). Below mount_timeout=.
-RESTORE_AT_MOUNT_S = 120
 
 
 def default_capacity(store_path: str) -> int:
@@ -72,12 +69,11 @@ class Daemon:
         self.backup: Any = None
         self.prefetcher: Any = None
         self.peer: Any = None
-        self._bulk_restore = False
+        self.restorer: Restorer | None = None
         #: The stop signal the daemon got (SIGTERM, SIGINT, SIGHUP), if any: it unmounts.
         self._stop_signal: int | None = None
         self._nursery: trio.Nursery | None = None
         self.started = time.time()
-        self.restore_info: dict[str, Any] = {}
         self.ns: Any = None  # scope=job: the job's namespace log
         self.etcd: Any = None  # coord=etcd: the job's etcd client
         self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
@@ -123,6 +119,10 @@ class Daemon:
             self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
+        self.restorer = Restorer(self.fs, rank=o.rank, nodes=o.nodes, restore=o.restore,
+                                 backup_url=o.backup, backup_store=self.backup_store,
+                                 peer=self.peer, prefetcher=self.prefetcher, ns=self.ns,
+                                 mtc=o.mtc)
         if o.mtc:
             self._build_mtc()
 
@@ -138,7 +138,8 @@ class Daemon:
             self.fs, rank=o.rank, nodes=o.nodes, job=o.job,
             jax_coordinator=o.jax_coordinator or self._jax_coordinator(o.peer_address(0)),
             peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
-            fetch_step=self._mtc_fetch, kick_prefetch=self._kick_prefetch, rounds=rounds)
+            fetch_step=self._mtc_fetch, kick_prefetch=self.restorer.kick_prefetch,
+            rounds=rounds)
 
     @staticmethod
     def _jax_coordinator(rank0: str | None) -> str:
@@ -161,17 +162,16 @@ class Daemon:
     def _coord_prefix(self) -> str:
         return self.opts.coord_prefix or f"/mtcfs/{self.opts.job}/"
 
-    def _kick_prefetch(self) -> None:
-        """Fetch missing chunks now, unless a bulk restore from peers is streaming them
-        (it kicks the prefetcher itself when it ends)."""
-        if self.prefetcher is not None and not self._bulk_restore:
-            self.prefetcher.kick()
-
     async def _mtc_fetch(self, number: int) -> dict[str, Any]:
         """Import this rank's step ``number`` from the peers or the backup tier."""
-        if self.peer is not None:
-            return await self.restore_from_job(number, check_space=True)
-        return await self.restore_step(number, check_space=True)
+        assert self.restorer is not None
+        return await self.restorer.restore(number, check_space=True)
+
+    async def _seed_job_namespace(self) -> None:
+        """scope=job's seed hook (the job's etcd keyspace is empty): restore the namespace
+        from the backup tier (Restorer.job_namespace_from_backup)."""
+        assert self.restorer is not None
+        await self.restorer.job_namespace_from_backup()
 
     def _peer_tls(self) -> Any:
         """The peer tier's TLS files (checked for this rank), or None with ``insecure``, which
@@ -215,7 +215,7 @@ class Daemon:
             from mtcfs.tiers.namespace.sources import JobChunkSource
             self.ns = self.fs.ns_log = EtcdNamespace(
                 self.fs, self.etcd, self._coord_prefix(), o.rank,
-                seed=self._job_restore_from_backup,
+                seed=self._seed_job_namespace,
                 timeout_s=o.coord_timeout, nodes=o.nodes)
             return JobChunkSource(self.fs, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(),
@@ -254,150 +254,6 @@ class Daemon:
                                     url=o.backup, interval_text=str(iv), share=share)
         return source
 
-    async def restore_at_mount(self) -> None:
-        """On an empty store, bring back the newest (or the requested) checkpoint: the one
-        the job names, from peers or the backup tier (several nodes), or the newest
-        backed-up one (one node)."""
-        fs = self.fs
-        assert fs is not None
-        if (self.backup_store is None and self.peer is None) or self.opts.restore == "none" \
-                or fs.steps or fs.inodes[ROOT_INO].children or self.mtc is not None:
-            # (With mtc, Orbax asks for a restore through replicator.yaml.)
-            return
-        want = None if self.opts.restore == "latest" else int(self.opts.restore)
-        try:
-            with trio.fail_after(RESTORE_AT_MOUNT_S):
-                if self.peer is not None:
-                    await self.restore_from_job(want)
-                else:
-                    await self.restore_step(want)
-        except FsError as exc:
-            if exc.errno == errno.ENOENT and want is None:
-                log.info("nothing to restore: %s", exc.strerror)
-            else:
-                fs._error(f"restore at mount failed: {exc.strerror}")
-        except (Exception, trio.TooSlowError) as exc:
-            why = str(exc) or f"not done within {RESTORE_AT_MOUNT_S} s"
-            fs._error(f"restore at mount failed: {why}")
-
-    async def _job_restore_from_backup(self) -> None:
-        """scope=job, about to seed the job's empty etcd keyspace with an empty namespace
-        (the job's namespace and every RAM tier were lost): install the newest step the
-        backup tier holds for every rank, which then seeds it (mtcfs/tiers/namespace/etcd_log.py)."""
-        from mtcfs.tiers.restore.namespace import latest_job_step, snapshot_from_manifests
-        fs, ns = self.fs, self.ns
-        assert fs is not None and ns is not None and self.peer is not None
-        if self.backup_store is None or self.opts.restore == "none" or \
-                fs.inodes[ROOT_INO].children:
-            return
-        t0 = time.monotonic()
-        try:
-            with trio.fail_after(RESTORE_AT_MOUNT_S):  # the mount comes up even so
-                manifests = await trio.to_thread.run_sync(
-                    latest_job_step, self.backup_store, self.opts.nodes,
-                    abandon_on_cancel=True)
-            if manifests is None:
-                log.info("nothing to restore: no step is complete for every rank in the backup")
-                return
-            fs.ns_install(snapshot_from_manifests(manifests))
-        except (Exception, trio.TooSlowError) as exc:
-            fs._error(f"restore of the job namespace from the backup tier failed: "
-                      f"{str(exc) or f'no answer within {RESTORE_AT_MOUNT_S} s'}")
-            return
-        ns.reset_position()
-        for v in fs.versions.values():
-            v.backed_up = True
-        self.restore_info = {"step": manifests[0].step, "manifest_from": "backup",
-                             "bytes": sum(m.total_bytes for m in manifests),
-                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
-        log.info("restored the job namespace of %s from the backup tier", manifests[0].step)
-        if self.prefetcher is not None:
-            self.prefetcher.kick()
-
-    async def restore_from_job(self, want: int | None, *,
-                               check_space: bool = False) -> dict[str, Any]:
-        """Several nodes: import the step the job names for this rank (peers, then backup).
-
-        ``check_space``: refuse (ENOSPC) a step larger than the RAM tier's free bytes.
-
-        Raises:
-            FsError: ENOENT when no tier holds a step to restore; ENOSPC (``check_space``).
-        """
-        from mtcfs.tiers.restore.from_peers import choose_and_fetch
-        fs = self.fs
-        assert fs is not None and self.peer is not None
-        t0 = time.monotonic()
-        got = await choose_and_fetch(self.peer, want)
-        if got is None:
-            raise FsError(errno.ENOENT, "no peer and no backup holds a checkpoint of rank "
-                          f"{self.opts.rank}")
-        manifest, source, backed_up = got
-        if manifest.step in fs.steps:
-            return {"step": manifest.step, "imported": False, "source": "local"}
-        self._check_space(manifest, check_space)
-        fs.import_step(manifest, backed_up=backed_up)
-        self.restore_info = {"step": manifest.step, "bytes": manifest.total_bytes,
-                             "manifest_from": source,
-                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
-        log.info("restored namespace of %s (%d bytes) of rank %d; manifest from %s",
-                 manifest.step, manifest.total_bytes, self.opts.rank, source)
-        if source.startswith("peer") and self.prefetcher is not None:
-            # The data follows in long streams from the holders; the prefetcher (which
-            # goes chunk by chunk, backup tier included) takes over what they leave.
-            if self._nursery is not None:  # mounted already (mtcfs restore, mtc)
-                self._bulk_restore = True  # the prefetcher waits for it (_kick_prefetch)
-                self._nursery.start_soon(self._restore_bulk)
-            else:
-                self._bulk_restore = True
-                self.prefetcher.wait_for_kick = True
-        elif self.prefetcher is not None:
-            self.prefetcher.kick()
-        return {"step": manifest.step, "imported": True, "bytes": manifest.total_bytes,
-                "source": source}
-
-    def _check_space(self, manifest: Any, check: bool) -> None:
-        free = self.fs.statfs()["free"]
-        if check and manifest.total_bytes > free:
-            raise FsError(errno.ENOSPC, f"step {manifest.step} holds {manifest.total_bytes} "
-                          f"bytes but the RAM tier has {free} free (size="
-                          f"{self.fs.capacity}); mount with a larger size=")
-
-    async def restore_step(self, number: int | None, *,
-                           check_space: bool = False) -> dict[str, Any]:
-        """Import step ``number`` (None: the newest complete) from the backup tier.
-
-        Raises:
-            FsError: ENOENT when the backup has no such complete step, EEXIST when it exists.
-        """
-        fs, bs = self.fs, self.backup_store
-        assert fs is not None
-        if bs is None:
-            raise FsError(errno.EINVAL, "no backup= tier configured")
-        t0 = time.monotonic()
-        steps = await trio.to_thread.run_sync(bs.list_steps)
-        if number is None:
-            if not steps:
-                raise FsError(errno.ENOENT, "the backup tier holds no complete checkpoint")
-            info = steps[-1]
-        else:
-            match = [s for s in steps if s.step_number == number]
-            if not match:
-                raise FsError(errno.ENOENT, f"the backup tier has no complete checkpoint {number}")
-            info = match[-1]
-        if info.step in fs.steps:
-            return {"step": info.step, "imported": False}
-        manifest = await trio.to_thread.run_sync(bs.get_step, info.step)
-        self._check_space(manifest, check_space)
-        fs.import_step(manifest)
-        self.restore_info = {"step": info.step, "bytes": manifest.total_bytes,
-                             "namespace_seconds": time.monotonic() - t0, "started": time.time()}
-        log.info("restored namespace of %s (%d bytes) from %s", info.step,
-                 manifest.total_bytes, self.opts.backup)
-        if self.prefetcher is not None:
-            self.prefetcher.kick()
-        return {"step": info.step, "imported": True, "bytes": manifest.total_bytes,
-                "source": "backup"}
-
     # ------------------------------------------------------------------ running
 
     def fuse_options(self) -> set[str]:
@@ -435,7 +291,7 @@ class Daemon:
                 self.etcd.close()
 
     async def _run(self, ready: Callable[[], None]) -> None:
-        assert self.fs is not None and self.store is not None
+        assert self.fs is not None and self.store is not None and self.restorer is not None
         if self.peer is not None:
             # registered in etcd (retried later if etcd is down; refused by etcd's auth:
             # the mount fails, with the job's prefix in the one-line error)
@@ -444,7 +300,7 @@ class Daemon:
         if self.ns is not None:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it
         else:
-            await self.restore_at_mount()
+            await self.restorer.at_mount()
         ops = Operations(self.fs, self.opts.mountpoint)
         pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
         mounted = True
@@ -452,6 +308,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
+                self.restorer.start_soon = n.start_soon
                 n.start_soon(self._tune_readahead, ops)
                 self.fs.start(n)
                 if self.mtc is not None:
@@ -472,8 +329,8 @@ class Daemon:
                     n.start_soon(self.peer.run)
                 if self.ns is not None:
                     n.start_soon(self.ns.run)
-                if self._bulk_restore:
-                    n.start_soon(self._restore_bulk)
+                if self.restorer.bulk_pending:
+                    n.start_soon(self.restorer.bulk_from_peers)
                 if self.mtc is not None:
                     n.start_soon(self.mtc.run)
                 ready()
@@ -491,31 +348,13 @@ class Daemon:
             if not closed:
                 pyfuse3.close(unmount=mounted or self._stop_signal is not None)
             self._nursery = None
+            self.restorer.start_soon = None
             if self.peer is not None:  # no gRPC thread may touch the core once it is closed
                 self.peer.stop()
             # Clean only once pyfuse3.main returned (unmounted, or a stop signal): an
             # exception out of the serving loop is recorded as a crash.
             self.fs.close(clean=not mounted)
             self.store.close()
-
-    async def _restore_bulk(self) -> None:
-        """Stream the restored step's chunks from the peers, then let the prefetcher (and
-        so the backup tier) fetch whatever they did not serve."""
-        from mtcfs.tiers.restore.bulk import restore_from_peers
-        served = getattr(self.fs.chunk_source, "served", None)
-
-        def count() -> None:
-            if served is not None:
-                served["peers"] = served.get("peers", 0) + 1
-        try:
-            stats = await restore_from_peers(self.fs, self.peer, on_chunk=count)
-            self.restore_info["bulk_from_peers"] = stats
-        except Exception as exc:  # the prefetcher still brings everything back
-            log.exception("bulk restore from peers failed")
-            self.fs._error(f"bulk restore from peers failed: {exc}")
-        finally:
-            self._bulk_restore = False
-            self.prefetcher.kick()
 
     async def _signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -577,10 +416,9 @@ class Daemon:
         if cmd == "restore":
             step = req.get("step")
             number = int(step) if step is not None else None
-            res = await (self.restore_from_job(number) if self.peer is not None
-                         else self.restore_step(number))
+            res = await self.restorer.restore(number)
             if req.get("wait", True):
-                await self._wait_restored(progress)
+                await self.restorer.wait_restored(progress)
             return res
         if cmd == "fault":
             # Test hook: cut this node off from the given ranks, both ways, as a network
@@ -599,28 +437,6 @@ class Daemon:
             await self.backup.request(req.get("step"))
             return self.backup.status.to_json()
         raise FsError(errno.EINVAL, f"unknown command {cmd!r}")
-
-    async def _wait_restored(self, progress: control.Progress) -> None:
-        assert self.fs is not None and self.prefetcher is not None
-        pf = self.prefetcher
-        total = None
-        retried = False
-        while True:
-            chunks, left = pf.pending()
-            total = left if total is None else total
-            progress(total - left, total)
-            if chunks == 0:
-                return
-            if pf.failed and pf.idle:
-                # A pass ended with failures: try once more, then report rather than wait
-                # forever on chunks no tier can serve (corrupt or missing everywhere).
-                if retried:
-                    raise FsError(errno.EIO, f"{chunks} chunks could not be restored (corrupt"
-                                  " or missing in every tier); see mtcfs status")
-                retried = True
-                pf.failed = 0
-                pf.kick()
-            await trio.sleep(0.2)
 
     def status(self) -> dict[str, Any]:
         fs = self.fs
@@ -654,7 +470,7 @@ class Daemon:
             out["backup"] = b
         if self.prefetcher is not None:
             chunks, nbytes = self.prefetcher.pending()
-            out["restore"] = {**self.restore_info, "pending_chunks": chunks,
+            out["restore"] = {**self.restorer.info, "pending_chunks": chunks,
                               "pending_bytes": nbytes,
                               "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0),
                               "chunks_from": dict(getattr(fs.chunk_source, "served", {}))}
