@@ -24,6 +24,8 @@ __all__ = [
 ]
 
 _MAX_KEY_BYTES = 1024  # the GCS object-name limit, applied to every backend alike
+_MAX_SEGMENT_BYTES = 255  # NAME_MAX: a segment is a file name on a FileBackend
+_RESERVED_SEGMENT = ".mtcfs-tmp-"  # a FileBackend's temporary files
 
 
 def validate_key(key: str) -> str:
@@ -37,11 +39,22 @@ def validate_key(key: str) -> str:
 
     Raises:
         ValueError: if the key is empty, absolute, has an empty, '.' or '..' segment, a
-            control character, or is longer than 1024 bytes of UTF-8.
+            control character, or is longer than 1024 bytes of UTF-8; or has a segment
+            longer than 255 bytes of UTF-8 or starting with ``.mtcfs-tmp-``. Those two rules
+            are the file system's (NAME_MAX, :class:`FileBackend`'s temporary files),
+            applied to every backend so that a key one accepts every other one stores.
     """
     if not isinstance(key, str) or not key:
         raise ValueError(f"bad backup object key {key!r}: empty")
-    _check_segments(key, key.split("/"))
+    parts = key.split("/")
+    _check_segments(key, parts)
+    for p in parts:
+        if len(p.encode("utf-8", "surrogatepass")) > _MAX_SEGMENT_BYTES:
+            raise ValueError(f"bad backup object key {key[:40]!r}...: a path segment is "
+                             f"longer than {_MAX_SEGMENT_BYTES} bytes")
+        if p.startswith(_RESERVED_SEGMENT):
+            raise ValueError(f"bad backup object key {key!r}: {_RESERVED_SEGMENT}* is "
+                             f"reserved")
     return key
 
 
@@ -75,7 +88,15 @@ class Backend(abc.ABC):
     """A flat store of blobs under one root, addressed by relative keys.
 
     All methods block; all may raise :class:`TransientError` (retry may help) or
-    :class:`BackupError` (permanent), and :class:`ValueError` for a malformed key.
+    :class:`BackupError` (permanent), and :class:`ValueError` for a malformed key
+    (:func:`validate_key`), before any I/O.
+
+    A key must not also be the directory of another key (``a`` and ``a/b``): an object store
+    keeps both, a file system refuses the second put with a permanent :class:`BackupError`
+    and keeps the first. The backup layout never makes such a pair.
+
+    ``tests/t2_backend_conformance_test.py`` checks every implementation against these
+    promises (docs/arch-conformance.md).
     """
 
     @abc.abstractmethod

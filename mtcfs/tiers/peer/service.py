@@ -341,12 +341,13 @@ def _stream_in(cls: type[Message],
     return handle
 
 
-def _register(service: PeerService, server: grpc.Server) -> None:
-    """Register the Peer methods as the generated ``add_PeerServicer_to_server`` does, except
-    that requests arrive as bytes and are parsed by the handler (:func:`_unary_in`), and
-    GetChunks replies arrive already serialized (see get_stream.py)."""
+def method_handlers(service: PeerService) -> dict[str, grpc.RpcMethodHandler]:
+    """The Peer methods' handlers by RPC name, as the server registers them: requests arrive
+    as bytes and are parsed by the handler (:func:`_unary_in`); GetChunks replies arrive
+    already serialized (see get_stream.py). The in-memory transport
+    (:mod:`mtcfs.tiers.peer.memory`) calls the same handlers."""
     m = pb_grpc.grpc
-    handlers = {
+    return {
         "HasChunks": m.unary_unary_rpc_method_handler(
             _unary_in(service, "HasChunks", pb.HasChunksRequest, service.HasChunks),
             response_serializer=pb.HasChunksReply.SerializeToString),
@@ -365,6 +366,12 @@ def _register(service: PeerService, server: grpc.Server) -> None:
                       service.ListManifests),
             response_serializer=pb.StoredManifest.SerializeToString),
     }
+
+
+def _register(service: PeerService, server: grpc.Server) -> None:
+    """Register the Peer methods (:func:`method_handlers`) as the generated
+    ``add_PeerServicer_to_server`` does."""
+    handlers = method_handlers(service)
     name = pb.DESCRIPTOR.services_by_name["Peer"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
