@@ -1,12 +1,13 @@
-"""scope=job: the core's side of the job-wide namespace (docs/consistency.md).
+"""The apply path of namespace ops (both scopes), and the core's side of scope=job's
+job-wide namespace (docs/consistency.md, docs/arch-nslog.md).
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change of a
-scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log``
+A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change is an
+*op* (:mod:`mtcfs.base.ns_ops`). In scope=job the mount's ``ns_log``
 (:mod:`mtcfs.tiers.namespace.etcd_log`) has etcd order each op into the job's log, and every
 node applies it, in log order, with :meth:`ns_apply`. Applying is deterministic and
 synchronous (one trio step, one SQLite transaction): every node that applied the same ops
-holds the same namespace, with the same inode numbers, because only :meth:`ns_apply`
-allocates them. The errno with which applying refuses an op (the same on every node) is
+holds the same namespace, with the same inode numbers, because only applying an op
+(:meth:`apply_op`) allocates them. The errno with which applying refuses an op (the same on every node) is
 the answer to the system call that made it.
 
 The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
