@@ -18,7 +18,6 @@ cache timeouts).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 from mtcfs.base.ns_ops import NsOp
@@ -63,7 +62,7 @@ class NamespaceLog(Protocol):
 
 class LocalLog:
     """scope=node's log: the op is applied at once (no order to agree on, nothing to wait
-    for). Submitting stamps the op with this node's rank.
+    for). The op's envelope stays empty (no apply function reads it in scope=node).
 
     Args:
         fs: the filesystem core (``apply_op``, ``rank``).
@@ -83,8 +82,6 @@ class LocalLog:
         Raises:
             FsError: the errno with which applying refused it.
         """
-        if op.rank != self.fs.rank:
-            op = dataclasses.replace(op, rank=self.fs.rank)
         self.applied += 1
         res, _keep = self.fs.apply_op(op)
         return res
