@@ -93,7 +93,7 @@ class Operations(pyfuse3.Operations):
         self.initialized = False
         #: scope=job: names and attributes change on other nodes, so the kernel caches
         #: none (every path walk asks; close-to-open, docs/consistency.md).
-        self.cache_timeout = 0.0 if fs.ns_log is not None else None
+        self.cache_timeout = 0.0 if fs.job_scope else None
         fs.subscribe(self._on_event)
 
     def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
@@ -201,7 +201,7 @@ class Operations(pyfuse3.Operations):
 
     def _note_owner(self, fh: int, flags: int, ctx: Any) -> None:
         """scope=job: remember which process opened a file for writing (see flush)."""
-        if self.fs.ns_log is not None and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
+        if self.fs.job_scope and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
             self._owners[fh] = procfs.tgid(ctx.pid)
 
     def _flags(self, flags: int) -> int:

@@ -240,14 +240,14 @@ class CapacityOps:
         pressure = need is not None
         freed_names = []
         start_used = self.used
-        if pressure and self.ns_log is None:
+        if pressure and not self.job_scope:
             self._evict_leftovers(need, start_used)  # type: ignore[arg-type]
         for s in self.evictable_steps(pressure=pressure):
             if pressure and start_used - self.used >= need:  # type: ignore[operator]
                 break
             if any(v.handles for v in self._step_versions(s)):
                 continue
-            if self.ns_log is not None:
+            if self.job_scope:
                 # scope=job: the namespace is the job's; drop only data held elsewhere
                 # (other ranks' files, and own files the backup tier holds).
                 self._drop_step_data(s, others_only=s.backed_up_ns is None)

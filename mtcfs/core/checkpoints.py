@@ -113,7 +113,7 @@ class CheckpointOps:
             if rec.backed_up_ns is None or rec.name in kept or rec.backing_up:
                 continue
             versions = self._step_versions(rec)
-            if any(v.missing for v in versions) and self.ns_log is None:
+            if any(v.missing for v in versions) and not self.job_scope:
                 self._delete_tree(rec)
                 deleted.append(rec.name)
                 log.info("deleted checkpoint %s: backup_keep retired its backup copy and its"

@@ -43,6 +43,7 @@ from mtcfs.core.files import FileOps
 from mtcfs.core.jobns import JobNamespaceOps
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
+from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from mtcfs.core.own_files import OwnFileOps
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
@@ -125,8 +126,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: replica store, whose replicas of other ranks may count on this node's copy.
         self.chunk_keeper: Any = None
         self._unsealed_at_load: list[Version] = []
-        #: scope=job: the job's namespace log (None in scope=node); see core/jobns.py.
-        self.ns_log: Any = None
+        #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
+        #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
+        self.ns_log: NamespaceLog = LocalLog(self)
         #: scope=job: kernel inode number -> core inode number, for files renumbered for
         #: the kernel (Inode.kid).
         self.aliases: dict[int, int] = {}
@@ -242,6 +244,11 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
                 self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
 
+    @property
+    def job_scope(self) -> bool:
+        """Whether other nodes change this namespace too (scope=job: the log is replicated)."""
+        return self.ns_log.replicated
+
     def start(self, nursery: trio.Nursery) -> None:
         """Attach the core to a nursery for its background work; seals what a crash left open."""
         self._nursery = nursery
@@ -250,7 +257,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         for v in self._unsealed_at_load:
             nursery.start_soon(self._seal, v)
         self._unsealed_at_load.clear()
-        if self.ns_log is None:
+        if not self.job_scope:
             self._commit_sealed_markers()
 
     def close(self, clean: bool = False) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import time
 
 import trio
@@ -18,6 +17,7 @@ from mtcfs.base.chunking import hash_fd
 from mtcfs.base.errors import FsError
 from mtcfs.core.capacity import MAX_FILE_SIZE
 from mtcfs.core.model import Attr, Handle, Inode, Version
+from mtcfs.base.ns_ops import Create
 from mtcfs.core.records import now_ns as _now_ns
 
 log = logging.getLogger("mtcfs.core.core")
@@ -47,7 +47,7 @@ class FileOps:
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
-            take = (cur is not None and not trunc and self.ns_log is None and cur.sealed
+            take = (cur is not None and not trunc and not self.job_scope and cur.sealed
                     and not (cur.handles or cur.pins or cur.sealing is not None
                              or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
@@ -73,8 +73,7 @@ class FileOps:
         Raises:
             FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
         """
-        if self.ns_log is not None:
-            await self.ns_log.fresh()
+        await self.ns_log.fresh()
         ino = self._inode(num)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
@@ -103,31 +102,23 @@ class FileOps:
         self.handles[fh] = Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND))
         # Close-to-open across nodes (scope=job): the kernel may keep its page cache only
         # if this node served the same version at its last open.
-        keep = ino.last_open_vid == v.vid or self.ns_log is None
+        keep = ino.last_open_vid == v.vid or not self.job_scope
         ino.last_open_vid = v.vid
         return fh, keep
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Attr]:
-        if self.ns_log is not None:
-            return await self._ns_create(parent, name, mode, flags, uid, gid)
-        d = self._dir(parent)
-        self._check_name(name)
-        existing = d.children.get(name)  # type: ignore[union-attr]
-        if existing is not None:
-            if flags & os.O_EXCL:
-                raise FsError(errno.EEXIST)
-            fh, _ = await self.open(existing, flags)
-            ino = self.inodes[existing]
+        res = await self.ns_log.submit(Create(
+            parent=self._dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
+            excl=bool(flags & os.O_EXCL)))
+        ino = self._inode(res["ino"])
+        if res["existed"] or self.job_scope:
+            # An existing file opens as by open(2); scope=job: a new file's first writer
+            # starts an empty local version (O_TRUNC) over the published empty one.
+            fh, _ = await self.open(ino.ino, flags if res["existed"] else flags | os.O_TRUNC)
             ino.lookups += 1
             return fh, self.attr(ino)
-        with self.db.transaction():
-            ino = self._new_inode("file", stat.S_IFREG | (mode & 0o7777), uid, gid)
-            v = self._new_version(ino)
-            ino.vid = v.vid
-            self._link(d, name, ino)
-            self._write_inode(ino)
-            self._touch_dir(d)
+        v = self.versions[ino.vid]  # type: ignore[index]  # the new, open, empty version
         v.writers += 1
         v.handles += 1
         ino.opens += 1
@@ -219,7 +210,7 @@ class FileOps:
         h = self._handle(fh)
         if final:
             h.closed = True  # its RELEASE follows (capacity.py: settle_releases)
-        if self.ns_log is None or not h.writable or not final:
+        if not self.job_scope or not h.writable or not final:
             return
         v = h.version
         if v.writers == 1 and not v.sealed:
@@ -336,12 +327,12 @@ class FileOps:
             v.sealing = None
             if ino is not None:
                 self._step_changed(ino)
-            if self.ns_log is not None and ino is not None and ino.nlink > 0:
+            if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
                 await self._ns_publish(ino, v)
             if ino is not None and ino.vid == v.vid:
                 self._emit("sealed", v)
-                if self.ns_log is None:
+                if not self.job_scope:
                     with self.db.transaction():
                         self._maybe_commit_by_file(ino)
         except trio.Cancelled:

@@ -1,12 +1,13 @@
-"""scope=job: the core's side of the job-wide namespace (docs/consistency.md).
+"""The apply path of namespace ops (both scopes), and the core's side of scope=job's
+job-wide namespace (docs/consistency.md, docs/arch-nslog.md).
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change of a
-scope=job mount is an *op*: a small JSON-able dict. The mount's ``ns_log``
+A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change is an
+*op* (:mod:`mtcfs.base.ns_ops`). In scope=job the mount's ``ns_log``
 (:mod:`mtcfs.tiers.namespace.etcd_log`) has etcd order each op into the job's log, and every
 node applies it, in log order, with :meth:`ns_apply`. Applying is deterministic and
 synchronous (one trio step, one SQLite transaction): every node that applied the same ops
-holds the same namespace, with the same inode numbers, because only :meth:`ns_apply`
-allocates them. The errno with which applying refuses an op (the same on every node) is
+holds the same namespace, with the same inode numbers, because only applying an op
+(:meth:`apply_op`) allocates them. The errno with which applying refuses an op (the same on every node) is
 the answer to the system call that made it.
 
 The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
@@ -14,39 +15,32 @@ applied it. File data never travels in ops, except the bytes of small files (eve
 reads ``.metadata`` at load): a sealed version is *published* as its chunk list and the rank
 that wrote it, and other nodes fault its chunks in on read.
 
-Op kinds and fields (names are strings, surrogate-escaped; ``rank`` is the origin):
-
-==========  ==================================================================
-mkdir       parent, name, mode, uid, gid -> {"ino"}
-create      parent, name, mode, uid, gid, excl -> {"ino", "existed"}
-symlink     parent, name, target, uid, gid -> {"ino"}
-mknod       parent, name, mode (with the S_IFMT bits), rdev, uid, gid -> {"ino"}
-link        ino, new_parent, new_name (a hard link; never of a directory)
-unlink      parent, name
-rmdir       parent, name
-rename      parent, name, new_parent, new_name, flags
-setattr     ino, mode, uid, gid, atime_ns, mtime_ns (None: unchanged)
-publish     ino, vid (at the origin), size, chunk_size, chunks, blake3, mtime_ns,
-            data (base64, files up to INLINE_BYTES)
-noop        (none: changes nothing; kept for logs written before etcd ordered them)
-==========  ==================================================================
+The op kinds and their fields are in :mod:`mtcfs.base.ns_ops` (typed ops and their wire
+form, the JSON stored in etcd). The apply functions here (``_apply_<kind>``) are also
+scope=node's: its :class:`~mtcfs.core.ns_log.LocalLog` applies every op at once through
+:meth:`apply_op`. What differs by scope inside them is said where it does (a new file's
+first version; what nodes reading a removed file keep).
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
 import errno
 import logging
 import os
 import stat
-from typing import Any
+from typing import Any, ClassVar
 
 import blake3
 import trio
 
 from mtcfs.base.chunking import chunk_span
 from mtcfs.base.errors import FsError
-from mtcfs.core.model import ROOT_INO, Attr, Inode, Version
+from mtcfs.core.model import ROOT_INO, Inode, Version
+from mtcfs.base.ns_ops import (
+    Create, Link, Mkdir, Mknod, Noop, NsOp, Publish, Rename, Rmdir, SetAttr, Symlink, Unlink,
+    from_wire,
+)
 from mtcfs.core.records import StepRecord
 from mtcfs.core.symlinks import escapes
 
@@ -73,30 +67,13 @@ def _text(b: bytes) -> str:
 
 
 class JobNamespaceOps:
-    """scope=job: submit, apply, snapshot and install the job-wide namespace."""
+    """The apply path of every namespace op (both scopes); scope=job: publishing, and the
+    snapshot and install of the job-wide namespace."""
+
+    #: op type -> its apply function (set below the class)
+    _apply_fns: ClassVar[dict[type[NsOp], Any]]
 
     # ------------------------------------------------------------------ submitting
-
-    async def _ns_new_entry(self, op: dict[str, Any]) -> Attr:
-        """Submit an op that creates an entry (mkdir, symlink); its attributes here."""
-        op = dict(op, parent=self._dir(op["parent"]).ino, name=_text(op["name"]))
-        if "target" in op:
-            op["target"] = _text(op["target"])
-        res = await self.ns_log.submit(op)
-        ino = self._inode(res["ino"])
-        ino.lookups += 1
-        return self.attr(ino)
-
-    async def _ns_create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-                         gid: int) -> tuple[int, Attr]:
-        res = await self.ns_log.submit({
-            "op": "create", "parent": self._dir(parent).ino, "name": _text(name), "mode": mode,
-            "uid": uid, "gid": gid, "excl": bool(flags & os.O_EXCL)})
-        ino = self._inode(res["ino"])
-        # A new file's first writer starts an empty local version (O_TRUNC).
-        fh, _ = await self.open(ino.ino, flags if res.get("existed") else flags | os.O_TRUNC)
-        ino.lookups += 1
-        return fh, self.attr(ino)
 
     async def _ns_publish(self, ino: Inode, v: Version) -> None:
         """Publish sealed version ``v`` of ``ino`` job-wide (called by the seal).
@@ -104,13 +81,10 @@ class JobNamespaceOps:
         Records the failure as ``v.seal_error`` (close(2) then returns EIO) when the
         namespace service cannot be reached before its deadline.
         """
-        op: dict[str, Any] = {
-            "op": "publish", "ino": ino.ino, "vid": v.vid, "size": v.size,
-            "chunk_size": v.chunk_size, "chunks": list(v.chunks), "blake3": v.blake3,
-            "mtime_ns": ino.mtime_ns}
-        if v.size <= INLINE_BYTES:
-            data = os.pread(self._fd(v), v.size, 0)
-            op["data"] = base64.b64encode(data).decode()
+        op = Publish(ino=ino.ino, vid=v.vid, size=v.size, chunk_size=v.chunk_size,
+                     chunks=tuple(v.chunks), blake3=v.blake3, mtime_ns=ino.mtime_ns,
+                     data=os.pread(self._fd(v), v.size, 0) if v.size <= INLINE_BYTES
+                     else None)
         # the job's version this one replaces: a later try publishes only over it
         expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
         v.pins += 1  # must be here when this node applies its own publish
@@ -121,13 +95,14 @@ class JobNamespaceOps:
             v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
             self._error(v.seal_error)
             if exc.errno == errno.EIO and self._nursery is not None:
-                self._nursery.start_soon(self._republish, ino, v, {**op, "expect": expect})
+                self._nursery.start_soon(self._republish, ino, v,
+                                        dataclasses.replace(op, expect=expect))
         finally:
             v.publishing = False
             v.pins -= 1
             self._release_version(v)
 
-    async def _republish(self, ino: Inode, v: Version, op: dict[str, Any]) -> None:
+    async def _republish(self, ino: Inode, v: Version, op: Publish) -> None:
         """Publish again a version whose publication failed because etcd did not answer
         (its close(2) got EIO: the outcome unknown, as for any network filesystem's
         timeout), until etcd takes or refuses it. The op carries ``expect``, the job's
@@ -158,27 +133,42 @@ class JobNamespaceOps:
 
     # ------------------------------------------------------------------ applying
 
-    def ns_apply(self, op: dict[str, Any], seq: int, epoch: int) -> tuple[dict[str, Any],
-                                                                          list[Version]]:
-        """Apply one op of the job's log (deterministic; no await).
+    def apply_op(self, op: NsOp) -> tuple[dict[str, Any], list[Version]]:
+        """Apply one namespace op (deterministic; no await; one SQLite transaction): the
+        only way the namespace changes, in both scopes.
 
         Returns:
-            (result for the submitter, versions this node has open whose data it should
-            fetch before acknowledging: a file another node unlinked or replaced while
-            this node reads it keeps its content here).
+            (result for the submitter: ``{"ino"}``, ``{"ino", "existed"}`` or ``{}``;
+            versions this node has open whose data it should fetch before acknowledging:
+            in scope=job a file another node unlinked or replaced while this node reads it
+            keeps its content here; always empty in scope=node).
 
         Raises:
             FsError: the op is refused (the submitter's system call gets that errno).
         """
-        fn = getattr(self, "_apply_" + op["op"], None)
-        if fn is None:
-            raise FsError(errno.EINVAL, f"unknown namespace op {op['op']!r}")
         keep: list[Version] = []
         with self.db.transaction():
-            res = fn(op, keep)
+            res = self._apply_fns[type(op)](self, op, keep)
+        return res or {}, keep
+
+    def ns_apply(self, op: NsOp | dict[str, Any], seq: int, epoch: int
+                 ) -> tuple[dict[str, Any], list[Version]]:
+        """scope=job: apply the op at position ``(epoch, seq)`` of the job's log and record
+        that position, in the same transaction. ``op``: typed, or its wire dict.
+
+        Returns:
+            as :meth:`apply_op`.
+
+        Raises:
+            FsError: the op is refused (MalformedOp, EINVAL, for a wire dict that is no op).
+        """
+        if not isinstance(op, NsOp):
+            op = from_wire(op)
+        with self.db.transaction():
+            res, keep = self.apply_op(op)
             self.db.set_kv("ns_seq", str(seq))
             self.db.set_kv("ns_epoch", str(epoch))
-        return res or {}, keep
+        return res, keep
 
     def ns_position(self) -> tuple[int, int]:
         """(epoch, seq) of the last op applied here (0, 0 when none)."""
@@ -190,96 +180,101 @@ class JobNamespaceOps:
             raise FsError(errno.ENOENT)  # removed; may linger for the kernel here only
         return d
 
-    def _origin(self, op: dict[str, Any]) -> int:
-        return -1 if op["rank"] == self.rank else op["rank"]
+    def _origin(self, op: NsOp) -> int:
+        return -1 if op.rank == self.rank else op.rank  # type: ignore[return-value]
 
-    def _apply_noop(self, op: dict[str, Any], keep: list[Version]) -> None:
+    def _apply_noop(self, op: Noop, keep: list[Version]) -> None:
         return None
 
-    def _apply_mkdir(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
-        self._ns_dir(op["parent"])
-        ino = self._mkdir_now(op["parent"], _name(op["name"]), op["mode"], op["uid"], op["gid"])
+    def _apply_mkdir(self, op: Mkdir, keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op.parent)
+        ino = self._mkdir_now(op.parent, op.name, op.mode, op.uid, op.gid)
         return {"ino": ino.ino}
 
-    def _apply_symlink(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
-        self._ns_dir(op["parent"])
-        ino = self._symlink_now(op["parent"], _name(op["name"]), _name(op["target"]),
-                                op["uid"], op["gid"])
+    def _apply_symlink(self, op: Symlink, keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op.parent)
+        ino = self._symlink_now(op.parent, op.name, op.target, op.uid, op.gid)
         return {"ino": ino.ino}
 
-    def _apply_mknod(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
-        self._ns_dir(op["parent"])
-        ino = self._mknod_now(op["parent"], _name(op["name"]), op["mode"], op["rdev"],
-                              op["uid"], op["gid"])
+    def _apply_mknod(self, op: Mknod, keep: list[Version]) -> dict[str, Any]:
+        self._ns_dir(op.parent)
+        ino = self._mknod_now(op.parent, op.name, op.mode, op.rdev, op.uid, op.gid)
         return {"ino": ino.ino}
 
-    def _apply_link(self, op: dict[str, Any], keep: list[Version]) -> None:
-        ino = self.inodes.get(op["ino"])
+    def _apply_link(self, op: Link, keep: list[Version]) -> None:
+        ino = self.inodes.get(op.ino)
         if ino is None or ino.nlink <= 0:
             raise FsError(errno.ENOENT)
-        self._ns_dir(op["new_parent"])
-        self._link_now(ino, op["new_parent"], _name(op["new_name"]))
+        self._ns_dir(op.new_parent)
+        self._link_now(ino, op.new_parent, op.new_name)
 
-    def _apply_create(self, op: dict[str, Any], keep: list[Version]) -> dict[str, Any]:
-        d = self._ns_dir(op["parent"])
-        name = _name(op["name"])
-        self._check_name(name)
-        existing = d.children.get(name)  # type: ignore[union-attr]
+    def _apply_create(self, op: Create, keep: list[Version]) -> dict[str, Any]:
+        d = self._ns_dir(op.parent)
+        self._check_name(op.name)
+        existing = d.children.get(op.name)  # type: ignore[union-attr]
         if existing is not None:
-            if op["excl"]:
+            if op.excl:
                 raise FsError(errno.EEXIST)
             if not self.inodes[existing].is_file:
-                raise FsError(errno.EISDIR)
+                # (the kernel looks the name up first: only a race with another node's
+                # op, or this node's, gets here)
+                raise FsError(errno.EISDIR if self.inodes[existing].is_dir or self.job_scope
+                              else errno.EINVAL)
             return {"ino": existing, "existed": True}
-        ino = self._new_inode("file", stat.S_IFREG | (op["mode"] & 0o7777), op["uid"], op["gid"])
+        ino = self._new_inode("file", stat.S_IFREG | (op.mode & 0o7777), op.uid, op.gid)
         v = self._new_version(ino)
-        v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
-        self._write_version(v)
+        if self.job_scope:
+            # Job-wide, a new file is empty and published as such (every node serves it);
+            # the submitter's writer starts its own version over it (files.py: create).
+            v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
+            self._write_version(v)
+            ino.published = self._published(v, op.rank)  # type: ignore[arg-type]
+        # scope=node: the new version is the submitter's open, empty one
         ino.vid = v.vid
-        ino.published = self._published(v, op["rank"])
-        self._link(d, name, ino)
+        self._link(d, op.name, ino)
         self._write_inode(ino)
         self._touch_dir(d)
         return {"ino": ino.ino, "existed": False}
 
-    def _apply_unlink(self, op: dict[str, Any], keep: list[Version]) -> None:
-        self._ns_dir(op["parent"])
-        victim = self._child(self._dir(op["parent"]), _name(op["name"]))
+    def _apply_unlink(self, op: Unlink, keep: list[Version]) -> None:
+        self._ns_dir(op.parent)
+        victim = self._child(self._dir(op.parent), op.name)
         if victim.nlink <= 1:  # another hard link keeps the content reachable
             self._keep_if_open(victim, keep)
-        self._unlink_now(op["parent"], _name(op["name"]))
+        self._unlink_now(op.parent, op.name)
 
-    def _apply_rmdir(self, op: dict[str, Any], keep: list[Version]) -> None:
-        self._ns_dir(op["parent"])
-        self._rmdir_now(op["parent"], _name(op["name"]))
+    def _apply_rmdir(self, op: Rmdir, keep: list[Version]) -> None:
+        self._ns_dir(op.parent)
+        self._rmdir_now(op.parent, op.name)
 
-    def _apply_rename(self, op: dict[str, Any], keep: list[Version]) -> None:
-        self._ns_dir(op["parent"])
-        dst = self._ns_dir(op["new_parent"])
-        victim = dst.children.get(_name(op["new_name"]))  # type: ignore[union-attr]
+    def _apply_rename(self, op: Rename, keep: list[Version]) -> None:
+        self._ns_dir(op.parent)
+        dst = self._ns_dir(op.new_parent)
+        victim = dst.children.get(op.new_name)  # type: ignore[union-attr]
         if victim is not None and victim in self.inodes and self.inodes[victim].nlink <= 1:
             self._keep_if_open(self.inodes[victim], keep)
-        self._rename_now(op["parent"], _name(op["name"]), op["new_parent"],
-                         _name(op["new_name"]), op["flags"])
+        self._rename_now(op.parent, op.name, op.new_parent, op.new_name, op.flags)
 
-    def _apply_setattr(self, op: dict[str, Any], keep: list[Version]) -> None:
-        ino = self.inodes.get(op["ino"])
+    def _apply_setattr(self, op: SetAttr, keep: list[Version]) -> None:
+        ino = self.inodes.get(op.ino)
         if ino is None or (ino.nlink <= 0 and ino.ino != ROOT_INO):
             raise FsError(errno.ENOENT)
-        if op["mode"] is not None:
-            ino.mode = stat.S_IFMT(ino.mode) | (op["mode"] & 0o7777)
-        if op["uid"] is not None:
-            ino.uid = op["uid"]
-        if op["gid"] is not None:
-            ino.gid = op["gid"]
-        if op["atime_ns"] is not None:
-            ino.atime_ns = op["atime_ns"]
-        if op["mtime_ns"] is not None:
-            ino.mtime_ns = op["mtime_ns"]
+        if op.mode is not None:
+            ino.mode = stat.S_IFMT(ino.mode) | (op.mode & 0o7777)
+        if op.uid is not None:
+            ino.uid = op.uid
+        if op.gid is not None:
+            ino.gid = op.gid
+        if op.atime_ns is not None:
+            ino.atime_ns = op.atime_ns
+        if op.mtime_ns is not None:
+            ino.mtime_ns = op.mtime_ns
         self._write_inode(ino)
 
     def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
         """``ino`` loses its name or content job-wide: keep what nodes reading it need."""
+        if not self.job_scope:
+            return  # scope=node: open descriptors keep the data file itself
         v = self.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
         if v is None:
             return
@@ -293,17 +288,19 @@ class JobNamespaceOps:
         await trio.sleep(LINGER_S)
         self.unpin([v])
 
-    def _apply_publish(self, op: dict[str, Any], keep: list[Version]) -> None:
-        ino = self.inodes.get(op["ino"])
+    def _apply_publish(self, op: Publish, keep: list[Version]) -> None:
+        ino = self.inodes.get(op.ino)
         if ino is None or not ino.is_file or ino.nlink <= 0:
             return  # unlinked meanwhile: nobody can open it by name
-        if "expect" in op and (ino.published or {}).get("blake3", EMPTY_BLAKE3) != op["expect"]:
+        if op.expect is not None and \
+                (ino.published or {}).get("blake3", EMPTY_BLAKE3) != op.expect:
             # a publication tried again (_republish): another version was published since
             raise FsError(errno.ESTALE, "the file was published again meanwhile")
-        chunks = tuple(op["chunks"])
-        ino.published = {k: op[k] for k in ("size", "chunk_size", "chunks", "blake3", "rank")}
-        if op["rank"] == self.rank:
-            v = self.versions.get(op["vid"])
+        chunks = op.chunks
+        ino.published = {"size": op.size, "chunk_size": op.chunk_size, "chunks": list(chunks),
+                         "blake3": op.blake3, "rank": op.rank}
+        if op.rank == self.rank:
+            v = self.versions.get(op.vid)
             if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
                 if ino.vid != v.vid:  # another node's earlier publish replaced it here
                     v.current = True
@@ -311,22 +308,23 @@ class JobNamespaceOps:
                     self._renumber_for_kernel(ino)
                 v.origin = -1
                 self._write_version(v)
-                ino.mtime_ns = op["mtime_ns"]
+                ino.mtime_ns = op.mtime_ns
                 self._write_inode(ino)
                 self._maybe_commit_by_file(ino, published=True)
                 return
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
-        if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op["size"]:
+        if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op.size:
             # this content already (a snapshot carried it, or the file was rewritten with
             # the same bytes, or touched): only the time changes
-            ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+            ino.mtime_ns = ino.ctime_ns = op.mtime_ns
             self._write_inode(ino)
             return
         if cur is not None:
             self._keep_if_open(ino, keep)
-        v = self._remote_version(ino, op)
+        v = self._remote_version(ino, op.size, op.chunk_size, chunks, op.blake3,
+                                 op.rank, op.data)  # type: ignore[arg-type]
         self._set_current(ino, v)
-        ino.mtime_ns = ino.ctime_ns = op["mtime_ns"]
+        ino.mtime_ns = ino.ctime_ns = op.mtime_ns
         self._renumber_for_kernel(ino)
         self._write_inode(ino)
         self._maybe_commit_by_file(ino)
@@ -345,18 +343,19 @@ class JobNamespaceOps:
             ino.kid = self._next_kid
             self.aliases[ino.kid] = ino.ino
 
-    def _remote_version(self, ino: Inode, op: dict[str, Any]) -> Version:
-        """A sealed version of another rank's file: its chunks are missing unless they came
-        inline (verified here) — reads fault them in from that rank and its replicas."""
-        chunks = tuple(op["chunks"])
-        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=op["size"],
-                    chunk_size=op["chunk_size"], sealed=True, chunks=chunks,
-                    blake3=op["blake3"], missing=set(range(len(chunks))),
-                    origin=self._origin(op))
+    def _remote_version(self, ino: Inode, size: int, chunk_size: int,
+                        chunks: tuple[str, ...], file_hash: str, rank: int,
+                        data: bytes | None = None) -> Version:
+        """A sealed version of rank ``rank``'s file: its chunks are missing unless they
+        came inline in ``data`` (verified here) — reads fault them in from that rank and its
+        replicas."""
+        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=size,
+                    chunk_size=chunk_size, sealed=True, chunks=chunks,
+                    blake3=file_hash, missing=set(range(len(chunks))),
+                    origin=-1 if rank == self.rank else rank)
         fd = self.store.open_data(v.vid, create=True)
         self.fds.adopt(v, fd)
         os.ftruncate(fd, v.size)
-        data = base64.b64decode(op["data"]) if op.get("data") is not None else None
         if data is not None and len(data) == v.size:
             for i, d in enumerate(chunks):
                 off, length = chunk_span(i, v.size, v.chunk_size)
@@ -368,7 +367,7 @@ class JobNamespaceOps:
         self.versions[v.vid] = v
         self._write_version(v)
         for d in chunks:
-            self.chunk_origins[d] = op["rank"]
+            self.chunk_origins[d] = rank
         self._index_chunks(v)
         return v
 
@@ -517,7 +516,8 @@ class JobNamespaceOps:
                     ino.vid = v.vid
                     ino.published = dict(ver) if ver is not None else None
                 elif ver is not None:
-                    v = self._remote_version(ino, dict(ver))
+                    v = self._remote_version(ino, ver["size"], ver["chunk_size"],
+                                             tuple(ver["chunks"]), ver["blake3"], ver["rank"])
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
                     if old is not None:  # take over the old data file
@@ -571,3 +571,14 @@ class JobNamespaceOps:
             self.db.set_kv("ns_epoch", str(snap["epoch"]))
         log.info("installed the job namespace at seq %d: %d entries, %d steps", snap["seq"],
                  len(snap["entries"]), len(snap["steps"]))
+
+
+#: The apply function of each op type (JobNamespaceOps.apply_op).
+JobNamespaceOps._apply_fns = {
+    Noop: JobNamespaceOps._apply_noop, Mkdir: JobNamespaceOps._apply_mkdir,
+    Create: JobNamespaceOps._apply_create, Symlink: JobNamespaceOps._apply_symlink,
+    Mknod: JobNamespaceOps._apply_mknod, Link: JobNamespaceOps._apply_link,
+    Unlink: JobNamespaceOps._apply_unlink, Rmdir: JobNamespaceOps._apply_rmdir,
+    Rename: JobNamespaceOps._apply_rename, SetAttr: JobNamespaceOps._apply_setattr,
+    Publish: JobNamespaceOps._apply_publish,
+}

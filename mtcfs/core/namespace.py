@@ -18,6 +18,7 @@ from mtcfs.base.errors import FsError
 from mtcfs.base import steps as stepnames
 from mtcfs.core.capacity import MAX_FILE_SIZE
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
+from mtcfs.base.ns_ops import Link, Mkdir, Mknod, Rename, Rmdir, SetAttr, Symlink, Unlink
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.symlinks import check_target, escapes
 
@@ -41,8 +42,7 @@ class NamespaceOps:
     # ------------------------------------------------------------------ namespace
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        if self.ns_log is not None:
-            await self.ns_log.fresh()
+        await self.ns_log.fresh()
         d = self._dir(parent)
         if name == b".":
             child = d
@@ -62,21 +62,20 @@ class NamespaceOps:
             self._maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
-        if self.ns_log is not None:
-            node = self.inodes.get(ino)
-            if ino != ROOT_INO and (node is None or node.opens == 0):
+        node = self.inodes.get(ino)
+        if ino != ROOT_INO and (node is None or node.opens == 0):
+            await self.ns_log.fresh()
+        elif not self.ns_log.unavailable:
+            # The root's attributes, and those of a file open on this node, come from
+            # this node's copy when the namespace cannot answer within a second (at
+            # once while it is known to be unavailable): the kernel asks for the root's
+            # before it reads user.mtcfs.control (`mtcfs status` must work on a node cut
+            # off from the job's namespace, to say so), and for an open file's before
+            # every read(2) and write(2) (attributes are never cached in scope=job),
+            # and the data path must go on there. Close-to-open needs an open file's
+            # attributes to be current only at its open. (scope=node: always current.)
+            with trio.move_on_after(ROOT_FRESH_S):
                 await self.ns_log.fresh()
-            elif not self.ns_log.unavailable:
-                # The root's attributes, and those of a file open on this node, come from
-                # this node's copy when the namespace cannot answer within a second (at
-                # once while it is known to be unavailable): the kernel asks for the root's
-                # before it reads user.mtcfs.control (`mtcfs status` must work on a node cut
-                # off from the job's namespace, to say so), and for an open file's before
-                # every read(2) and write(2) (attributes are never cached in scope=job),
-                # and the data path must go on there. Close-to-open needs an open file's
-                # attributes to be current only at its open.
-                with trio.move_on_after(ROOT_FRESH_S):
-                    await self.ns_log.fresh()
         return self.attr(self._inode(ino))
 
     async def setattr(self, num: int, *, mode: int | None = None, uid: int | None = None,
@@ -85,32 +84,37 @@ class NamespaceOps:
                       fh: int | None = None) -> Attr:
         ino = self._inode(num)
         now = _now_ns()
-        if self.ns_log is not None:
-            # Ordered job-wide: only what changes, of a file that still has a name (the
-            # kernel re-sends unchanged times after renames and for unlinked files). atime
-            # stays on this node.
-            change = {"mode": mode if mode is not None and (mode & 0o7777) != (ino.mode & 0o7777)
-                      else None,
-                      "uid": uid if uid is not None and uid != ino.uid else None,
-                      "gid": gid if gid is not None and gid != ino.gid else None,
-                      "mtime_ns": mtime_ns if mtime_ns is not None and mtime_ns != ino.mtime_ns
-                      else None, "atime_ns": None}
-            cur = self.versions.get(ino.vid) if ino.vid is not None else None
-            writing = cur is not None and cur.origin < 0 and not cur.sealed and cur.writers > 0
-            if writing:
-                # Being written here: other nodes see its last published content until the
-                # writer's close, whose publish op carries the mtime (the kernel's writeback
-                # cache flushes times with a SETATTR at every close, a child's included).
-                change["mtime_ns"] = None
-            if (ino.nlink > 0 or ino.ino == ROOT_INO) and any(v is not None
-                                                               for v in change.values()):
-                await self.ns_log.submit({"op": "setattr", "ino": ino.ino, **change})
-            mode = uid = gid = None  # applied job-wide (or unchanged)
-            if not writing:
-                mtime_ns = None
-        if size is not None:
+        if size is not None:  # refused before any attribute changes
             if not ino.is_file:
                 raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)
+            if size > MAX_FILE_SIZE:
+                raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
+        job = self.job_scope
+        cur = self.versions.get(ino.vid) if ino.vid is not None else None
+        writing = cur is not None and cur.origin < 0 and not cur.sealed and cur.writers > 0
+        # The op: only what changes, of a file that still has a name (the kernel re-sends
+        # unchanged times after renames and for unlinked files). atime stays on this node.
+        # scope=job: ordered job-wide, except the mtime of a file being written here: other
+        # nodes see its last published content until the writer's close, whose publish op
+        # carries the mtime (the kernel's writeback cache flushes times with a SETATTR at
+        # every close, a child's included). scope=node: the mtime stays local (applied
+        # after a truncate, which sets it too), and the attributes of an unlinked file
+        # are applied here.
+        op = SetAttr(
+            ino=ino.ino,
+            mode=mode if mode is not None and (mode & 0o7777) != (ino.mode & 0o7777) else None,
+            uid=uid if uid is not None and uid != ino.uid else None,
+            gid=gid if gid is not None and gid != ino.gid else None,
+            mtime_ns=mtime_ns if job and not writing and mtime_ns is not None
+            and mtime_ns != ino.mtime_ns else None)
+        named = ino.nlink > 0 or ino.ino == ROOT_INO
+        if named and op.changes():
+            await self.ns_log.submit(op)
+        if named or job:
+            mode = uid = gid = None  # applied by the op (or unchanged)
+        if job and not writing:
+            mtime_ns = None
+        if size is not None:
             await self._truncate(ino, size, fh)
             ino.mtime_ns = now
         with self.db.transaction():
@@ -170,10 +174,13 @@ class NamespaceOps:
         return d
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        if self.ns_log is not None:
-            return await self._ns_new_entry({"op": "mkdir", "parent": parent, "name": name,
-                                             "mode": mode, "uid": uid, "gid": gid})
-        ino = self._mkdir_now(parent, name, mode, uid, gid)
+        return await self._new_entry(Mkdir(parent=self._dir(parent).ino, name=name,
+                                           mode=mode, uid=uid, gid=gid))
+
+    async def _new_entry(self, op: Mkdir | Symlink | Mknod) -> Attr:
+        """Submit an op that makes an entry; its attributes here (one lookup counted)."""
+        res = await self.ns_log.submit(op)
+        ino = self._inode(res["ino"])
         ino.lookups += 1
         return self.attr(ino)
 
@@ -194,13 +201,10 @@ class NamespaceOps:
             FsError: EPERM for a target that is absolute or leaves the mount
                 (:mod:`mtcfs.core.symlinks`); the errors of a new name.
         """
-        self._check_link_target(target, self._dir(parent), name)  # before any op is logged
-        if self.ns_log is not None:
-            return await self._ns_new_entry({"op": "symlink", "parent": parent, "name": name,
-                                             "target": target, "uid": uid, "gid": gid})
-        ino = self._symlink_now(parent, name, target, uid, gid)
-        ino.lookups += 1
-        return self.attr(ino)
+        d = self._dir(parent)
+        self._check_link_target(target, d, name)  # before any op is logged
+        return await self._new_entry(Symlink(parent=d.ino, name=name, target=target, uid=uid,
+                                             gid=gid))
 
     def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         d = self._dir_for_new_name(parent, name)
@@ -225,13 +229,8 @@ class NamespaceOps:
             raise FsError(errno.EINVAL)
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
-        if self.ns_log is not None:
-            return await self._ns_new_entry({"op": "mknod", "parent": parent, "name": name,
-                                             "mode": mode, "rdev": rdev, "uid": uid,
-                                             "gid": gid})
-        ino = self._mknod_now(parent, name, mode, rdev, uid, gid)
-        ino.lookups += 1
-        return self.attr(ino)
+        return await self._new_entry(Mknod(parent=self._dir(parent).ino, name=name,
+                                           mode=mode, rdev=rdev, uid=uid, gid=gid))
 
     def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
                    gid: int) -> Inode:
@@ -324,13 +323,8 @@ class NamespaceOps:
         ino = self._inode(num)
         if ino.is_dir:
             raise FsError(errno.EPERM)
-        if self.ns_log is not None:
-            # Ordered job-wide like any other name (an op of the namespace log).
-            await self.ns_log.submit({"op": "link", "ino": ino.ino,
-                                      "new_parent": self._dir(new_parent).ino,
-                                      "new_name": _text(new_name)})
-        else:
-            self._link_now(ino, new_parent, new_name)
+        await self.ns_log.submit(Link(ino=ino.ino, new_parent=self._dir(new_parent).ino,
+                                      new_name=new_name))
         ino.lookups += 1
         return self.attr(ino)
 
@@ -348,11 +342,7 @@ class NamespaceOps:
             self._touch_dir(d)
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        if self.ns_log is not None:
-            await self.ns_log.submit({"op": "unlink", "parent": self._dir(parent).ino,
-                                      "name": _text(name)})
-            return
-        self._unlink_now(parent, name)
+        await self.ns_log.submit(Unlink(parent=self._dir(parent).ino, name=name))
 
     def _unlink_now(self, parent: int, name: bytes) -> Inode:
         d = self._dir(parent)
@@ -377,11 +367,7 @@ class NamespaceOps:
         self._write_inode(ino)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        if self.ns_log is not None:
-            await self.ns_log.submit({"op": "rmdir", "parent": self._dir(parent).ino,
-                                      "name": _text(name)})
-            return
-        self._rmdir_now(parent, name)
+        await self.ns_log.submit(Rmdir(parent=self._dir(parent).ino, name=name))
 
     def _rmdir_now(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
@@ -399,13 +385,9 @@ class NamespaceOps:
                      flags: int = 0) -> None:
         """Atomic rename; ``flags`` may hold RENAME_NOREPLACE (1). RENAME_EXCHANGE (2) is
         refused with EINVAL."""
-        if self.ns_log is not None:
-            await self.ns_log.submit({"op": "rename", "parent": self._dir(old_parent).ino,
-                                      "name": _text(old_name),
-                                      "new_parent": self._dir(new_parent).ino,
-                                      "new_name": _text(new_name), "flags": flags})
-            return
-        self._rename_now(old_parent, old_name, new_parent, new_name, flags)
+        await self.ns_log.submit(Rename(parent=self._dir(old_parent).ino, name=old_name,
+                                        new_parent=self._dir(new_parent).ino,
+                                        new_name=new_name, flags=flags))
 
     def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                     flags: int = 0) -> Inode | None:
@@ -464,7 +446,7 @@ class NamespaceOps:
             elif ino.is_file and new_name in stepnames.COMMIT_FILES:
                 # scope=job: the marker is published (sealed job-wide) whatever this node's
                 # kernel still holds open of it, so every node commits at this op
-                self._maybe_commit_by_file(ino, published=self.ns_log is not None)
+                self._maybe_commit_by_file(ino, published=self.job_scope)
         if victim is not None:
             self._maybe_free_inode(victim)
         return victim
@@ -472,8 +454,7 @@ class NamespaceOps:
     # ------------------------------------------------------------------ directories
 
     async def opendir(self, num: int) -> int:
-        if self.ns_log is not None:
-            await self.ns_log.fresh()
+        await self.ns_log.fresh()
         d = self._dir(num)
         fh = self._next_fh
         self._next_fh += 1

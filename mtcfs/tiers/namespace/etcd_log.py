@@ -10,7 +10,7 @@ over a shared log (Schneider, ACM Computing Surveys 1990), with etcd as the log.
 
 Keys, under ``<prefix>`` (``/mtcfs/<job>/`` unless ``coord_prefix=``):
 
-* ``ns/op/<rank>/<id>``: one op (JSON, the kinds of mtcfs/core/jobns.py), written once by
+* ``ns/op/<rank>/<id>``: one op (JSON: the wire form of mtcfs/core/ns_ops.py), written once by
   the node that submits it in a transaction that also sets ``ns/last``: create-if-absent,
   so a retried submit never adds an op twice. Its create revision is its place in the order.
 * ``ns/last``: the key of the newest op; its mod revision is the newest op's revision (the
@@ -40,6 +40,7 @@ data directory) shows as its revision going below this node's: the node stops se
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import itertools
 import json
@@ -53,6 +54,7 @@ from typing import Any
 import trio
 
 from mtcfs.base.errors import FsError
+from mtcfs.base.ns_ops import NsOp, from_wire
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
@@ -95,7 +97,8 @@ class EtcdLost(EtcdError):
 
 
 class EtcdNamespace:
-    """The ``ns_log`` of a scope=job core, with etcd as the log.
+    """The ``ns_log`` of a scope=job core, with etcd as the log: a
+    :class:`mtcfs.core.ns_log.NamespaceLog` whose ops are ordered job-wide.
 
     Args:
         fs: the filesystem core (``ns_apply``, ``ns_snapshot``, ``ns_install``,
@@ -147,23 +150,28 @@ class EtcdNamespace:
         self._nursery: Any = None
         self.counters = collections.Counter[str]()
 
+    #: Other nodes change the same namespace (NamespaceLog.replicated).
+    replicated = True
+
     async def _etcd(self, fn: Any) -> Any:
         """Run a blocking etcd call in the namespace's own threads."""
         return await trio.to_thread.run_sync(fn, abandon_on_cancel=True, limiter=self.limiter)
 
     # ------------------------------------------------------------------ the core's side
 
-    async def submit(self, op: dict[str, Any]) -> dict[str, Any]:
-        """Have ``op`` ordered by etcd and applied here; its result.
+    async def submit(self, op: NsOp) -> dict[str, Any]:
+        """Have ``op`` ordered by etcd and applied here; its result (``{"ino"}``,
+        ``{"ino", "existed"}`` or ``{}``). It is stored in etcd in its wire form, with this
+        node's rank and a fresh id as its envelope.
 
         Raises:
             FsError: the errno that refused it (decided by its place in etcd's order); EIO
                 when etcd did not take it within ``timeout_s``, refused it (too large), or
                 this node did not apply it within ``timeout_s`` after etcd took it.
         """
-        op = dict(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
-        body = json.dumps(op, separators=(",", ":")).encode()
-        key = self.op_prefix + f"{self.rank:06d}/{op['id']}".encode()
+        op = dataclasses.replace(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
+        body = json.dumps(op.to_wire(), separators=(",", ":")).encode()
+        key = self.op_prefix + f"{self.rank:06d}/{op.id}".encode()
         deadline = time.monotonic() + self.timeout_s
         while True:
             await self._check_serving(deadline)
@@ -192,7 +200,7 @@ class EtcdNamespace:
                 await trio.sleep(0.2)
             except EtcdError as exc:  # permanent (a request too large): no retry
                 raise FsError(errno.EIO, f"etcd refused a namespace change of "
-                              f"{len(body)} bytes ({op['op']}): {exc}") from None
+                              f"{len(body)} bytes ({op.KIND}): {exc}") from None
         if r.succeeded:
             rev = r.revision
         else:  # an earlier attempt got through
@@ -201,12 +209,12 @@ class EtcdNamespace:
         try:
             await self._wait_applied(rev, time.monotonic() + self.timeout_s)
         except FsError:
-            self.results.pop(op["id"], None)
-            raise FsError(errno.EIO, f"the namespace change ({op['op']}) is committed in "
+            self.results.pop(op.id, None)  # type: ignore[arg-type]
+            raise FsError(errno.EIO, f"the namespace change ({op.KIND}) is committed in "
                           f"etcd at revision {rev} but not yet applied on this node") from None
-        got = self.results.pop(op["id"], None)
+        got = self.results.pop(op.id, None)  # type: ignore[arg-type]
         if got is None:  # applied by a path that did not record it (a base install)
-            raise FsError(errno.EIO, f"the namespace change ({op['op']}) at revision {rev} "
+            raise FsError(errno.EIO, f"the namespace change ({op.KIND}) at revision {rev} "
                           "was folded into a snapshot before this node applied it")
         err, message, res = got
         self.counters["ops_submitted"] += 1
@@ -338,14 +346,17 @@ class EtcdNamespace:
     def _apply(self, rev: int, body: bytes) -> list[Any]:
         """Apply one op at revision ``rev``; returns the versions to keep (open here)."""
         try:
-            op = json.loads(body)
+            wire = json.loads(body)
         except ValueError:
             log.error("namespace op at revision %d is not JSON: skipped", rev)
             self._moved_past(rev)
             self.seq = rev
             return []
+        env = wire if isinstance(wire, dict) else {}
+        rank, op_id = env.get("rank"), env.get("id")
         try:
-            res, keep = self.fs.ns_apply(op, rev, self.epoch)
+            # a malformed op is refused (MalformedOp: EINVAL) the same on every node
+            res, keep = self.fs.ns_apply(from_wire(wire), rev, self.epoch)
             err, message = 0, ""
         except FsError as exc:  # refused by the namespace's rules: the same on every node
             res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
@@ -358,8 +369,8 @@ class EtcdNamespace:
             self._moved_past(rev)
         self.seq = rev
         self._since_base += 1
-        if op.get("rank") == self.rank and op.get("id", "").startswith(self._boot + "."):
-            self.results[op["id"]] = (err, message, res)
+        if rank == self.rank and isinstance(op_id, str) and op_id.startswith(self._boot + "."):
+            self.results[op_id] = (err, message, res)
             while len(self.results) > RESULTS_KEPT:
                 self.results.popitem(last=False)
         self.counters["ops_applied"] += 1
