@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 
-from mtcfs.tiers.backup.retry import RetryPolicy
+from mtcfs.base.retry import RetryPolicy
 from mtcfs.tiers.peer import placement
 from mtcfs.tiers.peer.client import PeerClient
 from mtcfs.tiers.peer.errors import PeerUnavailable
