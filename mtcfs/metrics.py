@@ -28,7 +28,7 @@ class _Out:
 
     def __init__(self, base: Mapping[str, object]) -> None:
         self.base = {k: str(v) for k, v in base.items()}
-        self.families: dict[str, Metric] = {}
+        self.families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
     def add(self, name: str, kind: str, help_: str, value: Any,
             labels: Mapping[str, object] | None = None) -> None:
@@ -43,8 +43,9 @@ class _Out:
         items = {**self.base, **{k: str(v) for k, v in (labels or {}).items()}}
         family = self.families.get(name)
         if family is None:
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = self.families[name] = cls(name, help_, labels=list(items))
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, help_, labels=list(items))
+            self.families[name] = family
         family.add_metric(list(items.values()), value)
 
     def collect(self) -> Iterator[Metric]:
