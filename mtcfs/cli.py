@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 from mtcfs import control
 from mtcfs.base import mountinfo
 from mtcfs.options import OptionError, parse_mount_options
@@ -299,29 +301,28 @@ def _human(n: float | None) -> str:
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr (only when it is a terminal)."""
+    """A one-line progress bar on stderr (only when it is a terminal), drawn by tqdm: the
+    label, the bar, the percentage, bytes done of the total and the rate (binary units)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.enabled = sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.shown = False
+        self._bar: tqdm | None = None
 
     def update(self, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` bytes."""
         if not self.enabled:
             return
-        frac = done / total if total else 1.0
-        width = 30
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-        rate = done / max(1e-6, time.monotonic() - self.t0)
-        sys.stderr.write(f"\r{self.label} [{bar}] {frac * 100:5.1f}% {_human(done)}/"
-                         f"{_human(total)} {_human(rate)}/s ")
-        sys.stderr.flush()
-        self.shown = True
+        if self._bar is None:
+            self._bar = tqdm(total=total, desc=self.label, file=sys.stderr, unit="B",
+                             unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
+                             leave=True)
+        self._bar.total = total
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _request(sock: str, cmd: str, label: str | None = None, **args: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from mtcfs.base import pools
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
@@ -289,6 +290,7 @@ class Daemon:
                 self.peer.leave_job_sync()  # the others see this node gone at once
             if self.etcd is not None:
                 self.etcd.close()
+            pools.shutdown(block=False)  # idle pool threads end; queued work is dropped
 
     async def _run(self, ready: Callable[[], None]) -> None:
         assert self.fs is not None and self.store is not None and self.restorer is not None

@@ -14,38 +14,42 @@ nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-
-def _escape(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(base: Mapping[str, object], extra: Mapping[str, object] | None = None) -> str:
-    items = {**base, **(extra or {})}
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items.items()) + "}"
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 
 class _Out:
+    """The metric families of one status dict, in the order first added; a collector of a
+    :class:`~prometheus_client.CollectorRegistry`."""
+
     def __init__(self, base: Mapping[str, object]) -> None:
-        self.base = dict(base)
-        self.lines: list[str] = []
-        self.declared: set[str] = set()
+        self.base = {k: str(v) for k, v in base.items()}
+        self.families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
     def add(self, name: str, kind: str, help_: str, value: Any,
             labels: Mapping[str, object] | None = None) -> None:
+        """Add one sample of ``name`` (a ``"gauge"`` or a ``"counter"`` ending in ``_total``);
+        a value that is None or not a number is left out, a bool counts as 0 or 1."""
         if value is None:
             return
         if isinstance(value, bool):
             value = int(value)
         if not isinstance(value, (int, float)):
             return
-        if name not in self.declared:
-            self.declared.add(name)
-            self.lines.append(f"# HELP {name} {help_}")
-            self.lines.append(f"# TYPE {name} {kind}")
-        self.lines.append(f"{name}{_labels(self.base, labels)} {value}")
+        items = {**self.base, **{k: str(v) for k, v in (labels or {}).items()}}
+        family = self.families.get(name)
+        if family is None:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, help_, labels=list(items))
+            self.families[name] = family
+        family.add_metric(list(items.values()), value)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families.values()
 
 
 _COUNTER_HELP = {
@@ -70,7 +74,8 @@ _COUNTER_HELP = {
 
 
 def prometheus_text(status: Mapping[str, Any]) -> str:
-    """Render ``mtcfs status --json`` output as Prometheus text (one string, newline-ended)."""
+    """Render ``mtcfs status --json`` output as Prometheus text (one string, newline-ended;
+    the text format 0.0.4 written by prometheus-client's ``generate_latest``)."""
     peers = status.get("peers") or None
     base: dict[str, object] = {"job": status.get("job", "")}
     if peers:
@@ -135,7 +140,9 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
     ns = status.get("namespace") or None
     if ns:
         _namespace_metrics(out, ns)
-    return "\n".join(out.lines) + "\n"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(out)
+    return generate_latest(registry).decode()
 
 
 def _mtc_metrics(out: _Out, m: Mapping[str, Any]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import threading
 import time
 import uuid
@@ -19,6 +18,7 @@ import uuid
 import pytest
 
 from support.etcd import EtcdCluster, etcd_server  # noqa: F401 (fixture)
+from support.prom import value as metric
 
 
 def _job() -> str:
@@ -62,7 +62,7 @@ def test_nodes_booting_in_reverse_order_share_one_namespace(make_cluster, etcd_s
     assert "namespace: scope=job, ordered by etcd at 127.0.0.1:" in \
         c[1].cli("status", str(c[1].mnt)).stdout
     metrics = c[2].cli("metrics", str(c[2].mnt)).stdout
-    assert re.search(r"^mtcfs_namespace_unavailable_seconds\{[^}]*\} 0$", metrics, re.M)
+    assert metric(metrics, "mtcfs_namespace_unavailable_seconds") == 0, metrics
 
 
 def test_a_name_created_on_every_node_at_once_has_one_winner(make_cluster, etcd_server):  # noqa: F811

@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_count, chunk_span
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
@@ -103,8 +104,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
-        self.cpu_limiter = trio.CapacityLimiter(2)
-        self._fetch_limiter = trio.CapacityLimiter(8)
+        self.cpu_limiter = pools.limiter("cpu")
+        self._fetch_limiter = pools.limiter("fetch")
         #: Seconds a read waits for a missing chunk before EIO (core/faultin.py).
         self.fetch_deadline_s = FETCH_DEADLINE_S
         #: The last fault-in that failed: what it read, why, the sources tried (status).

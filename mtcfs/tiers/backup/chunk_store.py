@@ -40,10 +40,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
+from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
 from mtcfs.base.manifest import StepManifest
@@ -422,29 +422,28 @@ class BackupStore:
         deadline = time.monotonic() + wait_s
         delay, cap = SHARE_POLL_FIRST_S, min(SHARE_POLL_MAX_S, max(SHARE_POLL_FIRST_S, wait_s / 8))
         found: list[str] = []
-        with ThreadPoolExecutor(max_workers=self._workers,
-                                thread_name_prefix="mtcfs-backup") as pool:
-            while pending:
-                hits: set[str] = set()
-                misses = i = 0
-                with self._counting_errors():
-                    while i < len(pending) and misses < SHARE_POLL_MISSES:
-                        batch = pending[i:i + self._workers]
-                        i += len(batch)
-                        for h, there in zip(batch, pool.map(
-                                lambda x: self._backend.exists(chunk_key(x)), batch)):
-                            if there:
-                                hits.add(h)
-                                self._index.add(h)
-                            else:
-                                misses += 1
-                found.extend(h for h in pending if h in hits)
-                pending = [h for h in pending if h not in hits]
-                left = deadline - time.monotonic()
-                if not pending or left <= 0:
-                    break
-                time.sleep(min(delay, left))
-                delay = min(cap, delay * 2)
+        while pending:
+            hits: set[str] = set()
+            misses = i = 0
+            with self._counting_errors():
+                while i < len(pending) and misses < SHARE_POLL_MISSES:
+                    batch = pending[i:i + self._workers]
+                    i += len(batch)
+                    for h, there in zip(batch, pools.run_map(
+                            "backup-io", lambda x: self._backend.exists(chunk_key(x)), batch,
+                            self._workers)):
+                        if there:
+                            hits.add(h)
+                            self._index.add(h)
+                        else:
+                            misses += 1
+            found.extend(h for h in pending if h in hits)
+            pending = [h for h in pending if h not in hits]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(cap, delay * 2)
         return found, pending
 
     def _enter_gate(self, stack: ExitStack, tally: _Tally | None) -> GateHold | None:
@@ -517,20 +516,10 @@ class BackupStore:
                         return 0
             return self._put_chunk(h, read_chunk(h))
 
-        with ThreadPoolExecutor(max_workers=min(self._workers, len(missing)),
-                                thread_name_prefix="mtcfs-backup") as pool:
-            pending: dict[Future[int], str] = {pool.submit(one, h): h for h in missing}
-            try:
-                while pending:
-                    done, _ = wait(pending, return_when=FIRST_EXCEPTION)
-                    for fut in done:
-                        h = pending.pop(fut)
-                        yield h, fut.result()  # raises the worker's exception
-            finally:
-                if pending:
-                    abort.set()
-                    for fut in pending:
-                        fut.cancel()
+        try:
+            yield from pools.run_unordered("backup-io", one, missing, self._workers)
+        finally:
+            abort.set()
 
     def begin_step(self, manifest: StepManifest) -> None:
         """Write a step's manifest (this rank's, on a multi-node store) as an intent,

@@ -72,9 +72,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from mtcfs.base import pools
 from mtcfs.base.manifest import StepManifest
 from mtcfs.tiers.backup.backend import Backend
 from mtcfs.tiers.backup.errors import GateError, NotFound
@@ -200,10 +200,7 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
         forget(item[1])
 
     if garbage:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(garbage))),
-                                thread_name_prefix="mtcfs-backup") as pool:
-            for _ in pool.map(drop, garbage):
-                pass
+        pools.run_map("backup-io", drop, garbage, workers)
     return RetentionStats(steps_kept=stats.steps_kept, steps_deleted=stats.steps_deleted,
                           incomplete_deleted=incomplete_deleted, chunks_kept=chunks_kept,
                           chunks_deleted=len(garbage), swept=True)
@@ -244,9 +241,7 @@ def _parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]
     items = list(items)
     if len(items) <= 1 or workers <= 1:
         return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)),
-                            thread_name_prefix="mtcfs-backup") as pool:
-        return list(pool.map(fn, items))
+    return pools.run_map("backup-io", fn, items, workers)
 
 
 def run_job_retention(backend: Backend, gate: SweepGate | None, *, keep: int,

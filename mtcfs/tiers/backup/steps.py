@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
+from mtcfs.base import pools
 from mtcfs.base.manifest import ManifestError, StepManifest
 from mtcfs.tiers.backup.backend import Backend
 from mtcfs.tiers.backup.errors import BackupError, NotFound
@@ -92,9 +92,7 @@ def complete_ranks(backend: Backend, ranked: dict[str, dict[int, set[str]]], wor
     if len(names) <= 1 or workers <= 1:
         nums = [number(s) for s in names]
     else:
-        with ThreadPoolExecutor(max_workers=min(workers, len(names)),
-                                thread_name_prefix="mtcfs-backup") as pool:
-            nums = list(pool.map(number, names))
+        nums = pools.run_map("backup-io", number, names, workers)
     return {s: (n, set(done[s])) for s, n in zip(names, nums) if n is not None}
 
 
@@ -178,9 +176,7 @@ class StepCatalog:
         if len(names) <= 1 or self._workers == 1:
             infos = [self.read_marker(s) for s in names]
         else:
-            with ThreadPoolExecutor(max_workers=min(self._workers, len(names)),
-                                    thread_name_prefix="mtcfs-backup") as pool:
-                infos = list(pool.map(self.read_marker, names))
+            infos = pools.run_map("backup-io", self.read_marker, names, self._workers)
         found = [i for i in infos if i is not None]
         found.sort(key=lambda i: (i.step_number, i.created_ns, i.step))
         return found

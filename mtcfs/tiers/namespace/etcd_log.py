@@ -53,6 +53,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import NsOp, from_wire
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
@@ -89,7 +90,7 @@ SEED_TAKEOVER_S = 150.0
 CANDIDATE_TTL_S = 10
 #: etcd calls of the namespace at once (their own thread pool: a slow etcd never takes the
 #: threads the data path hashes and fetches with).
-ETCD_THREADS = 16
+ETCD_THREADS = pools.POOLS["etcd"].size
 
 
 class EtcdLost(EtcdError):
@@ -131,7 +132,7 @@ class EtcdNamespace:
         self.results: collections.OrderedDict[str, tuple[int, str, dict]] = \
             collections.OrderedDict()
         self.applied = trio.Event()
-        self.limiter = trio.CapacityLimiter(ETCD_THREADS)
+        self.limiter = pools.limiter("etcd")
         self._ids = itertools.count(1)
         self._boot = f"{time.time_ns():x}"
         self._watch_from = 0          # revision the watch resumes at

@@ -10,7 +10,7 @@ guarantees:
 * **Nothing unverified comes back.** :meth:`PeerClient.get_chunks` hashes every chunk it
   receives and raises :class:`PeerChunkCorrupt`, naming the peer, on a mismatch.
 * **One retry rule.** UNAVAILABLE and DEADLINE_EXCEEDED are retried with full-jitter
-  exponential backoff, the formula of :class:`mtcfs.tiers.backup.retry.RetryPolicy`; other
+  exponential backoff, the policy of :class:`mtcfs.base.retry.RetryPolicy`; other
   statuses surface at once as :class:`PeerError`, the last transient one as
   :class:`PeerUnavailable`. Retrying is safe because every RPC is idempotent (chunks and
   manifests are content-addressed or replace themselves).
@@ -36,7 +36,7 @@ from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.manifest import StepManifest
 from mtcfs.base.counters import Counters
 from mtcfs.tiers.backup.layout import check_hash
-from mtcfs.tiers.backup.retry import RetryPolicy
+from mtcfs.base.retry import RetryPolicy
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
@@ -63,6 +63,15 @@ STREAM_BYTES = 256 * 1024 * 1024
 GET_BATCH = 16
 
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Return whether ``exc`` is a gRPC error the client retries: status UNAVAILABLE or
+    DEADLINE_EXCEEDED. Every other status, and every other exception, is not."""
+    if not isinstance(exc, grpc.RpcError):
+        return False
+    code = getattr(exc, "code", None)
+    return callable(code) and code() in _TRANSIENT
 
 
 class PeerClient:
@@ -157,43 +166,28 @@ class PeerClient:
             return PeerUnavailable(self.address, message, code)
         return PeerError(self.address, message, code)
 
-    def _backoff(self, attempt: int, started: float, exc: grpc.RpcError, what: str) -> bool:
+    def _retry_after(self, exc: grpc.RpcError, attempt: int, started: float,
+                     what: str) -> bool:
         """After failed attempt number ``attempt``: wait and return True to try again, or
-        return False to give up."""
-        if exc.code() not in _TRANSIENT:
-            return False
-        policy = self._retry
-        if policy.max_attempts is not None and attempt >= policy.max_attempts:
-            return False
-        delay = policy.backoff(attempt, self._rng)
-        if policy.deadline is not None:
-            remaining = policy.deadline - (time.monotonic() - started)
-            if remaining <= 0:
-                return False
-            delay = min(delay, remaining)
-        if self._stop is not None and self._stop.is_set():
-            return False
-        self._counters.add("retries")
-        log.debug("retrying %s to %s in %.2f s after %s", what, self.address, delay,
-                  exc.code().name)
-        if self._stop is not None:
-            return not self._stop.wait(delay)
-        time.sleep(delay)
-        return True
+        return False to give up (the policy's rule, with :func:`is_transient`)."""
+        return self._retry.retry_after(
+            exc, attempt, started, retryable=is_transient, what=f"{what} to {self.address}",
+            stop=self._stop, rng=self._rng,
+            on_retry=lambda *_: self._counters.add("retries"), quiet=True)
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn`` (one RPC) with retries; translate its errors."""
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
+        def attempt() -> T:
             self._counters.add("calls")
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                if not self._backoff(attempt, started, exc, what):
-                    self._counters.add("failures")
-                    raise self._error(exc, what) from None
+            return fn()
+        try:
+            return self._retry.call(
+                attempt, retryable=is_transient, what=f"{what} to {self.address}",
+                stop=self._stop, rng=self._rng,
+                on_retry=lambda *_: self._counters.add("retries"), quiet=True)
+        except grpc.RpcError as exc:
+            self._counters.add("failures")
+            raise self._error(exc, what) from None
 
     # -- chunks -----------------------------------------------------------------------------
 
@@ -301,7 +295,7 @@ class PeerClient:
                     remaining = []
                 except grpc.RpcError as exc:
                     remaining = [h for h in remaining if h not in done]
-                    if not self._backoff(attempt, started, exc, "GetChunks"):
+                    if not self._retry_after(exc, attempt, started, "GetChunks"):
                         self._counters.add("failures")
                         raise self._error(exc, "GetChunks") from None
 

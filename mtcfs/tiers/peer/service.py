@@ -41,12 +41,12 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from mtcfs.base import pools
 from mtcfs.base.manifest import ManifestError, StepManifest
 from mtcfs.base.counters import Counters
 from mtcfs.tiers.backup.layout import check_hash, check_step
@@ -409,7 +409,7 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
     """
     service = PeerService(store, job, nodes, authenticate=tls is not None)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtcfs-peer"),
+        pools.new_executor("peer-server", workers),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.errors import FsError
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 
@@ -126,7 +127,7 @@ class PeerChunkSource:
         self.report_bad = report_bad
         self.others = others
         self.attempt_s = attempt_s
-        self.limiter = trio.CapacityLimiter(concurrency)
+        self.limiter = pools.limiter("peer-calls", concurrency)
         self.served: dict[int, int] = {}
         self._suspect_until: dict[int, float] = {}
 

@@ -41,7 +41,8 @@ from typing import Any
 
 import trio
 
-from mtcfs.tiers.backup.retry import RetryPolicy
+from mtcfs.base import pools
+from mtcfs.base.retry import RetryPolicy
 from mtcfs.tiers.peer import placement
 from mtcfs.tiers.peer.client import PeerClient
 from mtcfs.tiers.peer.errors import PeerUnavailable
@@ -131,7 +132,7 @@ class PeerTier(MembershipRounds, Replication):
         self._retired: list[PeerClient] = []  # clients of an older certificate
         self._wake: dict[int, trio.Event] = {}
         self._replicating: set[int] = set()   # peers with a running replication task
-        self._bulk = trio.CapacityLimiter(4)
+        self._bulk = pools.limiter("peer-bulk")
         #: registrations of more services on the Peer server (scope=job's namespace)
         self.extra_services: list[Any] = []
         #: rank -> the ranks holding its replicas, where the job said so (Orbax's

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.errors import FsError
 from mtcfs.tiers.backup import BackupError, BackupStore, ChunkCorrupt, NotFound
 
@@ -31,7 +32,7 @@ class BackupChunkSource:
 
     def __init__(self, store: BackupStore, concurrency: int = 4) -> None:
         self.store = store
-        self.limiter = trio.CapacityLimiter(concurrency)
+        self.limiter = pools.limiter("backup-fetch", concurrency)
         self.corrupt = 0
 
     async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:

@@ -1,8 +1,9 @@
-"""mtcfs metrics: the status dict rendered as Prometheus text, parsed back."""
+"""mtcfs metrics: the status dict rendered as Prometheus text, parsed back (with
+prometheus-client's own parser). No mount: pure functions."""
 
 from __future__ import annotations
 
-import re
+from prometheus_client.parser import text_string_to_metric_families
 
 from mtcfs.metrics import prometheus_text
 
@@ -23,28 +24,23 @@ STATUS = {
               "bad_peers": {"0": 2}},
 }
 
-_LINE = re.compile(r'^([a-z_]+)\{([^}]*)\} (-?[0-9.e+]+)$')
-
-
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample, keyed by (name, frozenset of (label, value))."""
+    assert text.endswith("\n")
     out = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) [a-z_]+ ", line), line
-            continue
-        m = _LINE.match(line)
-        assert m, f"not a Prometheus sample line: {line!r}"
-        labels = frozenset(tuple(kv.split("=", 1)) for kv in m.group(2).split(","))
-        out[(m.group(1), labels)] = float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("gauge", "counter") and family.documentation, family.name
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
     return out
 
 
 def test_metrics_cover_ram_backup_restore_and_peers():
     s = samples(prometheus_text(STATUS))
-    job = {("job", '"llama"'), ("rank", '"1"')}
+    job = {("job", "llama"), ("rank", "1")}
 
     def get(name, **labels):
-        return s[(name, frozenset(job | {(k, f'"{v}"') for k, v in labels.items()}))]
+        return s[(name, frozenset(job | {(k, str(v)) for k, v in labels.items()}))]
 
     assert get("mtcfs_ram_used_bytes") == 40 and get("mtcfs_errors") == 1
     assert get("mtcfs_bytes_written_total") == 7
@@ -64,5 +60,6 @@ def test_metrics_of_a_single_node_without_tiers():
                             "counters": {}, "errors": [], "backup": None, "restore": None,
                             "peers": None})
     s = samples(text)
-    assert s[("mtcfs_ram_capacity_bytes", frozenset({("job", '"a\\"b"')}))] == 1
+    assert 'job="a\\"b"' in text  # escaped in the text, the same value parsed back
+    assert s[("mtcfs_ram_capacity_bytes", frozenset({("job", 'a"b')}))] == 1
     assert not any(name.startswith("mtcfs_peer") for name, _ in s)
