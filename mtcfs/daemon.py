@@ -210,6 +210,11 @@ class Daemon:
                          replica_quota=o.replica_quota)
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
+        # The replicas share the RAM budget with this node's own files, and they count on
+        # this node's copies of chunks it holds for others.
+        replicas = peer.replica_store
+        self.fs.shared_used = lambda: replicas.used_estimate
+        self.fs.chunk_keeper = replicas
         if o.scope == "job":
             from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
             from mtcfs.tiers.namespace.sources import JobChunkSource
@@ -275,10 +280,10 @@ class Daemon:
             if exc.errno == errno.ENOENT and want is None:
                 log.info("nothing to restore: %s", exc.strerror)
             else:
-                fs._error(f"restore at mount failed: {exc.strerror}")
+                fs.report_error(f"restore at mount failed: {exc.strerror}")
         except (Exception, trio.TooSlowError) as exc:
             why = str(exc) or f"not done within {RESTORE_AT_MOUNT_S} s"
-            fs._error(f"restore at mount failed: {why}")
+            fs.report_error(f"restore at mount failed: {why}")
 
     async def _job_restore_from_backup(self) -> None:
         """scope=job, about to seed the job's empty etcd keyspace with an empty namespace
@@ -301,7 +306,7 @@ class Daemon:
                 return
             fs.ns_install(snapshot_from_manifests(manifests))
         except (Exception, trio.TooSlowError) as exc:
-            fs._error(f"restore of the job namespace from the backup tier failed: "
+            fs.report_error(f"restore of the job namespace from the backup tier failed: "
                       f"{str(exc) or f'no answer within {RESTORE_AT_MOUNT_S} s'}")
             return
         ns.reset_position()
@@ -512,7 +517,7 @@ class Daemon:
             self.restore_info["bulk_from_peers"] = stats
         except Exception as exc:  # the prefetcher still brings everything back
             log.exception("bulk restore from peers failed")
-            self.fs._error(f"bulk restore from peers failed: {exc}")
+            self.fs.report_error(f"bulk restore from peers failed: {exc}")
         finally:
             self._bulk_restore = False
             self.prefetcher.kick()
@@ -572,7 +577,7 @@ class Daemon:
                 trio.from_thread.run_sync(progress, done, total, trio_token=tp)
             bad = await fs.verify(prog)
             for msg in bad:
-                fs._error(f"verify: {msg}")
+                fs.report_error(f"verify: {msg}")
             return {"mismatches": bad}
         if cmd == "restore":
             step = req.get("step")

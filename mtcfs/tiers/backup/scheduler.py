@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.core.ports import BackupPort, StepRecord
 from mtcfs.tiers.backup import BackupError, BackupStore
 from mtcfs.tiers.backup.chunk_store import DEFAULT_SHARE_WAIT_S
 
@@ -60,7 +61,7 @@ class BackupService:
     """Runs the backup policy for one mount.
 
     Args:
-        fs: the filesystem core.
+        fs: the filesystem core, as the backup tier sees it.
         store: the backup tier.
         interval_s: back up at most every this many seconds (None: count-based).
         every_ckpts: back up every this many committed checkpoints (None: time-based).
@@ -73,7 +74,7 @@ class BackupService:
             here (>= 0).
     """
 
-    def __init__(self, fs: Any, store: BackupStore, *, interval_s: float | None,
+    def __init__(self, fs: BackupPort, store: BackupStore, *, interval_s: float | None,
                  every_ckpts: int | None, keep_backups: int, url: str, interval_text: str,
                  share: Callable[[str], bool] | None = None,
                  share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> None:
@@ -237,7 +238,7 @@ class BackupService:
             return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
         return 3600.0
 
-    async def _backup(self, rec: Any, counted: int = 0) -> bool | None:
+    async def _backup(self, rec: StepRecord, counted: int = 0) -> bool | None:
         """Upload one step. Returns False on failure (already logged), None if some of its
         chunks are not in RAM (a step restored from a peer, still being fetched)."""
         while not self.fs.step_sealed(rec):

@@ -53,6 +53,7 @@ from typing import Any
 import trio
 
 from mtcfs.base.errors import FsError
+from mtcfs.core.ports import NamespacePort
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
@@ -110,7 +111,7 @@ class EtcdNamespace:
         nodes: the job's node count (who may seed an empty keyspace: :meth:`_seed`).
     """
 
-    def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
+    def __init__(self, fs: NamespacePort, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
                  timeout_s: float = DEADLINE_S, nodes: int = 1) -> None:
         self.fs = fs
         self.nodes = nodes

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from mtcfs.base.errors import FsError
+from mtcfs.core.ports import PeerPort
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class FsLocalChunks:
         token: the trio token of the loop the core runs on.
     """
 
-    def __init__(self, fs: Any, token: trio.lowlevel.TrioToken) -> None:
+    def __init__(self, fs: PeerPort, token: trio.lowlevel.TrioToken) -> None:
         self.fs = fs
         self.token = token
 

@@ -15,8 +15,8 @@ import os
 import stat
 from typing import Any
 
-from mtcfs.core.model import ROOT_INO
 from mtcfs.base.manifest import SPECIAL_MODES, StepManifest
+from mtcfs.core.ports import ROOT_INO
 
 log = logging.getLogger(__name__)
 
