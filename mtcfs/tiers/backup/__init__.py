@@ -20,6 +20,8 @@ In a multi-node job each rank opens its own store on the same bucket::
     job = store.complete_ranks()      # {step: (step_number, {ranks that completed it})}
 """
 
+from typing import Any
+
 from mtcfs.tiers.backup.backend import Backend, open_backend
 from mtcfs.tiers.backup.chunk_store import BackupStore
 from mtcfs.tiers.backup.errors import BackupError, ChunkCorrupt, NotFound, TransientError
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # GCSBackend on demand: google-cloud-storage is slow to import
+def __getattr__(name: str) -> Any:  # GCSBackend on demand: google-cloud-storage is slow to import
     if name == "GCSBackend":
         from mtcfs.tiers.backup.gcs_backend import GCSBackend
         return GCSBackend

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
@@ -725,7 +726,7 @@ class _ErrorCounter:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> bool:
+                 tb: object) -> Literal[False]:
         if exc is not None and isinstance(exc, BackupError):
             self._counters.add("errors")
         return False

@@ -105,8 +105,9 @@ class BackupService:
         done = [s for s in fs.steps.values() if s.backed_up_ns is not None]
         if done:
             # What mtcfs status shows as the last backup survives a restart (a SIGKILL).
-            last = max(done, key=lambda s: s.backed_up_ns)
-            self.status.last_step, self.status.last_finished = last.name, last.backed_up_ns / 1e9
+            last = max(done, key=lambda s: s.backed_up_ns or 0)
+            self.status.last_step = last.name
+            self.status.last_finished = (last.backed_up_ns or 0) / 1e9
         #: A backup a crash interrupted (recorded in the store when it started): resumed
         #: first, whatever the interval says; the chunks it had uploaded are not sent again.
         self._resume: str | None = None

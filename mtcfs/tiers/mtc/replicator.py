@@ -348,17 +348,18 @@ class MtcReplicator:
         steps = [StepRef(name, num) for num, name in sorted(restorable.items())]
         if self.rounds is None or self.nodes < 2:
             return steps[-1] if steps else None
+        rounds = self.rounds
         got: dict[str, Any] = {}
 
         async def decide(cancel: trio.CancelScope) -> None:
             try:
-                got["step"] = await self.rounds.agree(restorable, wait_s=ROUND_WAIT_S)
+                got["step"] = await rounds.agree(restorable, wait_s=ROUND_WAIT_S)
             except Exception as exc:  # RoundTimeout, EtcdError: one line for the trainer
                 got["error"] = exc
             cancel.cancel()
         async with trio.open_nursery() as n:
             n.start_soon(decide, n.cancel_scope)
-            n.start_soon(self._say_waiting)
+            n.start_soon(self._say_waiting, rounds)
         if "error" in got:
             raise RestoreFailed(f"no restore decision: {got['error']}")
         number = got.get("step")
@@ -369,11 +370,11 @@ class MtcReplicator:
                                 " restore")
         return StepRef(restorable[number], number)
 
-    async def _say_waiting(self) -> None:
+    async def _say_waiting(self, rounds: RestoreRounds) -> None:
         said: list[int] | None = None
         while True:
             await trio.sleep(1.0)
-            waiting = list(self.rounds.waiting_for)
+            waiting = list(rounds.waiting_for)
             if waiting and waiting != said:
                 said = waiting
                 log.info("restore round: waiting for rank(s) %s", waiting[:10])

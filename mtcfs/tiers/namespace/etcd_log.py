@@ -126,7 +126,7 @@ class EtcdNamespace:
         self.snap_prefix = p + b"ns/snap/"
         self.cand_prefix = p + b"ns/seeders/"
         self.epoch, self.seq = fs.ns_position()
-        self.results: collections.OrderedDict[str, tuple[int, str, dict]] = \
+        self.results: collections.OrderedDict[str, tuple[int | None, str, dict[str, Any]]] = \
             collections.OrderedDict()
         self.applied = trio.Event()
         self.limiter = trio.CapacityLimiter(ETCD_THREADS)
@@ -257,6 +257,7 @@ class EtcdNamespace:
         if self._nursery is None:  # not running yet (joining): no sharing
             floor = self._floor()
             return self._checked(await self._etcd(self._newest_op), floor)
+        mine: tuple[trio.Event, list[Any]]
         if self._barrier_running is None:
             mine = self._barrier_running = (trio.Event(), [])
             self._nursery.start_soon(self._run_barriers)
@@ -269,7 +270,7 @@ class EtcdNamespace:
         if not mine[0].is_set():
             raise EtcdUnavailable(f"etcd did not answer a read barrier within "
                                   f"{self.timeout_s:g} s ({self._last_error})")
-        value = mine[1][0]
+        value: int | Exception = mine[1][0]
         if isinstance(value, Exception):
             raise value
         return value
@@ -345,6 +346,7 @@ class EtcdNamespace:
             self._moved_past(rev)
             self.seq = rev
             return []
+        err: int | None
         try:
             res, keep = self.fs.ns_apply(op, rev, self.epoch)
             err, message = 0, ""
@@ -495,7 +497,8 @@ class EtcdNamespace:
             if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
                 await self._delete_parts(tag)
                 if kvs:
-                    return json.loads(kvs[0].value)
+                    theirs: dict[str, Any] = json.loads(kvs[0].value)
+                    return theirs
                 raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
                                 f"{self.op_prefix.decode()!r}): damaged keyspace, not "
                                 "seeded over; delete the job's prefix to start afresh")
@@ -535,7 +538,8 @@ class EtcdNamespace:
             while True:
                 kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
                 if kv is not None:
-                    return json.loads(kv.value)
+                    base: dict[str, Any] = json.loads(kv.value)
+                    return base
                 kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
                     self.cand_prefix, prefix_end(self.cand_prefix)))
                 cands = [json.loads(c.value) for c in kvs] or [me]

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from mtcfs.base.errors import FsError
-from mtcfs.core.ports import PeerPort
+from mtcfs.core.ports import ChunkSource, PeerPort
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class TieredChunkSource:
         served: chunks served per source name.
     """
 
-    def __init__(self, sources: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, sources: Sequence[tuple[str, ChunkSource]]) -> None:
         self.sources = list(sources)
         self.served: dict[str, int] = {name: 0 for name, _ in self.sources}
 

@@ -263,6 +263,8 @@ class MembershipRounds:
 
     def backup_latest(self) -> StepRef | None:
         """The newest step the backup tier holds complete for every rank (thread)."""
+        if self.backup_store is None:
+            return None
         try:
             by_step = self.backup_store.complete_ranks()
         except Exception as exc:

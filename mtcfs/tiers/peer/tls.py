@@ -164,7 +164,7 @@ class TlsFiles:
         def fetch() -> grpc.ServerCertificateConfiguration:
             cur = self.current()
             if cur.generation == served[0]:
-                return None  # type: ignore[return-value]  # grpc: keep the current one
+                return None  # grpc: keep the current one
             served[0] = cur.generation
             return grpc.ssl_server_certificate_configuration([(cur.key, cur.cert)], cur.ca)
 

@@ -97,11 +97,11 @@ async def choose_and_fetch(tier: PeerTier, want: int | None, *,
             tier.restore_info = {"step": target.step, "manifest_from": f"peer rank {rank}",
                                  "holders": holders, "decided_s": round(time.monotonic() - t0, 3)}
             return m, f"peer rank {rank}", target.step in backup_steps
-    if target.step in backup_steps:
-        m = await trio.to_thread.run_sync(tier.backup_store.get_step, target.step)
+    if target.step in backup_steps and tier.backup_store is not None:
+        bm = await trio.to_thread.run_sync(tier.backup_store.get_step, target.step)
         tier.restore_info = {"step": target.step, "manifest_from": "backup", "holders": [],
                              "decided_s": round(time.monotonic() - t0, 3)}
-        return m, "backup", True
+        return bm, "backup", True
     log.warning("step %s was chosen but no tier holds this rank's manifest of it", target.step)
     return None
 

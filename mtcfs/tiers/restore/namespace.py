@@ -54,6 +54,8 @@ def snapshot_from_manifests(manifests: list[StepManifest]) -> dict[str, Any]:
         fmt = {"dir": stat.S_IFDIR, "file": stat.S_IFREG, "symlink": stat.S_IFLNK}.get(kind)
         if kind == "special":  # a FIFO, socket or device node: metadata only
             fmt = SPECIAL_MODES[extra["node"]]
+        if fmt is None:
+            raise ValueError(f"{path} is of an unknown kind {kind!r}")
         entries.append({"ino": inos[path], "parent": inos[parent], "name": name, "kind": kind,
                         "mode": fmt | mode, "uid": uid, "gid": gid, "mtime_ns": mtime_ns,
                         "target": extra.get("target", ""), **(
