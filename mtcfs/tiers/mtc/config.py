@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from mtcfs.options import MAX_NODES, MAX_STEP
+from mtcfs.base.limits import MAX_NODES, MAX_STEP
 
 #: Keys Orbax writes and keys Google's replicator also accepts (ignored here but allowed).
 KNOWN_KEYS = {"job-name", "framework", "assume-data-parallelism", "node-rank", "nodes",

@@ -54,7 +54,7 @@ import trio
 
 from mtcfs.base.errors import FsError
 from mtcfs.core.ports import NamespacePort
-from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
+from mtcfs.tiers.coord.messages import pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
     delete_op, get_op, mod_is, prefix_end, put_op,
