@@ -22,10 +22,10 @@ In a multi-node job each rank opens its own store on the same bucket::
 
 from typing import Any
 
-from mtcfs.tiers.backup.backend import Backend, open_backend
+from mtcfs.tiers.backup.backend import Backend
 from mtcfs.tiers.backup.chunk_store import BackupStore
 from mtcfs.tiers.backup.errors import BackupError, ChunkCorrupt, NotFound, TransientError
-from mtcfs.tiers.backup.factory import open_store
+from mtcfs.tiers.backup.factory import open_backend, open_store
 from mtcfs.tiers.backup.file_backend import FileBackend
 from mtcfs.tiers.backup.records import BackupStats, RetentionStats, StepInfo
 from mtcfs.tiers.backup.retry import RetryingBackend, RetryPolicy
