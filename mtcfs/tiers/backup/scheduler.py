@@ -6,9 +6,10 @@ the bucket lacks, then its manifest, then its completion marker. The application
 waits for any of it: uploads run in worker threads, read from pinned versions in the store,
 and a failing bucket only delays the next attempt (jittered backoff).
 
-This module knows the filesystem core only through the duck-typed methods it calls
+This module knows the filesystem core only through :class:`mtcfs.core.ports.BackupPort`
 (``steps``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``, ``mark_backed_up``,
-``backup_pending``, ``set_backup_pending``, ``unpin``, ``evict``, ``subscribe``); it never imports it (imports point down).
+``backup_pending``, ``set_backup_pending``, ``unpin``, ``evict``, ``subscribe``), which the
+daemon hands it; of the core it imports only the ports (imports point down).
 """
 
 from __future__ import annotations
