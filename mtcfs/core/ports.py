@@ -242,7 +242,9 @@ class MtcPort(CoreView, OwnFilesPort, Protocol):
         ...
 
     def root_entries(self) -> Mapping[bytes, int]:
-        """The root directory's entries, name -> inode number (a live read-only view)."""
+        """The root directory's entries, name -> inode number: a read-only view that
+        follows changes to the directory until a namespace install (scope=job) replaces
+        the root; take it again rather than keep it."""
         ...
 
     def is_directory(self, ino: int) -> bool:

@@ -26,7 +26,9 @@ class TierApiOps:
         self._error(msg)  # type: ignore[attr-defined]
 
     def root_entries(self) -> Mapping[bytes, int]:
-        """The root directory's entries, name -> inode number (a live read-only view)."""
+        """The root directory's entries, name -> inode number: a read-only view that
+        follows changes to the directory until a namespace install (scope=job) replaces
+        the root; take it again rather than keep it."""
         children = self.inodes[ROOT_INO].children  # type: ignore[attr-defined]
         assert children is not None  # the root is a directory
         return MappingProxyType(children)

@@ -168,9 +168,8 @@ class MtcReplicator:
 
     async def run(self) -> None:
         """Watch for ``replicator.yaml`` and for errors the trainer must hear of."""
-        root = self.fs.root_entries()
         while True:
-            if YAML in root:
+            if YAML in self.fs.root_entries():
                 try:
                     await self.handle_yaml()
                 except Exception as exc:  # never let the protocol die with the mount up
