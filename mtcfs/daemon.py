@@ -211,6 +211,11 @@ class Daemon:
                          replica_quota=o.replica_quota)
         peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
+        # The replicas share the RAM budget with this node's own files, and they count on
+        # this node's copies of chunks it holds for others.
+        replicas = peer.replica_store
+        self.fs.shared_used = lambda: replicas.used_estimate
+        self.fs.chunk_keeper = replicas
         if o.scope == "job":
             from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
             from mtcfs.tiers.namespace.sources import JobChunkSource
@@ -413,7 +418,7 @@ class Daemon:
                 trio.from_thread.run_sync(progress, done, total, trio_token=tp)
             bad = await fs.verify(prog)
             for msg in bad:
-                fs._error(f"verify: {msg}")
+                fs.report_error(f"verify: {msg}")
             return {"mismatches": bad}
         if cmd == "restore":
             step = req.get("step")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mtcfs.base.limits import MAX_NODES, MAX_STEP
 
 
 class OptionError(ValueError):
@@ -47,14 +48,13 @@ PLACEMENTS = ("ring", "group")
 #: The largest ``size=`` read at all (1024P = 1 EiB); the CLI also refuses a size larger
 #: than the store's filesystem.
 MAX_SIZE = 1024 ** 6
-#: Bounds of the counted options (docs/usage.md, the options table).
-MAX_NODES = 65536
+#: Bounds of the counted options (docs/usage.md, the options table); MAX_NODES and MAX_STEP
+#: are shared with replicator.yaml (mtcfs/base/limits.py).
 MAX_KEEP = 1000
 MAX_BACKUP_KEEP = 100_000
 MAX_REPLICAS = 16
 MAX_INTERVAL_S = 30 * 86400
 MAX_INTERVAL_CKPTS = 1_000_000
-MAX_STEP = 2 ** 63 - 1
 #: How long ``mtcfs`` waits for its daemon's mount to come up (``mount_timeout=``), seconds.
 #: Above the sum of what the daemon itself bounds before it mounts: the store's lock (5 s),
 #: scope=job's join (60 s) and a restore at mount (120 s, daemon.RESTORE_AT_MOUNT_S), with

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,25 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+_URI_RE = re.compile(r"^mtcfs://([A-Za-z0-9][A-Za-z0-9._-]{0,127})/rank/(0|[1-9][0-9]{0,8})$")
+
+
+def identity_uri(job: str, rank: int) -> str:
+    """The URI SAN a rank's certificate carries, e.g. ``mtcfs://llama/rank/3``."""
+    return f"mtcfs://{job}/rank/{rank}"
+
+
+def server_name(job: str) -> str:
+    """The DNS SAN every peer certificate of ``job`` carries; clients check it."""
+    return f"{job}.mtcfs"
+
+
+def parse_identity(uri: str) -> tuple[str, int] | None:
+    """``(job, rank)`` of an identity URI, or None when ``uri`` is not one."""
+    m = _URI_RE.match(uri)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 @dataclass(frozen=True)
@@ -104,7 +124,6 @@ class JobCa:
                    valid_from: dt.datetime | None = None) -> Issued:
         """The peer certificate of ``rank`` of ``job`` (``rank-<rank>.pem``/``.key``): the
         URI and DNS names mtcfs/tiers/peer/tls.py checks."""
-        from mtcfs.tiers.peer.tls import identity_uri, server_name
         return self.issue(f"rank-{rank}", cn=f"{job} rank {rank}",
                           uris=(identity_uri(job, rank),), dns=(server_name(job),),
                           valid_for=valid_for, valid_from=valid_from)

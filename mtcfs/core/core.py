@@ -49,6 +49,7 @@ from mtcfs.core.own_files import OwnFileOps
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.scrub import ScrubOps
+from mtcfs.core.tier_api import TierApiOps
 from mtcfs.core.xattrs import XattrOps
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
@@ -64,7 +65,7 @@ CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
 class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
-                 JobNamespaceOps, OwnFileOps, ScrubOps):
+                 JobNamespaceOps, OwnFileOps, ScrubOps, TierApiOps):
     """The core of one mount.
 
     Args:

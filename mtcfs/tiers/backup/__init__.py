@@ -20,10 +20,12 @@ In a multi-node job each rank opens its own store on the same bucket::
     job = store.complete_ranks()      # {step: (step_number, {ranks that completed it})}
 """
 
-from mtcfs.tiers.backup.backend import Backend, open_backend
+from typing import Any
+
+from mtcfs.tiers.backup.backend import Backend
 from mtcfs.tiers.backup.chunk_store import BackupStore
 from mtcfs.tiers.backup.errors import BackupError, ChunkCorrupt, NotFound, TransientError
-from mtcfs.tiers.backup.factory import open_store
+from mtcfs.tiers.backup.factory import open_backend, open_store
 from mtcfs.tiers.backup.file_backend import FileBackend
 from mtcfs.tiers.backup.records import BackupStats, RetentionStats, StepInfo
 from mtcfs.tiers.backup.retry import RetryingBackend, RetryPolicy
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # GCSBackend on demand: google-cloud-storage is slow to import
+def __getattr__(name: str) -> Any:  # GCSBackend on demand: google-cloud-storage is slow to import
     if name == "GCSBackend":
         from mtcfs.tiers.backup.gcs_backend import GCSBackend
         return GCSBackend

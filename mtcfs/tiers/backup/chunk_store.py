@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_hash, chunk_span
@@ -714,7 +715,7 @@ class _ErrorCounter:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> bool:
+                 tb: object) -> Literal[False]:
         if exc is not None and isinstance(exc, BackupError):
             self._counters.add("errors")
         return False

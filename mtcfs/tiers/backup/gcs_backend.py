@@ -207,7 +207,9 @@ class GCSBackend(Backend):
         """
         name = self._name(key)
         try:
-            return self._bucket().blob(name).download_as_bytes(timeout=self._timeout, retry=None)
+            data: bytes = self._bucket().blob(name).download_as_bytes(timeout=self._timeout,
+                                                                      retry=None)
+            return data
         except Exception as exc:
             _fail(exc, f"get {self._url(key)}")
 

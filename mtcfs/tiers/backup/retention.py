@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from mtcfs.base import pools
 from mtcfs.base.manifest import StepManifest
@@ -217,7 +217,7 @@ def _merge(a: dict[str, dict[int, set[str]]], b: dict[str, dict[int, set[str]]]
 
 
 def _read_for_marking(backend: Backend, step: str, rank: int | None, objs: set[str]
-                        ) -> StepManifest | None | bool:
+                        ) -> StepManifest | None | Literal[False]:
     """Read a manifest for marking: the manifest, None if there is none to mark (absent,
     or gone while not complete), False if the sweep must not run (unreadable, or a complete
     one is gone)."""

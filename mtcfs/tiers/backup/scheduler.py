@@ -6,9 +6,10 @@ the bucket lacks, then its manifest, then its completion marker. The application
 waits for any of it: uploads run in worker threads, read from pinned versions in the store,
 and a failing bucket only delays the next attempt (jittered backoff).
 
-This module knows the filesystem core only through the duck-typed methods it calls
+This module knows the filesystem core only through :class:`mtcfs.core.ports.BackupPort`
 (``steps``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``, ``mark_backed_up``,
-``backup_pending``, ``set_backup_pending``, ``unpin``, ``evict``, ``subscribe``); it never imports it (imports point down).
+``backup_pending``, ``set_backup_pending``, ``unpin``, ``evict``, ``subscribe``), which the
+daemon hands it; of the core it imports only the ports (imports point down).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import trio
 
+from mtcfs.core.ports import BackupPort, StepRecord
 from mtcfs.tiers.backup import BackupError, BackupStore
 from mtcfs.tiers.backup.chunk_store import DEFAULT_SHARE_WAIT_S
 
@@ -60,7 +62,7 @@ class BackupService:
     """Runs the backup policy for one mount.
 
     Args:
-        fs: the filesystem core.
+        fs: the filesystem core, as the backup tier sees it.
         store: the backup tier.
         interval_s: back up at most every this many seconds (None: count-based).
         every_ckpts: back up every this many committed checkpoints (None: time-based).
@@ -73,7 +75,7 @@ class BackupService:
             here (>= 0).
     """
 
-    def __init__(self, fs: Any, store: BackupStore, *, interval_s: float | None,
+    def __init__(self, fs: BackupPort, store: BackupStore, *, interval_s: float | None,
                  every_ckpts: int | None, keep_backups: int, url: str, interval_text: str,
                  share: Callable[[str], bool] | None = None,
                  share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> None:
@@ -104,8 +106,9 @@ class BackupService:
         done = [s for s in fs.steps.values() if s.backed_up_ns is not None]
         if done:
             # What mtcfs status shows as the last backup survives a restart (a SIGKILL).
-            last = max(done, key=lambda s: s.backed_up_ns)
-            self.status.last_step, self.status.last_finished = last.name, last.backed_up_ns / 1e9
+            last = max(done, key=lambda s: s.backed_up_ns or 0)
+            self.status.last_step = last.name
+            self.status.last_finished = (last.backed_up_ns or 0) / 1e9
         #: A backup a crash interrupted (recorded in the store when it started): resumed
         #: first, whatever the interval says; the chunks it had uploaded are not sent again.
         self._resume: str | None = None
@@ -237,7 +240,7 @@ class BackupService:
             return max(0.05, self._last_start + (self.interval_s or 0) - time.monotonic())
         return 3600.0
 
-    async def _backup(self, rec: Any, counted: int = 0) -> bool | None:
+    async def _backup(self, rec: StepRecord, counted: int = 0) -> bool | None:
         """Upload one step. Returns False on failure (already logged), None if some of its
         chunks are not in RAM (a step restored from a peer, still being fetched)."""
         while not self.fs.step_sealed(rec):

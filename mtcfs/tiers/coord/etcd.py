@@ -342,22 +342,22 @@ class Etcd:
                     return getattr(stub, method)(request, timeout=min(left, ATTEMPT_S),
                                                  wait_for_ready=False)
                 except grpc.RpcError as exc:
-                    code = exc.code()  # type: ignore[attr-defined]
+                    code = exc.code()
                     if _denied(exc):
                         keys = _keys_of(request)
                         raise EtcdPermissionDenied(
                             f"etcd {endpoint} denied {method} of {keys}: "
-                            f"{code.name}: {exc.details()} ({self._who()})",  # type: ignore[attr-defined]
+                            f"{code.name}: {exc.details()} ({self._who()})",
                             keys) from None
                     if code not in _TRANSIENT and not _server_deadline(exc):
                         raise EtcdError(f"etcd {endpoint} refused {method}: "
-                                        f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+                                        f"{code.name}: {exc.details()}") from None
                     last = exc
                     self._moved_from(endpoint)
                     if not retry and not _never_sent(exc):
                         raise EtcdUnavailable(
                             f"etcd {endpoint}: {method} may or may not have been applied: "
-                            f"{code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+                            f"{code.name}: {exc.details()}") from None
             if time.monotonic() >= deadline:
                 break
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -504,9 +504,11 @@ class Etcd:
     def status(self, endpoint: str | None = None) -> pb.StatusResponse:
         """One member's status (version, db size, leader, raft index)."""
         if endpoint is None:
-            return self._call("Maintenance", "Status", pb.StatusRequest())
+            resp: pb.StatusResponse = self._call("Maintenance", "Status", pb.StatusRequest())
+            return resp
         stub = pb_grpc.MaintenanceStub(self._channel(endpoint))
-        return stub.Status(pb.StatusRequest(), timeout=self.timeout_s)
+        resp = stub.Status(pb.StatusRequest(), timeout=self.timeout_s)
+        return resp
 
     def watch(self, key: bytes, range_end: bytes, start_revision: int,
               stop: threading.Event | None = None, progress_s: float = 1.0) -> Iterator[WatchBatch]:
@@ -595,7 +597,7 @@ def _server_deadline(exc: grpc.RpcError) -> bool:
     "context deadline exceeded" instead of DEADLINE_EXCEEDED; as transient as a timeout
     (seen at 1,000 members on 2 shared cores, docs/benchmarks.md)."""
     return exc.code() == grpc.StatusCode.UNKNOWN and \
-        "deadline exceeded" in (exc.details() or "")  # type: ignore[attr-defined]
+        "deadline exceeded" in (exc.details() or "")
 
 
 def _progress_pinger(requests: queue.Queue[Any], stop: threading.Event, call: Any,
@@ -614,8 +616,8 @@ def _progress_pinger(requests: queue.Queue[Any], stop: threading.Event, call: An
 def _denied(exc: grpc.RpcError) -> bool:
     """Whether etcd's auth refused the call: PERMISSION_DENIED (a user whose roles do not
     grant the keys), or no user at all where etcd's auth is on."""
-    details = exc.details() or ""  # type: ignore[attr-defined]
-    return exc.code() == grpc.StatusCode.PERMISSION_DENIED or (  # type: ignore[attr-defined]
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.PERMISSION_DENIED or (
         "user name is empty" in details or "invalid auth token" in details)
 
 
@@ -659,8 +661,8 @@ def _keys_of(request: Any) -> str:
 
 def _never_sent(exc: grpc.RpcError) -> bool:
     """Whether a failed call never reached a server (safe to send elsewhere)."""
-    details = (exc.details() or "").lower()  # type: ignore[attr-defined]
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and (  # type: ignore[attr-defined]
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
         "connection refused" in details or "failed to connect" in details
         or "connect failed" in details or "no route" in details)
 

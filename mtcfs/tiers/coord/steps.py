@@ -132,7 +132,8 @@ class StepRecords:
                 r = self.etcd.txn([], [get_op(dkey), count_req], retry=True)
                 got = r.responses[0].response_range.kvs
                 if got:
-                    return json.loads(got[0].value)
+                    decided: dict[str, Any] = json.loads(got[0].value)
+                    return decided
                 count = int(r.responses[1].response_range.count)
                 if count >= nodes or time.monotonic() >= wait_until:
                     recs = self.records(nodes)
@@ -161,7 +162,8 @@ class StepRecords:
         got = r.responses[0].response_range.kvs
         if not got:
             raise EtcdError(f"the restore decision {dkey.decode()} vanished while read")
-        return json.loads(got[0].value)
+        stored: dict[str, Any] = json.loads(got[0].value)
+        return stored
 
     def decide_current(self, nodes: int, *, timeout: float = 30.0) -> dict[str, Any]:
         """The step a restoring node brings back, the same for every node restoring now.
@@ -203,7 +205,8 @@ class StepRecords:
                     now = r.responses[0].response_range.kvs
                     if now and now[0].mod_revision == kv.mod_revision and \
                             not r.responses[1].response_range.kvs:
-                        return json.loads(now[0].value)
+                        recorded: dict[str, Any] = json.loads(now[0].value)
+                        return recorded
                 r = self.etcd.txn([], [get_op(dkey), pb.RequestOp(
                     request_range=pb.RangeRequest(key=self.steps_prefix,
                                                   range_end=prefix_end(self.steps_prefix)))],
@@ -212,7 +215,8 @@ class StepRecords:
                 kvs = r.responses[1].response_range.kvs
                 newest_record = max((kv.mod_revision for kv in kvs), default=0)
                 if got and got[0].mod_revision > newest_record:
-                    return json.loads(got[0].value)
+                    newer: dict[str, Any] = json.loads(got[0].value)
+                    return newer
                 recs = _parse(kvs, self.steps_prefix, nodes)
                 decision = {"step": _newest_common(recs.values()) if recs else None,
                             "ranks_recorded": len(recs),

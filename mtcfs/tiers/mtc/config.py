@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from mtcfs.options import MAX_NODES, MAX_STEP
+from mtcfs.base.limits import MAX_NODES, MAX_STEP
 
 #: Keys Orbax writes and keys Google's replicator also accepts (ignored here but allowed).
 KNOWN_KEYS = {"job-name", "framework", "assume-data-parallelism", "node-rank", "nodes",
@@ -109,7 +109,9 @@ def _text(doc: dict[str, Any], key: str) -> str:
     return "" if v is None else str(v)
 
 
-class _Loader(yaml.SafeLoader):
+# PyYAML ships no type information (pyproject.toml: ignore_missing_imports), so its
+# SafeLoader is Any to mypy: subclassing it is what this class is for.
+class _Loader(yaml.SafeLoader):  # type: ignore[misc]
     """yaml.SafeLoader whose numbers and dates that cannot be read (an int of more than 4300
     digits, 2001-02-30) are a YAMLError naming where they are, not a bare ValueError."""
 

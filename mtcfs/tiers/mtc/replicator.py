@@ -26,15 +26,21 @@ import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from mtcfs.base.errors import FsError
 from mtcfs.base import steps as stepnames
-from mtcfs.core.model import ROOT_INO
+from mtcfs.core.ports import MtcPort
 from mtcfs.tiers.mtc.config import ReplicatorConfig, ReplicatorConfigError, parse_replicator_yaml
 from mtcfs.tiers.peer.records import StepRef
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.backup import BackupStore
+    from mtcfs.tiers.backup.scheduler import BackupService
+    from mtcfs.tiers.coord.rounds import RestoreRounds
+    from mtcfs.tiers.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +110,12 @@ class MtcReplicator:
             RestoreRounds`), or None (one node: this rank decides alone).
     """
 
-    def __init__(self, fs: Any, *, rank: int, nodes: int, job: str, jax_coordinator: str,
-                 peer: Any = None, backup_store: Any = None, backup_service: Any = None,
-                 fetch_step: Callable[[int], Awaitable[Any]] | None = None,
-                 kick_prefetch: Callable[[], None] | None = None, rounds: Any = None) -> None:
+    def __init__(self, fs: MtcPort, *, rank: int, nodes: int, job: str, jax_coordinator: str,
+                 peer: PeerTier | None = None, backup_store: BackupStore | None = None,
+                 backup_service: BackupService | None = None,
+                 fetch_step: Callable[[int], Awaitable[dict[str, Any] | None]] | None = None,
+                 kick_prefetch: Callable[[], None] | None = None,
+                 rounds: RestoreRounds | None = None) -> None:
         self.fs = fs
         self.rank = rank
         self.nodes = nodes
@@ -160,9 +168,8 @@ class MtcReplicator:
 
     async def run(self) -> None:
         """Watch for ``replicator.yaml`` and for errors the trainer must hear of."""
-        root = self.fs.inodes[ROOT_INO]
         while True:
-            if YAML in root.children:
+            if YAML in self.fs.root_entries():
                 try:
                     await self.handle_yaml()
                 except Exception as exc:  # never let the protocol die with the mount up
@@ -305,7 +312,7 @@ class MtcReplicator:
         info["source"] = await self._bring_back(step, where.get(step.step_number, "local"))
         info["data_seconds"] = round(time.monotonic() - t_data, 3)
         rec = self.fs.steps[step.step]
-        info["bytes"] = sum(v.size for v in self.fs._step_versions(rec))
+        info["bytes"] = sum(v.size for v in self.fs.step_versions(rec))
         marker = f"{job}-s{step.step_number}-n{self.rank}-w0.restore".encode()
         await self.fs.remove_own(marker)
         await self.fs.rename_own(step.step.encode(errors="surrogateescape"), marker)
@@ -324,8 +331,8 @@ class MtcReplicator:
             except Exception as exc:
                 log.warning("cannot list the backup tier: %s", exc)
         if self.peer is not None:
-            from mtcfs.tiers.restore.from_peers import _list_holders
-            held = await trio.to_thread.run_sync(_list_holders, self.peer)
+            from mtcfs.tiers.restore.from_peers import list_holders
+            held = await trio.to_thread.run_sync(list_holders, self.peer)
             for name, (num, _ranks) in held.items():
                 names[num], where[num] = name, "peer"
             self.peer.restorable = {name: num for num, name in names.items()}
@@ -340,17 +347,18 @@ class MtcReplicator:
         steps = [StepRef(name, num) for num, name in sorted(restorable.items())]
         if self.rounds is None or self.nodes < 2:
             return steps[-1] if steps else None
+        rounds = self.rounds
         got: dict[str, Any] = {}
 
         async def decide(cancel: trio.CancelScope) -> None:
             try:
-                got["step"] = await self.rounds.agree(restorable, wait_s=ROUND_WAIT_S)
+                got["step"] = await rounds.agree(restorable, wait_s=ROUND_WAIT_S)
             except Exception as exc:  # RoundTimeout, EtcdError: one line for the trainer
                 got["error"] = exc
             cancel.cancel()
         async with trio.open_nursery() as n:
             n.start_soon(decide, n.cancel_scope)
-            n.start_soon(self._say_waiting)
+            n.start_soon(self._say_waiting, rounds)
         if "error" in got:
             raise RestoreFailed(f"no restore decision: {got['error']}")
         number = got.get("step")
@@ -361,25 +369,24 @@ class MtcReplicator:
                                 " restore")
         return StepRef(restorable[number], number)
 
-    async def _say_waiting(self) -> None:
+    async def _say_waiting(self, rounds: RestoreRounds) -> None:
         said: list[int] | None = None
         while True:
             await trio.sleep(1.0)
-            waiting = list(self.rounds.waiting_for)
+            waiting = list(rounds.waiting_for)
             if waiting and waiting != said:
                 said = waiting
                 log.info("restore round: waiting for rank(s) %s", waiting[:10])
                 self.state = f"waiting for rank(s) {waiting[:10]} to ask for a restore"
 
     async def _withdraw_markers(self) -> None:
-        root = self.fs.inodes[ROOT_INO]
-        for name in list(root.children):
+        root = self.fs.root_entries()
+        for name in list(root):
             n = stepnames.restore_marker_step(name)
             if n is None:
                 continue
-            ino = self.fs.inodes[root.children[name]]
             back = str(n).encode()
-            if ino.is_dir and n > 0 and back not in root.children:
+            if self.fs.is_directory(root[name]) and n > 0 and back not in root:
                 await self.fs.rename_own(name, back)  # the step's own name again
                 log.info("withdrew marker %s (no trainer took it)", name.decode(errors="replace"))
             else:
@@ -389,8 +396,7 @@ class MtcReplicator:
         """Remove from the local directory everything Orbax would list or trip over but the
         step to restore: other steps, uncommitted ``*.orbax-checkpoint-tmp*`` directories,
         markers of earlier restores. Files that are neither are left alone."""
-        root = self.fs.inodes[ROOT_INO]
-        for name in list(root.children):
+        for name in list(self.fs.root_entries()):
             if name in PROTOCOL_FILES:
                 continue
             num = stepnames.step_number(name)
@@ -429,7 +435,7 @@ class MtcReplicator:
             if step.step not in self.fs.steps:
                 raise RestoreFailed(f"step {step.step} could not be imported")
         rec = self.fs.steps[step.step]
-        versions = self.fs._step_versions(rec)
+        versions = self.fs.step_versions(rec)
         need = sum(v.size - v.local_bytes() for v in versions)
         free = self.fs.statfs()["free"]
         if need > free:

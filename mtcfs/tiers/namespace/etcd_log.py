@@ -56,7 +56,8 @@ import trio
 from mtcfs.base import pools
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import NsOp, from_wire
-from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
+from mtcfs.core.ports import NamespacePort
+from mtcfs.tiers.coord.messages import pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
     delete_op, get_op, mod_is, prefix_end, put_op,
@@ -114,7 +115,7 @@ class EtcdNamespace:
         nodes: the job's node count (who may seed an empty keyspace: :meth:`_seed`).
     """
 
-    def __init__(self, fs: Any, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
+    def __init__(self, fs: NamespacePort, etcd: Etcd, prefix: str, rank: int, seed: Any = None,
                  timeout_s: float = DEADLINE_S, nodes: int = 1) -> None:
         self.fs = fs
         self.nodes = nodes
@@ -129,7 +130,7 @@ class EtcdNamespace:
         self.snap_prefix = p + b"ns/snap/"
         self.cand_prefix = p + b"ns/seeders/"
         self.epoch, self.seq = fs.ns_position()
-        self.results: collections.OrderedDict[str, tuple[int, str, dict]] = \
+        self.results: collections.OrderedDict[str, tuple[int | None, str, dict[str, Any]]] = \
             collections.OrderedDict()
         self.applied = trio.Event()
         self.limiter = pools.limiter("etcd")
@@ -265,6 +266,7 @@ class EtcdNamespace:
         if self._nursery is None:  # not running yet (joining): no sharing
             floor = self._floor()
             return self._checked(await self._etcd(self._newest_op), floor)
+        mine: tuple[trio.Event, list[Any]]
         if self._barrier_running is None:
             mine = self._barrier_running = (trio.Event(), [])
             self._nursery.start_soon(self._run_barriers)
@@ -277,7 +279,7 @@ class EtcdNamespace:
         if not mine[0].is_set():
             raise EtcdUnavailable(f"etcd did not answer a read barrier within "
                                   f"{self.timeout_s:g} s ({self._last_error})")
-        value = mine[1][0]
+        value: int | Exception = mine[1][0]
         if isinstance(value, Exception):
             raise value
         return value
@@ -355,6 +357,7 @@ class EtcdNamespace:
             return []
         env = wire if isinstance(wire, dict) else {}
         rank, op_id = env.get("rank"), env.get("id")
+        err: int | None
         try:
             # a malformed op is refused (MalformedOp: EINVAL) the same on every node
             res, keep = self.fs.ns_apply(from_wire(wire), rev, self.epoch)
@@ -506,7 +509,8 @@ class EtcdNamespace:
             if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
                 await self._delete_parts(tag)
                 if kvs:
-                    return json.loads(kvs[0].value)
+                    theirs: dict[str, Any] = json.loads(kvs[0].value)
+                    return theirs
                 raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
                                 f"{self.op_prefix.decode()!r}): damaged keyspace, not "
                                 "seeded over; delete the job's prefix to start afresh")
@@ -546,7 +550,8 @@ class EtcdNamespace:
             while True:
                 kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
                 if kv is not None:
-                    return json.loads(kv.value)
+                    base: dict[str, Any] = json.loads(kv.value)
+                    return base
                 kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
                     self.cand_prefix, prefix_end(self.cand_prefix)))
                 cands = [json.loads(c.value) for c in kvs] or [me]

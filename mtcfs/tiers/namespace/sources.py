@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
+from mtcfs.core.ports import ChunkOriginPort
 from mtcfs.tiers.peer.errors import ReplicaError
 from mtcfs.tiers.peer.sources import PeerChunkSource
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +28,11 @@ class JobChunkSource(PeerChunkSource):
     start and at a snapshot install); when it is unknown every member is asked.
 
     Args:
-        fs: the core (its ``chunk_origins`` says which rank wrote a chunk).
+        fs: the core (its ``chunk_origin`` says which rank wrote a chunk).
         tier: the peer tier (placement, clients, bad-peer reports).
     """
 
-    def __init__(self, fs: Any, tier: Any) -> None:
+    def __init__(self, fs: ChunkOriginPort, tier: PeerTier) -> None:
         super().__init__(holders=list, client=tier.fetch_client, report_bad=tier.report_bad)
         self.fs = fs
         self.tier = tier
@@ -42,7 +46,7 @@ class JobChunkSource(PeerChunkSource):
             except (ReplicaError, OSError) as exc:
                 log.warning("replica chunk %s: %s", digest[:16], exc)
                 tried.append(f"replica store here: {exc}")
-        origin = self.fs.chunk_origins.get(digest)
+        origin = self.fs.chunk_origin(digest)
         first: list[int] = []
         if origin is not None:  # the writer (another rank), then its replicas
             first = [r for r in [origin, *self.tier.peers_of(origin)] if r != self.tier.rank]

@@ -208,7 +208,7 @@ class PeerClient:
         for i in range(0, len(digests), MAX_DIGESTS_PER_CALL):
             batch = list(digests[i:i + MAX_DIGESTS_PER_CALL])
             req = pb.HasChunksRequest(job=self.job, rank=self.rank, digests=batch)
-            reply = self._call(lambda req=req: self._stub.HasChunks(req, timeout=self._timeout),
+            reply = self._call(lambda: self._stub.HasChunks(req, timeout=self._timeout),
                                "HasChunks")
             try:
                 out.extend(decode_bitmap(reply.present, len(batch)))
@@ -253,7 +253,7 @@ class PeerClient:
         start = 0
         while start < len(todo):
             stream = _PutBatch(self, todo, start, rejected)
-            reply = self._call(lambda stream=stream: self._stub.PutChunks(
+            reply = self._call(lambda: self._stub.PutChunks(
                 stream.requests(), timeout=self._stream_timeout), "PutChunks")
             sent_chunks += stream.chunks
             sent_bytes += stream.bytes

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -157,7 +158,7 @@ class _Sink:
         self._store = store
         self._counters = counters
         self._peer = peer
-        self._queue: queue.Queue[tuple] = queue.Queue(maxsize=QUEUE_PIECES)
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=QUEUE_PIECES)
         self._accepted: list[str] = []
         self._rejected: list[pb.ChunkStatus] = []
         self._already = 0
@@ -176,7 +177,7 @@ class _Sink:
     def abandon(self, code: grpc.StatusCode, message: str) -> None:
         self._put(("abandon", code, message))
 
-    def _put(self, op: tuple) -> None:
+    def _put(self, op: tuple[Any, ...]) -> None:
         if self._error is not None:
             raise self._error
         self._queue.put(op)

@@ -206,7 +206,8 @@ class PeerService(pb_grpc.PeerServicer):
                              context.peer()).run(request_iterator)
 
     def GetChunks(self, request: pb.GetChunksRequest,
-                  context: grpc.ServicerContext) -> Iterator[pb.GetChunksReply]:
+                  context: grpc.ServicerContext) -> Iterator[bytes]:
+        # Replies go out already serialized (GetChunksReply bytes; see _register).
         with self._call(context, "GetChunks"):
             self._check(request.job, request.rank, context)
             digests = list(request.digests)
@@ -285,10 +286,12 @@ class PeerServer:
     def stop(self, grace: float | None = None) -> threading.Event:
         """Stop serving; calls in progress get ``grace`` seconds (None: cancelled now).
         Returns an event set when the server has stopped."""
-        return self.server.stop(grace)
+        stopped: threading.Event = self.server.stop(grace)
+        return stopped
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self.server.wait_for_termination(timeout)
+        ended: bool = self.server.wait_for_termination(timeout)
+        return ended
 
 
 def _one_line(message: str) -> str:
@@ -346,7 +349,7 @@ def method_handlers(service: PeerService) -> dict[str, grpc.RpcMethodHandler]:
     as bytes and are parsed by the handler (:func:`_unary_in`); GetChunks replies arrive
     already serialized (see get_stream.py). The in-memory transport
     (:mod:`mtcfs.tiers.peer.memory`) calls the same handlers."""
-    m = pb_grpc.grpc
+    m = grpc
     return {
         "HasChunks": m.unary_unary_rpc_method_handler(
             _unary_in(service, "HasChunks", pb.HasChunksRequest, service.HasChunks),

@@ -28,6 +28,7 @@ import trio
 
 from mtcfs.base import pools
 from mtcfs.base.errors import FsError
+from mtcfs.core.ports import ChunkSource, PeerPort
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class FsLocalChunks:
         token: the trio token of the loop the core runs on.
     """
 
-    def __init__(self, fs: Any, token: trio.lowlevel.TrioToken) -> None:
+    def __init__(self, fs: PeerPort, token: trio.lowlevel.TrioToken) -> None:
         self.fs = fs
         self.token = token
 
@@ -212,7 +213,7 @@ class TieredChunkSource:
         served: chunks served per source name.
     """
 
-    def __init__(self, sources: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, sources: Sequence[tuple[str, ChunkSource]]) -> None:
         self.sources = list(sources)
         self.served: dict[str, int] = {name: 0 for name, _ in self.sources}
 

@@ -24,11 +24,9 @@ files), one client per peer, and three kinds of trio tasks:
 Membership lives in :mod:`~mtcfs.tiers.peer.tier_membership` and replication,
 audits and gc in :mod:`~mtcfs.tiers.peer.tier_replication`, mixed into :class:`PeerTier`.
 
-The core is used duck-typed, never imported (imports point down): its ``steps``,
-``inodes``, ``versions``, ``walk``, ``step_sealed``, ``snapshot_step``, ``chunk_reader``,
-``unpin``, ``subscribe``, ``statfs``, ``last_write``, ``has_local_chunk``, ``pin_chunk``,
-``read_chunk_at``, ``deliver_chunk`` and ``_error``; the tier sets ``shared_used`` and the
-``replicated``/``replicas`` counts of a step record.
+The core is seen only through :class:`mtcfs.core.ports.PeerPort` (imports point down); the
+tier sets the ``replicated``/``replicas`` counts of a step record. The composition root
+(mtcfs/daemon.py) hooks the replica store into the core (``shared_used``, ``chunk_keeper``).
 """
 
 from __future__ import annotations
@@ -37,12 +35,13 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from mtcfs.base import pools
 from mtcfs.base.retry import RetryPolicy
+from mtcfs.core.ports import PeerPort
 from mtcfs.tiers.peer import placement
 from mtcfs.tiers.peer.client import PeerClient
 from mtcfs.tiers.peer.errors import PeerUnavailable
@@ -53,6 +52,10 @@ from mtcfs.tiers.peer.sources import ATTEMPT_S, FsLocalChunks
 from mtcfs.tiers.peer.tls import TlsFiles
 from mtcfs.tiers.peer.tier_membership import MembershipRounds
 from mtcfs.tiers.peer.tier_replication import PeerLink, Replication
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.backup import BackupStore
+    from mtcfs.tiers.coord.etcd import Etcd
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class PeerTier(MembershipRounds, Replication):
     """The peer tier of one node.
 
     Args:
-        fs: the filesystem core.
+        fs: the filesystem core, as the peer tier sees it.
         cfg: the job's configuration.
         store_dir: the node's store directory; replicas go to ``<store_dir>/replicas``.
         backup_store: the backup tier (a per-rank ``BackupStore``) or None.
@@ -99,8 +102,8 @@ class PeerTier(MembershipRounds, Replication):
     address cannot be bound.
     """
 
-    def __init__(self, fs: Any, cfg: TierConfig, store_dir: str, backup_store: Any = None,
-                 *, etcd: Any, prefix: str) -> None:
+    def __init__(self, fs: PeerPort, cfg: TierConfig, store_dir: str,
+                 backup_store: BackupStore | None = None, *, etcd: Etcd, prefix: str) -> None:
         self.fs = fs
         self.cfg = cfg
         self.rank = cfg.rank
@@ -114,8 +117,6 @@ class PeerTier(MembershipRounds, Replication):
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
                                           capacity=lambda: fs.capacity - fs.used,
                                           quota=self.replica_quota)
-        fs.shared_used = lambda: self.replica_store.used_estimate
-        fs.chunk_keeper = self.replica_store  # replicas that count on this node's own copies
         self.server: PeerServer | None = None
         self.clients: dict[str, PeerClient] = {}
         self.links: dict[int, PeerLink] = {}
@@ -264,7 +265,7 @@ class PeerTier(MembershipRounds, Replication):
 
     def report_bad(self, rank: int, message: str) -> None:
         self.bad_peers[rank] = self.bad_peers.get(rank, 0) + 1
-        self.fs._error(f"peer rank {rank} served bad data: {message}")
+        self.fs.report_error(f"peer rank {rank} served bad data: {message}")
 
     # ------------------------------------------------------------------ placement
 

@@ -25,14 +25,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mtcfs.core.ports import PeerPort
 from mtcfs.tiers.coord.etcd import EtcdError, EtcdPermissionDenied
 from mtcfs.tiers.coord.membership import Membership, MemberRecord, RankTaken
 from mtcfs.tiers.coord.steps import StepRecords
 from mtcfs.tiers.peer.records import MemberInfo, StepRef
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.backup import BackupStore
+    from mtcfs.tiers.coord.etcd import Etcd
+    from mtcfs.tiers.peer.service import PeerServer
+    from mtcfs.tiers.peer.tier import TierConfig
 
 log = logging.getLogger("mtcfs.tiers.peer.tier")
 
@@ -50,19 +57,20 @@ RECORD_KEEP = 16
 class MembershipRounds:
     """Registration, the member view and the step records of one node."""
 
-    fs: Any
-    cfg: Any
+    # Provided by PeerTier (mtcfs/tiers/peer/tier.py), into which this class is mixed.
+    fs: PeerPort
+    cfg: TierConfig
     rank: int
-    backup_store: Any
+    backup_store: BackupStore | None
     addresses: dict[int, str]
     configured: set[int]
     advertise: str
     members: dict[int, MemberInfo]
     restorable: dict[str, int]
     latest_complete: StepRef | None
-    server: Any
+    server: PeerServer | None
 
-    def _setup_membership(self, etcd: Any, prefix: str) -> None:
+    def _setup_membership(self, etcd: Etcd, prefix: str) -> None:
         self.etcd = etcd
         self.coord_prefix = prefix
         self.member: Membership | None = None
@@ -255,6 +263,8 @@ class MembershipRounds:
 
     def backup_latest(self) -> StepRef | None:
         """The newest step the backup tier holds complete for every rank (thread)."""
+        if self.backup_store is None:
+            return None
         try:
             by_step = self.backup_store.complete_ranks()
         except Exception as exc:

@@ -13,12 +13,20 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from mtcfs.base.manifest import StepManifest
+from mtcfs.core.ports import PeerPort, StepRecord
 from mtcfs.tiers.peer.errors import PeerError, PeerUnavailable
+from mtcfs.tiers.peer.records import ManifestInfo, StepRef
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.peer.client import PeerClient
+    from mtcfs.tiers.peer.replica_store import ReplicaStore
+    from mtcfs.tiers.peer.tier import TierConfig
 
 log = logging.getLogger("mtcfs.tiers.peer.tier")
 
@@ -52,7 +60,7 @@ class PeerLink:
     audited: float = 0.0                  # monotonic time of the last audit
 
 
-def content_of(rec: Any) -> tuple[int, int]:
+def content_of(rec: StepRecord) -> tuple[int, int]:
     """Names a step's content: a re-commit changes ``committed_ns``; a file changed after
     the commit (``mtcfs seal`` steps are not committed again) bumps ``generation``."""
     return rec.committed_ns, rec.generation
@@ -65,9 +73,22 @@ class TwinNotReady(Exception):
 class Replication:
     """One replication task per peer, audits, replica gc."""
 
-    fs: Any
-    cfg: Any
+    # Provided by PeerTier (mtcfs/tiers/peer/tier.py), into which this class is mixed.
+    fs: PeerPort
+    cfg: TierConfig
     rank: int
+    links: dict[int, PeerLink]
+    latest_complete: StepRef | None
+    replica_store: ReplicaStore
+    _wake: dict[int, trio.Event]
+    _replicating: set[int]
+    _bulk: trio.CapacityLimiter
+
+    if TYPE_CHECKING:
+        def peer_ranks(self) -> list[int]: ...
+        def twins(self) -> set[int]: ...
+        def client(self, rank: int) -> PeerClient: ...
+        async def _record_steps(self) -> None: ...
 
     def _on_event(self, event: str, obj: Any) -> None:
         if event in ("committed", "sealed", "step_changed"):
@@ -88,26 +109,22 @@ class Replication:
                     nursery.start_soon(self._replicate_to, p)
             await trio.sleep(self.cfg.heartbeat_s)
 
-    def _recent(self) -> list[Any]:
+    def _recent(self) -> list[StepRecord]:
         """The steps replicated: the ``keep`` newest, newest first."""
         return sorted(self.fs.steps.values(), key=lambda r: (r.number, r.committed_ns),
                       reverse=True)[:max(1, self.cfg.keep)]
 
-    def _wanted(self, link: PeerLink) -> list[Any]:
+    def _wanted(self, link: PeerLink) -> list[StepRecord]:
         """Steps still to replicate to ``link.peer``, newest first (the ``keep`` newest)."""
         return [r for r in self._recent() if link.confirmed.get(r.name) != content_of(r)]
 
     def lag(self, link: PeerLink) -> tuple[int, int]:
         """(steps, bytes) not yet confirmed by the peer."""
         steps = self._wanted(link)
-        total = 0
-        for rec in steps:
-            for _p, ino in self.fs.walk(self.fs.inodes[rec.ino]):
-                if ino.is_file and ino.vid is not None:
-                    total += self.fs.versions[ino.vid].size
+        total = sum(v.size for rec in steps for v in self.fs.step_versions(rec))
         return len(steps), total
 
-    def _ready(self, rec: Any) -> bool:
+    def _ready(self, rec: StepRecord) -> bool:
         """Sealed, and all of it in RAM (a step still being restored waits)."""
         return self.fs.step_sealed(rec) and self.fs.step_in_ram(rec)
 
@@ -147,7 +164,7 @@ class Replication:
                     await self._wake[peer].wait()
                 self._wake[peer] = trio.Event()
 
-    async def _replicate_step(self, link: PeerLink, rec: Any) -> None:
+    async def _replicate_step(self, link: PeerLink, rec: StepRecord) -> None:
         fs = self.fs
         await self._record_steps()  # etcd's record of this rank names the step first
         committed = rec.committed_ns
@@ -177,7 +194,7 @@ class Replication:
         log.info("%s replicated to rank %d (%d/%d; %d payload bytes)", rec.name, link.peer,
                  rec.replicated, rec.replicas, stats["bytes_sent"])
 
-    def _count(self, rec: Any) -> None:
+    def _count(self, rec: StepRecord) -> None:
         """Set the step's ``replicated k/R`` from the links' confirmations."""
         rec.replicas = len(self.peer_ranks())
         rec.replicated = sum(1 for lk in self.links.values()
@@ -211,10 +228,10 @@ class Replication:
                         "again", link.peer, ", ".join(sorted(lost)))
         return bool(lost)
 
-    def _list_held(self, peer: int) -> list[Any]:
+    def _list_held(self, peer: int) -> list[ManifestInfo]:
         return self.client(peer).list_manifests(self.rank, with_manifest=False)
 
-    def _yielding(self, read: Any) -> Any:
+    def _yielding(self, read: Callable[[str], bytes]) -> Callable[[str], bytes]:
         """Wrap a chunk reader so that sending pauses while the application writes.
 
         On a node the replication's reads and sends compete with the application's writes
@@ -232,7 +249,7 @@ class Replication:
             return read(digest)
         return read_chunk
 
-    def _push(self, peer: int, manifest: StepManifest, reader: Any,
+    def _push(self, peer: int, manifest: StepManifest, reader: Callable[[str], bytes],
               hashes_only: bool) -> dict[str, int]:
         """Worker thread: put what the peer lacks, publish the manifest, confirm."""
         client = self.client(peer)

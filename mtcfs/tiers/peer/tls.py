@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -37,33 +36,21 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
+# The identities certificates carry are named in the shared bottom (the CA issues them);
+# re-exported: this module is where the peer tier's callers look for them.
+from mtcfs.base.pki import identity_uri as identity_uri
+from mtcfs.base.pki import parse_identity as parse_identity
+from mtcfs.base.pki import server_name as server_name
+
 log = logging.getLogger(__name__)
 
 #: Seconds between checks of the files' modification times.
 RELOAD_CHECK_S = 5.0
 
-_URI_RE = re.compile(r"^mtcfs://([A-Za-z0-9][A-Za-z0-9._-]{0,127})/rank/(0|[1-9][0-9]{0,8})$")
-
 
 class TlsError(ValueError):
     """The TLS files are missing, unreadable, inconsistent or not this rank's; the message is
     one line that names the file and what to fix."""
-
-
-def identity_uri(job: str, rank: int) -> str:
-    """The URI SAN a rank's certificate carries, e.g. ``mtcfs://llama/rank/3``."""
-    return f"mtcfs://{job}/rank/{rank}"
-
-
-def server_name(job: str) -> str:
-    """The DNS SAN every peer certificate of ``job`` carries; clients check it."""
-    return f"{job}.mtcfs"
-
-
-def parse_identity(uri: str) -> tuple[str, int] | None:
-    """``(job, rank)`` of an identity URI, or None when ``uri`` is not one."""
-    m = _URI_RE.match(uri)
-    return (m.group(1), int(m.group(2))) if m else None
 
 
 def caller_identities(context: grpc.ServicerContext) -> list[tuple[str, int]]:
@@ -164,7 +151,7 @@ class TlsFiles:
         def fetch() -> grpc.ServerCertificateConfiguration:
             cur = self.current()
             if cur.generation == served[0]:
-                return None  # type: ignore[return-value]  # grpc: keep the current one
+                return None  # grpc: keep the current one
             served[0] = cur.generation
             return grpc.ssl_server_certificate_configuration([(cur.key, cur.cert)], cur.ca)
 

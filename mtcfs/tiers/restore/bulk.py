@@ -14,11 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mtcfs.core.ports import RestorePort, Version
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ BATCH = 16
 STREAMS_PER_HOLDER = 2
 
 
-async def restore_from_peers(fs: Any, tier: Any, *,
+async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
                              on_chunk: Callable[[], None] | None = None) -> dict[str, Any]:
     """Fetch every chunk the core misses from the holders of this rank's data.
 
@@ -44,7 +48,7 @@ async def restore_from_peers(fs: Any, tier: Any, *,
         "by_rank": {rank: chunks}}``.
     """
     t0 = time.monotonic()
-    where: dict[str, list[tuple[Any, int]]] = {}
+    where: dict[str, list[tuple[Version, int]]] = {}
     for v, i in fs.pending_fault_in():
         where.setdefault(v.chunks[i], []).append((v, i))
     todo = list(where)

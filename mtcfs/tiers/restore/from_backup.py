@@ -17,6 +17,7 @@ import trio
 
 from mtcfs.base import pools
 from mtcfs.base.errors import FsError
+from mtcfs.core.ports import RestorePort
 from mtcfs.tiers.backup import BackupError, BackupStore, ChunkCorrupt, NotFound
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Prefetcher:
     pass (``kick``) or on read.
     """
 
-    def __init__(self, fs: Any, concurrency: int = 4) -> None:
+    def __init__(self, fs: RestorePort, concurrency: int = 4) -> None:
         self.fs = fs
         self.concurrency = concurrency
         self._wake = trio.Event()

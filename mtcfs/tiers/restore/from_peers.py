@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -33,10 +33,13 @@ from mtcfs.tiers.coord.etcd import EtcdError
 from mtcfs.tiers.peer.errors import PeerError
 from mtcfs.tiers.peer.records import StepRef
 
+if TYPE_CHECKING:
+    from mtcfs.tiers.peer.tier import PeerTier
+
 log = logging.getLogger(__name__)
 
 
-async def choose_and_fetch(tier: Any, want: int | None, *,
+async def choose_and_fetch(tier: PeerTier, want: int | None, *,
                            wait_s: float = 20.0) -> tuple[StepManifest, str, bool] | None:
     """Pick the step to restore for ``tier.rank`` and fetch its manifest.
 
@@ -60,7 +63,7 @@ async def choose_and_fetch(tier: Any, want: int | None, *,
     missing = await tier.wait_for_members(holders, wait_s if tier.recorded_steps() else 0)
     if missing:
         log.info("restore: no address known for holder rank(s) %s after %g s", missing, wait_s)
-    peer_steps = await trio.to_thread.run_sync(_list_holders, tier)
+    peer_steps = await trio.to_thread.run_sync(list_holders, tier)
     backup_steps: dict[str, int] = {}
     if tier.backup_store is not None:
         try:
@@ -94,16 +97,16 @@ async def choose_and_fetch(tier: Any, want: int | None, *,
             tier.restore_info = {"step": target.step, "manifest_from": f"peer rank {rank}",
                                  "holders": holders, "decided_s": round(time.monotonic() - t0, 3)}
             return m, f"peer rank {rank}", target.step in backup_steps
-    if target.step in backup_steps:
-        m = await trio.to_thread.run_sync(tier.backup_store.get_step, target.step)
+    if target.step in backup_steps and tier.backup_store is not None:
+        bm = await trio.to_thread.run_sync(tier.backup_store.get_step, target.step)
         tier.restore_info = {"step": target.step, "manifest_from": "backup", "holders": [],
                              "decided_s": round(time.monotonic() - t0, 3)}
-        return m, "backup", True
+        return bm, "backup", True
     log.warning("step %s was chosen but no tier holds this rank's manifest of it", target.step)
     return None
 
 
-def _list_holders(tier: Any) -> dict[str, tuple[int, list[int]]]:
+def list_holders(tier: PeerTier) -> dict[str, tuple[int, list[int]]]:
     """step -> (number, ranks holding a complete replica of this rank's data)."""
     found: dict[str, tuple[int, list[int]]] = {}
     first = [r for r in tier.peer_ranks() if r != tier.rank]
@@ -124,7 +127,7 @@ def _list_holders(tier: Any) -> dict[str, tuple[int, list[int]]]:
     return found
 
 
-def _fetch_manifest(tier: Any, rank: int, step: str) -> StepManifest | None:
+def _fetch_manifest(tier: PeerTier, rank: int, step: str) -> StepManifest | None:
     for info in tier.client(rank).list_manifests(tier.rank, step=step):
         if info.step == step and info.chunks_missing == 0:
             m = StepManifest.from_bytes(info.manifest)
@@ -133,7 +136,7 @@ def _fetch_manifest(tier: Any, rank: int, step: str) -> StepManifest | None:
     return None
 
 
-async def _job_latest(tier: Any, restorable: dict[str, int], wait_s: float) -> StepRef | None:
+async def _job_latest(tier: PeerTier, restorable: dict[str, int], wait_s: float) -> StepRef | None:
     """The step to restore: the job's decision in etcd when this rank can restore it."""
     by_number = {n: name for name, n in restorable.items()}
     decided: int | None = None

@@ -15,8 +15,8 @@ import os
 import stat
 from typing import Any
 
-from mtcfs.core.model import ROOT_INO
 from mtcfs.base.manifest import SPECIAL_MODES, StepManifest
+from mtcfs.core.ports import ROOT_INO
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ def snapshot_from_manifests(manifests: list[StepManifest]) -> dict[str, Any]:
         fmt = {"dir": stat.S_IFDIR, "file": stat.S_IFREG, "symlink": stat.S_IFLNK}.get(kind)
         if kind == "special":  # a FIFO, socket or device node: metadata only
             fmt = SPECIAL_MODES[extra["node"]]
+        if fmt is None:
+            raise ValueError(f"{path} is of an unknown kind {kind!r}")
         entries.append({"ino": inos[path], "parent": inos[parent], "name": name, "kind": kind,
                         "mode": fmt | mode, "uid": uid, "gid": gid, "mtime_ns": mtime_ns,
                         "target": extra.get("target", ""), **(

@@ -1,0 +1,18 @@
+"""Checked by mypy (tests/t1_typecheck_test.py), never run: the core satisfies every port
+that the composition root (mtcfs/daemon.py) hands it to the tiers as."""
+
+from __future__ import annotations
+
+from mtcfs.core import ports
+from mtcfs.core.core import Filesystem
+
+
+def conforms(fs: Filesystem) -> None:
+    """Each assignment fails type checking when Filesystem stops providing a port."""
+    backup: ports.BackupPort = fs
+    peer: ports.PeerPort = fs
+    restore: ports.RestorePort = fs
+    mtc: ports.MtcPort = fs
+    namespace: ports.NamespacePort = fs
+    origins: ports.ChunkOriginPort = fs
+    del backup, peer, restore, mtc, namespace, origins
