@@ -120,10 +120,15 @@ class Daemon:
             self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
             self.prefetcher = Prefetcher(self.fs)
+        served = getattr(self.fs.chunk_source, "served", None)
+
+        def peer_chunk() -> None:  # counted as the chunk sources count (status)
+            if served is not None:
+                served["peers"] = served.get("peers", 0) + 1
         self.restorer = Restorer(self.fs, rank=o.rank, nodes=o.nodes, restore=o.restore,
                                  backup_url=o.backup, backup_store=self.backup_store,
                                  peer=self.peer, prefetcher=self.prefetcher, ns=self.ns,
-                                 mtc=o.mtc)
+                                 mtc=o.mtc, on_peer_chunk=peer_chunk)
         if o.mtc:
             self._build_mtc()
 

@@ -615,20 +615,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             self._delete_inode_rows(ino)
             self._set_current(ino, None)
 
-    def report_error(self, msg: str) -> None:
-        """Log ``msg`` as an error and keep it for status (the last 50)."""
-        self._error(msg)
-
-    def namespace_empty(self) -> bool:
-        """True when the root directory has no entries (nothing to lose by a restore)."""
-        return not self.inodes[ROOT_INO].children
-
-    def mark_all_backed_up(self) -> None:
-        """Every version here came from the backup tier (a restore of the job's namespace
-        from it): none needs uploading again."""
-        for v in self.versions.values():
-            v.backed_up = True
-
     def _error(self, msg: str) -> None:
         log.error("%s", msg)
         self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")

@@ -28,13 +28,14 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from mtcfs.base.manifest import StepManifest
+from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.model import ROOT_INO, Version
 from mtcfs.core.records import ChunkSource, StepRecord
 
 __all__ = [
     "ROOT_INO", "BackupPort", "ChunkOriginPort", "ChunkSource", "CoreView", "FaultInPort",
     "KvStore", "MtcPort", "NamespacePort", "Observer", "OwnFilesPort", "PeerPort",
-    "RestorePort", "SnapshotPort", "StepRecord", "Version",
+    "MountRestorePort", "RestorePort", "SnapshotPort", "StepRecord", "Version",
 ]
 
 #: ``observer(event, obj)``: 'sealed' (Version), 'committed' (StepRecord), 'step_changed'
@@ -260,7 +261,7 @@ class NamespacePort(FaultInPort, Protocol):
         """The store's key/value table (the log's position is kept there)."""
         ...
 
-    def ns_apply(self, op: dict[str, Any], seq: int,
+    def ns_apply(self, op: NsOp | dict[str, Any], seq: int,
                  epoch: int) -> tuple[dict[str, Any], list[Version]]:
         """Apply op ``seq`` of the log (deterministic): (result for the submitter, versions
         open here whose data to fetch before acknowledging). Raises FsError: the op is
@@ -277,6 +278,28 @@ class NamespacePort(FaultInPort, Protocol):
 
     def ns_position(self) -> tuple[int, int]:
         """(epoch, seq) of the last op applied here ((0, 0) when none)."""
+        ...
+
+
+class MountRestorePort(CoreView, RestorePort, Protocol):
+    """What a mount's restorer (mtcfs/tiers/restore/restorer.py) asks: whether there is
+    anything to lose, and to import a step's namespace (its chunks then missing)."""
+
+    def namespace_empty(self) -> bool:
+        """True when the root directory has no entries."""
+        ...
+
+    def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
+        """Add step ``m``'s entries with every chunk missing (fetched later); its files are
+        marked backed up when ``backed_up``. Raises FsError EEXIST when the step exists."""
+        ...
+
+    def ns_install(self, snap: dict[str, Any]) -> None:
+        """scope=job: replace this node's namespace with ``snap`` (before FUSE serves)."""
+        ...
+
+    def mark_all_backed_up(self) -> None:
+        """Every version here came from the backup tier: none needs uploading again."""
         ...
 
 

@@ -33,6 +33,16 @@ class TierApiOps:
         assert children is not None  # the root is a directory
         return MappingProxyType(children)
 
+    def namespace_empty(self) -> bool:
+        """True when the root directory has no entries (nothing to lose by a restore)."""
+        return not self.inodes[ROOT_INO].children  # type: ignore[attr-defined]
+
+    def mark_all_backed_up(self) -> None:
+        """Every version here came from the backup tier (a restore of the job's namespace
+        from it): none needs uploading again."""
+        for v in self.versions.values():  # type: ignore[attr-defined]
+            v.backed_up = True
+
     def is_directory(self, ino: int) -> bool:
         """Whether inode ``ino`` exists and is a directory."""
         node = self.inodes.get(ino)  # type: ignore[attr-defined]

@@ -15,4 +15,5 @@ def conforms(fs: Filesystem) -> None:
     mtc: ports.MtcPort = fs
     namespace: ports.NamespacePort = fs
     origins: ports.ChunkOriginPort = fs
-    del backup, peer, restore, mtc, namespace, origins
+    mount_restore: ports.MountRestorePort = fs
+    del backup, peer, restore, mtc, namespace, origins, mount_restore

@@ -42,7 +42,7 @@ _names = itertools.count(1)
 _OWN = ("", -1)
 
 
-class MemoryRpcError(grpc.RpcError):
+class MemoryRpcError(grpc.RpcError):  # type: ignore[misc]  # grpc ships no types
     """A call's failure status, as :class:`grpc.RpcError` carries it from a real channel.
 
     Args:

@@ -23,11 +23,19 @@ import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from mtcfs.base.errors import FsError
+from mtcfs.base.manifest import StepManifest
+from mtcfs.core.ports import MountRestorePort
+
+if TYPE_CHECKING:
+    from mtcfs.tiers.backup.chunk_store import BackupStore
+    from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
+    from mtcfs.tiers.peer.tier import PeerTier
+    from mtcfs.tiers.restore.from_backup import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +59,15 @@ class Restorer:
         ns: scope=job: the job's namespace log, or None.
         mtc: True when Orbax's replicator asks for restores (option ``mtc``): nothing is
             restored at mount.
+        on_peer_chunk: called for each chunk the bulk restore brings from a peer (the
+            chunk sources' ``served`` counts in status).
     """
 
-    def __init__(self, fs: Any, *, rank: int, nodes: int, restore: str,
-                 backup_url: str | None, backup_store: Any, peer: Any, prefetcher: Any,
-                 ns: Any = None, mtc: bool = False) -> None:
+    def __init__(self, fs: MountRestorePort, *, rank: int, nodes: int, restore: str,
+                 backup_url: str | None, backup_store: BackupStore | None,
+                 peer: PeerTier | None, prefetcher: Prefetcher | None,
+                 ns: EtcdNamespace | None = None, mtc: bool = False,
+                 on_peer_chunk: Callable[[], None] | None = None) -> None:
         self.fs = fs
         self.rank = rank
         self.nodes = nodes
@@ -66,6 +78,7 @@ class Restorer:
         self.prefetcher = prefetcher
         self.ns = ns
         self.mtc = mtc
+        self.on_peer_chunk = on_peer_chunk
         #: What the last restore brought back (status ``restore``).
         self.info: dict[str, Any] = {}
         #: A bulk restore from peers is streaming (or will, once the mount runs); the
@@ -157,13 +170,9 @@ class Restorer:
         """Stream the restored step's chunks from the peers, then let the prefetcher (and
         so the backup tier) fetch whatever they did not serve. Errors are recorded."""
         from mtcfs.tiers.restore.bulk import restore_from_peers
-        served = getattr(self.fs.chunk_source, "served", None)
-
-        def count() -> None:
-            if served is not None:
-                served["peers"] = served.get("peers", 0) + 1
+        assert self.peer is not None and self.prefetcher is not None
         try:
-            stats = await restore_from_peers(self.fs, self.peer, on_chunk=count)
+            stats = await restore_from_peers(self.fs, self.peer, on_chunk=self.on_peer_chunk)
             self.info["bulk_from_peers"] = stats
         except Exception as exc:  # the prefetcher still brings everything back
             log.exception("bulk restore from peers failed")
@@ -207,6 +216,7 @@ class Restorer:
         """Several nodes: import the step the job names for this rank (peers, then backup)."""
         from mtcfs.tiers.restore.from_peers import choose_and_fetch
         fs = self.fs
+        assert self.peer is not None
         t0 = time.monotonic()
         got = await choose_and_fetch(self.peer, want)
         if got is None:
@@ -266,7 +276,7 @@ class Restorer:
         return {"step": info.step, "imported": True, "bytes": manifest.total_bytes,
                 "source": "backup"}
 
-    def _check_space(self, manifest: Any, check: bool) -> None:
+    def _check_space(self, manifest: StepManifest, check: bool) -> None:
         free = self.fs.statfs()["free"]
         if check and manifest.total_bytes > free:
             raise FsError(errno.ENOSPC, f"step {manifest.step} holds {manifest.total_bytes} "
