@@ -26,37 +26,12 @@ MAX_FILE_SIZE = 1 << 40
 #: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
 #: whose last close(2) was seen (the kernel sends RELEASE after close returns).
 RELEASE_WAIT_S = 1.0
-#: Allocation unit assumed for a reservation (tmpfs allocates pages).
-PAGE = 4096
 
 
 class CapacityOps:
     """Capacity of the RAM tier: reservations, eviction of old checkpoints, statfs."""
 
     # ------------------------------------------------------------------ capacity
-
-    def _account(self, v: Version) -> None:
-        """Measure what the data file of ``v`` really holds (st_blocks) and count the change
-        against size=: the accounting rule (docs/architecture.md, "Capacity")."""
-        try:
-            alloc = os.fstat(self._fd(v)).st_blocks * 512
-        except OSError:
-            return
-        self.used += alloc - v.alloc
-        v.alloc = alloc
-
-    def _new_bytes(self, v: Version, off: int, end: int) -> int:
-        """At most how many bytes writing ``[off, end)`` of ``v`` adds to the store: the pages
-        of the range from its first hole on (none when the range is all data)."""
-        start = off
-        if off < v.size:
-            try:
-                start = os.lseek(self._fd(v), off, os.SEEK_HOLE)
-            except OSError:
-                start = off
-            if start >= end:
-                return 0
-        return (-(-end // PAGE) - start // PAGE) * PAGE
 
     def _releases_in_flight(self) -> list[Handle]:
         out = []
@@ -85,36 +60,17 @@ class CapacityOps:
         if ev is not None:
             ev.set()
 
-    async def _reserve(self, nbytes: int, *, best_effort: bool = False) -> bool:
-        """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
-
-        ``best_effort``: when eviction cannot free enough, return False instead of raising
-        (a fault-in: the read is served even so, docs/usage.md). Returns True with room.
-
-        Raises:
-            FsError: ENOSPC when eviction cannot free enough (unless ``best_effort``).
-        """
-        shared = self.shared_used() + self.in_flight
-        if self.used + shared + nbytes <= self.capacity:
-            return True
-        await self.settle_releases()
-        shared = self.shared_used() + self.in_flight
-        if self.used + shared + nbytes <= self.capacity:
-            return True
+    def _make_room(self, need: int, keep_unsaved: bool) -> None:
+        """The budget's eviction hook (core/budget.py, ``reserve``): evict at least ``need``
+        bytes if the policy allows; ``keep_unsaved`` (a read's reservation) never deletes a
+        step no other tier holds."""
         unsaved = self.evict_unsaved
-        if best_effort:  # a read never deletes a checkpoint no other tier holds
+        if keep_unsaved:
             self.evict_unsaved = False
         try:
-            self.evict(need=self.used + shared + nbytes - self.capacity)
+            self.evict(need=need)
         finally:
             self.evict_unsaved = unsaved
-        if self.used + shared + nbytes > self.capacity:
-            if best_effort:
-                return False
-            self.counters.enospc += 1
-            raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} bytes of files and {shared}"
-                          f" of peer replicas and chunks being fetched, of {self.capacity} bytes)")
-        return True
 
     def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
         """Committed steps that may leave RAM, in the order they leave it.
@@ -216,7 +172,7 @@ class CapacityOps:
 
     def _evict_leftovers(self, need: int, start_used: int) -> None:
         for d in self.crash_leftovers():
-            if start_used - self.used >= need:
+            if start_used - self.budget.used >= need:
                 return
             name = d.name.decode(errors="surrogateescape")
             self._delete_dir_tree(d)
@@ -239,11 +195,11 @@ class CapacityOps:
         """
         pressure = need is not None
         freed_names = []
-        start_used = self.used
+        start_used = self.budget.used
         if pressure and self.ns_log is None:
             self._evict_leftovers(need, start_used)  # type: ignore[arg-type]
         for s in self.evictable_steps(pressure=pressure):
-            if pressure and start_used - self.used >= need:  # type: ignore[operator]
+            if pressure and start_used - self.budget.used >= need:  # type: ignore[operator]
                 break
             if any(v.handles for v in self._step_versions(s)):
                 continue
@@ -283,7 +239,7 @@ class CapacityOps:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)
                 v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-                self._account(v)
+                self.budget.account(v)
                 self._write_version(v)
 
     def _delete_tree(self, s: StepRecord) -> None:
@@ -308,8 +264,7 @@ class CapacityOps:
             self._maybe_free_inode(ino)
 
     def statfs(self) -> dict[str, int]:
-        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's). ``used`` is
-        what the store's data files really hold (holes cost nothing), plus the replicas."""
-        shared = self.shared_used()
-        return {"capacity": self.capacity, "used": self.used + shared, "replicas": shared,
-                "free": max(0, self.capacity - self.used - shared), "files": len(self.inodes)}
+        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's): ``capacity``,
+        ``used`` (what the store's data files really hold, holes cost nothing, plus the
+        replicas), ``replicas``, ``free``, ``files`` (inodes). See core/budget.py."""
+        return self.budget.figures(len(self.inodes))

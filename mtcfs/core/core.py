@@ -36,6 +36,7 @@ import trio
 from mtcfs.base.chunking import chunk_count, chunk_span
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
+from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
 from mtcfs.core.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
@@ -78,7 +79,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                  chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
         self.store = store
         self.db = store.db
-        self.capacity = capacity
         self.keep = keep
         self.chunk_size = chunk_size or store.chunk_size
         self.job = job
@@ -89,16 +89,14 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
         self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
-        self.used = 0
-        #: Bytes set aside for chunks being written by fault-in threads (not yet in ``used``).
-        self.in_flight = 0
         self.counters = Counters()
+        #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
+        #: ``in_flight`` and ``Version.alloc``; eviction (core/capacity.py) makes room.
+        self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
+                                settle=self.settle_releases, make_room=self._make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
         self.chunk_source: ChunkSource | None = None
-        #: Bytes of the same RAM budget used outside the core (the replicas this node holds
-        #: for its peers), read on every reservation; wired by the daemon.
-        self.shared_used: Callable[[], int] = lambda: 0
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
@@ -147,6 +145,33 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.previous_crash = False
         self._load()
         self._init_scrub()  # core/scrub.py: what is in RAM now is verified on first read
+
+    # ------------------------------------------------------------------ the budget's figures
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of file data the RAM tier may hold (``size=``); :attr:`budget`'s."""
+        return self.budget.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes the store's data files hold (read-only; :class:`RamBudget` changes it)."""
+        return self.budget.used
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes set aside for chunks fault-in threads are writing (read-only)."""
+        return self.budget.in_flight
+
+    @property
+    def shared_used(self) -> Callable[[], int]:
+        """Hook: bytes of the same budget used outside the core (replicas held for peers),
+        read on every reservation; the peer tier sets it."""
+        return self.budget.shared_used
+
+    @shared_used.setter
+    def shared_used(self, fn: Callable[[], int]) -> None:
+        self.budget.shared_used = fn
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,9 +254,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                          if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
                 self.steps.pop(name)
                 db.execute("DELETE FROM steps WHERE name=?", (name,))
-        for v in self.versions.values():  # what counts against size=: capacity.py, _account
-            v.alloc = os.stat(self.store.data_path(v.vid)).st_blocks * 512
-        self.used = sum(v.alloc for v in self.versions.values())
+        # what counts against size=: core/budget.py
+        self.budget.measure_all(self.versions.values(), self.store.data_path)
         self._loaded_ns = _now_ns()
         self._inos_at_load = set(self.inodes)
         self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
@@ -465,7 +489,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             v.size = src.size
             v.missing = set(src.missing)
             v.chunk_size = src.chunk_size
-        self._account(v)
+        self.budget.account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         return v
@@ -515,14 +539,13 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             if not v.dropped:
                 v.dropped = True
                 os.ftruncate(self._fd(v), 0)
-                self._account(v)
+                self.budget.account(v)
             return
         del self.versions[v.vid]
         self._unverified.pop(v.vid, None)  # core/scrub.py: nothing left to verify
         self._hand_over_last_copies(v)
         self.fds.drop(v)
-        self.used -= v.alloc
-        v.alloc = 0
+        self.budget.remove(v)
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
         # The data file goes once the deletion of its row is committed (store/meta.py).
         self.db.after_commit(functools.partial(self.store.remove_data, v.vid))

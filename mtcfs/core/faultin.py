@@ -188,13 +188,13 @@ class FaultInOps:
             raise FsError(errno.EIO, "the file was replaced while its data was fetched")
         off, length = chunk_span(idx, v.size, v.chunk_size)
         if registered:
-            # Bytes brought into RAM count against size= like a write (capacity.py, the
+            # Bytes brought into RAM count against size= like a write (core/budget.py, the
             # accounting rule): room is made first, by eviction. A read is never refused
             # for room, though: when nothing can be evicted the chunk goes in past size=
             # (logged, counted), and later evictions take it back (docs/usage.md).
             # Held until the bytes are counted: fetches write in threads, side by side.
-            need = self._new_bytes(v, off, off + length)
-            if not await self._reserve(need, best_effort=True):
+            need = self.budget.new_bytes(v, off, off + length)
+            if not await self.budget.reserve(need, best_effort=True):
                 self.counters.fault_in_over_size += 1
                 if self.counters.fault_in_over_size == 1 or \
                         self.counters.fault_in_over_size % 1000 == 0:
@@ -210,19 +210,18 @@ class FaultInOps:
                 self._fd(v)  # cached for the reads that follow
         else:
             need = 0
-        self.in_flight += need
-        fd = self.fds.lease(v)  # stays open while the thread writes
-        try:
-            await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
-        finally:
-            self.fds.unlease(v, fd)
-            self.in_flight -= need
+        with self.budget.hold(need):  # set aside until counted (core/budget.py)
+            fd = self.fds.lease(v)  # stays open while the thread writes
+            try:
+                await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.cpu_limiter)
+            finally:
+                self.fds.unlease(v, fd)
         if idx in v.missing:
             v.missing.discard(idx)
             self.counters.chunks_faulted += 1
             self.counters.bytes_faulted += length
             if self.versions.get(v.vid) is v:
-                self._account(v)
+                self.budget.account(v)
                 self._note_chunk(v.chunks[idx], v.vid, idx)
                 with self.db.transaction():
                     self._write_version(v)

@@ -364,7 +364,7 @@ class JobNamespaceOps:
                 if blake3.blake3(piece).hexdigest() == d:
                     os.pwrite(fd, piece, off)
                     v.missing.discard(i)
-        self._account(v)
+        self.budget.account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         for d in chunks:
@@ -461,7 +461,7 @@ class JobNamespaceOps:
             self._chunk_alts.clear()
             self.aliases.clear()
             self.chunk_origins.clear()
-            self.used = 0
+            self.budget.clear()
             root = self._new_root()
             self.inodes[ROOT_INO] = root
             names: dict[int, set[tuple[int, bytes]]] = {}
@@ -510,7 +510,7 @@ class JobNamespaceOps:
                 if mine is not None:
                     v = mine[0]  # being written here: it stays, and its close publishes it
                     self.versions[v.vid] = v
-                    self.used += v.alloc
+                    self.budget.add(v)
                     self._write_version(v)
                     if v.sealed:
                         self._index_chunks(v)
@@ -524,7 +524,7 @@ class JobNamespaceOps:
                         self.fds.drop(v)
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
                         v.missing.clear()
-                        self._account(v)
+                        self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new
                         # version: a rejoin after a restart takes this path (core/scrub.py).
                         self._carry_unverified(old, v)
@@ -550,7 +550,7 @@ class JobNamespaceOps:
             for v in aside:
                 v.current = False
                 self.versions[v.vid] = v
-                self.used += v.alloc
+                self.budget.add(v)
                 self._write_version(v)
                 if v.sealed:
                     self._index_chunks(v)

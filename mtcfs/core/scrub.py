@@ -218,7 +218,7 @@ class ScrubOps:
                     f"(bytes {off}..{off + length}) does not match {v.chunks[idx][:16]}; "
                     "dropped, to be fetched from another tier")
         if registered:
-            self._account(v)  # the punched hole no longer counts against size=
+            self.budget.account(v)  # the punched hole no longer counts against size=
             self._forget_chunk(v.chunks[idx], v.vid)
             with self.db.transaction():
                 self._write_version(v)
