@@ -3,7 +3,9 @@
 :class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
 module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, versions, seal),
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
-:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`.
+:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
+state: :class:`~mtcfs.core.budget.RamBudget` (``budget``) and
+:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``); see docs/arch-core.md.
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -39,7 +41,8 @@ from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
-from mtcfs.core.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
+from mtcfs.core.faultin import FaultInOps
+from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import FileOps
 from mtcfs.core.jobns import JobNamespaceOps
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -96,24 +99,17 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                                 settle=self.settle_releases, make_room=self._make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
-        self.chunk_source: ChunkSource | None = None
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
         self.cpu_limiter = trio.CapacityLimiter(2)
-        self._fetch_limiter = trio.CapacityLimiter(8)
-        #: Seconds a read waits for a missing chunk before EIO (core/faultin.py).
-        self.fetch_deadline_s = FETCH_DEADLINE_S
-        #: The last fault-in that failed: what it read, why, the sources tried (status).
-        self.last_fault_error = ""
-        #: (vid, chunk index) -> (trio time, error) of fetches that failed lately; a new
-        #: fetch of the same chunk within ``refetch_after_s`` fails at once (core/faultin.py).
-        self._failed_fetches: dict[tuple[int, int], tuple[float, str]] = {}
-        self.refetch_after_s = REFETCH_AFTER_S
+        #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk source,
+        #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
+        #: ``refetch_after_s`` and ``last_fault_error`` here are its (core/faultin.py).
+        self.fetcher = FaultIn(self, self.budget, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
-        self._inflight: dict[tuple[int, int], trio.Event] = {}
         #: digest -> (vid, chunk index) of one local copy; ``_chunk_alts``: the other
         #: local copies of the same chunk (identical data in several files or steps).
         self._chunk_locations: dict[str, tuple[int, int]] = {}
