@@ -233,8 +233,8 @@ class CapacityOps:
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 self._hand_over_last_copies(v)
-                for d in v.chunks:  # first, so that other local copies take over at once
-                    self._forget_chunk(d, v.vid)
+                # first, so that other local copies take over at once
+                self.chunk_index.forget_version(v)
                 fd = self._fd(v)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)

@@ -4,8 +4,9 @@
 module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, versions, seal),
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
 :mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
-state: :class:`~mtcfs.core.budget.RamBudget` (``budget``) and
-:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``); see docs/arch-core.md.
+state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
+:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``) and
+:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``); see docs/arch-core.md.
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -41,6 +42,7 @@ from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
+from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import FileOps
@@ -110,10 +112,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
-        #: digest -> (vid, chunk index) of one local copy; ``_chunk_alts``: the other
-        #: local copies of the same chunk (identical data in several files or steps).
-        self._chunk_locations: dict[str, tuple[int, int]] = {}
-        self._chunk_alts: dict[str, set[tuple[int, int]]] = {}
+        #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
+        self.chunk_index = ChunkIndex(self.versions)
         #: Told before this node drops its last local copy of a chunk (a version freed or
         #: evicted): ``wants(digest) -> bool``, ``keep(digest, data)``. The peer tier's
         #: replica store, whose replicas of other ranks may count on this node's copy.
@@ -258,7 +258,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                                if name.decode(errors="surrogateescape") not in self.steps} \
             if self.previous_crash else set()
         for v in self.versions.values():
-            self._index_chunks(v)
+            self.chunk_index.add_version(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
                 self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
 
@@ -546,8 +546,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         # The data file goes once the deletion of its row is committed (store/meta.py).
         self.db.after_commit(functools.partial(self.store.remove_data, v.vid))
         failpoint("core.release_in_transaction")  # tests: a crash before that commit
-        for d in v.chunks:
-            self._forget_chunk(d, v.vid)
+        self.chunk_index.forget_version(v)
 
     def _hand_over_last_copies(self, v: Version) -> None:
         """Give ``chunk_keeper`` the chunks of ``v`` that no other local file holds and that
@@ -556,10 +555,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         if keeper is None or not v.sealed:
             return
         for i, d in enumerate(v.chunks):
-            if i in v.missing or self._chunk_locations.get(d, (None,))[0] != v.vid:
-                continue
-            if any(a[0] != v.vid for a in self._chunk_alts.get(d, ())):
-                continue  # another local file holds it too
+            if i in v.missing or not self.chunk_index.last_copy(d, v.vid):
+                continue  # not here, or another local file holds it too
             try:
                 if not keeper.wants(d):
                     continue
@@ -567,36 +564,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 keeper.keep(d, os.pread(self._fd(v), length, off))  # keep() verifies it
             except Exception as exc:  # the keeper's problem must not stop a delete
                 log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
-
-    def _note_chunk(self, digest: str, vid: int, idx: int) -> None:
-        """Chunk ``digest`` is in RAM as chunk ``idx`` of version ``vid``."""
-        loc = self._chunk_locations.get(digest)
-        if loc is None:
-            self._chunk_locations[digest] = (vid, idx)
-        elif loc != (vid, idx):
-            self._chunk_alts.setdefault(digest, set()).add((vid, idx))
-
-    def _forget_chunk(self, digest: str, vid: int) -> None:
-        """Version ``vid`` no longer holds ``digest`` in RAM; another local copy, if any,
-        takes its place (the replica store counts on this node's copies)."""
-        alts = self._chunk_alts.get(digest)
-        if alts:
-            for a in [a for a in alts if a[0] == vid]:
-                alts.discard(a)
-        loc = self._chunk_locations.get(digest)
-        if loc is not None and loc[0] == vid:
-            # Replaced in one step, never deleted first: other threads (the replica
-            # store's has_chunk) read this index without a lock.
-            while alts:
-                a = alts.pop()
-                other = self.versions.get(a[0])
-                if other is not None and a[1] not in other.missing:
-                    self._chunk_locations[digest] = a
-                    break
-            else:
-                del self._chunk_locations[digest]
-        if alts is not None and not alts:
-            del self._chunk_alts[digest]
 
     def _set_current(self, ino: Inode, v: Version | None) -> None:
         old = self.versions.get(ino.vid) if ino.vid is not None else None

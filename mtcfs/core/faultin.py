@@ -98,7 +98,7 @@ class FaultInOps:
     def _chunk_arrived(self, v: Version, idx: int) -> None:
         """The fetcher wrote chunk ``idx`` of the registered version ``v`` (and counted it):
         index it as a local copy and record that it is no longer missing."""
-        self._note_chunk(v.chunks[idx], v.vid, idx)
+        self.chunk_index.note(v.chunks[idx], v.vid, idx)
         with self.db.transaction():
             self._write_version(v)
 

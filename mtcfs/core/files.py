@@ -331,7 +331,7 @@ class FileOps:
                 self._write_version(v)
                 if ino is not None:
                     self._write_inode(ino)
-            self._index_chunks(v)
+            self.chunk_index.add_version(v)
             self.counters.seals += 1
             v.sealing = None
             if ino is not None:
@@ -374,10 +374,3 @@ class FileOps:
             if trio.current_time() >= deadline:
                 return None
             await trio.sleep(0.01)
-
-    def _index_chunks(self, v: Version) -> None:
-        if not v.sealed:
-            return
-        for i, d in enumerate(v.chunks):
-            if i not in v.missing:
-                self._note_chunk(d, v.vid, i)

@@ -369,7 +369,7 @@ class JobNamespaceOps:
         self._write_version(v)
         for d in chunks:
             self.chunk_origins[d] = op["rank"]
-        self._index_chunks(v)
+        self.chunk_index.add_version(v)
         return v
 
     # ------------------------------------------------------------------ snapshots
@@ -457,8 +457,7 @@ class JobNamespaceOps:
             self.inodes.clear()
             self.versions.clear()
             self.steps.clear()
-            self._chunk_locations.clear()
-            self._chunk_alts.clear()
+            self.chunk_index.clear()
             self.aliases.clear()
             self.chunk_origins.clear()
             self.budget.clear()
@@ -513,7 +512,7 @@ class JobNamespaceOps:
                     self.budget.add(v)
                     self._write_version(v)
                     if v.sealed:
-                        self._index_chunks(v)
+                        self.chunk_index.add_version(v)
                     ino.vid = v.vid
                     ino.published = dict(ver) if ver is not None else None
                 elif ver is not None:
@@ -529,7 +528,7 @@ class JobNamespaceOps:
                         # version: a rejoin after a restart takes this path (core/scrub.py).
                         self._carry_unverified(old, v)
                     self._write_version(v)
-                    self._index_chunks(v)
+                    self.chunk_index.add_version(v)
                     ino.vid = v.vid
                     ino.published = dict(ver)
                     if content.get(ino.ino) != (v.chunks, v.size):
@@ -553,7 +552,7 @@ class JobNamespaceOps:
                 self.budget.add(v)
                 self._write_version(v)
                 if v.sealed:
-                    self._index_chunks(v)
+                    self.chunk_index.add_version(v)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])

@@ -219,7 +219,7 @@ class ScrubOps:
                     "dropped, to be fetched from another tier")
         if registered:
             self.budget.account(v)  # the punched hole no longer counts against size=
-            self._forget_chunk(v.chunks[idx], v.vid)
+            self.chunk_index.forget(v.chunks[idx], v.vid)
             with self.db.transaction():
                 self._write_version(v)
             if self.chunk_source is not None and self._nursery is not None:
