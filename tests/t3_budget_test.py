@@ -12,12 +12,12 @@ import os
 
 import pytest
 import trio
+from support.corefs import CS, open_fs
 
 from mtcfs.base.errors import FsError
 from mtcfs.core.budget import PAGE, RamBudget
 from mtcfs.core.model import ROOT_INO, Version
 from mtcfs.core.records import Counters
-from support.corefs import CS, open_fs
 
 # ---------------------------------------------------------------------- the budget alone
 

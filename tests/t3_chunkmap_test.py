@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 
 import trio
+from support.corefs import CS, run
 
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.model import ROOT_INO, Version
-from support.corefs import CS, run
 
 
 def consistent(index: ChunkIndex, versions: dict[int, Version]) -> None:

@@ -164,7 +164,7 @@ def test_a_failed_fetch_fails_again_at_once_within_the_window(tmp_path):
 
 def test_a_source_that_never_answers_ends_at_the_deadline(tmp_path):
     data = os.urandom(CS)
-    host, fds, budget, counters, fetcher, source, v = setup(tmp_path, data)
+    host, fds, budget, _counters, fetcher, source, v = setup(tmp_path, data)
     source.gate = trio.Event()  # never set
     fetcher.fetch_deadline_s = 0.3
 
@@ -181,7 +181,7 @@ def test_a_source_that_never_answers_ends_at_the_deadline(tmp_path):
 
 def test_a_local_copy_is_used_first_and_a_corrupt_one_is_reported(tmp_path):
     data = os.urandom(CS)
-    host, fds, budget, counters, fetcher, source, v = setup(tmp_path, data)
+    host, fds, budget, _counters, fetcher, source, v = setup(tmp_path, data)
     other = Version(vid=2, ino=6, size=CS, chunk_size=CS, sealed=True, chunks=v.chunks)
     os.pwrite(fds.get(other), data, 0)
     budget.account(other)
@@ -203,7 +203,7 @@ def test_a_local_copy_is_used_first_and_a_corrupt_one_is_reported(tmp_path):
 
 def test_deliver_fills_only_what_is_still_missing_and_counts_past_a_full_budget(tmp_path):
     data = os.urandom(2 * CS)
-    host, fds, budget, counters, fetcher, source, v = setup(tmp_path, data, capacity=CS)
+    host, fds, budget, counters, fetcher, _source, v = setup(tmp_path, data, capacity=CS)
 
     async def main() -> None:
         d0 = v.chunks[0]
@@ -211,7 +211,7 @@ def test_deliver_fills_only_what_is_still_missing_and_counts_past_a_full_budget(
         assert await fetcher.deliver(d0, data[:CS], [(v, 0)]) == 0  # already here
         assert await fetcher.deliver(v.chunks[1], b"short", [(v, 1)]) == 0
         assert any("expected" in e for e in host.errors)
-        _off, length = chunk_span(1, v.size, v.chunk_size)
+        assert len(data[CS:]) == chunk_span(1, v.size, v.chunk_size)[1]
         assert await fetcher.deliver(v.chunks[1], data[CS:], [(v, 1)]) == 1
 
     trio.run(main)

@@ -6,14 +6,12 @@ concurrency protocol every method follows.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 
 import trio
 
 from mtcfs.base.chunking import chunk_count
-from mtcfs.base.errors import FsError
 from mtcfs.base import steps as stepnames
 from mtcfs.core.model import ROOT_INO, Handle, Inode, Version
 from mtcfs.core.records import StepRecord

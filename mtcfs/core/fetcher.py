@@ -32,7 +32,7 @@ from mtcfs.core.model import Inode, Version
 from mtcfs.core.records import ChunkSource, Counters
 from mtcfs.core.store.fdcache import FdCache
 
-__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FETCHES", "FaultIn", "Host"]
+__all__ = ["FETCHES", "FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FaultIn", "Host"]
 
 log = logging.getLogger("mtcfs.core.core")
 
