@@ -382,11 +382,11 @@ class CheckpointOps:
         finally:
             self.unpin(versions)
         out = []
-        for v in versions:  # every chunk held was hashed: no first-read hash (core/scrub.py)
-            self._unverified.pop(v.vid, None)
+        for v in versions:  # every chunk held was hashed: no first-read hash (core/verifier.py)
+            self.verifier.drop(v.vid)
         for v, i in bad:
             if self.versions.get(v.vid) is v and i not in v.missing:
-                await self._verify_chunk(v, i, scrub=True)  # known bad: never served again
+                await self.verifier.verify_chunk(v, i, scrub=True)  # known bad: never served again
             off, length = chunk_span(i, v.size, v.chunk_size)
             ino = self.inodes.get(v.ino)
             path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None

@@ -5,8 +5,9 @@ module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, ve
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
 :mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
 state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
-:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``) and
-:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``); see docs/arch-core.md.
+:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
+:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``); see docs/arch-core.md.
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -53,6 +54,7 @@ from mtcfs.core.own_files import OwnFileOps
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.scrub import ScrubOps
+from mtcfs.core.verifier import Verifier
 from mtcfs.core.xattrs import XattrOps
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
@@ -109,6 +111,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
         #: ``refetch_after_s`` and ``last_fault_error`` here are its (core/faultin.py).
         self.fetcher = FaultIn(self, self.budget, self.fds, self.counters, self.cpu_limiter)
+        #: First-read verification and the scrub (core/verifier.py); ``scrub_*`` here are its.
+        self.verifier = Verifier(self, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
@@ -140,7 +144,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()
-        self._init_scrub()  # core/scrub.py: what is in RAM now is verified on first read
+        self.verifier.start()  # core/verifier.py: what is in RAM now is verified on first read
 
     # ------------------------------------------------------------------ the budget's figures
 
@@ -538,7 +542,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 self.budget.account(v)
             return
         del self.versions[v.vid]
-        self._unverified.pop(v.vid, None)  # core/scrub.py: nothing left to verify
+        self.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
         self._hand_over_last_copies(v)
         self.fds.drop(v)
         self.budget.remove(v)

@@ -68,7 +68,7 @@ class FaultInOps:
     async def fault_in(self, v: Version, off: int, size: int) -> None:
         """Wait until bytes ``[off, off+size)`` of ``v`` are in the data file.
 
-        Chunks read for the first time since start are hashed first (core/scrub.py); each
+        Chunks read for the first time since start are hashed first (core/verifier.py); each
         missing chunk is then fetched at most once at a time (other readers of it wait for
         that fetch) and within :attr:`fetch_deadline_s` seconds of the first ask, every
         source included (core/fetcher.py).
@@ -78,8 +78,8 @@ class FaultInOps:
                 verification; the message names the file and the sources tried, and the
                 error is counted (``fault_errors``) and listed by ``mtcfs status``.
         """
-        if self.needs_verify(v):  # first read since start: hash before serving (core/scrub.py)
-            await self._verify_range(v, off, size)
+        if self.needs_verify(v):  # first read since start: hash before serving (core/verifier.py)
+            await self.verifier.verify_range(v, off, size)
         await self.fetcher.fill(v, off, size)
 
     async def deliver_chunk(self, digest: str, data: bytes,

@@ -160,7 +160,7 @@ class FileOps:
         if off >= v.size:
             return b""
         size = min(size, v.size - off)
-        if v.missing or v.vid in self._unverified:  # fault-in, or verify first (core/scrub.py)
+        if v.missing or self.verifier.needs(v):  # fault-in, or verify first (core/verifier.py)
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
                 await self.fault_in(v, off, size)

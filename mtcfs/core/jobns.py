@@ -526,7 +526,7 @@ class JobNamespaceOps:
                         self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new
                         # version: a rejoin after a restart takes this path (core/scrub.py).
-                        self._carry_unverified(old, v)
+                        self.verifier.carry(old, v)
                     self._write_version(v)
                     self.chunk_index.add_version(v)
                     ino.vid = v.vid
