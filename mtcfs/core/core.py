@@ -7,7 +7,8 @@ module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, ve
 state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``); see docs/arch-core.md.
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
+(``eviction``); see docs/arch-core.md.
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -44,6 +45,7 @@ from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
 from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import FileOps
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 #: kv key of the store: "1" once a daemon stopped cleanly, "0" while one serves (a crash
-#: leaves it so). See Filesystem.close and crash_leftovers (core/capacity.py).
+#: leaves it so). See Filesystem.close and crash_leftovers (core/eviction.py).
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
@@ -86,7 +88,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                  chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
         self.store = store
         self.db = store.db
-        self.keep = keep
         self.chunk_size = chunk_size or store.chunk_size
         self.job = job
         self.rank = rank
@@ -97,10 +98,12 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
         self.counters = Counters()
+        #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
+        self.eviction = Eviction(self, self.counters, keep)
         #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
-        #: ``in_flight`` and ``Version.alloc``; eviction (core/capacity.py) makes room.
+        #: ``in_flight`` and ``Version.alloc``; the eviction policy makes room for it.
         self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
-                                settle=self.settle_releases, make_room=self._make_room)
+                                settle=self.settle_releases, make_room=self.eviction.make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
         #: time.monotonic() of the last write() by the application (background tiers yield
@@ -131,16 +134,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
         self.chunk_origins: dict[str, int] = {}
         self._next_kid = 1 << 48
-        #: Under memory pressure, delete committed steps no other tier holds (oldest first,
-        #: with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``).
-        self.evict_unsaved = True
-        #: The last steps deleted that way (status shows them as a warning).
-        self.unsaved_deleted: list[str] = []
-        #: Crash leftovers (core/capacity.py ``crash_leftovers``): when the store was loaded,
-        #: the inodes there were then, and the top-level directories then uncommitted.
-        self._loaded_ns = 0
-        self._inos_at_load: set[int] = set()
-        self._leftover_dirs: set[int] = set()
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()
@@ -180,7 +173,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         db = self.db
         now = _now_ns()
         fresh = db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None
-        # (a) of crash_leftovers (core/capacity.py): did the daemon before stop cleanly? "1":
+        # (a) of crash_leftovers (core/eviction.py): did the daemon before stop cleanly? "1":
         # it did (close(clean=True)); "0": it was serving and never got there (a crash). A
         # store created fresh had no run before; one from before this flag counts as clean
         # (nothing in it is deleted as a crash leftover).
@@ -256,11 +249,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 db.execute("DELETE FROM steps WHERE name=?", (name,))
         # what counts against size=: core/budget.py
         self.budget.measure_all(self.versions.values(), self.store.data_path)
-        self._loaded_ns = _now_ns()
-        self._inos_at_load = set(self.inodes)
-        self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
-                               if name.decode(errors="surrogateescape") not in self.steps} \
-            if self.previous_crash else set()
+        self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
         for v in self.versions.values():
             self.chunk_index.add_version(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
