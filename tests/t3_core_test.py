@@ -125,7 +125,7 @@ def test_missing_chunk_without_source_is_eio(tmp_path):
         ino = await write_file(fs, ROOT_INO, b"f", data)
         v = await sealed(fs, ino)
         v.missing.add(1)
-        fs._chunk_locations.clear()
+        fs.chunk_index.clear()
         fh, _ = await fs.open(ino, os.O_RDONLY)
         assert await fs.read(fh, 0, CS) == data[:CS]
         with pytest.raises(FsError) as ei:

@@ -61,7 +61,7 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
              "the core's hashing (seal, first-read verification, scrub, mtcfs verify) and "
              "fault-in's chunk writes (Filesystem.cpu_limiter)"),
     PoolSpec("fetch", 8, "limiter",
-             "fault-in fetches in flight in the core (Filesystem._fetch_limiter); each ends "
+             "fault-in fetches in flight in the core (FaultIn, core/fetcher.py); each ends "
              "within the fetch deadline"),
     PoolSpec("peer-calls", 8, "limiter",
              "chunk fetches from peers for fault-in, one chunk from one peer each, each one "

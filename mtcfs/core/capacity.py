@@ -1,24 +1,21 @@
-"""Capacity of the RAM tier: reservations, eviction of old checkpoints, statfs.
+"""Capacity of the RAM tier, the facade's part: releases in flight, statfs, and what the
+eviction policy does to the namespace (drop a step's data, delete a tree).
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
-concurrency protocol every method follows.
+The budget is :class:`mtcfs.core.budget.RamBudget` (``Filesystem.budget``); the policy
+that chooses what leaves RAM is :class:`mtcfs.core.eviction.Eviction`
+(``Filesystem.eviction``). A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see
+that module for the concurrency protocol every method follows.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
 
 import trio
 
 from mtcfs.base.chunking import chunk_count
-from mtcfs.base.errors import FsError
-from mtcfs.base import steps as stepnames
 from mtcfs.core.model import ROOT_INO, Handle, Inode, Version
 from mtcfs.core.records import StepRecord
-
-log = logging.getLogger("mtcfs.core.core")
 
 #: The largest file, in bytes (beyond: EFBIG). Holes cost nothing against size=, but a
 #: file is hashed whole when sealed, holes included (about 2 GB/s): 1 TiB is minutes.
@@ -26,37 +23,12 @@ MAX_FILE_SIZE = 1 << 40
 #: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
 #: whose last close(2) was seen (the kernel sends RELEASE after close returns).
 RELEASE_WAIT_S = 1.0
-#: Allocation unit assumed for a reservation (tmpfs allocates pages).
-PAGE = 4096
 
 
 class CapacityOps:
-    """Capacity of the RAM tier: reservations, eviction of old checkpoints, statfs."""
+    """Capacity of the RAM tier, the facade's part (see the module docstring)."""
 
     # ------------------------------------------------------------------ capacity
-
-    def _account(self, v: Version) -> None:
-        """Measure what the data file of ``v`` really holds (st_blocks) and count the change
-        against size=: the accounting rule (docs/architecture.md, "Capacity")."""
-        try:
-            alloc = os.fstat(self._fd(v)).st_blocks * 512
-        except OSError:
-            return
-        self.used += alloc - v.alloc
-        v.alloc = alloc
-
-    def _new_bytes(self, v: Version, off: int, end: int) -> int:
-        """At most how many bytes writing ``[off, end)`` of ``v`` adds to the store: the pages
-        of the range from its first hole on (none when the range is all data)."""
-        start = off
-        if off < v.size:
-            try:
-                start = os.lseek(self._fd(v), off, os.SEEK_HOLE)
-            except OSError:
-                start = off
-            if start >= end:
-                return 0
-        return (-(-end // PAGE) - start // PAGE) * PAGE
 
     def _releases_in_flight(self) -> list[Handle]:
         out = []
@@ -85,187 +57,32 @@ class CapacityOps:
         if ev is not None:
             ev.set()
 
-    async def _reserve(self, nbytes: int, *, best_effort: bool = False) -> bool:
-        """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
+    # ------------------------------------------------------------------ eviction (core/eviction.py)
 
-        ``best_effort``: when eviction cannot free enough, return False instead of raising
-        (a fault-in: the read is served even so, docs/usage.md). Returns True with room.
+    @property
+    def evict_unsaved(self) -> bool:
+        """Under memory pressure, delete committed steps no other tier holds (oldest first,
+        with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``)."""
+        return self.eviction.evict_unsaved
 
-        Raises:
-            FsError: ENOSPC when eviction cannot free enough (unless ``best_effort``).
-        """
-        shared = self.shared_used() + self.in_flight
-        if self.used + shared + nbytes <= self.capacity:
-            return True
-        await self.settle_releases()
-        shared = self.shared_used() + self.in_flight
-        if self.used + shared + nbytes <= self.capacity:
-            return True
-        unsaved = self.evict_unsaved
-        if best_effort:  # a read never deletes a checkpoint no other tier holds
-            self.evict_unsaved = False
-        try:
-            self.evict(need=self.used + shared + nbytes - self.capacity)
-        finally:
-            self.evict_unsaved = unsaved
-        if self.used + shared + nbytes > self.capacity:
-            if best_effort:
-                return False
-            self.counters.enospc += 1
-            raise FsError(errno.ENOSPC, f"RAM tier full ({self.used} bytes of files and {shared}"
-                          f" of peer replicas and chunks being fetched, of {self.capacity} bytes)")
-        return True
+    @evict_unsaved.setter
+    def evict_unsaved(self, allowed: bool) -> None:
+        self.eviction.evict_unsaved = allowed
 
-    def evictable_steps(self, *, pressure: bool) -> list[StepRecord]:
-        """Committed steps that may leave RAM, in the order they leave it.
-
-        Never the newest committed step, never one being backed up; without memory pressure
-        also never one of the newest ``keep`` steps, and only steps already backed up.
-        Under pressure, steps the backup tier holds (their data leaves RAM, nothing is
-        lost) go first, oldest first; then, only when :attr:`evict_unsaved` allows it, the
-        steps no other tier holds (deleted), oldest first, stopping at the first one that
-        cannot go now (open, or being backed up) rather than deleting a newer one.
-        """
-        ordered = sorted(self.steps.values(), key=lambda s: (s.number, s.committed_ns))
-        if not ordered:
-            return []
-        protected = {ordered[-1].name}
-        if not pressure:
-            protected.update(s.name for s in ordered[-self.keep:] if self.keep > 0)
-        saved, unsaved = [], []
-        for s in ordered:
-            if s.name in protected:
-                continue
-            if s.backed_up_ns is None:
-                if pressure:
-                    unsaved.append(s)
-                continue
-            if s.backing_up or self._step_local_bytes(s) == 0:
-                continue
-            saved.append(s)
-        if not self.evict_unsaved:
-            return saved
-        lossy = []
-        for s in unsaved:
-            if s.backing_up or any(v.handles for v in self._step_versions(s)):
-                break  # oldest first: never a newer unsaved step in its place
-            lossy.append(s)
-        return saved + lossy
-
-    def _step_local_bytes(self, s: StepRecord) -> int:
-        total = 0
-        for _p, ino in self.walk(self.inodes[s.ino]):
-            if ino.is_file:
-                total += self.versions[ino.vid].alloc  # type: ignore[index]
-        return total
-
-    def crash_leftovers(self) -> list[Inode]:
-        """Top-level directories a save killed by a crash left behind, oldest step first.
-
-        A directory is a leftover only if all hold (docs/usage.md, "Capacity and eviction"):
-        (a) the daemon before this one did not stop cleanly (``previous_crash``; a store
-        created fresh had no run before); (b) it is, by its library's own definition, an
-        unfinished save (base/steps.py): a DCP step directory of ``*.distcp`` shards without
-        ``.metadata``, or an Orbax temporary directory; a directory of plain files
-        (torch.save, HF ``checkpoint-N``, committed by ``mtcfs seal``) never is; (c) it
-        holds no commit marker file, and no file that is unsealed, being sealed, open or
-        pinned; (d) nothing in it changed since the store was loaded (a job writing into it
-        again makes it a save in progress). It was uncommitted at load and still is.
-        """
-        if not self._leftover_dirs:
-            return []
-        root = self.inodes[ROOT_INO]
-        out = []
-        for name, num in root.children.items():  # type: ignore[union-attr]
-            d = self.inodes.get(num)
-            key = name.decode(errors="surrogateescape")
-            if d is None or not d.is_dir or key in self.steps or num not in self._leftover_dirs:
-                continue
-            if stepnames.is_orbax_tmp(name):
-                dcp = False
-            elif stepnames.step_number(name) is not None:
-                dcp = True
-            else:
-                continue
-            if self._unfinished_save(d, dcp=dcp):
-                out.append(d)
-        out.sort(key=lambda d: (stepnames.step_number(d.name) or
-                                stepnames.orbax_tmp_step(d.name) or 0, d.ino))
-        return out
-
-    def _unfinished_save(self, top: Inode, *, dcp: bool) -> bool:
-        """Rules (b) to (d) of :meth:`crash_leftovers` for the directory ``top``."""
-        shards = False
-        for _p, ino in self.walk(top):
-            if ino.ino not in self._inos_at_load or ino.mtime_ns > self._loaded_ns:
-                return False  # (d) changed since load
-            if ino is top:
-                continue
-            if ino.name in stepnames.COMMIT_FILES:
-                return False  # (c) a commit marker, sealed or not (it may be sealed yet)
-            if ino.is_file:
-                v = self.versions.get(ino.vid) if ino.vid is not None else None
-                if v is None or not v.sealed or v.sealing is not None or v.handles \
-                        or v.writers or v.pins:
-                    return False  # (c)
-            if dcp:  # (b) DCP writes its files flat in the step directory
-                if not ino.is_file or ino.parent != top.ino or not stepnames.is_dcp_file(ino.name):
-                    return False
-                shards = shards or ino.name != stepnames.DCP_METADATA_TMP
-        return shards or not dcp
-
-    def _evict_leftovers(self, need: int, start_used: int) -> None:
-        for d in self.crash_leftovers():
-            if start_used - self.used >= need:
-                return
-            name = d.name.decode(errors="surrogateescape")
-            self._delete_dir_tree(d)
-            self._leftover_dirs.discard(d.ino)
-            self.counters.evicted_leftovers += 1
-            log.warning("deleted %s from RAM under memory pressure: the incomplete leftover of"
-                        " a save a crash interrupted (never committed)", name)
+    @property
+    def unsaved_deleted(self) -> list[str]:
+        """The last steps deleted that way (status shows them as a warning)."""
+        return self.eviction.unsaved_deleted
 
     def evict(self, need: int | None = None) -> list[str]:
-        """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure).
+        """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure); see
+        :meth:`mtcfs.core.eviction.Eviction.evict`. Returns the names of the evicted steps."""
+        return self.eviction.evict(need)
 
-        A step that is in the backup keeps its namespace and drops its data (read again, it
-        is faulted back in); a step that is not is deleted (only under pressure, and only
-        with ``evict_unsaved``: counted, logged and shown in status as a warning). With
-        ``need`` (bytes), first deletes the incomplete leftovers of saves a crash
-        interrupted, and stops once enough is free; without, applies the keep= policy.
-
-        Returns:
-            names of the evicted steps.
-        """
-        pressure = need is not None
-        freed_names = []
-        start_used = self.used
-        if pressure and not self.job_scope:
-            self._evict_leftovers(need, start_used)  # type: ignore[arg-type]
-        for s in self.evictable_steps(pressure=pressure):
-            if pressure and start_used - self.used >= need:  # type: ignore[operator]
-                break
-            if any(v.handles for v in self._step_versions(s)):
-                continue
-            if self.job_scope:
-                # scope=job: the namespace is the job's; drop only data held elsewhere
-                # (other ranks' files, and own files the backup tier holds).
-                self._drop_step_data(s, others_only=s.backed_up_ns is None)
-            elif s.backed_up_ns is not None:
-                self._drop_step_data(s)
-            else:
-                self._delete_tree(s)
-                self.counters.deleted_unsaved_steps += 1
-                msg = (f"deleted checkpoint {s.name} from RAM under memory pressure: no other"
-                       " tier held it (not backed up); it is lost (evict_unsaved=yes)")
-                log.warning("%s", msg)
-                self.unsaved_deleted.append(s.name)
-                self.unsaved_deleted[:] = self.unsaved_deleted[-20:]
-            freed_names.append(s.name)
-            self.counters.evicted_steps += 1
-            log.info("evicted checkpoint %s from RAM (%s)", s.name,
-                     "memory pressure" if pressure else f"keep={self.keep}")
-        return freed_names
+    def crash_leftovers(self) -> list[Inode]:
+        """Top-level directories a save killed by a crash left behind, oldest step first
+        (:meth:`mtcfs.core.eviction.Eviction.crash_leftovers`)."""
+        return self.eviction.crash_leftovers()
 
     def _step_versions(self, s: StepRecord) -> list[Version]:
         return [self.versions[i.vid] for _p, i in self.walk(self.inodes[s.ino])
@@ -277,13 +94,13 @@ class CapacityOps:
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 self._hand_over_last_copies(v)
-                for d in v.chunks:  # first, so that other local copies take over at once
-                    self._forget_chunk(d, v.vid)
+                # first, so that other local copies take over at once
+                self.chunk_index.forget_version(v)
                 fd = self._fd(v)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, v.size)
                 v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-                self._account(v)
+                self.budget.account(v)
                 self._write_version(v)
 
     def _delete_tree(self, s: StepRecord) -> None:
@@ -308,8 +125,7 @@ class CapacityOps:
             self._maybe_free_inode(ino)
 
     def statfs(self) -> dict[str, int]:
-        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's). ``used`` is
-        what the store's data files really hold (holes cost nothing), plus the replicas."""
-        shared = self.shared_used()
-        return {"capacity": self.capacity, "used": self.used + shared, "replicas": shared,
-                "free": max(0, self.capacity - self.used - shared), "files": len(self.inodes)}
+        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's): ``capacity``,
+        ``used`` (what the store's data files really hold, holes cost nothing, plus the
+        replicas), ``replicas``, ``free``, ``files`` (inodes). See core/budget.py."""
+        return self.budget.figures(len(self.inodes))

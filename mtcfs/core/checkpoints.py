@@ -257,24 +257,20 @@ class CheckpointOps:
         Safe to call from other threads (a dict lookup and a set membership test, each
         atomic under the GIL); the answer may be stale by the time it is used.
         """
-        loc = self._chunk_locations.get(digest)
-        if loc is None:
-            return False
-        v = self.versions.get(loc[0])
-        return v is not None and loc[1] not in v.missing
+        return self.chunk_index.holds(digest)
 
     def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None:
         """Pin a version holding chunk ``digest``: (version, offset, length), or None.
 
         Call on the loop; read with :meth:`read_chunk_at` in any thread, then :meth:`unpin`.
         """
-        loc = self._chunk_locations.get(digest)
-        v = self.versions.get(loc[0]) if loc is not None else None
-        if v is None or loc[1] in v.missing:  # type: ignore[index]
+        loc = self.chunk_index.locate(digest)
+        if loc is None:
             return None
+        v, idx = loc
         v.pins += 1
         self._fd(v)
-        off, length = chunk_span(loc[1], v.size, v.chunk_size)  # type: ignore[index]
+        off, length = chunk_span(idx, v.size, v.chunk_size)
         return v, off, length
 
     def mark_backed_up(self, name: str, versions: list[Version]) -> None:
@@ -362,7 +358,7 @@ class CheckpointOps:
             self.steps[m.step] = rec
             self._write_step(rec)
         for v in [self.versions[i.vid] for _p, i in self.walk(top) if i.is_file]:
-            self._index_chunks(v)
+            self.chunk_index.add_version(v)
         return rec
 
     async def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
@@ -386,11 +382,11 @@ class CheckpointOps:
         finally:
             self.unpin(versions)
         out = []
-        for v in versions:  # every chunk held was hashed: no first-read hash (core/scrub.py)
-            self._unverified.pop(v.vid, None)
+        for v in versions:  # every chunk held was hashed: no first-read hash (core/verifier.py)
+            self.verifier.drop(v.vid)
         for v, i in bad:
             if self.versions.get(v.vid) is v and i not in v.missing:
-                await self._verify_chunk(v, i, scrub=True)  # known bad: never served again
+                await self.verifier.verify_chunk(v, i, scrub=True)  # known bad: never served again
             off, length = chunk_span(i, v.size, v.chunk_size)
             ino = self.inodes.get(v.ino)
             path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None

@@ -3,7 +3,12 @@
 :class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
 module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, versions, seal),
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
-:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`.
+:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
+state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
+:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
+:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
+(``eviction``); see docs/arch-core.md.
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -37,9 +42,13 @@ from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_count, chunk_span
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
+from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
-from mtcfs.core.faultin import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultInOps
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.eviction import Eviction
+from mtcfs.core.faultin import FaultInOps
+from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import FileOps
 from mtcfs.core.jobns import JobNamespaceOps
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
@@ -50,6 +59,7 @@ from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.scrub import ScrubOps
 from mtcfs.core.tier_api import TierApiOps
+from mtcfs.core.verifier import Verifier
 from mtcfs.core.xattrs import XattrOps
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
@@ -60,7 +70,7 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 #: kv key of the store: "1" once a daemon stopped cleanly, "0" while one serves (a crash
-#: leaves it so). See Filesystem.close and crash_leftovers (core/capacity.py).
+#: leaves it so). See Filesystem.close and crash_leftovers (core/eviction.py).
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
@@ -81,8 +91,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                  chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
         self.store = store
         self.db = store.db
-        self.capacity = capacity
-        self.keep = keep
         self.chunk_size = chunk_size or store.chunk_size
         self.job = job
         self.rank = rank
@@ -92,37 +100,30 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
         self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
-        self.used = 0
-        #: Bytes set aside for chunks being written by fault-in threads (not yet in ``used``).
-        self.in_flight = 0
         self.counters = Counters()
+        #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
+        self.eviction = Eviction(self, self.counters, keep)
+        #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
+        #: ``in_flight`` and ``Version.alloc``; the eviction policy makes room for it.
+        self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
+                                settle=self.settle_releases, make_room=self.eviction.make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
-        self.chunk_source: ChunkSource | None = None
-        #: Bytes of the same RAM budget used outside the core (the replicas this node holds
-        #: for its peers), read on every reservation; wired by the daemon.
-        self.shared_used: Callable[[], int] = lambda: 0
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
         self.cpu_limiter = pools.limiter("cpu")
-        self._fetch_limiter = pools.limiter("fetch")
-        #: Seconds a read waits for a missing chunk before EIO (core/faultin.py).
-        self.fetch_deadline_s = FETCH_DEADLINE_S
-        #: The last fault-in that failed: what it read, why, the sources tried (status).
-        self.last_fault_error = ""
-        #: (vid, chunk index) -> (trio time, error) of fetches that failed lately; a new
-        #: fetch of the same chunk within ``refetch_after_s`` fails at once (core/faultin.py).
-        self._failed_fetches: dict[tuple[int, int], tuple[float, str]] = {}
-        self.refetch_after_s = REFETCH_AFTER_S
+        #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk source,
+        #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
+        #: ``refetch_after_s`` and ``last_fault_error`` here are its (core/faultin.py).
+        self.fetcher = FaultIn(self, self.budget, self.fds, self.counters, self.cpu_limiter)
+        #: First-read verification and the scrub (core/verifier.py); ``scrub_*`` here are its.
+        self.verifier = Verifier(self, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
-        self._inflight: dict[tuple[int, int], trio.Event] = {}
-        #: digest -> (vid, chunk index) of one local copy; ``_chunk_alts``: the other
-        #: local copies of the same chunk (identical data in several files or steps).
-        self._chunk_locations: dict[str, tuple[int, int]] = {}
-        self._chunk_alts: dict[str, set[tuple[int, int]]] = {}
+        #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
+        self.chunk_index = ChunkIndex(self.versions)
         #: Told before this node drops its last local copy of a chunk (a version freed or
         #: evicted): ``wants(digest) -> bool``, ``keep(digest, data)``. The peer tier's
         #: replica store, whose replicas of other ranks may count on this node's copy.
@@ -137,20 +138,37 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
         self.chunk_origins: dict[str, int] = {}
         self._next_kid = 1 << 48
-        #: Under memory pressure, delete committed steps no other tier holds (oldest first,
-        #: with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``).
-        self.evict_unsaved = True
-        #: The last steps deleted that way (status shows them as a warning).
-        self.unsaved_deleted: list[str] = []
-        #: Crash leftovers (core/capacity.py ``crash_leftovers``): when the store was loaded,
-        #: the inodes there were then, and the top-level directories then uncommitted.
-        self._loaded_ns = 0
-        self._inos_at_load: set[int] = set()
-        self._leftover_dirs: set[int] = set()
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()
-        self._init_scrub()  # core/scrub.py: what is in RAM now is verified on first read
+        self.verifier.start()  # core/verifier.py: what is in RAM now is verified on first read
+
+    # ------------------------------------------------------------------ the budget's figures
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of file data the RAM tier may hold (``size=``); :attr:`budget`'s."""
+        return self.budget.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes the store's data files hold (read-only; :class:`RamBudget` changes it)."""
+        return self.budget.used
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes set aside for chunks fault-in threads are writing (read-only)."""
+        return self.budget.in_flight
+
+    @property
+    def shared_used(self) -> Callable[[], int]:
+        """Hook: bytes of the same budget used outside the core (replicas held for peers),
+        read on every reservation; the peer tier sets it."""
+        return self.budget.shared_used
+
+    @shared_used.setter
+    def shared_used(self, fn: Callable[[], int]) -> None:
+        self.budget.shared_used = fn
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,7 +177,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         db = self.db
         now = _now_ns()
         fresh = db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None
-        # (a) of crash_leftovers (core/capacity.py): did the daemon before stop cleanly? "1":
+        # (a) of crash_leftovers (core/eviction.py): did the daemon before stop cleanly? "1":
         # it did (close(clean=True)); "0": it was serving and never got there (a crash). A
         # store created fresh had no run before; one from before this flag counts as clean
         # (nothing in it is deleted as a crash leftover).
@@ -233,16 +251,11 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                          if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
                 self.steps.pop(name)
                 db.execute("DELETE FROM steps WHERE name=?", (name,))
-        for v in self.versions.values():  # what counts against size=: capacity.py, _account
-            v.alloc = os.stat(self.store.data_path(v.vid)).st_blocks * 512
-        self.used = sum(v.alloc for v in self.versions.values())
-        self._loaded_ns = _now_ns()
-        self._inos_at_load = set(self.inodes)
-        self._leftover_dirs = {num for name, num in self.inodes[ROOT_INO].children.items()  # type: ignore[union-attr]
-                               if name.decode(errors="surrogateescape") not in self.steps} \
-            if self.previous_crash else set()
+        # what counts against size=: core/budget.py
+        self.budget.measure_all(self.versions.values(), self.store.data_path)
+        self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
         for v in self.versions.values():
-            self._index_chunks(v)
+            self.chunk_index.add_version(v)
             if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
                 self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
 
@@ -474,7 +487,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             v.size = src.size
             v.missing = set(src.missing)
             v.chunk_size = src.chunk_size
-        self._account(v)
+        self.budget.account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         return v
@@ -524,20 +537,18 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             if not v.dropped:
                 v.dropped = True
                 os.ftruncate(self._fd(v), 0)
-                self._account(v)
+                self.budget.account(v)
             return
         del self.versions[v.vid]
-        self._unverified.pop(v.vid, None)  # core/scrub.py: nothing left to verify
+        self.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
         self._hand_over_last_copies(v)
         self.fds.drop(v)
-        self.used -= v.alloc
-        v.alloc = 0
+        self.budget.remove(v)
         self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
         # The data file goes once the deletion of its row is committed (store/meta.py).
         self.db.after_commit(functools.partial(self.store.remove_data, v.vid))
         failpoint("core.release_in_transaction")  # tests: a crash before that commit
-        for d in v.chunks:
-            self._forget_chunk(d, v.vid)
+        self.chunk_index.forget_version(v)
 
     def _hand_over_last_copies(self, v: Version) -> None:
         """Give ``chunk_keeper`` the chunks of ``v`` that no other local file holds and that
@@ -546,10 +557,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         if keeper is None or not v.sealed:
             return
         for i, d in enumerate(v.chunks):
-            if i in v.missing or self._chunk_locations.get(d, (None,))[0] != v.vid:
-                continue
-            if any(a[0] != v.vid for a in self._chunk_alts.get(d, ())):
-                continue  # another local file holds it too
+            if i in v.missing or not self.chunk_index.last_copy(d, v.vid):
+                continue  # not here, or another local file holds it too
             try:
                 if not keeper.wants(d):
                     continue
@@ -557,36 +566,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 keeper.keep(d, os.pread(self._fd(v), length, off))  # keep() verifies it
             except Exception as exc:  # the keeper's problem must not stop a delete
                 log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
-
-    def _note_chunk(self, digest: str, vid: int, idx: int) -> None:
-        """Chunk ``digest`` is in RAM as chunk ``idx`` of version ``vid``."""
-        loc = self._chunk_locations.get(digest)
-        if loc is None:
-            self._chunk_locations[digest] = (vid, idx)
-        elif loc != (vid, idx):
-            self._chunk_alts.setdefault(digest, set()).add((vid, idx))
-
-    def _forget_chunk(self, digest: str, vid: int) -> None:
-        """Version ``vid`` no longer holds ``digest`` in RAM; another local copy, if any,
-        takes its place (the replica store counts on this node's copies)."""
-        alts = self._chunk_alts.get(digest)
-        if alts:
-            for a in [a for a in alts if a[0] == vid]:
-                alts.discard(a)
-        loc = self._chunk_locations.get(digest)
-        if loc is not None and loc[0] == vid:
-            # Replaced in one step, never deleted first: other threads (the replica
-            # store's has_chunk) read this index without a lock.
-            while alts:
-                a = alts.pop()
-                other = self.versions.get(a[0])
-                if other is not None and a[1] not in other.missing:
-                    self._chunk_locations[digest] = a
-                    break
-            else:
-                del self._chunk_locations[digest]
-        if alts is not None and not alts:
-            del self._chunk_alts[digest]
 
     def _set_current(self, ino: Inode, v: Version | None) -> None:
         old = self.versions.get(ino.vid) if ino.vid is not None else None

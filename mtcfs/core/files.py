@@ -43,7 +43,7 @@ class FileOps:
                     cur.size = 0
                     cur.missing.clear()
                     cur.gen += 1
-                    self._account(cur)
+                    self.budget.account(cur)
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
@@ -51,10 +51,10 @@ class FileOps:
                     and not (cur.handles or cur.pins or cur.sealing is not None
                              or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
-            if need and self.used + self.shared_used() + need > self.capacity:
+            if need and not self.budget.fits(need, in_flight=False):
                 cur.pins += 1  # not evicted while we wait for room
                 try:
-                    await self._reserve(need)
+                    await self.budget.reserve(need)
                 finally:
                     cur.pins -= 1
                 continue  # the state may have moved during the wait: look again
@@ -151,7 +151,7 @@ class FileOps:
         if off >= v.size:
             return b""
         size = min(size, v.size - off)
-        if v.missing or v.vid in self._unverified:  # fault-in, or verify first (core/scrub.py)
+        if v.missing or self.verifier.needs(v):  # fault-in, or verify first (core/verifier.py)
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
                 await self.fault_in(v, off, size)
@@ -176,9 +176,9 @@ class FileOps:
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
-        need = self._new_bytes(v, off, end)
+        need = self.budget.new_bytes(v, off, end)
         if need:
-            await self._reserve(need)
+            await self.budget.reserve(need)
         try:
             n = os.pwrite(self._fd(v), buf, off)
         except OSError as exc:
@@ -188,7 +188,7 @@ class FileOps:
             raise
         if end > v.size:
             v.size = end
-        self._account(v)
+        self.budget.account(v)
         v.gen += 1
         self.counters.bytes_written += n
         self.last_write = time.monotonic()
@@ -322,7 +322,7 @@ class FileOps:
                 self._write_version(v)
                 if ino is not None:
                     self._write_inode(ino)
-            self._index_chunks(v)
+            self.chunk_index.add_version(v)
             self.counters.seals += 1
             v.sealing = None
             if ino is not None:
@@ -365,10 +365,3 @@ class FileOps:
             if trio.current_time() >= deadline:
                 return None
             await trio.sleep(0.01)
-
-    def _index_chunks(self, v: Version) -> None:
-        if not v.sealed:
-            return
-        for i, d in enumerate(v.chunks):
-            if i not in v.missing:
-                self._note_chunk(d, v.vid, i)

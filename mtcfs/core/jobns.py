@@ -363,12 +363,12 @@ class JobNamespaceOps:
                 if blake3.blake3(piece).hexdigest() == d:
                     os.pwrite(fd, piece, off)
                     v.missing.discard(i)
-        self._account(v)
+        self.budget.account(v)
         self.versions[v.vid] = v
         self._write_version(v)
         for d in chunks:
             self.chunk_origins[d] = rank
-        self._index_chunks(v)
+        self.chunk_index.add_version(v)
         return v
 
     # ------------------------------------------------------------------ snapshots
@@ -456,11 +456,10 @@ class JobNamespaceOps:
             self.inodes.clear()
             self.versions.clear()
             self.steps.clear()
-            self._chunk_locations.clear()
-            self._chunk_alts.clear()
+            self.chunk_index.clear()
             self.aliases.clear()
             self.chunk_origins.clear()
-            self.used = 0
+            self.budget.clear()
             root = self._new_root()
             self.inodes[ROOT_INO] = root
             names: dict[int, set[tuple[int, bytes]]] = {}
@@ -509,10 +508,10 @@ class JobNamespaceOps:
                 if mine is not None:
                     v = mine[0]  # being written here: it stays, and its close publishes it
                     self.versions[v.vid] = v
-                    self.used += v.alloc
+                    self.budget.add(v)
                     self._write_version(v)
                     if v.sealed:
-                        self._index_chunks(v)
+                        self.chunk_index.add_version(v)
                     ino.vid = v.vid
                     ino.published = dict(ver) if ver is not None else None
                 elif ver is not None:
@@ -524,12 +523,12 @@ class JobNamespaceOps:
                         self.fds.drop(v)
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
                         v.missing.clear()
-                        self._account(v)
+                        self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new
                         # version: a rejoin after a restart takes this path (core/scrub.py).
-                        self._carry_unverified(old, v)
+                        self.verifier.carry(old, v)
                     self._write_version(v)
-                    self._index_chunks(v)
+                    self.chunk_index.add_version(v)
                     ino.vid = v.vid
                     ino.published = dict(ver)
                     if content.get(ino.ino) != (v.chunks, v.size):
@@ -550,10 +549,10 @@ class JobNamespaceOps:
             for v in aside:
                 v.current = False
                 self.versions[v.vid] = v
-                self.used += v.alloc
+                self.budget.add(v)
                 self._write_version(v)
                 if v.sealed:
-                    self._index_chunks(v)
+                    self.chunk_index.add_version(v)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])

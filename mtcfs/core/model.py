@@ -58,7 +58,7 @@ class Version:
     #: scope=job: its publish op is on its way (sealed, not yet known job-wide).
     publishing: bool = False
     #: Bytes its data file really holds in the store (st_blocks x 512, as last measured):
-    #: what counts against size= (holes cost nothing). See ``CapacityOps._account``.
+    #: what counts against size= (holes cost nothing). See ``RamBudget.account`` (core/budget.py).
     alloc: int = 0
     #: Freed while its seal was hashing (its pages given back at once); the seal drops its
     #: result.

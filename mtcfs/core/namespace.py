@@ -153,13 +153,13 @@ class NamespaceOps:
         await self._resize(v, size)
 
     async def _resize(self, v: Version, size: int) -> None:
-        # Growing adds a hole, which costs nothing against size= (capacity.py: _account).
+        # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.fault_in(v, 0, v.size)
         os.ftruncate(self._fd(v), size)
         v.size = size
         v.gen += 1
-        self._account(v)
+        self.budget.account(v)
 
     def _dir_for_new_name(self, parent: int, name: bytes) -> Inode:
         """The directory ``parent``, once ``name`` is checked valid and free in it.

@@ -1,0 +1,188 @@
+"""The RAM budget: what the RAM tier holds against ``size=``, and the room a change needs.
+
+:class:`RamBudget` is the only code that changes :attr:`RamBudget.used`,
+:attr:`RamBudget.in_flight` and ``Version.alloc`` (docs/arch-core.md). It owns:
+
+- ``capacity``: bytes of file data the tier may hold (``size=``);
+- ``used``: the allocated bytes of every registered version's data file
+  (``st_blocks`` x 512, ``Version.alloc``); holes cost nothing, as on tmpfs;
+- ``in_flight``: bytes set aside for chunks fault-in threads are writing, not yet in
+  ``used`` (:meth:`hold`);
+- ``shared_used``: a hook, the bytes of the same budget used outside the core (the replicas
+  this node keeps for its peers), read on every reservation and by :meth:`figures`.
+
+Room is made by the core's eviction policy, which the budget calls back
+(``make_room(need, keep_unsaved)``) after waiting for releases in flight (``settle()``):
+the policy decides *what* goes, the budget decides *whether* it must and whether it fits.
+
+Every method runs on the trio thread. Only :meth:`reserve` awaits; a caller relies on
+nothing it read before it (docs/architecture.md, concurrency protocol).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+
+from mtcfs.base.errors import FsError
+from mtcfs.core.model import Version
+
+__all__ = ["PAGE", "RamBudget"]
+
+#: Allocation unit assumed for a reservation (tmpfs allocates pages), bytes.
+PAGE = 4096
+
+
+async def _nothing() -> None:
+    return None
+
+
+class RamBudget:
+    """The RAM tier's budget against ``size=``.
+
+    Args:
+        capacity: bytes of file data the tier may hold (``size=``).
+        fd_of: ``fd_of(version) -> int``: the version's data file descriptor, usable at once
+            (the core's descriptor cache).
+        counters: the core's :class:`~mtcfs.core.records.Counters`; ``enospc`` is counted
+            here when a reservation is refused.
+        settle: awaited before eviction when a reservation is short: waits (boundedly) for
+            RELEASEs of unlinked files whose space is about to come back.
+        make_room: ``make_room(need_bytes, keep_unsaved)``: evict at least ``need_bytes``
+            if it can (the eviction policy); ``keep_unsaved`` forbids deleting steps no other
+            tier holds.
+    """
+
+    def __init__(self, capacity: int, *, fd_of: Callable[[Version], int], counters: object,
+                 settle: Callable[[], Awaitable[None]] = _nothing,
+                 make_room: Callable[[int, bool], object] = lambda need, keep_unsaved: None
+                 ) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._in_flight = 0
+        #: Bytes of the same budget used outside the core (replicas held for peers);
+        #: wired by the peer tier; called on every reservation, so it must be cheap.
+        self.shared_used: Callable[[], int] = lambda: 0
+        self._fd_of = fd_of
+        self._counters = counters
+        self._settle = settle
+        self._make_room = make_room
+
+    # ------------------------------------------------------------------ figures
+
+    @property
+    def used(self) -> int:
+        """Bytes the registered versions' data files hold (replicas not included)."""
+        return self._used
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes reserved for chunk writes under way (:meth:`hold`), not yet in ``used``."""
+        return self._in_flight
+
+    def free(self) -> int:
+        """Bytes left under ``size=``: capacity less ``used`` and the replicas (never < 0)."""
+        return max(0, self.capacity - self._used - self.shared_used())
+
+    def figures(self, files: int) -> dict[str, int]:
+        """statfs figures, bytes: ``capacity``, ``used`` (files and replicas), ``replicas``,
+        ``free``, and ``files`` (the count given)."""
+        shared = self.shared_used()
+        return {"capacity": self.capacity, "used": self._used + shared, "replicas": shared,
+                "free": max(0, self.capacity - self._used - shared), "files": files}
+
+    def fits(self, nbytes: int, *, in_flight: bool = True) -> bool:
+        """Whether ``nbytes`` more fit now (counting bytes in flight unless told not to)."""
+        extra = self.shared_used() + (self._in_flight if in_flight else 0)
+        return self._used + extra + nbytes <= self.capacity
+
+    # ------------------------------------------------------------------ accounting
+
+    def account(self, v: Version) -> None:
+        """Measure what ``v``'s data file really holds (st_blocks) and count the change
+        against size=: the accounting rule (docs/architecture.md, "Capacity"). A file that
+        cannot be measured (gone) leaves the figures as they were."""
+        try:
+            alloc = os.fstat(self._fd_of(v)).st_blocks * 512
+        except OSError:
+            return
+        self._used += alloc - v.alloc
+        v.alloc = alloc
+
+    def measure_all(self, versions: Iterable[Version], path_of: Callable[[int], str]) -> None:
+        """Start over: measure each version's data file at ``path_of(vid)`` and make
+        ``used`` their sum (a store loaded at start)."""
+        total = 0
+        for v in versions:
+            v.alloc = os.stat(path_of(v.vid)).st_blocks * 512
+            total += v.alloc
+        self._used = total
+
+    def clear(self) -> None:
+        """No version is registered any more (a namespace snapshot install starts over);
+        the versions that join again are :meth:`add`-ed."""
+        self._used = 0
+
+    def add(self, v: Version) -> None:
+        """A version measured before joins the registered ones: count its ``alloc``."""
+        self._used += v.alloc
+
+    def remove(self, v: Version) -> None:
+        """A version leaves (freed): its ``alloc`` no longer counts, and is zeroed."""
+        self._used -= v.alloc
+        v.alloc = 0
+
+    def new_bytes(self, v: Version, off: int, end: int) -> int:
+        """At most how many bytes writing ``[off, end)`` of ``v`` adds to the store: the pages
+        of the range from its first hole on (none when the range is all data)."""
+        start = off
+        if off < v.size:
+            try:
+                start = os.lseek(self._fd_of(v), off, os.SEEK_HOLE)
+            except OSError:
+                start = off
+            if start >= end:
+                return 0
+        return (-(-end // PAGE) - start // PAGE) * PAGE
+
+    # ------------------------------------------------------------------ reservations
+
+    async def reserve(self, nbytes: int, *, best_effort: bool = False) -> bool:
+        """Make room for ``nbytes`` more bytes of data, evicting checkpoints if needed.
+
+        ``best_effort``: when eviction cannot free enough, return False instead of raising
+        (a fault-in: the read is served even so, docs/usage.md); eviction then never deletes
+        a step no other tier holds. Returns True with room. Nothing is set aside: the
+        caller writes before its next ``await`` (or holds the bytes, :meth:`hold`).
+
+        Raises:
+            FsError: ENOSPC (counted) when eviction cannot free enough (unless
+                ``best_effort``).
+        """
+        if self.fits(nbytes):
+            return True
+        await self._settle()
+        shared = self.shared_used() + self._in_flight
+        if self._used + shared + nbytes <= self.capacity:
+            return True
+        self._make_room(self._used + shared + nbytes - self.capacity, best_effort)
+        if self._used + shared + nbytes > self.capacity:
+            if best_effort:
+                return False
+            self._counters.enospc += 1  # type: ignore[attr-defined]
+            raise FsError(errno.ENOSPC, f"RAM tier full ({self._used} bytes of files and"
+                          f" {shared} of peer replicas and chunks being fetched, of"
+                          f" {self.capacity} bytes)")
+        return True
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Set ``nbytes`` aside (``in_flight``) while a thread writes them, until they are
+        counted: other reservations see them meanwhile."""
+        self._in_flight += nbytes
+        try:
+            yield
+        finally:
+            self._in_flight -= nbytes

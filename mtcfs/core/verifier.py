@@ -1,0 +1,253 @@
+"""Verification of the RAM tier's chunks: first-read verification after a start, and the
+background scrub.
+
+:class:`Verifier` owns which chunks are still unverified since this daemon started, the one
+verification in flight per ``(version, chunk)`` (a second caller waits for the first one's
+verdict), and the scrub's settings and status. The policy (docs/reliability.md):
+
+- every chunk held in RAM when the daemon starts is *unverified* (the store may have been
+  changed behind the daemon's back while it was down); the first read of it hashes it
+  before any of its bytes are served;
+- the scrub re-hashes every chunk held in RAM every ``interval_s`` seconds, reading at most
+  ``rate`` bytes per second;
+- a chunk that mismatches is handed to the core (``Host._mark_corrupt``, core/scrub.py):
+  marked missing, its bytes dropped, counted, logged, and faulted in again.
+
+Every verification of a chunk goes through :meth:`Verifier.verify_chunk`, one at a time per
+chunk, so a verdict that arrives after the chunk was already marked and refetched cannot
+mark the good bytes. It reaches the rest of the core only through :class:`Host`.
+
+Concurrency: on the trio thread; a chunk over :data:`INLINE_VERIFY_BYTES` is hashed in a
+worker thread under the core's ``cpu_limiter`` with a leased descriptor, its version pinned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Protocol
+
+import trio
+
+from mtcfs.base.chunking import chunk_hash, chunk_span
+from mtcfs.core.model import Version
+from mtcfs.core.records import Counters
+from mtcfs.core.store.fdcache import FdCache
+
+__all__ = ["INLINE_VERIFY_BYTES", "SCRUB_INTERVAL_S", "SCRUB_RATE", "Host", "Verifier"]
+
+#: Default seconds between the end of one scrub pass and the start of the next (and from
+#: the daemon's start to the first pass): a day. The first read after a start is verified
+#: anyway, so the scrub is for damage done while the daemon runs.
+SCRUB_INTERVAL_S = 24 * 3600.0
+#: Default bytes per second a scrub pass reads (blake3 runs at about 2 GB/s on one core,
+#: so this is about 5 % of one core while a pass runs).
+SCRUB_RATE = 100 * 1024 * 1024
+#: Chunks up to this many bytes are hashed on the FUSE loop itself (blake3: about 10 us
+#: for 64 KiB), larger ones in a worker thread.
+INLINE_VERIFY_BYTES = 64 * 1024
+
+
+def _hash_matches(fd: int, off: int, length: int, digest: str) -> bool:
+    """Worker-thread half of a verification."""
+    return chunk_hash(os.pread(fd, length, off)) == digest
+
+
+class Host(Protocol):
+    """What :class:`Verifier` may use of the core (the ``Filesystem`` facade)."""
+
+    versions: dict[int, Version]
+
+    def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
+    def _release_version(self, v: Version) -> None: ...
+    def _error(self, msg: str) -> None: ...
+
+
+class Verifier:
+    """First-read verification and the scrub of one core.
+
+    Args:
+        host: the core (see :class:`Host`).
+        fds: the core's descriptor cache.
+        counters: the core's counters (``corrupt_chunks`` of replaced versions).
+        cpu_limiter: the core's worker-thread limiter.
+
+    Settable by the daemon: :attr:`interval_s` (seconds, 0: no scrub), :attr:`rate`
+    (bytes per second, 0: unbounded). :attr:`state` is what ``mtcfs status`` shows.
+    """
+
+    def __init__(self, host: Host, fds: FdCache, counters: Counters,
+                 cpu_limiter: trio.CapacityLimiter) -> None:
+        self._host = host
+        self._fds = fds
+        self._counters = counters
+        self._cpu = cpu_limiter
+        #: vid -> chunk indices held in RAM and not hashed since this daemon started.
+        self._unverified: dict[int, set[int]] = {}
+        self._verifying: dict[tuple[int, int], trio.Event] = {}
+        self.interval_s = SCRUB_INTERVAL_S
+        self.rate = SCRUB_RATE
+        #: what ``mtcfs status`` shows of the scrub (times are wall-clock seconds)
+        self.state: dict = {"passes": 0, "running": False, "done_bytes": 0,
+                            "total_bytes": 0, "last_started": None,
+                            "last_finished": None, "last_seconds": None,
+                            "last_chunks": 0, "last_corrupt": 0, "next": None}
+
+    def start(self) -> None:
+        """Every chunk held in RAM now is unverified (called once the store is loaded)."""
+        for v in self._host.versions.values():
+            if v.sealed and v.chunks:
+                held = set(range(len(v.chunks))) - v.missing
+                if held:
+                    self._unverified[v.vid] = held
+
+    def drop(self, vid: int) -> None:
+        """Nothing of version ``vid`` needs a first-read hash (freed, or hashed whole)."""
+        self._unverified.pop(vid, None)
+
+    def needs(self, v: Version) -> bool:
+        """Whether some chunk of ``v`` must be hashed before it is served (cheap)."""
+        return v.vid in self._unverified
+
+    def unverified_chunks(self) -> int:
+        """Chunks of registered versions not hashed since start (status, metrics)."""
+        return sum(len(s) for vid, s in self._unverified.items() if vid in self._host.versions)
+
+    async def verify_range(self, v: Version, off: int, size: int) -> None:
+        """Hash the unverified chunks of ``v`` that ``[off, off+size)`` touches; the ones
+        that mismatch become missing (the caller then faults them in)."""
+        todo = self._unverified.get(v.vid)
+        if not todo:
+            return
+        cs = v.chunk_size
+        first, last = off // cs, (off + max(size, 1) - 1) // cs
+        wanted = [i for i in range(first, last + 1) if i in todo]
+        if len(wanted) == 1:
+            await self.verify_chunk(v, wanted[0])
+            return
+        async with trio.open_nursery() as n:
+            for i in wanted:
+                n.start_soon(self.verify_chunk, v, i)
+
+    async def verify_chunk(self, v: Version, idx: int, *, scrub: bool = False) -> bool:
+        """Hash chunk ``idx`` of ``v`` (held in RAM) in a worker thread; True if it matches.
+
+        A mismatch marks it corrupt (the host's ``_mark_corrupt``). One verification per chunk at
+        a time; a caller that finds one under way waits for its verdict.
+        """
+        key = (v.vid, idx)
+        while True:
+            ev = self._verifying.get(key)
+            if ev is None:
+                break
+            await ev.wait()
+            if not scrub:
+                todo = self._unverified.get(v.vid)
+                if not todo or idx not in todo:
+                    return idx not in v.missing
+        if idx in v.missing or not v.sealed:
+            self.verified(v.vid, idx)  # evicted or dropped: it comes back verified
+            return False
+        if self._host.versions.get(v.vid) is not v and v.fd < 0:
+            return False  # replaced and no longer held: its path may name other data
+        ev = self._verifying[key] = trio.Event()
+        v.pins += 1
+        try:
+            off, length = chunk_span(idx, v.size, v.chunk_size)
+            if length <= INLINE_VERIFY_BYTES:
+                # A small chunk hashes in microseconds: on the loop, without the thread
+                # round trip that would dominate (many small files read after a restart).
+                ok = _hash_matches(self._fds.get(v), off, length, v.chunks[idx])
+            else:
+                fd = self._fds.lease(v)  # open while the thread hashes (store/fdcache.py)
+                try:
+                    ok = await trio.to_thread.run_sync(_hash_matches, fd, off, length,
+                                                       v.chunks[idx], limiter=self._cpu)
+                finally:
+                    self._fds.unlease(v, fd)
+            if idx in v.missing:
+                return False
+            if self._host.versions.get(v.vid) is not v:
+                # Replaced (a snapshot install) but still read through a handle's kept
+                # descriptor: a mismatch is never served; the chunk becomes missing on this
+                # object only (no hole punched: the inode may be another version's now),
+                # and fault-in writes good bytes through that descriptor.
+                if not ok:
+                    v.missing.add(idx)
+                    self._counters.corrupt_chunks += 1
+                    how = "scrub" if scrub else "first read after start"
+                    self._host._error(f"corrupt chunk in the RAM tier ({how}): version {v.vid} "
+                                f"(replaced, still open), chunk {idx}; to be fetched from "
+                                "another tier")
+                return ok
+            self.verified(v.vid, idx)
+            if not ok:
+                self._host._mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
+            return ok
+        finally:
+            del self._verifying[key]
+            ev.set()
+            v.pins -= 1
+            self._host._release_version(v)
+
+    def carry(self, old: Version, new: Version) -> None:
+        """``new`` took over the data file of ``old`` (scope=job snapshot install): the
+        chunks of ``old`` not hashed since start are unverified under ``new``."""
+        held = old.handles or old.pins  # still read through its kept descriptor
+        todo = self._unverified.get(old.vid) if held else self._unverified.pop(old.vid, None)
+        if todo:
+            self._unverified[new.vid] = set(todo)
+
+    def verified(self, vid: int, idx: int) -> None:
+        """Chunk ``idx`` of version ``vid`` needs no first-read hash any more."""
+        todo = self._unverified.get(vid)
+        if todo is not None:
+            todo.discard(idx)
+            if not todo:
+                del self._unverified[vid]
+
+    async def loop(self) -> None:
+        """Background task: a scrub pass every ``interval_s`` (0: never)."""
+        if not self.interval_s:
+            return
+        while True:
+            self.state["next"] = time.time() + self.interval_s
+            await trio.sleep(self.interval_s)
+            self.state["next"] = None
+            try:
+                await self.scrub_pass()
+            except Exception as exc:  # a pass that failed is logged; the next one runs
+                self._host._error(f"scrub pass failed: {exc!r}")
+                self.state["running"] = False
+
+    async def scrub_pass(self) -> int:
+        """Hash every chunk held in RAM of every sealed version, at most ``rate``
+        bytes per second; repair the corrupt ones it can (fault-in). Returns how many
+        mismatched."""
+        st = self.state
+        work = [(v, i) for v in list(self._host.versions.values()) if v.sealed
+                for i in range(len(v.chunks)) if i not in v.missing]
+        st.update(running=True, done_bytes=0, last_started=time.time(),
+                  total_bytes=sum(chunk_span(i, v.size, v.chunk_size)[1] for v, i in work))
+        t0 = trio.current_time()
+        done = checked = bad = 0
+        try:
+            for v, i in work:
+                if self._host.versions.get(v.vid) is not v or i in v.missing or not v.sealed:
+                    continue
+                length = chunk_span(i, v.size, v.chunk_size)[1]
+                if not await self.verify_chunk(v, i, scrub=True) and i in v.missing:
+                    bad += 1
+                checked += 1
+                done += length
+                st["done_bytes"] = done
+                if self.rate:
+                    # never ahead of scrub_rate bytes/s since the pass began
+                    await trio.sleep_until(t0 + done / self.rate)
+                else:
+                    await trio.sleep(0)
+        finally:
+            st.update(running=False, last_finished=time.time(),
+                      last_seconds=round(trio.current_time() - t0, 3), last_chunks=checked,
+                      last_corrupt=bad, passes=st["passes"] + 1)
+        return bad

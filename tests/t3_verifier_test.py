@@ -1,0 +1,129 @@
+"""First-read verification and the scrub (core/verifier.py) alone: a Verifier over a fake
+host and real data files, no Filesystem. What the core does with a corrupt chunk
+(``_mark_corrupt``: a hole, the budget, a repair) is in t3_core_test.py and t6_corrupt.
+
+Each test ends with the consistency check: no verification in flight, nothing pinned, and
+every chunk still unverified is held (not missing) by a registered version.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.core.model import Version
+from mtcfs.core.records import Counters
+from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.verifier import INLINE_VERIFY_BYTES, Verifier
+
+CS = 2 * INLINE_VERIFY_BYTES  # hashed in a worker thread
+
+
+class Host:
+    """The calls Verifier makes on the core (verifier.Host), recorded."""
+
+    def __init__(self, tmp_path) -> None:
+        self.dir = tmp_path
+        self.versions: dict[int, Version] = {}
+        self.corrupt: list[tuple[int, int, str]] = []
+        self.errors: list[str] = []
+
+    def open_data(self, vid: int) -> int:
+        return os.open(str(self.dir / f"v{vid}"), os.O_RDWR | os.O_CREAT, 0o600)
+
+    def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
+        v.missing.add(idx)  # as the core does, so that a verdict is acted on once
+        self.corrupt.append((v.vid, idx, found_by))
+
+    def _release_version(self, v: Version) -> None:
+        pass
+
+    def _error(self, msg: str) -> None:
+        self.errors.append(msg)
+
+
+def setup(tmp_path, nchunks: int = 3):
+    host = Host(tmp_path)
+    fds = FdCache(host.open_data)
+    data = os.urandom(nchunks * CS)
+    v = Version(vid=1, ino=5, size=len(data), chunk_size=CS, sealed=True,
+                chunks=tuple(chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)))
+    os.pwrite(fds.get(v), data, 0)
+    host.versions[1] = v
+    verifier = Verifier(host, fds, Counters(), trio.CapacityLimiter(2))
+    verifier.start()
+    return host, fds, verifier, v
+
+
+def consistent(host, fds, verifier) -> None:
+    assert verifier._verifying == {}
+    for vid, todo in verifier._unverified.items():
+        v = host.versions[vid]
+        assert todo and not (todo & v.missing) and v.pins == 0
+    assert verifier.unverified_chunks() == sum(len(t) for t in verifier._unverified.values())
+    fds.close_all()
+
+
+def test_a_first_read_hashes_what_it_touches_and_hands_a_mismatch_over(tmp_path):
+    host, fds, verifier, v = setup(tmp_path)
+    assert verifier.needs(v) and verifier.unverified_chunks() == 3
+    os.pwrite(fds.get(v), b"rot", 2 * CS + 7)
+
+    async def main() -> None:
+        await verifier.verify_range(v, 0, 1)  # chunk 0 only
+        assert verifier._unverified[1] == {1, 2}
+        await verifier.verify_range(v, CS, 2 * CS)  # chunks 1 and 2, side by side
+        assert not verifier.needs(v)
+
+    trio.run(main)
+    assert host.corrupt == [(1, 2, "first read after start")]
+    consistent(host, fds, verifier)
+
+
+def test_two_callers_of_one_chunk_share_one_verdict(tmp_path):
+    host, fds, verifier, v = setup(tmp_path, nchunks=1)
+    os.pwrite(fds.get(v), b"rot", 0)
+    verdicts: list[bool] = []
+
+    async def main() -> None:
+        async def one() -> None:
+            verdicts.append(await verifier.verify_chunk(v, 0))
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+
+    trio.run(main)
+    assert verdicts == [False, False] and len(host.corrupt) == 1  # marked once
+    consistent(host, fds, verifier)
+
+
+def test_a_scrub_pass_hashes_everything_held_and_reports(tmp_path):
+    host, fds, verifier, v = setup(tmp_path)
+    verifier.rate = 0
+    verifier.drop(1)  # hashed whole already (e.g. mtcfs verify): the scrub hashes anyway
+    v.missing.add(0)  # not held: not hashed
+    os.pwrite(fds.get(v), b"rot", CS)
+
+    async def main() -> None:
+        assert await verifier.scrub_pass() == 1
+
+    trio.run(main)
+    st = verifier.state
+    assert st["passes"] == 1 and st["last_chunks"] == 2 and st["last_corrupt"] == 1
+    assert not st["running"] and host.corrupt == [(1, 1, "scrub")]
+    consistent(host, fds, verifier)
+
+
+def test_a_version_that_takes_the_data_file_over_carries_what_is_unverified(tmp_path):
+    host, fds, verifier, v = setup(tmp_path)
+    new = Version(vid=2, ino=5, size=v.size, chunk_size=CS, sealed=True, chunks=v.chunks)
+    del host.versions[1]
+    host.versions[2] = new
+    verifier.carry(v, new)  # v is held by nothing: its entry moves
+    assert verifier.needs(new) and not verifier.needs(v)
+    fds.close_all()
+    host.versions[1] = v
+    verifier.drop(1)
+    consistent(host, FdCache(host.open_data), verifier)
