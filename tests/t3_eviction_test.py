@@ -27,7 +27,7 @@ class Host:
         self.steps: dict[str, StepRecord] = {}
         self.inodes: dict[int, Inode] = {ROOT_INO: inode(ROOT_INO, "dir")}
         self.versions: dict[int, Version] = {}
-        self.ns_log = None
+        self.job_scope = False  # scope=node
         self.acted: list[tuple[str, str]] = []
         for n, backed_up in steps.items():
             name = f"step_{n}"
