@@ -1,4 +1,4 @@
-"""Tier-1: imports point down (docs/arch-ports.md, "Layers").
+"""Tier-1: imports point down (docs/architecture.md, "Layers and imports").
 
 Layers, lowest first: ``mtcfs/base`` < ``mtcfs/core`` < ``mtcfs/tiers`` < top (the modules
 directly in ``mtcfs/``: cli, daemon, fuse_ops, control, options, metrics, __main__). A

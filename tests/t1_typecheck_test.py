@@ -2,7 +2,7 @@
 mtcfs/tiers, mtcfs/core/ports.py and the check that the core satisfies every port).
 
 The test fails with mypy's own report, so the fix starts from its output. See
-docs/arch-ports.md ("Type checking").
+docs/architecture.md ("Type checking").
 """
 
 from __future__ import annotations

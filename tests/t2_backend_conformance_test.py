@@ -15,7 +15,7 @@ unchanged, against:
                     503s, resets and lost replies on the HTTP path of the real client)
 ==================  ==================================================================
 
-A new backend joins by adding one entry to :data:`KINDS` (docs/arch-conformance.md).
+A new backend joins by adding one entry to :data:`KINDS` (docs/conformance.md).
 """
 
 from __future__ import annotations

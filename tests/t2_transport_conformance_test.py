@@ -13,7 +13,7 @@ Each body is one promise of the peer protocol (docs/peer-protocol.md) seen from 
 calls: chunks round-trip bit-exact, only missing chunks travel, manifests are stored and
 listed, missing and corrupt chunks are left out, bad bytes and full or over-quota stores are
 refused per chunk, whole calls are refused with the status the protocol names. A new
-transport joins by adding one entry to :data:`KINDS` (docs/arch-conformance.md).
+transport joins by adding one entry to :data:`KINDS` (docs/conformance.md).
 """
 
 from __future__ import annotations

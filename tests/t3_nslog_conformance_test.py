@@ -1,4 +1,4 @@
-"""Namespace ops and the NamespaceLog interface (docs/arch-nslog.md).
+"""Namespace ops and the NamespaceLog interface (docs/architecture.md, "Namespace operations").
 
 * The wire form of every op kind: typed op -> dict -> JSON -> typed op, the exact dict
   nodes store in etcd, and malformed dicts refused with EINVAL and a message.

@@ -1,7 +1,7 @@
 """The RAM budget: what the RAM tier holds against ``size=``, and the room a change needs.
 
 :class:`RamBudget` is the only code that changes :attr:`RamBudget.used`,
-:attr:`RamBudget.in_flight` and ``Version.alloc`` (docs/arch-core.md). It owns:
+:attr:`RamBudget.in_flight` and ``Version.alloc`` (docs/architecture.md, "The core"). It owns:
 
 - ``capacity``: bytes of file data the tier may hold (``size=``);
 - ``used``: the allocated bytes of every registered version's data file

@@ -8,7 +8,7 @@ state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
 :class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
-(``eviction``); see docs/arch-core.md.
+(``eviction``); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it

@@ -2,7 +2,7 @@
 
 The fetches themselves, with their state, are :class:`mtcfs.core.fetcher.FaultIn`
 (``Filesystem.fetcher``); this mixin joins them to the scrub (a first read verifies before
-it fetches), the chunk index and the namespace. See docs/arch-core.md.
+it fetches), the chunk index and the namespace. See docs/architecture.md, "The core".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The apply path of namespace ops (both scopes), and the core's side of scope=job's
-job-wide namespace (docs/consistency.md, docs/arch-nslog.md).
+job-wide namespace (docs/consistency.md, docs/architecture.md, "Namespace operations").
 
 A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change is an
 *op* (:mod:`mtcfs.base.ns_ops`). In scope=job the mount's ``ns_log``

@@ -9,7 +9,7 @@ step), :class:`Version` (a file's content; opaque to the tiers but for the attri
 read: ``size``, ``chunk_size``, ``writers``, ``local_bytes()``), :class:`ChunkSource` (what
 the core fetches missing chunks through) and :data:`ROOT_INO`.
 
-Ports by consumer (docs/arch-ports.md has the table):
+Ports by consumer (docs/architecture.md, "Ports" has the table):
 
 * :class:`BackupPort`: the backup scheduler (mtcfs/tiers/backup/scheduler.py).
 * :class:`PeerPort`: the peer tier (mtcfs/tiers/peer/tier*.py) and its local-chunk hook.

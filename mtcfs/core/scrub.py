@@ -4,7 +4,7 @@ Which chunks are unverified, the verifications in flight and the scrub are
 :class:`mtcfs.core.verifier.Verifier` (``Filesystem.verifier``); this mixin is what the
 verifier and fault-in call back when a chunk's bytes no longer match its hash
 (:meth:`ScrubOps._mark_corrupt`), and the settings the daemon reads and sets. Policy:
-docs/reliability.md; components: docs/arch-core.md.
+docs/reliability.md; components: docs/architecture.md, "The core".
 
 A chunk that mismatches is treated as missing: marked missing (persisted), its bytes
 dropped from the data file, counted (``corrupt_chunks``), logged with its file and chunk,

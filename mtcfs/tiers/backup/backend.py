@@ -94,7 +94,7 @@ class Backend(abc.ABC):
     and keeps the first. The backup layout never makes such a pair.
 
     ``tests/t2_backend_conformance_test.py`` checks every implementation against these
-    promises (docs/arch-conformance.md).
+    promises (docs/conformance.md).
     """
 
     @abc.abstractmethod

@@ -11,7 +11,7 @@ every chunk received is re-hashed, transient failures are retried). Two implemen
   node's :class:`~mtcfs.tiers.peer.service.PeerService` handlers, for fast tests.
 
 ``tests/t2_transport_conformance_test.py`` runs one set of test bodies against both
-(docs/arch-conformance.md).
+(docs/conformance.md).
 """
 
 from __future__ import annotations
