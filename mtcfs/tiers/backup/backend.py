@@ -23,7 +23,8 @@ __all__ = [
 
 _MAX_KEY_BYTES = 1024  # the GCS object-name limit, applied to every backend alike
 _MAX_SEGMENT_BYTES = 255  # NAME_MAX: a segment is a file name on a FileBackend
-_RESERVED_SEGMENT = ".mtcfs-tmp-"  # a FileBackend's temporary files
+#: The start of a FileBackend's temporary file names: no key segment may start with it.
+TEMP_PREFIX = ".mtcfs-tmp-"
 
 
 def validate_key(key: str) -> str:
@@ -50,8 +51,8 @@ def validate_key(key: str) -> str:
         if len(p.encode("utf-8", "surrogatepass")) > _MAX_SEGMENT_BYTES:
             raise ValueError(f"bad backup object key {key[:40]!r}...: a path segment is "
                              f"longer than {_MAX_SEGMENT_BYTES} bytes")
-        if p.startswith(_RESERVED_SEGMENT):
-            raise ValueError(f"bad backup object key {key!r}: {_RESERVED_SEGMENT}* is "
+        if p.startswith(TEMP_PREFIX):
+            raise ValueError(f"bad backup object key {key!r}: {TEMP_PREFIX}* is "
                              f"reserved")
     return key
 

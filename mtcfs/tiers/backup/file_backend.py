@@ -19,10 +19,9 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from mtcfs.tiers.backup.backend import Backend, validate_key, validate_prefix
+from mtcfs.tiers.backup.backend import TEMP_PREFIX, Backend, validate_key, validate_prefix
 from mtcfs.tiers.backup.errors import BackupError, NotFound, TransientError
 
-_TMP_PREFIX = ".mtcfs-tmp-"
 
 #: errno values a network file system returns for conditions that clear up by themselves.
 _TRANSIENT_ERRNOS = frozenset(
@@ -67,11 +66,8 @@ class FileBackend(Backend):
         return f"file://{self._root}"
 
     def _path(self, key: str) -> str:
-        validate_key(key)
-        parts = key.split("/")
-        if any(p.startswith(_TMP_PREFIX) for p in parts):
-            raise ValueError(f"bad backup object key {key!r}: {_TMP_PREFIX}* is reserved")
-        return os.path.join(self._root, *parts)
+        validate_key(key)  # also refuses segments named like our temporary files
+        return os.path.join(self._root, *key.split("/"))
 
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` (bytes) to the file for ``key`` atomically and durably.
@@ -85,7 +81,7 @@ class FileBackend(Backend):
         tmp = ""
         try:
             for attempt in range(5):
-                tmp = os.path.join(parent, _TMP_PREFIX + secrets.token_hex(8))
+                tmp = os.path.join(parent, TEMP_PREFIX + secrets.token_hex(8))
                 try:
                     os.makedirs(parent, exist_ok=True)
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -174,7 +170,7 @@ class FileBackend(Backend):
             rel_dir = os.path.relpath(dirpath, self._root)
             rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
             for name in sorted(filenames):
-                if name.startswith(_TMP_PREFIX):
+                if name.startswith(TEMP_PREFIX):
                     continue
                 key = rel_dir + name
                 if key.startswith(prefix):
