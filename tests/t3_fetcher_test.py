@@ -67,7 +67,7 @@ class Host:
     def _chunk_arrived(self, v, idx) -> None:
         self.arrived.append((v.vid, idx))
 
-    def _error(self, msg: str) -> None:
+    def report_error(self, msg: str) -> None:
         self.errors.append(msg)
 
 

@@ -40,7 +40,7 @@ class Host:
     def _release_version(self, v: Version) -> None:
         pass
 
-    def _error(self, msg: str) -> None:
+    def report_error(self, msg: str) -> None:
         self.errors.append(msg)
 
 

@@ -594,7 +594,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             self._delete_inode_rows(ino)
             self._set_current(ino, None)
 
-    def _error(self, msg: str) -> None:
+    def report_error(self, msg: str) -> None:
+        """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""
         log.error("%s", msg)
         self.errors.append(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")
         self.errors_total += 1

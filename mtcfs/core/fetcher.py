@@ -65,7 +65,7 @@ class Host(Protocol):
     def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
     def _release_version(self, v: Version) -> None: ...
     def _chunk_arrived(self, v: Version, idx: int) -> None: ...
-    def _error(self, msg: str) -> None: ...
+    def report_error(self, msg: str) -> None: ...
 
 
 class FaultIn:
@@ -229,7 +229,7 @@ class FaultIn:
         why = (f"{self._what(v, idx)}: {why}{asked}; tried: "
                f"{'; '.join(tried) or 'nothing'}")
         self.last_fault_error = why
-        self._host._error(why)
+        self._host.report_error(why)
         now = trio.current_time()
         for k in [k for k, (t, _w) in self._failed.items() if now - t >= self.refetch_after_s]:
             del self._failed[k]
@@ -307,7 +307,7 @@ class FaultIn:
                     or v.chunks[idx] != digest:
                 continue
             if len(data) != chunk_span(idx, v.size, v.chunk_size)[1]:
-                self._host._error(f"chunk {digest[:16]} has {len(data)} bytes, expected "
+                self._host.report_error(f"chunk {digest[:16]} has {len(data)} bytes, expected "
                                   f"{chunk_span(idx, v.size, v.chunk_size)[1]}")
                 continue
             v.pins += 1

@@ -304,7 +304,7 @@ class FileOps:
                     if v.dropped:
                         return  # freed while hashing (core: _release_version)
                     v.seal_error = str(exc)
-                    self._error(f"seal of version {v.vid} failed: {exc}")
+                    self.report_error(f"seal of version {v.vid} failed: {exc}")
                     return
                 if v.vid not in self.versions or v.dropped:
                     return

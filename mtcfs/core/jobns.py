@@ -93,7 +93,7 @@ class JobNamespaceOps:
             await self.ns_log.submit(op)
         except FsError as exc:
             v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
-            self._error(v.seal_error)
+            self.report_error(v.seal_error)
             if exc.errno == errno.EIO and self._nursery is not None:
                 self._nursery.start_soon(self._republish, ino, v,
                                         dataclasses.replace(op, expect=expect))

@@ -104,7 +104,7 @@ class ScrubOps:
         self.counters.corrupt_chunks += 1
         ino = self.inodes.get(v.ino)
         path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None
-        self._error(f"corrupt chunk in the RAM tier ({found_by}): "
+        self.report_error(f"corrupt chunk in the RAM tier ({found_by}): "
                     f"{path if path is not None else f'version {v.vid}'}, chunk {idx} "
                     f"(bytes {off}..{off + length}) does not match {v.chunks[idx][:16]}; "
                     "dropped, to be fetched from another tier")

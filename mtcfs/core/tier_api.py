@@ -21,10 +21,6 @@ class TierApiOps:
         """The current versions of the files below step ``rec``, in walk order."""
         return self._step_versions(rec)  # type: ignore[attr-defined, no-any-return]
 
-    def report_error(self, msg: str) -> None:
-        """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""
-        self._error(msg)  # type: ignore[attr-defined]
-
     def root_entries(self) -> Mapping[bytes, int]:
         """The root directory's entries, name -> inode number: a read-only view that
         follows changes to the directory until a namespace install (scope=job) replaces

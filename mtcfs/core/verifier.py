@@ -60,7 +60,7 @@ class Host(Protocol):
 
     def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
     def _release_version(self, v: Version) -> None: ...
-    def _error(self, msg: str) -> None: ...
+    def report_error(self, msg: str) -> None: ...
 
 
 class Verifier:
@@ -176,7 +176,7 @@ class Verifier:
                     v.missing.add(idx)
                     self._counters.corrupt_chunks += 1
                     how = "scrub" if scrub else "first read after start"
-                    self._host._error(f"corrupt chunk in the RAM tier ({how}): version {v.vid} "
+                    self._host.report_error(f"corrupt chunk in the RAM tier ({how}): version {v.vid} "
                                 f"(replaced, still open), chunk {idx}; to be fetched from "
                                 "another tier")
                 return ok
@@ -217,7 +217,7 @@ class Verifier:
             try:
                 await self.scrub_pass()
             except Exception as exc:  # a pass that failed is logged; the next one runs
-                self._host._error(f"scrub pass failed: {exc!r}")
+                self._host.report_error(f"scrub pass failed: {exc!r}")
                 self.state["running"] = False
 
     async def scrub_pass(self) -> int:
