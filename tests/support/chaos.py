@@ -162,6 +162,8 @@ class ChaosConfig:
         max_wall_s: a hard cap on the fault phase (then the final checks run anyway).
         strict_local_ram: also read files through a node whose RAM copy was corrupted.
         verbose: print the event log as it happens (else it is kept in the result).
+        target_wait_s: how long a corruption waits for a tier to hold something to corrupt
+            (the backup fills lazily) before it is skipped.
     """
 
     seed: int = 1
@@ -179,6 +181,7 @@ class ChaosConfig:
     max_wall_s: float | None = None
     strict_local_ram: bool = False
     verbose: bool = False
+    target_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.scope not in ("job", "node"):
@@ -1405,6 +1408,22 @@ class Chaos:
     def _pick(self, items: list, p: FaultPlan) -> Any:
         return items[min(int(p.pick * len(items)), len(items) - 1)] if items else None
 
+    def _await_targets(self, kind: str, find: Callable[[], list]) -> list:
+        """``find()``'s targets, polled until there is one or ``target_wait_s`` passes.
+
+        The tiers a corruption needs fill in lazily (the backup runs after a commit and
+        catches up after an outage), so "nothing to corrupt" at the planned moment is a
+        matter of timing, not of the seed: wait for the tier rather than skip the fault
+        (a skipped kind failed the short run in CI at seed 11)."""
+        deadline = time.monotonic() + self.cfg.target_wait_s
+        while True:
+            got = find()
+            if got or time.monotonic() >= deadline:
+                if not got:
+                    self.log(f"{kind}: no target after {self.cfg.target_wait_s:g}s")
+                return got
+            time.sleep(0.25)
+
     def _corrupt_ram_chunk(self, rank: int, f: FileRec, idx: int, p: FaultPlan,
                            rng: random.Random) -> bool:
         path = self._ram_copy(rank, f, idx)
@@ -1500,13 +1519,12 @@ class Chaos:
 
     def _f_corrupt_replica(self, p: FaultPlan) -> None:
         rng = random.Random(f"mtcfs-chaos-flip:{self.cfg.seed}:{p.index}")
-        cands = []
-        for f in self._candidates():
-            for idx, h in enumerate(self.chunks(f)):
-                for r in self.up():
-                    if idx not in f.corrupt_chunks and self._replica_copy(r, h) is not None:
-                        cands.append((r, f, idx))
-        got = self._pick(cands, p)
+
+        def find() -> list:
+            return [(r, f, idx) for f in self._candidates()
+                    for idx, h in enumerate(self.chunks(f)) for r in self.up()
+                    if idx not in f.corrupt_chunks and self._replica_copy(r, h) is not None]
+        got = self._pick(self._await_targets("corrupt_replica", find), p)
         if got is None:
             self.log("corrupt_replica: no replica chunk to corrupt")
             return
@@ -1521,9 +1539,9 @@ class Chaos:
 
     def _f_corrupt_backup(self, p: FaultPlan) -> None:
         rng = random.Random(f"mtcfs-chaos-flip:{self.cfg.seed}:{p.index}")
-        cands = [(f, idx) for f in self._candidates() for idx, h in enumerate(self.chunks(f))
-                 if idx not in f.corrupt_chunks and self._backup_copy(h)]
-        got = self._pick(cands, p)
+        got = self._pick(self._await_targets("corrupt_backup", lambda: [
+            (f, idx) for f in self._candidates() for idx, h in enumerate(self.chunks(f))
+            if idx not in f.corrupt_chunks and self._backup_copy(h)]), p)
         if got is None:
             self.log("corrupt_backup: no backed-up chunk to corrupt")
             return
