@@ -49,6 +49,10 @@ CALL_TIMEOUT_S = 10.0
 #: Seconds one attempt on one endpoint may take: a member that lost its leader holds a
 #: request until etcd's own timeout (seconds), another member may already serve it.
 ATTEMPT_S = 2.0
+#: Seconds a lease revoke may take: always best effort (a lease not revoked expires on its
+#: own within its TTL), and made on the way out, where a dead etcd must not hold a stop for
+#: the whole call deadline once per lease (it held an unmount 12 s).
+REVOKE_TIMEOUT_S = 3.0
 #: Largest message this client accepts (a range of many namespace keys).
 MAX_RECEIVE_BYTES = 256 * 1024 * 1024
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -471,9 +475,15 @@ class Etcd:
         return int(r.ID), int(r.TTL)
 
     def revoke(self, lease: int) -> None:
-        """End a lease now (its keys are deleted). A lease already gone is fine."""
+        """End a lease now (its keys are deleted). A lease already gone is fine.
+
+        Raises:
+            EtcdUnavailable: no endpoint answered within ``min(timeout_s,
+                REVOKE_TIMEOUT_S)`` (the lease then expires after its TTL).
+        """
         try:
-            self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease))
+            self._call("Lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease),
+                       timeout_s=min(self.timeout_s, REVOKE_TIMEOUT_S))
         except EtcdError as exc:
             if "not found" not in str(exc):
                 raise
