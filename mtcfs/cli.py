@@ -60,16 +60,39 @@ def _mount_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(debug: bool, path: str | None) -> None:
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    """Log to ``path``, else to stderr. On stderr under systemd (``$JOURNAL_STREAM`` set:
+    stderr is the journal), no timestamp (journald stamps each line) and each line starts
+    with its syslog priority (``<3>`` error, ``<4>`` warning, ...: sd-daemon(3)), so
+    ``journalctl -p warning`` filters it."""
     handlers: list[logging.Handler] = []
     if path:
         handlers.append(logging.FileHandler(path))
+        fmt: logging.Formatter = logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s")
     else:
         handlers.append(logging.StreamHandler(sys.stderr))
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format=fmt,
+        fmt = _JournalFormatter() if os.environ.get("JOURNAL_STREAM") else logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for h in handlers:
+        h.setFormatter(fmt)
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         handlers=handlers, force=True)
     for noisy in ("urllib3", "google", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _JournalFormatter(logging.Formatter):
+    """``<priority>LEVEL name: message``, one journal entry per line (sd-daemon(3))."""
+
+    _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4,
+                 logging.INFO: 6, logging.DEBUG: 7}
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = self._PRIORITY.get(record.levelno, 6)
+        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
 
 
 def cmd_mount(argv: list[str]) -> None:

@@ -25,6 +25,7 @@ from mtcfs.core.core import Filesystem
 from mtcfs.fuse_ops import Operations
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
+from mtcfs.sdnotify import Notifier
 from mtcfs.core.store import Store, check_size, filesystem_warning
 from mtcfs.tiers.restore.restorer import Restorer
 
@@ -80,6 +81,8 @@ class Daemon:
         self.mtc: Any = None  # option mtc: Orbax's replicator protocol on the root
         #: The store's filesystem: {"type", "mount", "warning"} (warning None on tmpfs).
         self.store_fs: dict[str, Any] = {}
+        #: systemd's notification socket (sdnotify.py): READY=1 once served, STOPPING=1.
+        self.notifier = Notifier()
 
     # ------------------------------------------------------------------ building
 
@@ -289,6 +292,7 @@ class Daemon:
     async def run(self, ready: Callable[[], None]) -> None:
         """Mount, call ``ready()``, and serve until unmounted or signalled."""
         assert self.fs is not None and self.store is not None
+        self.notifier.status(f"mounting {self.opts.mountpoint}")
         if self.peer is not None:
             token = trio.lowlevel.current_trio_token()
             self.peer.start_server(token)
@@ -346,7 +350,10 @@ class Daemon:
                 if self.mtc is not None:
                     n.start_soon(self.mtc.run)
                 ready()
+                o = self.opts
+                self.notifier.ready(f"serving job {o.job} rank {o.rank} at {o.mountpoint}")
                 await pyfuse3.main()
+                self.notifier.stopping()
                 mounted = False
                 if self._stop_signal is not None:
                     # Unmount now, not after the nursery ends: a seal hashing a large file
@@ -372,6 +379,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for sig in sigs:
                 log.info("signal %d: unmounting", sig)
+                self.notifier.stopping(f"signal {sig}: unmounting")
                 self._stop_signal = sig
                 pyfuse3.terminate()
 
