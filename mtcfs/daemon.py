@@ -11,6 +11,8 @@ import errno
 import logging
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 #: Read-ahead for the mount's backing device info, in KiB: lets the kernel send 1 MiB read
 #: requests instead of 128 KiB ones (library-fs-ops.md: cold reads ~35% faster).
 READ_AHEAD_KB = 4096
+#: Seconds a metrics scrape waits for the trio loop to read the status (then mtcfs_up 0).
+METRICS_STATUS_S = 5.0
 
 
 def default_capacity(store_path: str) -> int:
@@ -83,6 +87,10 @@ class Daemon:
         self.store_fs: dict[str, Any] = {}
         #: systemd's notification socket (sdnotify.py): READY=1 once served, STOPPING=1.
         self.notifier = Notifier()
+        #: metrics=: prometheus-client's HTTP server (metrics.py), or None.
+        self.metrics_server: Any = None
+        #: The trio loop's token while it serves (threads hand it work: the metrics scrape).
+        self._trio_token: trio.lowlevel.TrioToken | None = None
 
     # ------------------------------------------------------------------ building
 
@@ -134,6 +142,45 @@ class Daemon:
                                  mtc=o.mtc, on_peer_chunk=peer_chunk)
         if o.mtc:
             self._build_mtc()
+        if o.metrics:
+            self._serve_metrics(o.metrics)
+
+    def _serve_metrics(self, address: str) -> None:
+        """``metrics=HOST:PORT``: prometheus-client's HTTP server on its own thread; each
+        scrape reads :meth:`status` on the trio loop (the only thread that may read the
+        core), waiting at most METRICS_STATUS_S for it (else ``mtcfs_up 0``).
+
+        Raises:
+            ValueError: the address cannot be bound (one line: the option and why).
+        """
+        from mtcfs.metrics import serve
+
+        def fetch() -> dict[str, Any]:
+            token = self._trio_token
+            if token is None:
+                raise RuntimeError("the mount is not served yet")
+            done = threading.Event()
+            box: list[Any] = []
+
+            def read() -> None:
+                try:
+                    box.append(self.status())
+                except Exception as exc:  # noqa: BLE001 (handed to the scrape)
+                    box.append(exc)
+                done.set()
+            token.run_sync_soon(read)
+            if not done.wait(METRICS_STATUS_S):
+                raise TimeoutError(f"the daemon's loop did not answer within "
+                                   f"{METRICS_STATUS_S:g} s")
+            if isinstance(box[0], Exception):
+                raise box[0]
+            return dict(box[0])
+        try:
+            self.metrics_server, _ = serve(address, fetch)
+        except OSError as exc:
+            raise ValueError(f"bad option metrics={address}: cannot listen there: "
+                             f"{exc.strerror or exc}") from None
+        log.info("Prometheus metrics at http://%s/metrics", address)
 
     def _build_mtc(self) -> None:
         """Option ``mtc``: this mount is the node's replicator for Orbax."""
@@ -293,6 +340,7 @@ class Daemon:
         """Mount, call ``ready()``, and serve until unmounted or signalled."""
         assert self.fs is not None and self.store is not None
         self.notifier.status(f"mounting {self.opts.mountpoint}")
+        self._trio_token = trio.lowlevel.current_trio_token()
         if self.peer is not None:
             token = trio.lowlevel.current_trio_token()
             self.peer.start_server(token)
@@ -302,6 +350,10 @@ class Daemon:
             if self.peer is not None:
                 self.peer.stop()
                 self.peer.leave_job_sync()  # the others see this node gone at once
+            self._trio_token = None
+            if self.metrics_server is not None:
+                self.metrics_server.shutdown()
+                self.metrics_server.server_close()
             if self.etcd is not None:
                 self.etcd.close()
             pools.shutdown(block=False)  # idle pool threads end; queued work is dropped
@@ -464,7 +516,8 @@ class Daemon:
         o = self.opts
         s = fs.statfs()
         out: dict[str, Any] = {
-            "job": o.job, "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
+            "job": o.job, "node": socket.gethostname(),
+            "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],

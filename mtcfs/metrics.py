@@ -1,23 +1,27 @@
-"""Prometheus text exposition of a mount's status (``mtcfs metrics MOUNTPOINT``).
+"""Prometheus metrics of a mount's status: an HTTP endpoint and ``mtcfs metrics``.
 
-mtcfs serves no HTTP port of its own: ``mtcfs metrics`` prints the metrics in the Prometheus
-text format (version 0.0.4), for node_exporter's textfile collector or any scraper that runs
-a command, e.g. every 15 s::
+With the mount option ``metrics=HOST:PORT`` the daemon serves them over HTTP at
+``http://HOST:PORT/metrics`` (prometheus-client's server, :func:`serve`), built at each
+scrape from the daemon's status (:class:`StatusCollector`). ``mtcfs metrics MOUNTPOINT``
+prints the same families in the Prometheus text format (version 0.0.4), for
+node_exporter's textfile collector or any scraper that runs a command, e.g. every 15 s::
 
     mtcfs metrics /mnt/ckpt > /var/lib/node_exporter/textfile/mtcfs.prom.tmp &&
         mv /var/lib/node_exporter/textfile/mtcfs.prom.tmp /var/lib/node_exporter/textfile/mtcfs.prom
 
-Every series carries the ``job`` label (the mtcfs job, not Prometheus's) and, on several
-nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end in
+Every series carries the ``job`` label (the mtcfs job, not Prometheus's), ``node`` (the
+host name) and, on several nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end in
 ``_total``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -73,11 +77,69 @@ _COUNTER_HELP = {
 }
 
 
+log = logging.getLogger(__name__)
+
+
 def prometheus_text(status: Mapping[str, Any]) -> str:
     """Render ``mtcfs status --json`` output as Prometheus text (one string, newline-ended;
     the text format 0.0.4 written by prometheus-client's ``generate_latest``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(status_families(status))
+    return generate_latest(registry).decode()
+
+
+class StatusCollector:
+    """A prometheus-client collector that reads the daemon's status at each scrape.
+
+    Args:
+        fetch: returns the status dict (as ``mtcfs status --json``), or raises (e.g.
+            TimeoutError: the daemon's loop did not answer in time). Called on the HTTP
+            server's thread.
+
+    Every scrape yields ``mtcfs_up`` (1: the status was read; 0: it was not, and then no
+    other family) and the families of :func:`prometheus_text`.
+    """
+
+    def __init__(self, fetch: Callable[[], Mapping[str, Any]]) -> None:
+        self.fetch = fetch
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("mtcfs_up", "1 if the daemon answered this scrape with its "
+                               "status in time, else 0.")
+        try:
+            status = self.fetch()
+        except Exception as exc:  # noqa: BLE001 (a scrape must answer, with up=0)
+            log.warning("metrics scrape: no status: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from status_families(status).collect()
+
+
+def serve(address: str, fetch: Callable[[], Mapping[str, Any]]) -> tuple[Any, threading.Thread]:
+    """Serve ``/metrics`` at ``address`` (``HOST:PORT``; port 0: any free port) on a thread.
+
+    Returns prometheus-client's (server, thread); ``server.server_address`` is where it
+    listens, ``server.shutdown()`` stops it.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this host's).
+    """
+    host, _, port = address.rpartition(":")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(fetch))
+    server, thread = start_http_server(int(port), host.strip("[]"), registry=registry)
+    return server, thread
+
+
+def status_families(status: Mapping[str, Any]) -> "_Out":
+    """The metric families of one status dict (a collector)."""
     peers = status.get("peers") or None
     base: dict[str, object] = {"job": status.get("job", "")}
+    if status.get("node"):
+        base["node"] = status["node"]
     if peers:
         base["rank"] = peers.get("rank", 0)
     out = _Out(base)
@@ -140,9 +202,7 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
     ns = status.get("namespace") or None
     if ns:
         _namespace_metrics(out, ns)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(out)
-    return generate_latest(registry).decode()
+    return out
 
 
 def _mtc_metrics(out: _Out, m: Mapping[str, Any]) -> None:

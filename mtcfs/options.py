@@ -222,6 +222,9 @@ class MountOptions:
     #: This daemon's Peer gRPC service; after parsing: peers[rank] when peers= is given,
     #: else DEFAULT_PEER_LISTEN when nodes > 1, else None.
     listen: str | None = None
+    #: ``metrics=HOST:PORT``: serve Prometheus metrics over HTTP there (metrics.py); None: no
+    #: port (``mtcfs metrics`` still prints them).
+    metrics: str | None = None
     #: Every rank's Peer service address, in rank order (len == nodes), or None.
     peers: list[str] | None = None
     #: The removed ``coordinator=`` option as given (refused with a pointer to coord=).
@@ -420,6 +423,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.nodes = _int(name, value, 1, MAX_NODES)
                 elif name == "listen" and value:
                     o.listen = parse_address(value)
+                elif name == "metrics" and value:
+                    o.metrics = parse_address(value)
                 elif name == "coordinator" and value:
                     o.coordinator = parse_address(value)
                 elif name == "peers" and value:
@@ -712,7 +717,8 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
-          "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota"}
+          "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota",
+          "metrics"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or
 #: ``topology=`` starts the list afresh (tested; docs/usage.md), so they may repeat.
 _LISTS = {"peers", "topology", "coord"}

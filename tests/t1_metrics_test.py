@@ -8,7 +8,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtcfs.metrics import prometheus_text
 
 STATUS = {
-    "job": "llama", "ram": {"capacity": 100, "used": 40, "checkpoints": 2}, "errors": ["x"],
+    "job": "llama", "node": "host-a", "ram": {"capacity": 100, "used": 40, "checkpoints": 2},
+    "errors": ["x"],
     "counters": {"bytes_written": 7, "enospc": 0},
     "backup": {"backups": 3, "failures": 1, "total_bytes_uploaded": 9, "pending": ["step_2"],
                "last_seconds": 1.5},
@@ -37,7 +38,7 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 def test_metrics_cover_ram_backup_restore_and_peers():
     s = samples(prometheus_text(STATUS))
-    job = {("job", "llama"), ("rank", "1")}
+    job = {("job", "llama"), ("rank", "1"), ("node", "host-a")}
 
     def get(name, **labels):
         return s[(name, frozenset(job | {(k, str(v)) for k, v in labels.items()}))]
