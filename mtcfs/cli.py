@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import math
 import time
 from typing import Any
 
@@ -32,7 +33,7 @@ from mtcfs.base import mountinfo
 from mtcfs.options import OptionError, parse_mount_options
 
 SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "verify", "backup",
-               "umount", "mount", "certs")
+               "umount", "mount", "certs", "plan")
 EXIT_USAGE = 2
 
 
@@ -728,7 +729,55 @@ def _sub_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=int, required=True, help="ranks 0..nodes-1")
     c.add_argument("--days", type=int, default=365, help="validity of every certificate")
     c.set_defaults(fn=cmd_certs)
+    pl = sub.add_parser("plan", help="RAM tier size per host (--params, --hosts) and checkpoint"
+                                     " interval (--mtbf, --save-seconds); docs/operations.md")
+    pl.add_argument("--params", help="model parameters, e.g. 70B or 350M")
+    pl.add_argument("--hosts", type=int, help="hosts the checkpoint is sharded over")
+    pl.add_argument("--replicas", type=int, default=0, help="mount option replicas= (peers)")
+    pl.add_argument("--buffer", type=float, default=0.15, help="safety margin (0.15: 15 %%)")
+    pl.add_argument("--mtbf", help="the job's mean time between failures, e.g. 3h")
+    pl.add_argument("--save-seconds", type=float, help="training time each save blocks")
+    pl.add_argument("--restart-seconds", type=float, default=0.0,
+                    help="from a failure to training again")
+    pl.set_defaults(fn=cmd_plan)
     return p
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    """``mtcfs plan``: the sizing rule and Young/Daly's interval (mtcfs/plan.py)."""
+    from mtcfs.options import parse_duration
+    from mtcfs.plan import parse_params, plan_interval, plan_size
+    sizing = a.params is not None or a.hosts is not None
+    interval = a.mtbf is not None or a.save_seconds is not None
+    if not sizing and not interval:
+        _die("plan needs --params and --hosts, or --mtbf and --save-seconds (or both)",
+             EXIT_USAGE)
+    try:
+        if sizing:
+            if a.params is None or a.hosts is None:
+                raise ValueError("--params and --hosts go together")
+            sp = plan_size(parse_params(a.params), a.hosts, a.replicas, a.buffer)
+        if interval:
+            if a.mtbf is None or a.save_seconds is None:
+                raise ValueError("--mtbf and --save-seconds go together")
+            ip = plan_interval(parse_duration(a.mtbf), a.save_seconds, a.restart_seconds)
+    except ValueError as exc:
+        _die(str(exc), EXIT_USAGE)
+    if sizing:
+        print(f"checkpoint: {_human(sp.total)} in all ({a.params} parameters x 12 bytes), "
+              f"{_human(sp.shard)} per host over {a.hosts} hosts")
+        extra = f" + {a.replicas} replica(s) of a peer's shard {_human(sp.replicas)}" \
+            if a.replicas else ""
+        print(f"RAM tier per host: 2 x shard {_human(sp.own)}{extra} + {a.buffer:.0%} "
+              f"buffer = {_human(sp.size)} ({sp.size / 1e9:.1f} GB)")
+        print(f"mount option: size={math.ceil(sp.size / 2**30)}G (and a tmpfs at least as "
+              f"large for store=)")
+    if interval:
+        print(f"checkpoint interval: {ip.daly_s / 60:.1f} min (Daly 2006; Young 1974: "
+              f"{ip.young_s / 60:.1f} min) for an MTBF of {a.mtbf} and {a.save_seconds:g} s "
+              f"per save")
+        print(f"expected time lost to saves, redone work and restarts: {ip.waste:.1%} "
+              f"(goodput about {1 - ip.waste:.1%})")
 
 
 def cmd_certs(a: argparse.Namespace) -> None:
