@@ -270,7 +270,7 @@ class Daemon:
         # this node's copies of chunks it holds for others.
         replicas = peer.replica_store
         self.fs.shared_used = lambda: replicas.used_estimate
-        self.fs.chunk_keeper = replicas
+        self.fs.vstore.chunk_keeper = replicas
         if o.scope == "job":
             from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
             from mtcfs.tiers.namespace.sources import JobChunkSource

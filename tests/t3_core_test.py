@@ -140,7 +140,7 @@ def test_verify_reports_corruption(tmp_path):
     async def body(fs):
         ino = await write_file(fs, ROOT_INO, b"f", data)
         v = await sealed(fs, ino)
-        os.pwrite(fs._fd(v), b"\xff" * 10, CS + 7)   # bit rot in the RAM tier
+        os.pwrite(fs.vstore.fd(v), b"\xff" * 10, CS + 7)   # bit rot in the RAM tier
         bad = await fs.verify()
         assert len(bad) == 1 and "chunk 1" in bad[0] and bad[0].startswith("f:")
     run(body, tmp_path)

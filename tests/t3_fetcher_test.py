@@ -37,6 +37,7 @@ class Host:
         self.errors: list[str] = []
         self.released: list[int] = []
         self.local: dict[str, tuple[Version, int, int]] = {}
+        self.vstore = self  # fetcher.Host.vstore: release(v) is recorded here
 
     def open_data(self, vid: int) -> int:
         return os.open(str(self.dir / f"v{vid}"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -61,7 +62,7 @@ class Host:
     def _mark_corrupt(self, v, idx, found_by) -> None:
         self.errors.append(f"corrupt {v.vid}/{idx}")
 
-    def _release_version(self, v) -> None:
+    def release(self, v) -> None:
         self.released.append(v.vid)
 
     def _chunk_arrived(self, v, idx) -> None:

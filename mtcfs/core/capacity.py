@@ -9,11 +9,8 @@ that module for the concurrency protocol every method follows.
 
 from __future__ import annotations
 
-import os
-
 import trio
 
-from mtcfs.base.chunking import chunk_count
 from mtcfs.core.model import ROOT_INO, Handle, Inode, Version
 from mtcfs.core.records import StepRecord
 
@@ -93,15 +90,7 @@ class CapacityOps:
             for v in self._step_versions(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
-                self._hand_over_last_copies(v)
-                # first, so that other local copies take over at once
-                self.chunk_index.forget_version(v)
-                fd = self._fd(v)
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, v.size)
-                v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-                self.budget.account(v)
-                self._write_version(v)
+                self.vstore.drop_data(v)  # core/versions.py; it stays, all missing
 
     def _delete_tree(self, s: StepRecord) -> None:
         self._delete_dir_tree(self.inodes[s.ino])

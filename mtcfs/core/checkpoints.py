@@ -125,7 +125,7 @@ class CheckpointOps:
                 for v in versions:
                     if v.backed_up:
                         v.backed_up = False
-                        self._write_version(v)
+                        self.vstore.write(v)
         return deleted
 
     def _forget_step(self, name: bytes) -> None:
@@ -217,7 +217,7 @@ class CheckpointOps:
     def unpin(self, versions: Iterable[Version]) -> None:
         for v in versions:
             v.pins -= 1
-            self._release_version(v)
+            self.vstore.release(v)
 
     def chunk_reader(self, versions: list[Version], *,
                      verify: bool = True) -> Callable[[str], bytes]:
@@ -269,7 +269,7 @@ class CheckpointOps:
             return None
         v, idx = loc
         v.pins += 1
-        self._fd(v)
+        self.vstore.fd(v)
         off, length = chunk_span(idx, v.size, v.chunk_size)
         return v, off, length
 
@@ -279,7 +279,7 @@ class CheckpointOps:
             for v in versions:
                 if v.vid in self.versions and not v.backed_up:
                     v.backed_up = True
-                    self._write_version(v)
+                    self.vstore.write(v)
             rec = self.steps.get(name)
             if rec is not None:
                 rec.backed_up_ns = _now_ns()
@@ -337,15 +337,9 @@ class CheckpointOps:
                     ino.rdev = e.rdev
                 else:
                     ino = self._new_inode("file", stat.S_IFREG | e.mode, uid, gid)
-                    v = Version(vid=self._alloc_vid(), ino=ino.ino, size=e.size,
-                                chunk_size=e.chunk_size or self.chunk_size, sealed=True,
-                                chunks=e.chunks, blake3=e.blake3,
-                                missing=set(range(len(e.chunks))), backed_up=backed_up)
-                    fd = self.store.open_data(v.vid, create=True)
-                    os.ftruncate(fd, v.size)
-                    os.close(fd)  # opened again when read (fdcache.py)
-                    self.versions[v.vid] = v
-                    self._write_version(v)
+                    v = self.vstore.new_sealed(ino.ino, e.size, e.chunk_size or self.chunk_size,
+                                               e.chunks, e.blake3, backed_up=backed_up,
+                                               keep_open=False)  # opened again when read
                     ino.vid = v.vid
                 ino.mtime_ns = e.mtime_ns
                 self._link(parent, name, ino)

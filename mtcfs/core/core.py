@@ -1,10 +1,12 @@
 """The filesystem core: namespace, handles, versions, seal, steps, capacity.
 
 :class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
-module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, versions, seal),
+module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, writes, seal),
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
 :mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
-state: :class:`~mtcfs.core.budget.RamBudget` (``budget``),
+state: :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the versions, their rows,
+data files and descriptors; ``versions`` and ``fds`` here are its),
+:class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
 :class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
@@ -28,7 +30,6 @@ Concurrency protocol: a coroutine may only rely on in-memory state it read after
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
@@ -39,9 +40,7 @@ from typing import Any
 import trio
 
 from mtcfs.base import pools
-from mtcfs.base.chunking import chunk_count, chunk_span
 from mtcfs.base.errors import FsError
-from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
@@ -63,6 +62,7 @@ from mtcfs.core.verifier import Verifier
 from mtcfs.core.xattrs import XattrOps
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.versions import VersionStore
 
 __all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
 
@@ -95,10 +95,13 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.job = job
         self.rank = rank
         self.inodes: dict[int, Inode] = {}
-        self.versions: dict[int, Version] = {}
+        #: The versions of files, their rows, data files and descriptors (core/versions.py).
+        #: ``versions`` and ``fds`` here are its (the same objects), read by many; only it
+        #: changes them.
+        self.vstore = VersionStore(self, store, self.chunk_size)
+        self.versions: dict[int, Version] = self.vstore.versions
+        self.fds: FdCache = self.vstore.fds
         self.handles: dict[int, Handle | DirHandle] = {}
-        #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
-        self.fds = FdCache(store.open_data)
         self.steps: dict[str, StepRecord] = {}
         self.counters = Counters()
         #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
@@ -124,10 +127,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._nursery: trio.Nursery | None = None
         #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
         self.chunk_index = ChunkIndex(self.versions)
-        #: Told before this node drops its last local copy of a chunk (a version freed or
-        #: evicted): ``wants(digest) -> bool``, ``keep(digest, data)``. The peer tier's
-        #: replica store, whose replicas of other ranks may count on this node's copy.
-        self.chunk_keeper: Any = None
         self._unsealed_at_load: list[Version] = []
         #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
@@ -186,9 +185,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             with db.transaction():
                 self._new_root()
                 db.set_kv("next_ino", "2")
-                db.set_kv("next_vid", "1")
         self._next_ino = int(db.get_kv("next_ino") or 2)
-        self._next_vid = int(db.get_kv("next_vid") or 1)
         for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
                               " ctime_ns, target, vid, parent, name, rdev FROM inodes"):
             ino = Inode(*row[:9], target=row[9] or b"", vid=row[10], parent=row[11] or 0,
@@ -203,13 +200,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         for num, name, value in db.execute("SELECT ino, name, value FROM xattrs"):
             if num in self.inodes:
                 self.inodes[num].xattrs[bytes(name)] = bytes(value)
-        for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
-                              " backed_up, origin FROM versions"):
-            v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
-                        sealed=bool(row[4]), chunks=tuple(row[5].split()) if row[5] else (),
-                        blake3=row[6], missing={int(i) for i in row[7].split()},
-                        backed_up=bool(row[8]), origin=row[9])
-            self.versions[v.vid] = v
+        self.vstore.load(fresh)  # core/versions.py: its rows and next_vid
         for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
             self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
                                             committed_ns=row[3], backed_up_ns=row[4], source=row[5])
@@ -226,27 +217,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                     linked.update(ino.children.values())
             for num in [n for n in self.inodes if n not in linked]:
                 self._delete_inode_rows(self.inodes.pop(num))
+            # Versions no inode has, data files no version has (core/versions.py); those
+            # being written at the crash are sealed again after mount (start).
             current = {i.vid for i in self.inodes.values() if i.vid is not None}
-            for vid in [v for v in self.versions if v not in current]:
-                self.versions.pop(vid)
-                db.execute("DELETE FROM versions WHERE vid=?", (vid,))
-            on_disk = self.store.data_vids()
-            for vid in on_disk - set(self.versions):
-                self.store.remove_data(vid)
-            for v in self.versions.values():
-                if v.vid not in on_disk:
-                    fd = self.store.open_data(v.vid, create=True)
-                    os.ftruncate(fd, v.size)
-                    os.close(fd)
-                    if v.sealed:
-                        v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-                        self._write_version(v)
-                if not v.sealed:
-                    # Being written at the crash: keep what reached the data file; it is
-                    # sealed again after mount (may be short, never garbage).
-                    v.size = os.stat(self.store.data_path(v.vid)).st_size
-                    self._write_version(v)
-                    self._unsealed_at_load.append(v)
+            self._unsealed_at_load.extend(self.vstore.repair(current))
             for name in [n for n, s in self.steps.items()
                          if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
                 self.steps.pop(name)
@@ -315,13 +289,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             (ino.ino, ino.kind, ino.mode, ino.uid, ino.gid, ino.nlink, ino.atime_ns, ino.mtime_ns,
              ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name, ino.rdev))
 
-    def _write_version(self, v: Version) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO versions(vid, ino, size, chunk_size, sealed, chunks, blake3,"
-            " missing, backed_up, origin) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (v.vid, v.ino, v.size, v.chunk_size, int(v.sealed), " ".join(v.chunks), v.blake3,
-             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
-
     def _write_step(self, s: StepRecord) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO steps(name, number, ino, committed_ns, backed_up_ns, source)"
@@ -335,12 +302,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         n = self._next_ino
         self._next_ino += 1
         self.db.set_kv("next_ino", str(self._next_ino))
-        return n
-
-    def _alloc_vid(self) -> int:
-        n = self._next_vid
-        self._next_vid += 1
-        self.db.set_kv("next_vid", str(self._next_vid))
         return n
 
     # ------------------------------------------------------------------ helpers
@@ -461,119 +422,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.inodes[ino.ino] = ino
         return ino
 
-    def _new_version(self, ino: Inode, copy_from: Version | None = None,
-                     take_over: Version | None = None) -> Version:
-        """A new version of ``ino``: empty, a copy of ``copy_from`` (its data extents only:
-        holes stay holes), or ``take_over``'s data file itself (a second name for it; the
-        caller makes sure nothing else uses that version, which goes at ``_set_current``)."""
-        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
-        src = take_over or copy_from
-        if take_over is not None:
-            os.link(self.store.data_path(take_over.vid), self.store.data_path(v.vid))
-            self.fds.adopt(v, self.store.open_data(v.vid))
-        else:
-            fd = self.store.open_data(v.vid, create=True)
-            self.fds.adopt(v, fd)
-            os.ftruncate(fd, 0)
-            if copy_from is not None and copy_from.size:
-                sfd = self.fds.lease(copy_from)  # two descriptors in use: neither is evicted
-                dfd = self.fds.lease(v)
-                try:
-                    self._copy_extents(sfd, dfd, copy_from.size)
-                finally:
-                    self.fds.unlease(v, dfd)
-                    self.fds.unlease(copy_from, sfd)
-        if src is not None and src.size:
-            v.size = src.size
-            v.missing = set(src.missing)
-            v.chunk_size = src.chunk_size
-        self.budget.account(v)
-        self.versions[v.vid] = v
-        self._write_version(v)
-        return v
-
-    @staticmethod
-    def _copy_extents(src: int, dst: int, size: int) -> None:
-        """Copy the first ``size`` bytes of ``src`` to ``dst``, data extents only."""
-        off = 0
-        while off < size:
-            try:
-                data = os.lseek(src, off, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole is left
-                    break
-                raise
-            if data >= size:
-                break
-            end = min(os.lseek(src, data, os.SEEK_HOLE), size)
-            pos = data
-            while pos < end:
-                n = os.copy_file_range(src, dst, end - pos, pos, pos)
-                if n <= 0:
-                    raise OSError(errno.EIO, "copy of a version's data ended early")
-                pos += n
-            off = end
-        os.ftruncate(dst, size)
-
-    def _fd(self, v: Version) -> int:
-        """``v``'s data file descriptor, for use on the loop before the next ``await``
-        (across one, or in a thread: ``self.fds.lease``)."""
-        return self.fds.get(v)
-
-    def _release_version(self, v: Version) -> None:
-        """Free a version that is no longer current, once nothing uses it."""
-        if self.versions.get(v.vid) is not v:
-            # Replaced by a namespace snapshot install (core/jobns.py): the handles and reads
-            # that held it read on through its descriptor; the last one closes it.
-            if not (v.handles or v.pins):
-                self.fds.drop(v)
-            return
-        if v.current or v.handles or v.pins:
-            return
-        if v.sealing is not None:
-            # Only its seal (hashing in a worker thread) holds it: give its pages back now
-            # (an unlinked file's space is free when unlink returns); the seal drops its
-            # result and frees the rest.
-            if not v.dropped:
-                v.dropped = True
-                os.ftruncate(self._fd(v), 0)
-                self.budget.account(v)
-            return
-        del self.versions[v.vid]
-        self.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
-        self._hand_over_last_copies(v)
-        self.fds.drop(v)
-        self.budget.remove(v)
-        self.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
-        # The data file goes once the deletion of its row is committed (store/meta.py).
-        self.db.after_commit(functools.partial(self.store.remove_data, v.vid))
-        failpoint("core.release_in_transaction")  # tests: a crash before that commit
-        self.chunk_index.forget_version(v)
-
-    def _hand_over_last_copies(self, v: Version) -> None:
-        """Give ``chunk_keeper`` the chunks of ``v`` that no other local file holds and that
-        it wants, before ``v``'s data goes."""
-        keeper = self.chunk_keeper
-        if keeper is None or not v.sealed:
-            return
-        for i, d in enumerate(v.chunks):
-            if i in v.missing or not self.chunk_index.last_copy(d, v.vid):
-                continue  # not here, or another local file holds it too
-            try:
-                if not keeper.wants(d):
-                    continue
-                off, length = chunk_span(i, v.size, v.chunk_size)
-                keeper.keep(d, os.pread(self._fd(v), length, off))  # keep() verifies it
-            except Exception as exc:  # the keeper's problem must not stop a delete
-                log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
-
-    def _set_current(self, ino: Inode, v: Version | None) -> None:
-        old = self.versions.get(ino.vid) if ino.vid is not None else None
-        ino.vid = v.vid if v is not None else None
-        if old is not None and old is not v:
-            old.current = False
-            self._release_version(old)
-
     def _maybe_free_inode(self, ino: Inode) -> None:
         if ino.nlink > 0 or ino.ino == ROOT_INO:
             return
@@ -581,7 +429,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             # No name and no open handle: the data can go now, even while the kernel still
             # holds a lookup reference (it cannot read without opening).
             with self.db.transaction():
-                self._set_current(ino, None)
+                self.vstore.set_current(ino, None)
                 self._write_inode(ino)
         if ino.lookups > 0 or ino.opens > 0:
             return
@@ -592,7 +440,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 del self.aliases[k]
         with self.db.transaction():
             self._delete_inode_rows(ino)
-            self._set_current(ino, None)
+            self.vstore.set_current(ino, None)
 
     def report_error(self, msg: str) -> None:
         """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""

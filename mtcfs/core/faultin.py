@@ -100,7 +100,7 @@ class FaultInOps:
         index it as a local copy and record that it is no longer missing."""
         self.chunk_index.note(v.chunks[idx], v.vid, idx)
         with self.db.transaction():
-            self._write_version(v)
+            self.vstore.write(v)
 
     def read_chunk_at(self, v: Version, off: int, length: int, digest: str | None) -> bytes | None:
         """Read ``length`` bytes at ``off`` of ``v`` and verify them against ``digest``.

@@ -32,6 +32,7 @@ from mtcfs.core.budget import RamBudget
 from mtcfs.core.model import Inode, Version
 from mtcfs.core.records import ChunkSource, Counters
 from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.versions import Releaser
 
 __all__ = ["FETCHES", "FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FaultIn", "Host"]
 
@@ -57,13 +58,15 @@ class Host(Protocol):
     versions: dict[int, Version]
     inodes: dict[int, Inode]
 
+    @property
+    def vstore(self) -> Releaser: ...  # core/versions.py: ``release(v)``
+
     def path_of(self, ino: Inode) -> str | None: ...
     def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None: ...
     def unpin(self, versions: Any) -> None: ...
     def read_chunk_at(self, v: Version, off: int, length: int,
                       digest: str | None) -> bytes | None: ...
     def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
-    def _release_version(self, v: Version) -> None: ...
     def _chunk_arrived(self, v: Version, idx: int) -> None: ...
     def report_error(self, msg: str) -> None: ...
 
@@ -223,7 +226,7 @@ class FaultIn:
                     tried = last + [t for t in tried if t not in last]
         finally:
             v.pins -= 1
-            self._host._release_version(v)
+            self._host.vstore.release(v)
         self._counters.fault_errors += 1
         asked = f" (every source asked {passes} times)" if passes > 1 else ""
         why = (f"{self._what(v, idx)}: {why}{asked}; tried: "
@@ -316,7 +319,7 @@ class FaultIn:
                 filled += 1
             finally:
                 v.pins -= 1
-                self._host._release_version(v)
+                self._host.vstore.release(v)
         return filled
 
     async def _chunk_bytes(self, digest: str, length: int, tried: list[str]) -> bytes:

@@ -39,7 +39,7 @@ class FileOps:
             cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
-                    os.ftruncate(self._fd(cur), 0)
+                    os.ftruncate(self.vstore.fd(cur), 0)
                     cur.size = 0
                     cur.missing.clear()
                     cur.gen += 1
@@ -59,9 +59,9 @@ class FileOps:
                     cur.pins -= 1
                 continue  # the state may have moved during the wait: look again
             with self.db.transaction():
-                v = self._new_version(ino, copy_from=None if trunc or take else cur,
+                v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
                                       take_over=cur if take else None)
-                self._set_current(ino, v)
+                self.vstore.set_current(ino, v)
                 self._write_inode(ino)
             return v
         self.counters.enospc += 1
@@ -155,12 +155,12 @@ class FileOps:
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
                 await self.fault_in(v, off, size)
-                data = os.pread(self._fd(v), size, off)
+                data = os.pread(self.vstore.fd(v), size, off)
             finally:
                 v.pins -= 1
-                self._release_version(v)  # no-op unless rewritten meanwhile
+                self.vstore.release(v)  # no-op unless rewritten meanwhile
         else:
-            data = os.pread(self._fd(v), size, off)
+            data = os.pread(self.vstore.fd(v), size, off)
         self.counters.bytes_read += len(data)
         return data
 
@@ -180,7 +180,7 @@ class FileOps:
         if need:
             await self.budget.reserve(need)
         try:
-            n = os.pwrite(self._fd(v), buf, off)
+            n = os.pwrite(self.vstore.fd(v), buf, off)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self.counters.enospc += 1
@@ -245,7 +245,7 @@ class FileOps:
         v.writers += 1
         v.handles += 1
         h.version = v
-        self._release_version(old)
+        self.vstore.release(old)
         return v
 
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -253,7 +253,7 @@ class FileOps:
         if h.writable and not h.version.sealed:
             # Record the length reached so far; the bytes are already in the data file.
             with self.db.transaction():
-                self._write_version(h.version)
+                self.vstore.write(h.version)
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
@@ -269,7 +269,7 @@ class FileOps:
             self._maybe_free_inode(ino)  # an unlinked file's space comes back here
         if h.writable:
             self._after_write_close(v)
-        self._release_version(v)
+        self.vstore.release(v)
         self._released_one()
 
     def _after_write_close(self, v: Version) -> None:
@@ -302,7 +302,7 @@ class FileOps:
                         self.fds.unlease(v, fd)
                 except OSError as exc:
                     if v.dropped:
-                        return  # freed while hashing (core: _release_version)
+                        return  # freed while hashing (core/versions.py: VersionStore.release)
                     v.seal_error = str(exc)
                     self.report_error(f"seal of version {v.vid} failed: {exc}")
                     return
@@ -319,7 +319,7 @@ class FileOps:
             v.backed_up = False
             ino = self.inodes.get(v.ino)
             with self.db.transaction():
-                self._write_version(v)
+                self.vstore.write(v)
                 if ino is not None:
                     self._write_inode(ino)
             self.chunk_index.add_version(v)
@@ -344,7 +344,7 @@ class FileOps:
             if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
                     and not allow_writers and not cancelled:
                 self._after_write_close(v)
-            self._release_version(v)
+            self.vstore.release(v)
 
     async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:
         """Wait until the current version of file ``ino`` is sealed.

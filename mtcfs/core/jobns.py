@@ -34,7 +34,6 @@ from typing import Any, ClassVar
 import blake3
 import trio
 
-from mtcfs.base.chunking import chunk_span
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.base.ns_ops import (
@@ -83,7 +82,7 @@ class JobNamespaceOps:
         """
         op = Publish(ino=ino.ino, vid=v.vid, size=v.size, chunk_size=v.chunk_size,
                      chunks=tuple(v.chunks), blake3=v.blake3, mtime_ns=ino.mtime_ns,
-                     data=os.pread(self._fd(v), v.size, 0) if v.size <= INLINE_BYTES
+                     data=os.pread(self.vstore.fd(v), v.size, 0) if v.size <= INLINE_BYTES
                      else None)
         # the job's version this one replaces: a later try publishes only over it
         expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
@@ -100,7 +99,7 @@ class JobNamespaceOps:
         finally:
             v.publishing = False
             v.pins -= 1
-            self._release_version(v)
+            self.vstore.release(v)
 
     async def _republish(self, ino: Inode, v: Version, op: Publish) -> None:
         """Publish again a version whose publication failed because etcd did not answer
@@ -129,7 +128,7 @@ class JobNamespaceOps:
                 return
         finally:
             v.pins -= 1
-            self._release_version(v)
+            self.vstore.release(v)
 
     # ------------------------------------------------------------------ applying
 
@@ -222,12 +221,12 @@ class JobNamespaceOps:
                               else errno.EINVAL)
             return {"ino": existing, "existed": True}
         ino = self._new_inode("file", stat.S_IFREG | (op.mode & 0o7777), op.uid, op.gid)
-        v = self._new_version(ino)
+        v = self.vstore.new(ino)
         if self.job_scope:
             # Job-wide, a new file is empty and published as such (every node serves it);
             # the submitter's writer starts its own version over it (files.py: create).
             v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
-            self._write_version(v)
+            self.vstore.write(v)
             ino.published = self._published(v, op.rank)  # type: ignore[arg-type]
         # scope=node: the new version is the submitter's open, empty one
         ino.vid = v.vid
@@ -304,10 +303,10 @@ class JobNamespaceOps:
             if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
                 if ino.vid != v.vid:  # another node's earlier publish replaced it here
                     v.current = True
-                    self._set_current(ino, v)
+                    self.vstore.set_current(ino, v)
                     self._renumber_for_kernel(ino)
                 v.origin = -1
-                self._write_version(v)
+                self.vstore.write(v)
                 ino.mtime_ns = op.mtime_ns
                 self._write_inode(ino)
                 self._maybe_commit_by_file(ino, published=True)
@@ -323,7 +322,7 @@ class JobNamespaceOps:
             self._keep_if_open(ino, keep)
         v = self._remote_version(ino, op.size, op.chunk_size, chunks, op.blake3,
                                  op.rank, op.data)  # type: ignore[arg-type]
-        self._set_current(ino, v)
+        self.vstore.set_current(ino, v)
         ino.mtime_ns = ino.ctime_ns = op.mtime_ns
         self._renumber_for_kernel(ino)
         self._write_inode(ino)
@@ -349,26 +348,10 @@ class JobNamespaceOps:
         """A sealed version of rank ``rank``'s file: its chunks are missing unless they
         came inline in ``data`` (verified here) — reads fault them in from that rank and its
         replicas."""
-        v = Version(vid=self._alloc_vid(), ino=ino.ino, size=size,
-                    chunk_size=chunk_size, sealed=True, chunks=chunks,
-                    blake3=file_hash, missing=set(range(len(chunks))),
-                    origin=-1 if rank == self.rank else rank)
-        fd = self.store.open_data(v.vid, create=True)
-        self.fds.adopt(v, fd)
-        os.ftruncate(fd, v.size)
-        if data is not None and len(data) == v.size:
-            for i, d in enumerate(chunks):
-                off, length = chunk_span(i, v.size, v.chunk_size)
-                piece = data[off:off + length]
-                if blake3.blake3(piece).hexdigest() == d:
-                    os.pwrite(fd, piece, off)
-                    v.missing.discard(i)
-        self.budget.account(v)
-        self.versions[v.vid] = v
-        self._write_version(v)
+        v = self.vstore.new_sealed(ino.ino, size, chunk_size, chunks, file_hash,
+                                   origin=-1 if rank == self.rank else rank, data=data)
         for d in chunks:
             self.chunk_origins[d] = rank
-        self.chunk_index.add_version(v)
         return v
 
     # ------------------------------------------------------------------ snapshots
@@ -440,13 +423,6 @@ class JobNamespaceOps:
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
-            for v in self.versions.values():
-                if v.handles or v.pins:
-                    # open handles and reads under way read on through their descriptor,
-                    # never evicted: its path may name other data after the install
-                    self.fds.keep(v)
-                else:
-                    self.fds.drop(v)
             # what the kernel and open descriptors know of inodes that stay
             runtime = {n: (i.kind, i.lookups, i.opens, i.last_open_vid, i.kid)
                        for n, i in self.inodes.items()}
@@ -454,7 +430,8 @@ class JobNamespaceOps:
                        if v.current and v.sealed}
             old_aliases = dict(self.aliases)
             self.inodes.clear()
-            self.versions.clear()
+            # handles and reads under way read on through their descriptors (core/versions.py)
+            self.vstore.forget_all()
             self.steps.clear()
             self.chunk_index.clear()
             self.aliases.clear()
@@ -507,11 +484,7 @@ class JobNamespaceOps:
                     mine = None
                 if mine is not None:
                     v = mine[0]  # being written here: it stays, and its close publishes it
-                    self.versions[v.vid] = v
-                    self.budget.add(v)
-                    self._write_version(v)
-                    if v.sealed:
-                        self.chunk_index.add_version(v)
+                    self.vstore.register(v)
                     ino.vid = v.vid
                     ino.published = dict(ver) if ver is not None else None
                 elif ver is not None:
@@ -527,7 +500,7 @@ class JobNamespaceOps:
                         # Chunks not hashed since this daemon started stay so under the new
                         # version: a rejoin after a restart takes this path (core/scrub.py).
                         self.verifier.carry(old, v)
-                    self._write_version(v)
+                    self.vstore.write(v)
                     self.chunk_index.add_version(v)
                     ino.vid = v.vid
                     ino.published = dict(ver)
@@ -548,20 +521,14 @@ class JobNamespaceOps:
                          w[0].vid not in set_aside)
             for v in aside:
                 v.current = False
-                self.versions[v.vid] = v
-                self.budget.add(v)
-                self._write_version(v)
-                if v.sealed:
-                    self.chunk_index.add_version(v)
+                self.vstore.register(v)
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])
                 self.steps[rec.name] = rec
                 self._write_step(rec)
             new = {v.vid for v in self.versions.values()}
-            for v in self.fds.kept():  # still registered (being written here): evictable
-                if self.versions.get(v.vid) is v:
-                    self.fds.unkeep(v)
+            self.vstore.settle_kept()  # still registered (being written here): evictable
             for vid in self.store.data_vids() - new:
                 self.store.remove_data(vid)  # open descriptors still read what they opened
             self._next_ino = snap["next_ino"]

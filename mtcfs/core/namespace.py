@@ -156,7 +156,7 @@ class NamespaceOps:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.fault_in(v, 0, v.size)
-        os.ftruncate(self._fd(v), size)
+        os.ftruncate(self.vstore.fd(v), size)
         v.size = size
         v.gen += 1
         self.budget.account(v)

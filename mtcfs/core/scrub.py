@@ -112,7 +112,7 @@ class ScrubOps:
             self.budget.account(v)  # the punched hole no longer counts against size=
             self.chunk_index.forget(v.chunks[idx], v.vid)
             with self.db.transaction():
-                self._write_version(v)
+                self.vstore.write(v)
             if self.chunk_source is not None and self._nursery is not None:
                 self._nursery.start_soon(self._repair_chunk, v, idx)  # repair now, unread
 
@@ -129,4 +129,4 @@ class ScrubOps:
             log.info("scrub could not repair chunk %d of version %d: %s", idx, v.vid, exc)
         finally:
             v.pins -= 1
-            self._release_version(v)
+            self.vstore.release(v)

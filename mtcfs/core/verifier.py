@@ -33,6 +33,7 @@ from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.core.model import Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.versions import Releaser
 
 __all__ = ["INLINE_VERIFY_BYTES", "SCRUB_INTERVAL_S", "SCRUB_RATE", "Host", "Verifier"]
 
@@ -58,8 +59,10 @@ class Host(Protocol):
 
     versions: dict[int, Version]
 
+    @property
+    def vstore(self) -> Releaser: ...  # core/versions.py: ``release(v)``
+
     def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
-    def _release_version(self, v: Version) -> None: ...
     def report_error(self, msg: str) -> None: ...
 
 
@@ -188,7 +191,7 @@ class Verifier:
             del self._verifying[key]
             ev.set()
             v.pins -= 1
-            self._host._release_version(v)
+            self._host.vstore.release(v)
 
     def carry(self, old: Version, new: Version) -> None:
         """``new`` took over the data file of ``old`` (scope=job snapshot install): the

@@ -26,7 +26,7 @@ audits and gc in :mod:`~mtcfs.tiers.peer.tier_replication`, mixed into :class:`P
 
 The core is seen only through :class:`mtcfs.core.ports.PeerPort` (imports point down); the
 tier sets the ``replicated``/``replicas`` counts of a step record. The composition root
-(mtcfs/daemon.py) hooks the replica store into the core (``shared_used``, ``chunk_keeper``).
+(mtcfs/daemon.py) hooks the replica store into the core (``shared_used``, ``vstore.chunk_keeper``).
 """
 
 from __future__ import annotations

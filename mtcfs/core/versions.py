@@ -1,0 +1,380 @@
+"""The versions of files: their table, their data files and their descriptors.
+
+:class:`VersionStore` owns
+
+- ``versions``: vid -> :class:`~mtcfs.core.model.Version`, every version registered in the
+  store (the current version of each file, and old ones still read through handles or
+  pins). Others read this dict (``Filesystem.versions`` is the same object, for the
+  component's lifetime); only this class adds or removes entries;
+- the ``versions`` table of the store's SQLite database (one row per registered version,
+  written by :meth:`write`) and the kv key ``next_vid`` (:meth:`alloc_vid`);
+- the data files ``<store>/data/<vid>`` (created by :meth:`new`/:meth:`new_sealed`,
+  removed by :meth:`release` once the deletion of the row commits);
+- ``fds``: the :class:`~mtcfs.core.store.fdcache.FdCache` of data file descriptors
+  (``Version.fd`` is its entry); :meth:`fd` for a use on the loop, ``fds.lease`` across an
+  ``await`` or in a thread;
+- ``chunk_keeper``: told before this node drops its last local copy of a chunk (a
+  version freed or its data dropped): ``wants(digest) -> bool``, ``keep(digest, data)``
+  (the peer tier's replica store, wired by the daemon; None: nobody).
+
+It reaches the rest of the core only through :class:`Host`: the store's database, the RAM
+budget (every data file it creates, grows or frees is accounted there, ``Version.alloc``
+in bytes), the chunk index (a freed version's chunks are forgotten) and the verifier (a
+freed version has nothing left to verify).
+
+Errors: ``OSError`` of the data files propagates (the caller is in a transaction, which
+then rolls back; the data file of a version whose row was never committed is removed at
+the next load, :meth:`repair`). Nothing here raises ``FsError``; the room a version needs
+is reserved by the caller first (``RamBudget.reserve``).
+
+Concurrency: every method runs on the trio thread and none awaits; a version being sealed
+(``Version.sealing``, hashing in a worker thread) is never freed under it: :meth:`release`
+gives its pages back and the seal frees the rest.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from typing import Any, Protocol
+
+import blake3
+
+from mtcfs.base.chunking import chunk_count, chunk_span
+from mtcfs.base.failpoints import failpoint
+from mtcfs.core.budget import RamBudget
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.model import Inode, Version
+from mtcfs.core.store import Store
+from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.store.meta import MetaDB
+
+__all__ = ["Host", "Releaser", "VersionStore", "copy_extents"]
+
+log = logging.getLogger("mtcfs.core.core")
+
+
+class Forgets(Protocol):
+    """What :class:`VersionStore` asks of the verifier: ``drop(vid)``, nothing left to
+    verify of that version."""
+
+    def drop(self, vid: int) -> None: ...
+
+
+class Releaser(Protocol):
+    """What other components ask of the version store: free ``v`` once nothing uses it
+    (:meth:`VersionStore.release`)."""
+
+    def release(self, v: Version) -> None: ...
+
+
+class Host(Protocol):
+    """What :class:`VersionStore` may use of the core (the ``Filesystem`` facade), read
+    at each use (the facade builds some of them after the store)."""
+
+    @property
+    def db(self) -> MetaDB: ...
+    @property
+    def budget(self) -> RamBudget: ...
+    @property
+    def chunk_index(self) -> ChunkIndex: ...
+    @property
+    def verifier(self) -> Forgets: ...
+
+
+def copy_extents(src: int, dst: int, size: int) -> None:
+    """Copy the first ``size`` bytes of descriptor ``src`` to ``dst``, data extents only
+    (holes stay holes), and make ``dst`` ``size`` bytes long.
+
+    Raises:
+        OSError: of ``lseek``/``copy_file_range``; EIO if a copy ends early.
+    """
+    off = 0
+    while off < size:
+        try:
+            data = os.lseek(src, off, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole is left
+                break
+            raise
+        if data >= size:
+            break
+        end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+        pos = data
+        while pos < end:
+            n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            if n <= 0:
+                raise OSError(errno.EIO, "copy of a version's data ended early")
+            pos += n
+        off = end
+    os.ftruncate(dst, size)
+
+
+class VersionStore:
+    """The versions of one core.
+
+    Args:
+        host: the core (see :class:`Host`).
+        store: the opened store (data files: ``open_data``, ``data_path``,
+            ``remove_data``, ``data_vids``).
+        chunk_size: chunk size in bytes of new versions.
+
+    Settable by the daemon: :attr:`chunk_keeper`.
+    """
+
+    def __init__(self, host: Host, store: Store, chunk_size: int) -> None:
+        self._host = host
+        self._store = store
+        self.chunk_size = chunk_size
+        #: vid -> registered version (read by everyone, changed only here).
+        self.versions: dict[int, Version] = {}
+        #: Data file descriptors, a bounded LRU: ``Version.fd`` is its entry (fdcache.py).
+        self.fds = FdCache(store.open_data)
+        #: Told before this node drops its last local copy of a chunk (see the module).
+        self.chunk_keeper: Any = None
+        self._next_vid = 1
+
+    # ------------------------------------------------------------------ rows
+
+    def load(self, fresh: bool) -> None:
+        """Read the versions and ``next_vid`` from the database (``fresh``: a new store,
+        whose ``next_vid`` is set to 1)."""
+        db = self._host.db
+        if fresh:
+            db.set_kv("next_vid", "1")
+        self._next_vid = int(db.get_kv("next_vid") or 1)
+        for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
+                              " backed_up, origin FROM versions"):
+            v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
+                        sealed=bool(row[4]), chunks=tuple(row[5].split()) if row[5] else (),
+                        blake3=row[6], missing={int(i) for i in row[7].split()},
+                        backed_up=bool(row[8]), origin=row[9])
+            self.versions[v.vid] = v
+
+    def repair(self, current: set[int]) -> list[Version]:
+        """Crash recovery, in the caller's transaction: forget the versions no inode has as
+        current (``current``: their vids), remove data files no version has, recreate the
+        missing data files of the others (a sealed one's chunks become missing), and adopt
+        the data file length of unsealed ones. Returns the unsealed versions (being written
+        at the crash: sealed again after mount; their data may be short, never garbage)."""
+        db = self._host.db
+        store = self._store
+        for vid in [v for v in self.versions if v not in current]:
+            self.versions.pop(vid)
+            db.execute("DELETE FROM versions WHERE vid=?", (vid,))
+        on_disk = store.data_vids()
+        for vid in on_disk - set(self.versions):
+            store.remove_data(vid)
+        unsealed: list[Version] = []
+        for v in self.versions.values():
+            if v.vid not in on_disk:
+                fd = store.open_data(v.vid, create=True)
+                os.ftruncate(fd, v.size)
+                os.close(fd)
+                if v.sealed:
+                    v.missing = set(range(chunk_count(v.size, v.chunk_size)))
+                    self.write(v)
+            if not v.sealed:
+                v.size = os.stat(store.data_path(v.vid)).st_size
+                self.write(v)
+                unsealed.append(v)
+        return unsealed
+
+    def write(self, v: Version) -> None:
+        """Write ``v``'s row (its persistent fields) in the caller's transaction."""
+        self._host.db.execute(
+            "INSERT OR REPLACE INTO versions(vid, ino, size, chunk_size, sealed, chunks, blake3,"
+            " missing, backed_up, origin) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (v.vid, v.ino, v.size, v.chunk_size, int(v.sealed), " ".join(v.chunks), v.blake3,
+             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
+
+    def alloc_vid(self) -> int:
+        """A new version id (``next_vid`` is persisted in the caller's transaction)."""
+        n = self._next_vid
+        self._next_vid += 1
+        self._host.db.set_kv("next_vid", str(self._next_vid))
+        return n
+
+    # ------------------------------------------------------------------ new versions
+
+    def new(self, ino: Inode, copy_from: Version | None = None,
+            take_over: Version | None = None) -> Version:
+        """A new version of ``ino``, registered and accounted: empty, a copy of
+        ``copy_from`` (its data extents only: holes stay holes), or ``take_over``'s data
+        file itself (a second name for it; the caller makes sure nothing else uses that
+        version, which goes at :meth:`set_current`). Not current yet: the caller makes it
+        so with :meth:`set_current`."""
+        store, fds = self._store, self.fds
+        v = Version(vid=self.alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
+        src = take_over or copy_from
+        if take_over is not None:
+            os.link(store.data_path(take_over.vid), store.data_path(v.vid))
+            fds.adopt(v, store.open_data(v.vid))
+        else:
+            fd = store.open_data(v.vid, create=True)
+            fds.adopt(v, fd)
+            os.ftruncate(fd, 0)
+            if copy_from is not None and copy_from.size:
+                sfd = fds.lease(copy_from)  # two descriptors in use: neither is evicted
+                dfd = fds.lease(v)
+                try:
+                    copy_extents(sfd, dfd, copy_from.size)
+                finally:
+                    fds.unlease(v, dfd)
+                    fds.unlease(copy_from, sfd)
+        if src is not None and src.size:
+            v.size = src.size
+            v.missing = set(src.missing)
+            v.chunk_size = src.chunk_size
+        self._host.budget.account(v)
+        self.versions[v.vid] = v
+        self.write(v)
+        return v
+
+    def new_sealed(self, ino: int, size: int, chunk_size: int, chunks: tuple[str, ...],
+                   file_hash: str, *, origin: int = -1, backed_up: bool = False,
+                   data: bytes | None = None, keep_open: bool = True) -> Version:
+        """A new sealed version of inode number ``ino`` whose chunks are all missing (a
+        sparse data file of ``size`` bytes), registered; reads fault them in. ``data``: the
+        whole content, inline (its chunks whose hash matches are written and not missing).
+        ``keep_open``: its descriptor stays in ``fds``, and it is accounted and indexed;
+        otherwise (an imported step) the descriptor is closed (a hole costs nothing)."""
+        v = Version(vid=self.alloc_vid(), ino=ino, size=size, chunk_size=chunk_size,
+                    sealed=True, chunks=chunks, blake3=file_hash,
+                    missing=set(range(len(chunks))), backed_up=backed_up, origin=origin)
+        fd = self._store.open_data(v.vid, create=True)
+        if not keep_open:
+            os.ftruncate(fd, v.size)
+            os.close(fd)  # opened again when read (fdcache.py)
+            self.versions[v.vid] = v
+            self.write(v)
+            return v
+        self.fds.adopt(v, fd)
+        os.ftruncate(fd, v.size)
+        if data is not None and len(data) == v.size:
+            for i, d in enumerate(chunks):
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                piece = data[off:off + length]
+                if blake3.blake3(piece).hexdigest() == d:
+                    os.pwrite(fd, piece, off)
+                    v.missing.discard(i)
+        self._host.budget.account(v)
+        self.versions[v.vid] = v
+        self.write(v)
+        self._host.chunk_index.add_version(v)
+        return v
+
+    def register(self, v: Version) -> None:
+        """Register ``v`` again after :meth:`forget_all` (a namespace snapshot install
+        keeps a version being written here): counted, its row written, its chunks indexed
+        if sealed."""
+        self.versions[v.vid] = v
+        self._host.budget.add(v)
+        self.write(v)
+        if v.sealed:
+            self._host.chunk_index.add_version(v)
+
+    def forget_all(self) -> None:
+        """Unregister every version (a namespace snapshot install, which also clears the
+        budget and the chunk index). Descriptors of versions with handles or pins are kept
+        open (they read on through them; :meth:`settle_kept` later), the others closed.
+        Rows and data files are the caller's."""
+        for v in self.versions.values():
+            if v.handles or v.pins:
+                # open handles and reads under way read on through their descriptor,
+                # never evicted: its path may name other data after the install
+                self.fds.keep(v)
+            else:
+                self.fds.drop(v)
+        self.versions.clear()
+
+    def settle_kept(self) -> None:
+        """After an install: descriptors kept by :meth:`forget_all` of versions registered
+        again become evictable."""
+        for v in self.fds.kept():
+            if self.versions.get(v.vid) is v:
+                self.fds.unkeep(v)
+
+    # ------------------------------------------------------------------ data
+
+    def fd(self, v: Version) -> int:
+        """``v``'s data file descriptor, for use on the loop before the next ``await``
+        (across one, or in a thread: ``fds.lease``)."""
+        return self.fds.get(v)
+
+    def drop_data(self, v: Version) -> None:
+        """Drop a sealed ``v``'s data from RAM (eviction; in the caller's transaction): its
+        last copies handed to :attr:`chunk_keeper`, its chunks forgotten by the index and
+        all missing, its pages freed; it stays registered (faulted in again on read)."""
+        self._hand_over_last_copies(v)
+        # first, so that other local copies take over at once
+        self._host.chunk_index.forget_version(v)
+        fd = self.fd(v)
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, v.size)
+        v.missing = set(range(chunk_count(v.size, v.chunk_size)))
+        self._host.budget.account(v)
+        self.write(v)
+
+    # ------------------------------------------------------------------ freeing
+
+    def set_current(self, ino: Inode, v: Version | None) -> None:
+        """Make ``v`` the current version of ``ino`` (None: none); the one it replaces is
+        no longer current and freed once nothing uses it. The caller writes ``ino``."""
+        old = self.versions.get(ino.vid) if ino.vid is not None else None
+        ino.vid = v.vid if v is not None else None
+        if old is not None and old is not v:
+            old.current = False
+            self.release(old)
+
+    def release(self, v: Version) -> None:
+        """Free a version that is no longer current, once nothing uses it (no handles, no
+        pins); a no-op otherwise. While it is being sealed its pages go at once and the
+        seal frees the rest. The data file goes when the deletion of its row commits."""
+        if self.versions.get(v.vid) is not v:
+            # Replaced by a namespace snapshot install (core/jobns.py): the handles and reads
+            # that held it read on through its descriptor; the last one closes it.
+            if not (v.handles or v.pins):
+                self.fds.drop(v)
+            return
+        if v.current or v.handles or v.pins:
+            return
+        host = self._host
+        if v.sealing is not None:
+            # Only its seal (hashing in a worker thread) holds it: give its pages back now
+            # (an unlinked file's space is free when unlink returns); the seal drops its
+            # result and frees the rest.
+            if not v.dropped:
+                v.dropped = True
+                os.ftruncate(self.fd(v), 0)
+                host.budget.account(v)
+            return
+        del self.versions[v.vid]
+        host.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
+        self._hand_over_last_copies(v)
+        self.fds.drop(v)
+        host.budget.remove(v)
+        host.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
+        # The data file goes once the deletion of its row is committed (store/meta.py).
+        host.db.after_commit(functools.partial(self._store.remove_data, v.vid))
+        failpoint("core.release_in_transaction")  # tests: a crash before that commit
+        host.chunk_index.forget_version(v)
+
+    def _hand_over_last_copies(self, v: Version) -> None:
+        """Give :attr:`chunk_keeper` the chunks of ``v`` that no other local file holds and
+        that it wants, before ``v``'s data goes."""
+        keeper = self.chunk_keeper
+        if keeper is None or not v.sealed:
+            return
+        for i, d in enumerate(v.chunks):
+            if i in v.missing or not self._host.chunk_index.last_copy(d, v.vid):
+                continue  # not here, or another local file holds it too
+            try:
+                if not keeper.wants(d):
+                    continue
+                off, length = chunk_span(i, v.size, v.chunk_size)
+                keeper.keep(d, os.pread(self.fd(v), length, off))  # keep() verifies it
+            except Exception as exc:  # the keeper's problem must not stop a delete
+                log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
