@@ -220,7 +220,7 @@ def test_pressure_evicts_a_backed_up_step_and_the_budget_follows(tmp_path):
         d = await fs.mkdir(ROOT_INO, b"step_3", 0o755, 0, 0)
         await write_file(fs, d.ino, b"x", os.urandom(3 * CS))  # needs step_1's room
         assert fs.counters.evicted_steps == 1
-        step1 = fs.resolve("step_1/x")
+        step1 = fs.tree.resolve("step_1/x")
         assert fs.versions[step1.vid].alloc == 0 and fs.versions[step1.vid].missing
         assert fs.used <= before
         check_budget(fs)

@@ -223,8 +223,8 @@ def test_a_schema_1_store_opens_and_takes_special_files(tmp_path):
 
     async def third(fs):
         root = fs.inodes[ROOT_INO]
-        p = fs.attr(fs.inodes[root.children[b"p"]])
-        c = fs.attr(fs.inodes[root.children[b"c"]])
+        p = fs.tree.attr(fs.inodes[root.children[b"p"]])
+        c = fs.tree.attr(fs.inodes[root.children[b"c"]])
         assert stat.S_ISFIFO(p.mode) and p.rdev == 0 and p.size == 0
         assert stat.S_ISCHR(c.mode) and c.rdev == os.makedev(4, 5)
         assert stat.S_IMODE(c.mode) == 0o600

@@ -33,6 +33,7 @@ class Host:
         self.dir = tmp_path
         self.versions: dict[int, Version] = {}
         self.inodes: dict[int, Inode] = {}
+        self.tree = self  # fetcher.Host.tree (fetcher.Paths): inodes and path_of are here
         self.arrived: list[tuple[int, int]] = []
         self.errors: list[str] = []
         self.released: list[int] = []

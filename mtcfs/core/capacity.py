@@ -106,9 +106,9 @@ class CapacityOps:
                 if ino.is_dir:
                     self._remove_dir_entry(parent, name, ino)  # forgets the step at the top
                 else:
-                    self._unlink_entry(parent, name)
+                    self.tree.unlink(parent, name)
                     self._drop_link(ino, parent, name)
-            self._touch_dir(self.inodes[ROOT_INO])
+            self.tree.touch(self.inodes[ROOT_INO])
         self._emit("invalidate_entry", (ROOT_INO, name, top.ino))
         for _path, ino in items:
             self._maybe_free_inode(ino)

@@ -140,7 +140,7 @@ class CheckpointOps:
         Raises:
             FsError: ENOENT, ENOTDIR, or EINVAL when ``path`` is not a top-level directory.
         """
-        ino = self.resolve(path)
+        ino = self.tree.resolve(path)
         if not ino.is_dir:
             raise FsError(errno.ENOTDIR, f"{path} is not a directory")
         if ino.parent != ROOT_INO:
@@ -161,7 +161,7 @@ class CheckpointOps:
 
     def walk(self, top: Inode) -> Iterable[tuple[str, Inode]]:
         """Yield (job-relative path, inode) of ``top`` and everything below, parents first."""
-        base = self.path_of(top) or ""
+        base = self.tree.path_of(top) or ""
         stack = [(base, top)]
         while stack:
             path, ino = stack.pop()
@@ -317,7 +317,7 @@ class CheckpointOps:
         with self.db.transaction():
             for e in m.entries:
                 parent_path, _, base = e.path.rpartition("/")
-                parent = self.resolve(parent_path)
+                parent = self.tree.resolve(parent_path)
                 name = base.encode(errors="surrogateescape")
                 if e.kind == "symlink" and escapes(
                         e.target.encode(errors="surrogateescape"),
@@ -327,25 +327,25 @@ class CheckpointOps:
                                 " not created", m.step, e.path, e.target)
                     continue
                 if e.kind == "dir":
-                    ino = self._new_inode("dir", stat.S_IFDIR | e.mode, uid, gid)
+                    ino = self.tree.new("dir", stat.S_IFDIR | e.mode, uid, gid)
                     parent.nlink += 1
                 elif e.kind == "symlink":
-                    ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
+                    ino = self.tree.new("symlink", stat.S_IFLNK | 0o777, uid, gid)
                     ino.target = e.target.encode(errors="surrogateescape")
                 elif e.kind == "special":
-                    ino = self._new_inode("special", SPECIAL_MODES[e.node] | e.mode, uid, gid)
+                    ino = self.tree.new("special", SPECIAL_MODES[e.node] | e.mode, uid, gid)
                     ino.rdev = e.rdev
                 else:
-                    ino = self._new_inode("file", stat.S_IFREG | e.mode, uid, gid)
+                    ino = self.tree.new("file", stat.S_IFREG | e.mode, uid, gid)
                     v = self.vstore.new_sealed(ino.ino, e.size, e.chunk_size or self.chunk_size,
                                                e.chunks, e.blake3, backed_up=backed_up,
                                                keep_open=False)  # opened again when read
                     ino.vid = v.vid
                 ino.mtime_ns = e.mtime_ns
-                self._link(parent, name, ino)
-                self._write_inode(ino)
-                self._write_inode(parent)
-            top = self.resolve(m.step)
+                self.tree.link(parent, name, ino)
+                self.tree.write(ino)
+                self.tree.write(parent)
+            top = self.tree.resolve(m.step)
             rec = StepRecord(name=m.step, number=m.step_number, ino=top.ino,
                              committed_ns=_now_ns(), source="restore",
                              backed_up_ns=_now_ns() if backed_up else None)
@@ -383,7 +383,7 @@ class CheckpointOps:
                 await self.verifier.verify_chunk(v, i, scrub=True)  # known bad: never served again
             off, length = chunk_span(i, v.size, v.chunk_size)
             ino = self.inodes.get(v.ino)
-            path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None
+            path = self.tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
             out.append(f"{path or f'version {v.vid}'}: chunk {i} (bytes {off}..{off + length})"
                        f" does not match {v.chunks[i][:16]}")
         return out

@@ -4,8 +4,10 @@
 module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, writes, seal),
 :mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
 :mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
-state: :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the versions, their rows,
-data files and descriptors; ``versions`` and ``fds`` here are its),
+state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the inodes, directory entries and
+kernel aliases, and their rows; ``inodes`` and ``aliases`` here are its dicts: only it
+adds or removes entries), :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the
+versions, their rows, data files and descriptors; ``versions`` and ``fds`` here are its),
 :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
@@ -29,10 +31,7 @@ Concurrency protocol: a coroutine may only rely on in-memory state it read after
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import trio
 
 from mtcfs.base import pools
-from mtcfs.base.errors import FsError
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
@@ -49,8 +47,9 @@ from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import FileOps
+from mtcfs.core.inodes import InodeTable
 from mtcfs.core.jobns import JobNamespaceOps
-from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from mtcfs.core.own_files import OwnFileOps
@@ -68,7 +67,6 @@ __all__ = ["ChunkSource", "Counters", "Filesystem", "StepRecord"]
 
 log = logging.getLogger(__name__)
 
-NAME_MAX = 255
 #: kv key of the store: "1" once a daemon stopped cleanly, "0" while one serves (a crash
 #: leaves it so). See Filesystem.close and crash_leftovers (core/eviction.py).
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
@@ -94,7 +92,11 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.chunk_size = chunk_size or store.chunk_size
         self.job = job
         self.rank = rank
-        self.inodes: dict[int, Inode] = {}
+        #: The inode table (core/inodes.py): inodes, directory entries, kernel aliases and
+        #: their rows. ``inodes`` and ``aliases`` here are its dicts (read them; only it adds
+        #: or removes entries).
+        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size)
+        self.inodes: dict[int, Inode] = self.tree.inodes
         #: The versions of files, their rows, data files and descriptors (core/versions.py).
         #: ``versions`` and ``fds`` here are its (the same objects), read by many; only it
         #: changes them.
@@ -132,11 +134,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
         self.ns_log: NamespaceLog = LocalLog(self)
         #: scope=job: kernel inode number -> core inode number, for files renumbered for
-        #: the kernel (Inode.kid).
-        self.aliases: dict[int, int] = {}
+        #: the kernel (Inode.kid); the inode table's.
+        self.aliases: dict[int, int] = self.tree.aliases
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
         self.chunk_origins: dict[str, int] = {}
-        self._next_kid = 1 << 48
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()
@@ -174,7 +175,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def _load(self) -> None:
         """Load the namespace from SQLite and repair what a crash may have left."""
         db = self.db
-        now = _now_ns()
         fresh = db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT_INO,)).fetchone() is None
         # (a) of crash_leftovers (core/eviction.py): did the daemon before stop cleanly? "1":
         # it did (close(clean=True)); "0": it was serving and never got there (a crash). A
@@ -183,23 +183,9 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.previous_crash = not fresh and db.get_kv(CLEAN_SHUTDOWN_KEY) == "0"
         if fresh:
             with db.transaction():
-                self._new_root()
-                db.set_kv("next_ino", "2")
-        self._next_ino = int(db.get_kv("next_ino") or 2)
-        for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
-                              " ctime_ns, target, vid, parent, name, rdev FROM inodes"):
-            ino = Inode(*row[:9], target=row[9] or b"", vid=row[10], parent=row[11] or 0,
-                        name=row[12] or b"", rdev=row[13])
-            if ino.is_dir:
-                ino.children = {}
-            self.inodes[ino.ino] = ino
-        for parent, name, child in db.execute("SELECT parent, name, ino FROM dentries"):
-            p = self.inodes.get(parent)
-            if p is not None and p.children is not None and child in self.inodes:
-                p.children[bytes(name)] = child
-        for num, name, value in db.execute("SELECT ino, name, value FROM xattrs"):
-            if num in self.inodes:
-                self.inodes[num].xattrs[bytes(name)] = bytes(value)
+                self.tree.create_root()
+                db.set_kv("next_vid", "1")
+        self.tree.load()  # inodes, directory entries, xattrs (core/inodes.py)
         self.vstore.load(fresh)  # core/versions.py: its rows and next_vid
         for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
             self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
@@ -211,12 +197,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         db = self.db
         with db.transaction():
             # Inodes no directory refers to (unlinked while open at the crash) are garbage.
-            linked = {ROOT_INO}
-            for ino in self.inodes.values():
-                if ino.children:
-                    linked.update(ino.children.values())
-            for num in [n for n in self.inodes if n not in linked]:
-                self._delete_inode_rows(self.inodes.pop(num))
+            self.tree.free_orphans()
             # Versions no inode has, data files no version has (core/versions.py); those
             # being written at the crash are sealed again after mount (start).
             current = {i.vid for i in self.inodes.values() if i.vid is not None}
@@ -273,154 +254,32 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             except Exception:  # an observer bug must not break the filesystem
                 log.exception("observer failed on %s", event)
 
-    def _new_root(self) -> Inode:
-        now = _now_ns()
-        root = Inode(ROOT_INO, "dir", stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), 2, now,
-                     now, now, children={})
-        self._write_inode(root)
-        return root
-
     # ------------------------------------------------------------------ persistence
-
-    def _write_inode(self, ino: Inode) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO inodes(ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
-            " ctime_ns, target, vid, parent, name, rdev) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (ino.ino, ino.kind, ino.mode, ino.uid, ino.gid, ino.nlink, ino.atime_ns, ino.mtime_ns,
-             ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name, ino.rdev))
 
     def _write_step(self, s: StepRecord) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO steps(name, number, ino, committed_ns, backed_up_ns, source)"
             " VALUES (?,?,?,?,?,?)", (s.name, s.number, s.ino, s.committed_ns, s.backed_up_ns, s.source))
 
-    def _delete_inode_rows(self, ino: Inode) -> None:
-        self.db.execute("DELETE FROM inodes WHERE ino=?", (ino.ino,))
-        self.db.execute("DELETE FROM xattrs WHERE ino=?", (ino.ino,))
-
-    def _alloc_ino(self) -> int:
-        n = self._next_ino
-        self._next_ino += 1
-        self.db.set_kv("next_ino", str(self._next_ino))
-        return n
-
     # ------------------------------------------------------------------ helpers
 
-    def _inode(self, ino: int) -> Inode:
-        try:
-            return self.inodes[ino]
-        except KeyError:
-            alias = self.aliases.get(ino)
-            if alias is not None and alias in self.inodes:
-                return self.inodes[alias]
-            raise FsError(errno.ENOENT) from None
-
-    def _dir(self, ino: int) -> Inode:
-        d = self._inode(ino)
-        if not d.is_dir:
-            raise FsError(errno.ENOTDIR)
-        return d
-
-    @staticmethod
-    def _check_name(name: bytes) -> None:
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)
-        if not name or b"/" in name or name in (b".", b".."):
-            raise FsError(errno.EINVAL)
-
-    def attr(self, ino: Inode) -> Attr:
-        size = 0
-        if ino.is_file and ino.vid is not None:
-            size = self.versions[ino.vid].size
-        elif ino.kind == "symlink":
-            size = len(ino.target)
-        elif ino.is_dir:
-            size = 4096
-        return Attr(ino.kid or ino.ino, ino.mode, ino.nlink, ino.uid, ino.gid, size,
-                    ino.atime_ns, ino.mtime_ns, ino.ctime_ns, rdev=ino.rdev)
-
-    def path_of(self, ino: Inode) -> str | None:
-        """Path relative to the job root ('' for the root), None if unlinked."""
-        parts: list[bytes] = []
-        cur = ino
-        while cur.ino != ROOT_INO:
-            if not cur.parent or cur.parent not in self.inodes:
-                return None
-            parts.append(cur.name)
-            cur = self.inodes[cur.parent]
-        return "/".join(p.decode(errors="surrogateescape") for p in reversed(parts))
-
-    def resolve(self, path: str) -> Inode:
-        """Look up a job-relative path without touching lookup counts."""
-        cur = self.inodes[ROOT_INO]
-        for part in [p for p in path.split("/") if p and p != "."]:
-            if not cur.is_dir:
-                raise FsError(errno.ENOTDIR)
-            child = cur.children.get(part.encode(errors="surrogateescape"))  # type: ignore[union-attr]
-            if child is None:
-                raise FsError(errno.ENOENT, f"no such file: {path}")
-            cur = self.inodes[child]
-        return cur
-
-    def _top_dir(self, ino: Inode) -> Inode | None:
-        """The top-level directory containing ``ino`` (itself if top-level)."""
-        cur = ino
-        while cur.parent and cur.parent != ROOT_INO:
-            cur = self.inodes.get(cur.parent)
-            if cur is None:
-                return None
-        return cur if cur.parent == ROOT_INO else None
-
     def step_of(self, ino: Inode) -> StepRecord | None:
-        top = self._top_dir(ino)
+        top = self.tree.top_dir(ino)
         if top is None:
             return None
         return self.steps.get(top.name.decode(errors="surrogateescape"))
-
-    def _touch_dir(self, d: Inode) -> None:
-        d.mtime_ns = d.ctime_ns = _now_ns()
-        self._write_inode(d)
-
-    def _link(self, parent: Inode, name: bytes, child: Inode) -> None:
-        parent.children[name] = child.ino  # type: ignore[index]
-        self.db.execute("INSERT OR REPLACE INTO dentries(parent, name, ino) VALUES (?,?,?)",
-                        (parent.ino, name, child.ino))
-        child.parent, child.name = parent.ino, name
-
-    def _unlink_entry(self, parent: Inode, name: bytes) -> None:
-        del parent.children[name]  # type: ignore[union-attr]
-        self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent.ino, name))
-
-    def _child(self, d: Inode, name: bytes) -> Inode:
-        """The inode ``name`` names in directory ``d``.
-
-        Raises:
-            FsError: ENOENT; ENAMETOOLONG for a name no entry can have (over NAME_MAX
-                bytes), as the kernel's own filesystems answer a lookup of one.
-        """
-        num = d.children.get(name)  # type: ignore[union-attr]
-        if num is None:
-            raise FsError(errno.ENAMETOOLONG if len(name) > NAME_MAX else errno.ENOENT)
-        return self.inodes[num]
 
     def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
         """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
         eviction); a step directory at the root stops being a checkpoint. The caller
         writes ``parent``."""
-        self._unlink_entry(parent, name)
+        self.tree.unlink(parent, name)
         d.nlink = 0
         d.parent, d.name = 0, b""
-        self._write_inode(d)
+        self.tree.write(d)
         parent.nlink -= 1
         if parent.ino == ROOT_INO:
             self._forget_step(name)
-
-    def _new_inode(self, kind: str, mode: int, uid: int, gid: int) -> Inode:
-        now = _now_ns()
-        ino = Inode(self._alloc_ino(), kind, mode, uid, gid, 2 if kind == "dir" else 1,
-                    now, now, now, children={} if kind == "dir" else None)
-        self.inodes[ino.ino] = ino
-        return ino
 
     def _maybe_free_inode(self, ino: Inode) -> None:
         if ino.nlink > 0 or ino.ino == ROOT_INO:
@@ -430,16 +289,13 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             # holds a lookup reference (it cannot read without opening).
             with self.db.transaction():
                 self.vstore.set_current(ino, None)
-                self._write_inode(ino)
+                self.tree.write(ino)
         if ino.lookups > 0 or ino.opens > 0:
             return
-        if self.inodes.pop(ino.ino, None) is None:
+        if not self.tree.forget(ino):  # its number and kernel aliases
             return
-        if ino.kid:
-            for k in [k for k, n in self.aliases.items() if n == ino.ino]:
-                del self.aliases[k]
         with self.db.transaction():
-            self._delete_inode_rows(ino)
+            self.tree.delete_rows(ino)
             self.vstore.set_current(ino, None)
 
     def report_error(self, msg: str) -> None:

@@ -34,7 +34,7 @@ from mtcfs.core.records import ChunkSource, Counters
 from mtcfs.core.store.fdcache import FdCache
 from mtcfs.core.versions import Releaser
 
-__all__ = ["FETCHES", "FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FaultIn", "Host"]
+__all__ = ["FETCHES", "FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FaultIn", "Host", "Paths"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -52,16 +52,24 @@ REFETCH_AFTER_S = 2.0
 FETCHES = pools.POOLS["fetch"].size
 
 
+class Paths(Protocol):
+    """What :class:`FaultIn` reads of the inode table (core/inodes.py): the path of a file
+    for its error messages."""
+
+    inodes: dict[int, Inode]
+
+    def path_of(self, ino: Inode) -> str | None: ...
+
+
 class Host(Protocol):
     """What :class:`FaultIn` may use of the core (the ``Filesystem`` facade)."""
 
     versions: dict[int, Version]
-    inodes: dict[int, Inode]
+    tree: Paths
 
     @property
     def vstore(self) -> Releaser: ...  # core/versions.py: ``release(v)``
 
-    def path_of(self, ino: Inode) -> str | None: ...
     def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None: ...
     def unpin(self, versions: Any) -> None: ...
     def read_chunk_at(self, v: Version, off: int, length: int,
@@ -181,8 +189,9 @@ class FaultIn:
 
     def _what(self, v: Version, idx: int) -> str:
         """``read of PATH, chunk I (DIGEST)``: what a fault-in error names."""
-        ino = self._host.inodes.get(v.ino)
-        path = self._host.path_of(ino) if ino is not None else None
+        tree = self._host.tree
+        ino = tree.inodes.get(v.ino)
+        path = tree.path_of(ino) if ino is not None else None
         return (f"read of {path if path is not None else f'version {v.vid}'}, chunk {idx}"
                 f" ({v.chunks[idx][:16]})")
 

@@ -62,7 +62,7 @@ class FileOps:
                 v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
                                       take_over=cur if take else None)
                 self.vstore.set_current(ino, v)
-                self._write_inode(ino)
+                self.tree.write(ino)
             return v
         self.counters.enospc += 1
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
@@ -74,7 +74,7 @@ class FileOps:
             FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
         """
         await self.ns_log.fresh()
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
         if not ino.is_file:
@@ -109,15 +109,15 @@ class FileOps:
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Attr]:
         res = await self.ns_log.submit(Create(
-            parent=self._dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
+            parent=self.tree.dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
             excl=bool(flags & os.O_EXCL)))
-        ino = self._inode(res["ino"])
+        ino = self.tree.get(res["ino"])
         if res["existed"] or self.job_scope:
             # An existing file opens as by open(2); scope=job: a new file's first writer
             # starts an empty local version (O_TRUNC) over the published empty one.
             fh, _ = await self.open(ino.ino, flags if res["existed"] else flags | os.O_TRUNC)
             ino.lookups += 1
-            return fh, self.attr(ino)
+            return fh, self.tree.attr(ino)
         v = self.versions[ino.vid]  # type: ignore[index]  # the new, open, empty version
         v.writers += 1
         v.handles += 1
@@ -126,7 +126,7 @@ class FileOps:
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND))
-        return fh, self.attr(ino)
+        return fh, self.tree.attr(ino)
 
     def _handle(self, fh: int) -> Handle:
         h = self.handles.get(fh)
@@ -234,7 +234,7 @@ class FileOps:
         """A write through a handle whose version was sealed at an earlier close(2) of a
         duplicate descriptor (scope=job): continue in a new copy-on-write version."""
         old = h.version
-        ino = self._inode(h.ino)
+        ino = self.tree.get(h.ino)
         if ino.vid != old.vid:
             raise FsError(errno.ESTALE, "the file was replaced since this descriptor was opened")
         v = await self._writable_version(ino, trunc=False)
@@ -321,7 +321,7 @@ class FileOps:
             with self.db.transaction():
                 self.vstore.write(v)
                 if ino is not None:
-                    self._write_inode(ino)
+                    self.tree.write(ino)
             self.chunk_index.add_version(v)
             self.counters.seals += 1
             v.sealing = None

@@ -91,7 +91,7 @@ class JobNamespaceOps:
         try:
             await self.ns_log.submit(op)
         except FsError as exc:
-            v.seal_error = f"cannot publish {self.path_of(ino)} job-wide: {exc.strerror}"
+            v.seal_error = f"cannot publish {self.tree.path_of(ino)} job-wide: {exc.strerror}"
             self.report_error(v.seal_error)
             if exc.errno == errno.EIO and self._nursery is not None:
                 self._nursery.start_soon(self._republish, ino, v,
@@ -121,9 +121,9 @@ class JobNamespaceOps:
                     if exc.errno == errno.EIO:
                         continue  # etcd still away
                     log.info("%s: not published again (%s): the job's newer version stays",
-                             self.path_of(ino), exc.strerror)
+                             self.tree.path_of(ino), exc.strerror)
                     return
-                log.info("%s: published job-wide after etcd came back", self.path_of(ino))
+                log.info("%s: published job-wide after etcd came back", self.tree.path_of(ino))
                 v.seal_error = ""
                 return
         finally:
@@ -174,7 +174,7 @@ class JobNamespaceOps:
         return int(self.db.get_kv("ns_epoch") or 0), int(self.db.get_kv("ns_seq") or 0)
 
     def _ns_dir(self, num: int) -> Inode:
-        d = self._dir(num)
+        d = self.tree.dir(num)
         if d.ino != ROOT_INO and not d.parent:
             raise FsError(errno.ENOENT)  # removed; may linger for the kernel here only
         return d
@@ -209,7 +209,7 @@ class JobNamespaceOps:
 
     def _apply_create(self, op: Create, keep: list[Version]) -> dict[str, Any]:
         d = self._ns_dir(op.parent)
-        self._check_name(op.name)
+        self.tree.check_name(op.name)
         existing = d.children.get(op.name)  # type: ignore[union-attr]
         if existing is not None:
             if op.excl:
@@ -220,7 +220,7 @@ class JobNamespaceOps:
                 raise FsError(errno.EISDIR if self.inodes[existing].is_dir or self.job_scope
                               else errno.EINVAL)
             return {"ino": existing, "existed": True}
-        ino = self._new_inode("file", stat.S_IFREG | (op.mode & 0o7777), op.uid, op.gid)
+        ino = self.tree.new("file", stat.S_IFREG | (op.mode & 0o7777), op.uid, op.gid)
         v = self.vstore.new(ino)
         if self.job_scope:
             # Job-wide, a new file is empty and published as such (every node serves it);
@@ -230,14 +230,14 @@ class JobNamespaceOps:
             ino.published = self._published(v, op.rank)  # type: ignore[arg-type]
         # scope=node: the new version is the submitter's open, empty one
         ino.vid = v.vid
-        self._link(d, op.name, ino)
-        self._write_inode(ino)
-        self._touch_dir(d)
+        self.tree.link(d, op.name, ino)
+        self.tree.write(ino)
+        self.tree.touch(d)
         return {"ino": ino.ino, "existed": False}
 
     def _apply_unlink(self, op: Unlink, keep: list[Version]) -> None:
         self._ns_dir(op.parent)
-        victim = self._child(self._dir(op.parent), op.name)
+        victim = self.tree.child(self.tree.dir(op.parent), op.name)
         if victim.nlink <= 1:  # another hard link keeps the content reachable
             self._keep_if_open(victim, keep)
         self._unlink_now(op.parent, op.name)
@@ -268,7 +268,7 @@ class JobNamespaceOps:
             ino.atime_ns = op.atime_ns
         if op.mtime_ns is not None:
             ino.mtime_ns = op.mtime_ns
-        self._write_inode(ino)
+        self.tree.write(ino)
 
     def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
         """``ino`` loses its name or content job-wide: keep what nodes reading it need."""
@@ -304,11 +304,11 @@ class JobNamespaceOps:
                 if ino.vid != v.vid:  # another node's earlier publish replaced it here
                     v.current = True
                     self.vstore.set_current(ino, v)
-                    self._renumber_for_kernel(ino)
+                    self.tree.renumber(ino)
                 v.origin = -1
                 self.vstore.write(v)
                 ino.mtime_ns = op.mtime_ns
-                self._write_inode(ino)
+                self.tree.write(ino)
                 self._maybe_commit_by_file(ino, published=True)
                 return
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
@@ -316,7 +316,7 @@ class JobNamespaceOps:
             # this content already (a snapshot carried it, or the file was rewritten with
             # the same bytes, or touched): only the time changes
             ino.mtime_ns = ino.ctime_ns = op.mtime_ns
-            self._write_inode(ino)
+            self.tree.write(ino)
             return
         if cur is not None:
             self._keep_if_open(ino, keep)
@@ -324,23 +324,14 @@ class JobNamespaceOps:
                                  op.rank, op.data)  # type: ignore[arg-type]
         self.vstore.set_current(ino, v)
         ino.mtime_ns = ino.ctime_ns = op.mtime_ns
-        self._renumber_for_kernel(ino)
-        self._write_inode(ino)
+        self.tree.renumber(ino)
+        self.tree.write(ino)
         self._maybe_commit_by_file(ino)
 
     @staticmethod
     def _published(v: Version, rank: int) -> dict[str, Any]:
         return {"size": v.size, "chunk_size": v.chunk_size, "chunks": list(v.chunks),
                 "blake3": v.blake3, "rank": rank}
-
-    def _renumber_for_kernel(self, ino: Inode) -> None:
-        """The content of ``ino`` changed under the kernel's feet: give it a new kernel
-        inode number, so that the next lookup of its name makes the kernel start a new inode
-        with the new size (with writeback cache on, it never refreshes a cached one)."""
-        if ino.lookups or ino.kid:
-            self._next_kid += 1
-            ino.kid = self._next_kid
-            self.aliases[ino.kid] = ino.ino
 
     def _remote_version(self, ino: Inode, size: int, chunk_size: int,
                         chunks: tuple[str, ...], file_hash: str, rank: int,
@@ -382,7 +373,7 @@ class JobNamespaceOps:
             out.append(e)
         steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
                   "committed_ns": s.committed_ns} for s in self.steps.values()]
-        return {"epoch": epoch, "seq": seq, "next_ino": self._next_ino, "entries": out,
+        return {"epoch": epoch, "seq": seq, "next_ino": self.tree.next_ino, "entries": out,
                 "steps": steps}
 
     def _dentries(self) -> list[tuple[int, bytes, Inode]]:
@@ -429,16 +420,13 @@ class JobNamespaceOps:
             content = {v.ino: (v.chunks, v.size) for v in self.versions.values()
                        if v.current and v.sealed}
             old_aliases = dict(self.aliases)
-            self.inodes.clear()
             # handles and reads under way read on through their descriptors (core/versions.py)
             self.vstore.forget_all()
             self.steps.clear()
             self.chunk_index.clear()
-            self.aliases.clear()
             self.chunk_origins.clear()
             self.budget.clear()
-            root = self._new_root()
-            self.inodes[ROOT_INO] = root
+            root = self.tree.clear()  # no inode and no alias left, a new root
             names: dict[int, set[tuple[int, bytes]]] = {}
             for e in snap["entries"]:
                 names.setdefault(e["ino"], set()).add((e["parent"], _name(e["name"])))
@@ -449,14 +437,14 @@ class JobNamespaceOps:
                                                  self._dir_depth(parent) or 0):
                     # docs/security-local.md: never made, whoever sent the snapshot
                     log.warning("namespace snapshot: symlink %s/%s -> %r points outside "
-                                "the mount: not created", self.path_of(parent), e["name"],
+                                "the mount: not created", self.tree.path_of(parent), e["name"],
                                 e["target"])
                     continue
                 linked = self.inodes.get(e["ino"])
                 if linked is not None and kind != "dir":  # another name of an inode here
-                    self._link(parent, _name(e["name"]), linked)
+                    self.tree.link(parent, _name(e["name"]), linked)
                     linked.nlink += 1
-                    self._write_inode(linked)
+                    self.tree.write(linked)
                     continue
                 ino = Inode(e["ino"], kind, e["mode"], e["uid"], e["gid"],
                             2 if kind == "dir" else 1, e["mtime_ns"], e["mtime_ns"],
@@ -467,8 +455,8 @@ class JobNamespaceOps:
                     _k, ino.lookups, ino.opens, ino.last_open_vid, ino.kid = rt
                 elif rt is not None:  # the number named another kind here (a diverged log)
                     ino.lookups, ino.opens = rt[1], rt[2]
-                    self._renumber_for_kernel(ino)
-                self.inodes[ino.ino] = ino
+                    self.tree.renumber(ino)
+                self.tree.add(ino)
                 if kind == "dir":
                     parent.nlink += 1
                 ver = e.get("version")
@@ -505,14 +493,14 @@ class JobNamespaceOps:
                     ino.vid = v.vid
                     ino.published = dict(ver)
                     if content.get(ino.ino) != (v.chunks, v.size):
-                        self._renumber_for_kernel(ino)  # the kernel may cache the old size
-                self._link(parent, _name(e["name"]), ino)
-                self._write_inode(ino)
-            self._write_inode(root)
+                        self.tree.renumber(ino)  # the kernel may cache the old size
+                self.tree.link(parent, _name(e["name"]), ino)
+                self.tree.write(ino)
+            self.tree.write(root)
             root_rt = runtime.get(ROOT_INO)
             if root_rt is not None:
                 root.lookups, root.opens = root_rt[1], root_rt[2]
-            self.aliases.update((k, n) for k, n in old_aliases.items() if n in self.inodes)
+            self.tree.keep_aliases(old_aliases)
             # A publish in flight whose file another node replaced, renamed or removed: its
             # data stays (not current) until our op is applied, which may make it current.
             set_aside = {v.vid for v in aside}
@@ -531,8 +519,7 @@ class JobNamespaceOps:
             self.vstore.settle_kept()  # still registered (being written here): evictable
             for vid in self.store.data_vids() - new:
                 self.store.remove_data(vid)  # open descriptors still read what they opened
-            self._next_ino = snap["next_ino"]
-            self.db.set_kv("next_ino", str(self._next_ino))
+            self.tree.set_next_ino(snap["next_ino"])
             self.db.set_kv("ns_seq", str(snap["seq"]))
             self.db.set_kv("ns_epoch", str(snap["epoch"]))
         log.info("installed the job namespace at seq %d: %d entries, %d steps", snap["seq"],

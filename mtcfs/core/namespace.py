@@ -43,15 +43,15 @@ class NamespaceOps:
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         await self.ns_log.fresh()
-        d = self._dir(parent)
+        d = self.tree.dir(parent)
         if name == b".":
             child = d
         elif name == b"..":
             child = self.inodes.get(d.parent or ROOT_INO, d)
         else:
-            child = self._child(d, name)
+            child = self.tree.child(d, name)
         child.lookups += 1
-        return self.attr(child)
+        return self.tree.attr(child)
 
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for num, n in items:
@@ -76,13 +76,13 @@ class NamespaceOps:
             # attributes to be current only at its open. (scope=node: always current.)
             with trio.move_on_after(ROOT_FRESH_S):
                 await self.ns_log.fresh()
-        return self.attr(self._inode(ino))
+        return self.tree.attr(self.tree.get(ino))
 
     async def setattr(self, num: int, *, mode: int | None = None, uid: int | None = None,
                       gid: int | None = None, size: int | None = None,
                       atime_ns: int | None = None, mtime_ns: int | None = None,
                       fh: int | None = None) -> Attr:
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         now = _now_ns()
         if size is not None:  # refused before any attribute changes
             if not ino.is_file:
@@ -129,8 +129,8 @@ class NamespaceOps:
             if mtime_ns is not None:
                 ino.mtime_ns = mtime_ns
             ino.ctime_ns = now
-            self._write_inode(ino)
-        return self.attr(ino)
+            self.tree.write(ino)
+        return self.tree.attr(ino)
 
     async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None:
         if size > MAX_FILE_SIZE:
@@ -167,31 +167,31 @@ class NamespaceOps:
         Raises:
             FsError: ENOENT/ENOTDIR (parent), EINVAL/ENAMETOOLONG (name), EEXIST.
         """
-        d = self._dir(parent)
-        self._check_name(name)
+        d = self.tree.dir(parent)
+        self.tree.check_name(name)
         if name in d.children:  # type: ignore[operator]
             raise FsError(errno.EEXIST)
         return d
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        return await self._new_entry(Mkdir(parent=self._dir(parent).ino, name=name,
+        return await self._new_entry(Mkdir(parent=self.tree.dir(parent).ino, name=name,
                                            mode=mode, uid=uid, gid=gid))
 
     async def _new_entry(self, op: Mkdir | Symlink | Mknod) -> Attr:
         """Submit an op that makes an entry; its attributes here (one lookup counted)."""
         res = await self.ns_log.submit(op)
-        ino = self._inode(res["ino"])
+        ino = self.tree.get(res["ino"])
         ino.lookups += 1
-        return self.attr(ino)
+        return self.tree.attr(ino)
 
     def _mkdir_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         d = self._dir_for_new_name(parent, name)
         with self.db.transaction():
-            ino = self._new_inode("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
-            self._link(d, name, ino)
-            self._write_inode(ino)
+            ino = self.tree.new("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
+            self.tree.link(d, name, ino)
+            self.tree.write(ino)
             d.nlink += 1
-            self._touch_dir(d)
+            self.tree.touch(d)
         return ino
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
@@ -201,7 +201,7 @@ class NamespaceOps:
             FsError: EPERM for a target that is absolute or leaves the mount
                 (:mod:`mtcfs.core.symlinks`); the errors of a new name.
         """
-        d = self._dir(parent)
+        d = self.tree.dir(parent)
         self._check_link_target(target, d, name)  # before any op is logged
         return await self._new_entry(Symlink(parent=d.ino, name=name, target=target, uid=uid,
                                              gid=gid))
@@ -210,11 +210,11 @@ class NamespaceOps:
         d = self._dir_for_new_name(parent, name)
         self._check_link_target(target, d, name)  # also for scope=job ops of other nodes
         with self.db.transaction():
-            ino = self._new_inode("symlink", stat.S_IFLNK | 0o777, uid, gid)
+            ino = self.tree.new("symlink", stat.S_IFLNK | 0o777, uid, gid)
             ino.target = target
-            self._link(d, name, ino)
-            self._write_inode(ino)
-            self._touch_dir(d)
+            self.tree.link(d, name, ino)
+            self.tree.write(ino)
+            self.tree.touch(d)
         return ino
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
@@ -229,7 +229,7 @@ class NamespaceOps:
             raise FsError(errno.EINVAL)
         if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             rdev = 0
-        return await self._new_entry(Mknod(parent=self._dir(parent).ino, name=name,
+        return await self._new_entry(Mknod(parent=self.tree.dir(parent).ino, name=name,
                                            mode=mode, rdev=rdev, uid=uid, gid=gid))
 
     def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
@@ -238,11 +238,11 @@ class NamespaceOps:
         if stat.S_IFMT(mode) not in SPECIAL_TYPES:
             raise FsError(errno.EINVAL)
         with self.db.transaction():
-            ino = self._new_inode("special", stat.S_IFMT(mode) | (mode & 0o7777), uid, gid)
+            ino = self.tree.new("special", stat.S_IFMT(mode) | (mode & 0o7777), uid, gid)
             ino.rdev = rdev
-            self._link(d, name, ino)
-            self._write_inode(ino)
-            self._touch_dir(d)
+            self.tree.link(d, name, ino)
+            self.tree.write(ino)
+            self.tree.touch(d)
         return ino
 
     async def readlink(self, num: int) -> bytes:
@@ -253,14 +253,14 @@ class NamespaceOps:
                 where the link is (one made before the symlink rule, in a store of an older
                 version): the kernel then resolves no path through it.
         """
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if ino.kind != "symlink":
             raise FsError(errno.EINVAL)
         d = self.inodes.get(ino.parent) if ino.parent else None
         depth = self._dir_depth(d) if d is not None else None
         if depth is not None and escapes(ino.target, depth):
             log.warning("symlink %s points outside the mount (%r): not followed",
-                        self.path_of(ino), ino.target)
+                        self.tree.path_of(ino), ino.target)
             raise FsError(errno.EPERM)
         return ino.target
 
@@ -287,7 +287,7 @@ class NamespaceOps:
         depth = self._dir_depth(d)
         if depth is None:
             raise FsError(errno.ENOENT)
-        where = "/".join(filter(None, (self.path_of(d), _text(name))))
+        where = "/".join(filter(None, (self.tree.path_of(d), _text(name))))
         check_target(target, depth, where)
 
     def _check_links_moved(self, ino: Inode, src_dir: Inode, dst_dir: Inode,
@@ -313,20 +313,20 @@ class NamespaceOps:
             for name, num in d.children.items():  # type: ignore[union-attr]
                 child = self.inodes[num]
                 if child.kind == "symlink" and escapes(child.target, depth):
-                    raise FsError(errno.EPERM, f"moving {self.path_of(ino)} would make "
-                                  f"symlink {self.path_of(d)}/{_text(name)} point outside "
+                    raise FsError(errno.EPERM, f"moving {self.tree.path_of(ino)} would make "
+                                  f"symlink {self.tree.path_of(d)}/{_text(name)} point outside "
                                   "the mount")
                 if child.is_dir:
                     stack.append((child, depth + 1))
 
     async def link(self, num: int, new_parent: int, new_name: bytes) -> Attr:
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if ino.is_dir:
             raise FsError(errno.EPERM)
-        await self.ns_log.submit(Link(ino=ino.ino, new_parent=self._dir(new_parent).ino,
+        await self.ns_log.submit(Link(ino=ino.ino, new_parent=self.tree.dir(new_parent).ino,
                                       new_name=new_name))
         ino.lookups += 1
-        return self.attr(ino)
+        return self.tree.attr(ino)
 
     def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None:
         if ino.is_dir:
@@ -335,24 +335,24 @@ class NamespaceOps:
         if ino.kind == "symlink":  # a hard link of a symlink: its target read from there
             self._check_link_target(ino.target, d, new_name)
         with self.db.transaction():
-            self._link(d, new_name, ino)
+            self.tree.link(d, new_name, ino)
             ino.nlink += 1
             ino.ctime_ns = _now_ns()
-            self._write_inode(ino)
-            self._touch_dir(d)
+            self.tree.write(ino)
+            self.tree.touch(d)
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        await self.ns_log.submit(Unlink(parent=self._dir(parent).ino, name=name))
+        await self.ns_log.submit(Unlink(parent=self.tree.dir(parent).ino, name=name))
 
     def _unlink_now(self, parent: int, name: bytes) -> Inode:
-        d = self._dir(parent)
-        ino = self._child(d, name)
+        d = self.tree.dir(parent)
+        ino = self.tree.child(d, name)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
         with self.db.transaction():
-            self._unlink_entry(d, name)
+            self.tree.unlink(d, name)
             self._drop_link(ino, d, name)
-            self._touch_dir(d)
+            self.tree.touch(d)
         self._maybe_free_inode(ino)
         return ino
 
@@ -364,29 +364,29 @@ class NamespaceOps:
             row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
                                   (ino.ino,)).fetchone()
             ino.parent, ino.name = (row[0], bytes(row[1])) if row else (0, b"")
-        self._write_inode(ino)
+        self.tree.write(ino)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.ns_log.submit(Rmdir(parent=self._dir(parent).ino, name=name))
+        await self.ns_log.submit(Rmdir(parent=self.tree.dir(parent).ino, name=name))
 
     def _rmdir_now(self, parent: int, name: bytes) -> None:
-        d = self._dir(parent)
-        ino = self._child(d, name)
+        d = self.tree.dir(parent)
+        ino = self.tree.child(d, name)
         if not ino.is_dir:
             raise FsError(errno.ENOTDIR)
         if ino.children:
             raise FsError(errno.ENOTEMPTY)
         with self.db.transaction():
             self._remove_dir_entry(d, name, ino)
-            self._touch_dir(d)
+            self.tree.touch(d)
         self._maybe_free_inode(ino)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                      flags: int = 0) -> None:
         """Atomic rename; ``flags`` may hold RENAME_NOREPLACE (1). RENAME_EXCHANGE (2) is
         refused with EINVAL."""
-        await self.ns_log.submit(Rename(parent=self._dir(old_parent).ino, name=old_name,
-                                        new_parent=self._dir(new_parent).ino,
+        await self.ns_log.submit(Rename(parent=self.tree.dir(old_parent).ino, name=old_name,
+                                        new_parent=self.tree.dir(new_parent).ino,
                                         new_name=new_name, flags=flags))
 
     def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
@@ -394,9 +394,9 @@ class NamespaceOps:
         """The rename itself; returns the inode it replaced (unlinked), if any."""
         if flags & ~1:
             raise FsError(errno.EINVAL)
-        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
-        self._check_name(new_name)
-        ino = self._child(src_dir, old_name)
+        src_dir, dst_dir = self.tree.dir(old_parent), self.tree.dir(new_parent)
+        self.tree.check_name(new_name)
+        ino = self.tree.child(src_dir, old_name)
         if ino.is_dir:
             # A directory may not move below itself.
             cur: Inode | None = dst_dir
@@ -423,20 +423,20 @@ class NamespaceOps:
                 if victim.is_dir:
                     self._remove_dir_entry(dst_dir, new_name, victim)
                 else:
-                    self._unlink_entry(dst_dir, new_name)
+                    self.tree.unlink(dst_dir, new_name)
                     self._drop_link(victim, dst_dir, new_name)
-            self._unlink_entry(src_dir, old_name)
+            self.tree.unlink(src_dir, old_name)
             if src_dir.ino == ROOT_INO and ino.is_dir:
                 self._forget_step(old_name)
-            self._link(dst_dir, new_name, ino)
+            self.tree.link(dst_dir, new_name, ino)
             if ino.is_dir and src_dir is not dst_dir:
                 src_dir.nlink -= 1
                 dst_dir.nlink += 1
             ino.ctime_ns = _now_ns()
-            self._write_inode(ino)
-            self._touch_dir(src_dir)
+            self.tree.write(ino)
+            self.tree.touch(src_dir)
             if dst_dir is not src_dir:
-                self._touch_dir(dst_dir)
+                self.tree.touch(dst_dir)
             # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
             if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
                 self._commit_step(ino, "orbax-rename")
@@ -455,7 +455,7 @@ class NamespaceOps:
 
     async def opendir(self, num: int) -> int:
         await self.ns_log.fresh()
-        d = self._dir(num)
+        d = self.tree.dir(num)
         fh = self._next_fh
         self._next_fh += 1
         entries = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
@@ -473,7 +473,7 @@ class NamespaceOps:
             ino = self.inodes.get(num)
             if ino is None:
                 continue
-            yield name, self.attr(ino), i + 1, name not in (b".", b"..")
+            yield name, self.tree.attr(ino), i + 1, name not in (b".", b"..")
 
     def count_lookup(self, num: int) -> None:
         ino = self.inodes.get(num) or self.inodes.get(self.aliases.get(num, 0))

@@ -50,7 +50,7 @@ class OwnFileOps:
         v = await self.wait_sealed(ino)  # type: ignore[attr-defined]
         if v is not None and v.seal_error:
             raise FsError(errno.EIO, v.seal_error)
-        old = self._dir(parent).children.get(name)  # type: ignore[attr-defined]
+        old = self.tree.dir(parent).children.get(name)  # type: ignore[attr-defined]
         await self.rename(parent, tmp, parent, name)  # type: ignore[attr-defined]
         self.invalidate_name(parent, name, old or 0)
 
@@ -60,7 +60,7 @@ class OwnFileOps:
         Raises:
             FsError: ENOENT, EISDIR, EFBIG (larger than 1 MiB), EIO (data unavailable).
         """
-        num = self._dir(parent).children.get(name)  # type: ignore[attr-defined]
+        num = self.tree.dir(parent).children.get(name)  # type: ignore[attr-defined]
         if num is None:
             raise FsError(errno.ENOENT, f"no {name.decode(errors='replace')}")
         ino = self.inodes[num]  # type: ignore[attr-defined]
@@ -81,7 +81,7 @@ class OwnFileOps:
 
         Returns False when there was no such name.
         """
-        d = self._dir(parent)  # type: ignore[attr-defined]
+        d = self.tree.dir(parent)  # type: ignore[attr-defined]
         num = d.children.get(name)
         if num is None:
             return False

@@ -103,7 +103,7 @@ class ScrubOps:
                 self.fds.unlease(v, fd)
         self.counters.corrupt_chunks += 1
         ino = self.inodes.get(v.ino)
-        path = self.path_of(ino) if ino is not None and ino.vid == v.vid else None
+        path = self.tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
         self.report_error(f"corrupt chunk in the RAM tier ({found_by}): "
                     f"{path if path is not None else f'version {v.vid}'}, chunk {idx} "
                     f"(bytes {off}..{off + length}) does not match {v.chunks[idx][:16]}; "

@@ -27,7 +27,7 @@ class XattrOps:
     # ------------------------------------------------------------------ xattrs
 
     async def getxattr(self, num: int, name: bytes) -> bytes:
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if name.startswith(XATTR_PREFIX):
             return await self._mtcfs_xattr(ino, name[len(XATTR_PREFIX):])
         try:
@@ -36,7 +36,7 @@ class XattrOps:
             raise FsError(ENOATTR) from None
 
     async def setxattr(self, num: int, name: bytes, value: bytes) -> None:
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if name.startswith(XATTR_PREFIX):
             raise FsError(errno.EPERM, "user.mtcfs.* attributes are read-only")
         if not name.startswith(b"user."):
@@ -50,10 +50,10 @@ class XattrOps:
         # The virtual user.mtcfs.* attributes are read by name only, not listed: copy tools
         # (cp -a --preserve=xattr, tar --xattrs, rsync -X) set every listed name on the copy
         # and fail on read-only ones, and would carry stale hashes to other filesystems.
-        return list(self._inode(num).xattrs)
+        return list(self.tree.get(num).xattrs)
 
     async def removexattr(self, num: int, name: bytes) -> None:
-        ino = self._inode(num)
+        ino = self.tree.get(num)
         if name not in ino.xattrs:
             raise FsError(ENOATTR)
         with self.db.transaction():
