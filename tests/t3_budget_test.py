@@ -12,7 +12,7 @@ import os
 
 import pytest
 import trio
-from support.corefs import CS, open_fs
+from support.corefs import CS, open_fs, run, sealed, write_file
 
 from mtcfs.base.errors import FsError
 from mtcfs.core.budget import PAGE, RamBudget
@@ -144,33 +144,6 @@ def check_budget(fs) -> None:
     assert s["used"] == fs.used + fs.shared_used() and s["files"] == len(fs.inodes)
 
 
-def run_small(body, tmp_path, capacity: int) -> None:
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            fs = open_fs(tmp_path / "store", capacity=capacity)
-            fs.start(n)
-            try:
-                await body(fs)
-            finally:
-                n.cancel_scope.cancel()
-                fs.close()
-                fs.store.close()
-    trio.run(main)
-
-
-async def write_file(fs, parent, name, data):
-    fh, attr = await fs.create(parent, name, 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0, 0)
-    for off in range(0, len(data), 100_000):
-        await fs.write(fh, off, data[off:off + 100_000])
-    await fs.release(fh)
-    return attr.ino
-
-
-async def sealed(fs, ino):
-    with trio.fail_after(10):
-        return await fs.wait_sealed(fs.inodes[ino])
-
-
 def test_writes_rewrites_and_unlinks_keep_the_budget_exact(tmp_path):
     async def body(fs) -> None:
         a = await write_file(fs, ROOT_INO, b"a", os.urandom(3 * CS))
@@ -187,7 +160,7 @@ def test_writes_rewrites_and_unlinks_keep_the_budget_exact(tmp_path):
         with pytest.raises(AttributeError):
             fs.used = 5  # read-only: only the budget changes it
 
-    run_small(body, tmp_path, capacity=1 << 30)
+    run(body, tmp_path, capacity=1 << 30)
 
 
 def test_a_full_tier_refuses_writes_counting_the_replicas(tmp_path):
@@ -204,7 +177,7 @@ def test_a_full_tier_refuses_writes_counting_the_replicas(tmp_path):
         assert fs.statfs()["free"] == fs.capacity - fs.used
         check_budget(fs)
 
-    run_small(body, tmp_path, capacity=8 * CS)
+    run(body, tmp_path, capacity=8 * CS)
 
 
 def test_pressure_evicts_a_backed_up_step_and_the_budget_follows(tmp_path):
@@ -225,7 +198,7 @@ def test_pressure_evicts_a_backed_up_step_and_the_budget_follows(tmp_path):
         assert fs.used <= before
         check_budget(fs)
 
-    run_small(body, tmp_path, capacity=7 * CS)
+    run(body, tmp_path, capacity=7 * CS)
 
 
 def test_a_reload_measures_the_store_again(tmp_path):
@@ -233,7 +206,7 @@ def test_a_reload_measures_the_store_again(tmp_path):
         await write_file(fs, ROOT_INO, b"a", os.urandom(2 * CS + 5))
         check_budget(fs)
 
-    run_small(body, tmp_path, capacity=1 << 30)
+    run(body, tmp_path, capacity=1 << 30)
     fs = open_fs(tmp_path / "store")
     try:
         assert fs.used > 2 * CS

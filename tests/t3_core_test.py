@@ -11,19 +11,7 @@ from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
 from mtcfs.core.store import Store, StoreError
-from support.corefs import CS, open_fs, run
-
-async def write_file(fs, parent, name, data, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC):
-    fh, attr = await fs.create(parent, name, 0o644, flags, 0, 0)
-    for off in range(0, len(data), 100_000):
-        await fs.write(fh, off, data[off:off + 100_000])
-    await fs.release(fh)
-    return attr.ino
-
-
-async def sealed(fs, ino):
-    with trio.fail_after(10):
-        return await fs.wait_sealed(fs.inodes[ino])
+from support.corefs import CS, open_fs, run, sealed, write_file
 
 
 def test_seal_chunks_and_file_hash(tmp_path):

@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster import free_ports
-
-MTCFS = [sys.executable, "-m", "mtcfs"]
+from support.mount import MTCFS
 
 
 def _scrape(address: str) -> dict[str, dict[tuple, float]]:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from mtcfs.base.mountinfo import force_unmount, is_mounted
+from support.mount import MTCFS
 
 ROOT = Path(__file__).resolve().parent.parent
-MTCFS = [sys.executable, "-m", "mtcfs"]
 
 
 class NotifySocket:
@@ -55,6 +55,12 @@ def _start(shm_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], P
                          env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     return p, mnt
+
+
+def _wait_mounted(p: subprocess.Popen[str], mnt: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_mounted(str(mnt)) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _stop(p: subprocess.Popen[str], mnt: Path) -> str:
@@ -112,9 +118,7 @@ def test_a_dead_notify_socket_does_not_stop_the_mount(shm_dir):
     serves, a warning is logged once."""
     p, mnt = _start(shm_dir, {"NOTIFY_SOCKET": str(shm_dir / "nobody-listens")})
     try:
-        deadline = time.monotonic() + 60
-        while not is_mounted(str(mnt)) and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_mounted(p, mnt)
         (mnt / "f").write_bytes(b"x")
         assert (mnt / "f").read_bytes() == b"x"
     finally:
@@ -126,9 +130,7 @@ def test_a_dead_notify_socket_does_not_stop_the_mount(shm_dir):
 def test_under_journald_lines_carry_a_priority_and_no_timestamp(shm_dir):
     p, mnt = _start(shm_dir, {"JOURNAL_STREAM": "8:12345"})
     try:
-        deadline = time.monotonic() + 60
-        while not is_mounted(str(mnt)) and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_mounted(p, mnt)
         assert is_mounted(str(mnt))
     finally:
         err = _stop(p, mnt)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -20,12 +22,13 @@ def open_fs(path: Path, capacity: int = 1 << 30, rank: int = 0) -> Filesystem:
                       job="job", rank=rank)
 
 
-def run(fn: Callable[[Filesystem], Awaitable[None]], tmp_path: Path, rank: int = 0) -> None:
-    """Run ``fn(fs)`` on a fresh core under trio, the core started in a nursery (as the
-    daemon does) and closed afterwards whatever happens."""
+def run(fn: Callable[[Filesystem], Awaitable[None]], tmp_path: Path, rank: int = 0,
+        capacity: int = 1 << 30) -> None:
+    """Run ``fn(fs)`` on a fresh core of ``capacity`` bytes under trio, the core started
+    in a nursery (as the daemon does) and closed afterwards whatever happens."""
     async def main() -> None:
         async with trio.open_nursery() as n:
-            fs = open_fs(tmp_path / "store", rank=rank)
+            fs = open_fs(tmp_path / "store", capacity=capacity, rank=rank)
             fs.start(n)
             try:
                 await fn(fs)
@@ -34,3 +37,20 @@ def run(fn: Callable[[Filesystem], Awaitable[None]], tmp_path: Path, rank: int =
                 fs.close()
                 fs.store.close()
     trio.run(main)
+
+
+async def write_file(fs: Filesystem, parent: int, name: bytes, data: bytes,
+                     flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
+    """Create ``name`` in directory ``parent``, write ``data`` in 100 kB requests (as the
+    kernel would), close it; its inode number."""
+    fh, attr = await fs.create(parent, name, 0o644, flags, 0, 0)
+    for off in range(0, len(data), 100_000):
+        await fs.write(fh, off, data[off:off + 100_000])
+    await fs.release(fh)
+    return attr.ino
+
+
+async def sealed(fs: Filesystem, ino: int) -> Any:
+    """The sealed version of inode ``ino``, waited for at most 10 s."""
+    with trio.fail_after(10):
+        return await fs.wait_sealed(fs.inodes[ino])
