@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support.demo import assert_cleaned_up, interrupt_after
+from support.demo import assert_cleaned_up, interrupt_after, run_demo
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo_mtc.py"
 
@@ -21,19 +20,15 @@ pytestmark = [pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="/dev/f
 
 def test_demo_mtc_passes():
     pytest.importorskip("orbax.checkpoint")
-    r = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True,
-                       timeout=300, check=False)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    assert re.search(r"^PASS$", r.stdout, re.MULTILINE) and "FAIL" not in r.stdout, out
-    assert "Orbax lists [1, 2, 3]" in r.stdout, out
+    stdout, out = run_demo(DEMO)
+    assert "Orbax lists [1, 2, 3]" in stdout, out
     m = re.search(r"every process restored step \[3\]; node 1: marker demo-s3-n1-w0\.restore "
                   r"[\d.]+ s after its replicator\.yaml .* from peer rank 0, (\d+) bytes\)",
-                  r.stdout)
+                  stdout)
     assert m and int(m.group(1)) > 0, out
-    assert "every shard of every array bit-exact: yes" in r.stdout, out
-    assert "Orbax lists [3, 4, 5]" in r.stdout, out
-    assert_cleaned_up(r.stdout, 2, min_pids=1)
+    assert "every shard of every array bit-exact: yes" in stdout, out
+    assert "Orbax lists [3, 4, 5]" in stdout, out
+    assert_cleaned_up(stdout, 2, min_pids=1)
 
 
 def test_demo_mtc_ctrl_c_unmounts():

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -88,3 +89,14 @@ def _using(scratch: str) -> list[str]:
         if scratch + "/" in cmd and _alive(int(pid)):
             out.append(cmd)
     return out
+
+
+def run_demo(demo: "os.PathLike[str] | str", timeout: float = 300) -> tuple[str, str]:
+    """Run a demo script to its end; assert it exited 0, printed a ``PASS`` line and no
+    ``FAIL``. Returns (stdout, stdout + stderr) for the caller's own checks."""
+    r = subprocess.run([sys.executable, str(demo)], capture_output=True, text=True,
+                       timeout=timeout, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert re.search(r"^PASS$", r.stdout, re.MULTILINE) and "FAIL" not in r.stdout, out
+    return r.stdout, out
