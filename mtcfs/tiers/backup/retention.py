@@ -183,17 +183,7 @@ def run_retention(catalog: StepCatalog, backend: Backend, *, keep: int, grace_ns
                            incomplete_deleted=incomplete_deleted, swept=sweepable and sweep)
     if not (sweepable and sweep):
         return stats
-    garbage: list[tuple[str, bytes]] = []
-    chunks_kept = 0
-    for key in backend.list(CHUNKS_PREFIX):
-        h = parse_chunk_key(key)
-        if h is None:
-            continue  # not ours: leave it
-        digest = bytes.fromhex(h)
-        if digest in live:
-            chunks_kept += 1
-        else:
-            garbage.append((key, digest))
+    chunks_kept, garbage = _unreferenced_chunks(backend, live)
 
     def drop(item: tuple[str, bytes]) -> None:
         backend.delete(item[0])
@@ -348,6 +338,24 @@ def run_job_retention(backend: Backend, gate: SweepGate | None, *, keep: int,
                           chunks_deleted=gone, swept=swept)
 
 
+def _unreferenced_chunks(backend: Backend,
+                         live: set[bytes]) -> tuple[int, list[tuple[str, bytes]]]:
+    """List the bucket's chunk objects: (how many ``live`` holds, the others as (key,
+    digest)). Keys not of our chunk layout are left out (never ours to delete)."""
+    kept = 0
+    garbage: list[tuple[str, bytes]] = []
+    for key in backend.list(CHUNKS_PREFIX):
+        h = parse_chunk_key(key)
+        if h is None:
+            continue  # not ours: leave it
+        digest = bytes.fromhex(h)
+        if digest in live:
+            kept += 1
+        else:
+            garbage.append((key, digest))
+    return kept, garbage
+
+
 def _gated_sweep(backend: Backend, gate: SweepGate, *, forget: Callable[[bytes], None],
                  bumped: Callable[[int, int], None], workers: int) -> tuple[bool, int, int]:
     """Holding the gate exclusive: mark every manifest in the bucket, bump the generation if
@@ -370,16 +378,7 @@ def _gated_sweep(backend: Backend, gate: SweepGate, *, forget: Callable[[bytes],
             for m in got:
                 if isinstance(m, StepManifest):
                     live.update(bytes.fromhex(h) for h in m.chunk_set())
-            garbage: list[tuple[str, bytes]] = []
-            for key in backend.list(CHUNKS_PREFIX):
-                h = parse_chunk_key(key)
-                if h is None:
-                    continue  # not ours: leave it
-                digest = bytes.fromhex(h)
-                if digest in live:
-                    chunks_kept += 1
-                else:
-                    garbage.append((key, digest))
+            chunks_kept, garbage = _unreferenced_chunks(backend, live)
             if not garbage:
                 return True, chunks_kept, 0
             # Before the first delete: an uploader that takes the gate after us (also after
