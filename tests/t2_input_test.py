@@ -257,3 +257,25 @@ def test_an_interrupted_mount_command_leaves_no_daemon(shm_dir, leftovers, sig):
             cli.communicate()
         held.release()
     _assert_nothing_left(mnt, shm_dir / "s")
+
+
+def test_store_written_by_a_newer_mtcfs_is_refused_untouched(make_mount, shm_dir, leftovers):
+    """A downgrade (or a rollback of an upgrade) must not open a store whose metadata a newer
+    mtcfs wrote: it would not know the newer columns' meaning. One line, exit 1 (as for a
+    store of another job), and the metadata file stays as it was (no migration ran on it)."""
+    import sqlite3
+
+    m = make_mount()
+    m.path("kept").write_bytes(b"sealed bytes")
+    m.stop()
+    db_path = m.store / "meta.sqlite3"
+    db = sqlite3.connect(db_path)
+    db.execute("UPDATE kv SET value='99' WHERE key='schema_version'")
+    db.execute("CREATE TABLE from_the_future (x INTEGER)")
+    db.commit()
+    db.close()
+    before = db_path.read_bytes()
+    r = _mtcfs(m.job, m.mnt, m.option_string())
+    _one_line_error(r, 1, str(m.store), "schema 99", "newer mtcfs")
+    assert not is_mounted(str(m.mnt))
+    assert db_path.read_bytes() == before

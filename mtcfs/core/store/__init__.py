@@ -24,7 +24,7 @@ import stat
 import time
 
 from mtcfs.base import mountinfo
-from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.store.meta import MetaDB, NewerSchemaError
 
 STORE_FORMAT = 1
 log = logging.getLogger("mtcfs.core.store")
@@ -154,7 +154,11 @@ class Store:
         self._strays_logged: set[str] = set()
         self.job = job
         self.chunk_size = chunk_size
-        self.db = MetaDB(os.path.join(self.path, "meta.sqlite3"))
+        try:
+            self.db = MetaDB(os.path.join(self.path, "meta.sqlite3"))
+        except NewerSchemaError as e:
+            self.close()
+            raise StoreError(f"store {self.path} refused: {e}") from None
 
     @property
     def control_socket(self) -> str:

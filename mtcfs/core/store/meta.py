@@ -93,6 +93,21 @@ CREATE TABLE IF NOT EXISTS kv (
 """
 
 
+class NewerSchemaError(Exception):
+    """The metadata was written by a newer mtcfs (its ``schema_version`` is above
+    :data:`SCHEMA_VERSION`); nothing in the file was changed."""
+
+
+def _stored_schema_version(conn: sqlite3.Connection) -> int | None:
+    """The ``schema_version`` a store's metadata records, or None (a new or empty file)."""
+    has_kv = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='kv'"
+                          ).fetchone()
+    if not has_kv:
+        return None
+    row = conn.execute("SELECT value FROM kv WHERE key='schema_version'").fetchone()
+    return int(row[0]) if row else None
+
+
 class MetaDB:
     """Thin wrapper around the SQLite connection; used only from the FUSE loop's thread.
 
@@ -103,6 +118,14 @@ class MetaDB:
     def __init__(self, path: str) -> None:
         self.path = path
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        stored = _stored_schema_version(self.conn)
+        if stored is not None and stored > SCHEMA_VERSION:
+            # Before any statement that writes: a downgrade must leave the store as it was.
+            self.conn.close()
+            raise NewerSchemaError(
+                f"its metadata is schema {stored}, written by a newer mtcfs (this one reads "
+                f"schema {SCHEMA_VERSION} and older); nothing was changed: run the newer "
+                "mtcfs, or give another store=")
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
