@@ -73,6 +73,7 @@ from benchmarks.common import (
     machine_info,
     median,
     mtcfs_mount,
+    noop_mount,
     scratch_dir,
     wait_until,
     write_json,
@@ -83,7 +84,7 @@ NODES = 4
 JOB_OPTIONS = {"scope": "job", "replicas": 1}
 FILE_SIZE = 4 * KiB
 ETCD_TARGETS = ("etcd-rank0", "etcd-member", "etcd-4x", "etcd-8w")
-TARGETS = ("tmpfs", "node") + ETCD_TARGETS
+TARGETS = ("tmpfs", "noop", "node") + ETCD_TARGETS
 ENGINES = {"etcd": ETCD_TARGETS}
 WRITERS_PER_NODE_8W = 2
 BARRIER_TIMEOUT_S = 600.0
@@ -149,8 +150,25 @@ def unlink(w: Work) -> int:
     return w.n
 
 
+def _sub(w: Work, i: int) -> Path:
+    return w.dir / f"d{i:06d}"
+
+
+def mkdir(w: Work) -> int:
+    for i in range(w.n):
+        os.mkdir(_sub(w, i))
+    return w.n
+
+
+def rmdir(w: Work) -> int:
+    for i in range(w.n):
+        os.rmdir(_sub(w, i))
+    return w.n
+
+
 PHASES: dict[str, Callable[[Work], int]] = {
-    "create": create, "stat": stat, "readdir": readdir, "rename": rename, "unlink": unlink}
+    "create": create, "stat": stat, "readdir": readdir, "rename": rename, "unlink": unlink,
+    "mkdir": mkdir, "rmdir": rmdir}
 
 #: phase -> (start, end, ops) on the time.monotonic clock (one clock for every process).
 Spans = dict[str, tuple[float, float, int]]
@@ -253,6 +271,10 @@ def local_targets(root: Path, keys: list[str]) -> Iterator[list[Target]]:
             d = root / "tmpfs"
             d.mkdir()
             out.append(Target("tmpfs", "tmpfs", [d], []))
+        if "noop" in keys:
+            log("mounting the no-op FUSE filesystem (benchmarks/noop_fs.py)")
+            mnt = stack.enter_context(noop_mount(root / "noop"))
+            out.append(Target("noop", "no-op FUSE", [mnt], []))
         if "node" in keys:
             log("mounting one mtcfs daemon (scope=node)")
             m = stack.enter_context(mtcfs_mount(root / "node", {}, job=JOB))
@@ -444,15 +466,26 @@ def _phase_values(runs: list[dict], phase: str, fn: Callable[[dict], float | Non
 
 
 def throughput_table(r: Runs, n: int, listings: int, reps: int) -> BenchResult:
+    ratio = bool(r.runs.get("noop")) and bool(r.runs.get("node"))
     res = BenchResult("ops", f"6a. Metadata ops/s: {n} files of 4 KiB, {listings} listings, "
                       f"median of {reps} (higher is better)",
-                      ["phase"] + [label for _, label in r.shown()])
+                      ["phase"] + [label for _, label in r.shown()]
+                      + (["node / no-op"] if ratio else []))
     for phase in PHASES:
-        res.rows.append([phase] + [
+        row = [phase] + [
             fmt_noise(_phase_values(r.runs[key], phase, lambda p: p["ops_per_s"]), 0)
-            for key, _ in r.shown()])
+            for key, _ in r.shown()]
+        if ratio:
+            node, noop = (median(_phase_values(r.runs[k], phase, lambda p: p["ops_per_s"]))
+                          for k in ("node", "noop"))
+            row.append(fmt(node / noop if node and noop else None, 2))
+        res.rows.append(row)
     res.notes.append("create = open(O_CREAT|O_TRUNC) + write 4 KiB + close; readdir counts "
-                     "listings of the whole directory")
+                     "listings of the whole directory; mkdir/rmdir: as many empty "
+                     "directories as files")
+    res.notes.append("no-op FUSE: benchmarks/noop_fs.py, an in-memory namespace that stores "
+                     "nothing (the FUSE ceiling); node / no-op: the ratio of medians "
+                     "(issue 18's target: >= 0.5 for each operation)")
     res.notes.append(f"etcd-4x: {NODES} processes at once, one per node, each with "
                      f"{max(1, n // NODES)} files in its own directory (its listings are of "
                      f"that smaller directory); aggregate ops/s")

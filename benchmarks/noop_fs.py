@@ -1,7 +1,8 @@
 """A no-op pyfuse3 filesystem: the FUSE transport ceiling on this machine.
 
-One regular file, ``data``, in the root directory. Writes are accepted and discarded (only
-the file length is tracked); reads return zeros up to the length. It is configured like
+One regular file, ``data``, in the root directory, and whatever names a benchmark makes
+beside it (an in-memory namespace: the metadata ceiling). Writes are accepted and discarded
+(only a file's length is tracked); reads return zeros up to the length. It is configured like
 mtcfs on the data path, so that the difference between the two is what mtcfs itself costs:
 
 - writeback cache on (the kernel batches writes into 1 MiB requests);
@@ -23,6 +24,7 @@ import signal
 import stat
 import sys
 import time
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
@@ -35,22 +37,61 @@ READ_AHEAD_KB = 4096
 BLKSIZE = 1 << 20
 
 
+@dataclass
+class _Node:
+    """An inode of the no-op filesystem: its mode, length, and (directories) its entries."""
+
+    mode: int
+    size: int = 0
+    entries: dict[bytes, int] | None = None
+    nlink: int = 1
+
+
 class NoopFS(pyfuse3.Operations):
-    """See the module docstring."""
+    """See the module docstring.
+
+    The namespace is a dict of inodes in memory, so that metadata operations (lookup,
+    getattr, setattr, create, mkdir, unlink, rmdir, rename, readdir) do the least work that
+    still gives a consistent tree: this is the FUSE ceiling for metadata, as ``data`` is the
+    ceiling for the data path. Nothing is stored: writes only move a file's length, reads
+    return zeros.
+    """
 
     enable_writeback_cache = True
 
     def __init__(self, size: int) -> None:
         super().__init__()
-        self.size = size
         self.mtime_ns = time.time_ns()
         self._zeros: dict[int, bytes] = {}
         self.initialized = False
+        self.nodes: dict[int, _Node] = {
+            pyfuse3.ROOT_INODE: _Node(stat.S_IFDIR | 0o755, entries={FILE_NAME: FILE_INO},
+                                      nlink=2),
+            FILE_INO: _Node(stat.S_IFREG | 0o644, size)}
+        self._next_ino = FILE_INO + 1
+
+    @property
+    def size(self) -> int:
+        """Length of ``data`` in bytes."""
+        return self.nodes[FILE_INO].size
 
     def init(self) -> None:
         self.initialized = True  # the kernel has the INIT reply: its limits are now set
 
+    def _node(self, inode: int) -> _Node:
+        n = self.nodes.get(inode)
+        if n is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return n
+
+    def _dir(self, inode: int) -> dict[bytes, int]:
+        entries = self._node(inode).entries
+        if entries is None:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return entries
+
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
+        n = self._node(inode)
         e = pyfuse3.EntryAttributes()
         e.st_ino = inode
         e.entry_timeout = 60.0
@@ -59,43 +100,99 @@ class NoopFS(pyfuse3.Operations):
         e.st_gid = os.getgid()
         e.st_blksize = BLKSIZE
         e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = self.mtime_ns
-        if inode == pyfuse3.ROOT_INODE:
-            e.st_mode = stat.S_IFDIR | 0o755
-            e.st_nlink = 2
-            e.st_size = 0
-        elif inode == FILE_INO:
-            e.st_mode = stat.S_IFREG | 0o644
-            e.st_nlink = 1
-            e.st_size = self.size
-            e.st_blocks = (self.size + 511) // 512
-        else:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+        e.st_mode = n.mode
+        e.st_nlink = n.nlink
+        e.st_size = n.size
+        e.st_blocks = (n.size + 511) // 512
         return e
 
     async def getattr(self, inode, ctx=None):
         return self._attr(inode)
 
     async def lookup(self, parent_inode, name, ctx=None):
-        if parent_inode == pyfuse3.ROOT_INODE and name == FILE_NAME:
-            return self._attr(FILE_INO)
-        raise pyfuse3.FUSEError(errno.ENOENT)
+        ino = self._dir(parent_inode).get(name)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(ino)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
+        n = self._node(inode)
         if fields.update_size:
-            self.size = attr.st_size
+            n.size = attr.st_size
+        if fields.update_mode:
+            n.mode = stat.S_IFMT(n.mode) | stat.S_IMODE(attr.st_mode)
         if fields.update_mtime:
             self.mtime_ns = attr.st_mtime_ns or time.time_ns()
         return self._attr(inode)
 
+    def _new(self, parent: int, name: bytes, mode: int) -> int:
+        entries = self._dir(parent)
+        if name in entries:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        ino = self._next_ino
+        self._next_ino += 1
+        is_dir = stat.S_ISDIR(mode)
+        self.nodes[ino] = _Node(mode, entries={} if is_dir else None, nlink=2 if is_dir else 1)
+        entries[name] = ino
+        if is_dir:
+            self.nodes[parent].nlink += 1
+        return ino
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._attr(self._new(parent_inode, name, stat.S_IFDIR | stat.S_IMODE(mode)))
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        ino = self._new(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode))
+        return pyfuse3.FileInfo(fh=ino, keep_cache=True), self._attr(ino)
+
+    async def unlink(self, parent_inode, name, ctx):
+        entries = self._dir(parent_inode)
+        ino = entries.get(name)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if self.nodes[ino].entries is not None:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        del entries[name]
+        if ino != FILE_INO:
+            del self.nodes[ino]
+
+    async def rmdir(self, parent_inode, name, ctx):
+        entries = self._dir(parent_inode)
+        ino = entries.get(name)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        children = self.nodes[ino].entries
+        if children is None:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if children:
+            raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        del entries[name]
+        del self.nodes[ino]
+        self.nodes[parent_inode].nlink -= 1
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        old, new = self._dir(parent_inode_old), self._dir(parent_inode_new)
+        ino = old.get(name_old)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if name_new in new:
+            raise pyfuse3.FUSEError(errno.EEXIST)  # the benchmark never replaces a name
+        del old[name_old]
+        new[name_new] = ino
+
+    async def forget(self, inode_list):
+        return None
+
     async def open(self, inode, flags, ctx):
-        if inode != FILE_INO:
+        n = self._node(inode)
+        if n.entries is not None:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
-            self.size = 0
+            n.size = 0
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh, off, size):
-        n = max(0, min(size, self.size - off))
+        n = max(0, min(size, self._node(fh).size - off))
         z = self._zeros.get(n)
         if z is None:
             z = bytes(n)
@@ -104,9 +201,10 @@ class NoopFS(pyfuse3.Operations):
         return z
 
     async def write(self, fh, off, buf):
+        node = self._node(fh)
         end = off + len(buf)
-        if end > self.size:
-            self.size = end
+        if end > node.size:
+            node.size = end
         return len(buf)
 
     async def flush(self, fh):
@@ -119,13 +217,15 @@ class NoopFS(pyfuse3.Operations):
         return None
 
     async def opendir(self, inode, ctx):
-        if inode != pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        self._dir(inode)
         return inode
 
     async def readdir(self, fh, start_id, token):
-        if start_id == 0:
-            pyfuse3.readdir_reply(token, FILE_NAME, self._attr(FILE_INO), 1)
+        entries = list(self._dir(fh).items())
+        for i in range(start_id, len(entries)):
+            name, ino = entries[i]
+            if not pyfuse3.readdir_reply(token, name, self._attr(ino), i + 1):
+                break
 
     async def releasedir(self, fh):
         return None

@@ -22,6 +22,11 @@ from mtcfs.core.records import now_ns as _now_ns
 
 log = logging.getLogger("mtcfs.core.core")
 
+#: A closed version up to this size is hashed on the FUSE loop itself: at ~2 GB/s that is
+#: under 35 us, less than the hop to a worker thread and back (benchmarks/bench_namespace.py
+#: "create", docs/benchmarks.md 6a). Larger ones are hashed in a worker thread.
+INLINE_SEAL_BYTES = 64 * 1024
+
 
 class FileOps:
     """File handles and versions: open, create, read, write, fsync, release, and seal on last close."""
@@ -296,8 +301,11 @@ class FileOps:
                 try:
                     fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
                     try:
-                        res = await trio.to_thread.run_sync(hash_fd, fd, size, v.chunk_size,
-                                                            limiter=self.cpu_limiter)
+                        if size <= INLINE_SEAL_BYTES:  # cheaper than the hop to a thread
+                            res = hash_fd(fd, size, v.chunk_size)
+                        else:
+                            res = await trio.to_thread.run_sync(
+                                hash_fd, fd, size, v.chunk_size, limiter=self.cpu_limiter)
                     finally:
                         self.fds.unlease(v, fd)
                 except OSError as exc:
