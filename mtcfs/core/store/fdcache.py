@@ -93,12 +93,18 @@ class FdCache:
             self._lru[v] = None
             self.opens += 1
             victims = []
-            if len(self._lru) > self.limit:
-                for old in list(self._lru):
-                    if len(self._lru) <= self.limit:
-                        break
-                    if old is v or self._leases.get(old):
-                        continue
+            excess = len(self._lru) - self.limit
+            if excess > 0:
+                # Oldest first, and only as far as needed: with the cache full, every adopt
+                # evicts one, so a scan of the whole LRU (or a copy of it) would make each
+                # new file cost O(limit) (docs/benchmarks.md 6a, "create").
+                chosen = []
+                for old in self._lru:
+                    if old is not v and not self._leases.get(old):
+                        chosen.append(old)
+                        if len(chosen) == excess:
+                            break
+                for old in chosen:
                     del self._lru[old]
                     victims.append(old.fd)
                     old.fd = -1
