@@ -392,7 +392,11 @@ def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
             store.get("used_bytes"))
     out.add("mtcfs_peer_replica_corrupt_deleted_total", "counter",
             "Replica chunks found corrupt and deleted.", store.get("corrupt_deleted"))
-    for rank, n in sorted((p.get("bad_peers") or {}).items()):
+    bad = {str(r): n for r, n in (p.get("bad_peers") or {}).items()}
+    for m in _rows(p.get("members")):  # every other member, at 0 until one sends a bad one
+        if m.get("rank") is not None and m.get("rank") != p.get("rank"):
+            bad.setdefault(str(m["rank"]), 0)
+    for rank, n in sorted(bad.items(), key=lambda kv: (len(kv[0]), kv[0])):
         out.add("mtcfs_peer_bad_chunks_total", "counter",
                 "Chunks that failed verification, by the peer that sent them.", n,
                 {"peer": rank})
