@@ -11,7 +11,9 @@ node_exporter's textfile collector or any scraper that runs a command, e.g. ever
 
 Every series carries the ``job`` label (the mtcfs job, not Prometheus's), ``node`` (the
 host name) and, on several nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end in
-``_total``.
+``_total``; seal latency is a histogram (``mtcfs_seal_seconds_bucket``/``_sum``/``_count``,
+its bucket counts kept by the core in a :class:`~mtcfs.base.counters.Histogram`). Every
+family is listed in docs/operations.md (Metrics).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.metrics_core import Metric
-from prometheus_client.utils import floatToGoString
 
 
 class _Out:
@@ -52,6 +53,7 @@ class _Out:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name, help_, labels=list(items))
             self.families[name] = family
+        assert isinstance(family, (CounterMetricFamily, GaugeMetricFamily)), name
         family.add_metric(list(items.values()), value)
 
     def histogram(self, name: str, help_: str, snap: object,
@@ -73,13 +75,18 @@ class _Out:
             self.families[name] = family
         assert isinstance(family, HistogramMetricFamily)
         buckets, running = [], 0
-        for le, n in zip([*(floatToGoString(b) for b in bounds), "+Inf"], counts):
+        for le, n in zip([*(_le(b) for b in bounds), "+Inf"], counts):
             running += int(n)
             buckets.append((le, running))
         family.add_metric(list(items.values()), buckets, float(snap.get("sum") or 0.0))
 
     def collect(self) -> Iterator[Metric]:
         yield from self.families.values()
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` as Prometheus writes it: ``0.25``, ``1.0``, ``600.0``."""
+    return repr(float(bound))
 
 
 _COUNTER_HELP = {
@@ -348,7 +355,8 @@ def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
 
 def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
     out.add("mtcfs_peer_nodes", "gauge", "Ranks in the job.", p.get("nodes"))
-    ms = p.get("membership") if isinstance(p.get("membership"), Mapping) else {}
+    ms: Mapping[str, Any] = p["membership"] if isinstance(p.get("membership"), Mapping) \
+        else {}
     out.add("mtcfs_peer_registered", "gauge",
             "1 while this node holds its membership lease in etcd.", ms.get("registered"))
     out.add("mtcfs_peer_etcd_connected", "gauge",

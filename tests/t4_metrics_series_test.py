@@ -153,6 +153,12 @@ def test_the_dashboard_reads_only_series_a_running_job_serves(make_cluster, tmp_
     wanted = _dashboard_names()
     missing = {n for n in wanted if n not in samples}
     assert not missing, f"the dashboard asks for series no daemon serves: {sorted(missing)}"
+    # and docs/operations.md lists every series served
+    docs = (DASHBOARD.parents[3] / "docs" / "operations.md").read_text()
+    hist = {n for n, t in types.items() if t == "histogram"}
+    undocumented = {n for n in samples if n not in docs and not any(
+        n == h + sfx for h in hist for sfx in ("_bucket", "_sum", "_count"))}
+    assert not undocumented, f"docs/operations.md does not list {sorted(undocumented)}"
     # histograms: the dashboard reads the samples (_bucket), the family name is not a series
     assert "mtcfs_seal_seconds_bucket" in wanted and types["mtcfs_seal_seconds"] == "histogram"
     # what the panels show, on the restored rank
