@@ -25,6 +25,7 @@ from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.fuse_ops import Operations
+from mtcfs.metrics import backup_lag
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.sdnotify import Notifier
@@ -524,7 +525,8 @@ class Daemon:
                     "files": s["files"], "checkpoints": len(fs.steps),
                     "evict_unsaved": fs.evict_unsaved,
                     "deleted_unsaved": list(fs.unsaved_deleted)},
-            "counters": vars(fs.counters).copy(),
+            "counters": {k: v for k, v in vars(fs.counters).items() if isinstance(v, int)},
+            "histograms": {"seal_seconds": fs.counters.seal_seconds.snapshot()},
             "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,
                     "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
@@ -540,11 +542,15 @@ class Daemon:
         if self.backup is not None:
             b = self.backup.status.to_json()
             b["store"] = self.backup_store.stats()
+            b["lag_steps"], b["lag_seconds"] = backup_lag(fs.steps.values(), time.time_ns())
             out["backup"] = b
         if self.prefetcher is not None:
             chunks, nbytes = self.prefetcher.pending()
-            out["restore"] = {**self.restorer.info, "pending_chunks": chunks,
+            info = self.restorer.info if self.restorer is not None else {}
+            out["restore"] = {**info, "pending_chunks": chunks,
                               "pending_bytes": nbytes,
+                              "pending_files": len({v.vid for v, _ in fs.pending_fault_in()}),
+                              "files": self._files_of_step(info.get("step")),
                               "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0),
                               "chunks_from": dict(getattr(fs.chunk_source, "served", {}))}
         out["peers"] = self.peer.status() if self.peer is not None else None
@@ -554,6 +560,14 @@ class Daemon:
         if self.mtc is not None:
             out["mtc"] = self.mtc.status()
         return out
+
+    def _files_of_step(self, step: object) -> int | None:
+        """Files in committed step ``step`` on this node (None: no such step here)."""
+        fs = self.fs
+        rec = fs.steps.get(step) if fs is not None and isinstance(step, str) else None
+        if fs is None or rec is None or rec.ino not in fs.inodes:
+            return None
+        return sum(1 for _p, ino in fs.walk(fs.inodes[rec.ino]) if ino.is_file)
 
     def _peer_source(self) -> Any:
         """The chunk source that asks peers (for its suspects), or None."""

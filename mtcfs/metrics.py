@@ -11,7 +11,9 @@ node_exporter's textfile collector or any scraper that runs a command, e.g. ever
 
 Every series carries the ``job`` label (the mtcfs job, not Prometheus's), ``node`` (the
 host name) and, on several nodes, ``rank``. Units are in the names (``_bytes``, ``_seconds``); counters end in
-``_total``.
+``_total``; seal latency is a histogram (``mtcfs_seal_seconds_bucket``/``_sum``/``_count``,
+its bucket counts kept by the core in a :class:`~mtcfs.base.counters.Histogram`). Every
+family is listed in docs/operations.md (Metrics).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 from prometheus_client.metrics_core import Metric
 
 
@@ -32,7 +35,7 @@ class _Out:
 
     def __init__(self, base: Mapping[str, object]) -> None:
         self.base = {k: str(v) for k, v in base.items()}
-        self.families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        self.families: dict[str, Metric] = {}
 
     def add(self, name: str, kind: str, help_: str, value: Any,
             labels: Mapping[str, object] | None = None) -> None:
@@ -50,10 +53,40 @@ class _Out:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name, help_, labels=list(items))
             self.families[name] = family
+        assert isinstance(family, (CounterMetricFamily, GaugeMetricFamily)), name
         family.add_metric(list(items.values()), value)
+
+    def histogram(self, name: str, help_: str, snap: object,
+                  labels: Mapping[str, object] | None = None) -> None:
+        """Add one histogram sample of ``name`` from a :meth:`Histogram.snapshot
+        <mtcfs.base.counters.Histogram.snapshot>` (bounds, per-bucket counts, sum); the
+        family gets Prometheus's cumulative ``_bucket{le=...}``, ``_sum`` and ``_count``.
+        A snapshot that is missing or malformed is left out."""
+        if not isinstance(snap, Mapping):
+            return
+        bounds, counts = snap.get("bounds"), snap.get("counts")
+        if not isinstance(bounds, list) or not isinstance(counts, list) \
+                or len(counts) != len(bounds) + 1:
+            return
+        items = {**self.base, **{k: str(v) for k, v in (labels or {}).items()}}
+        family = self.families.get(name)
+        if family is None:
+            family = HistogramMetricFamily(name, help_, labels=list(items))
+            self.families[name] = family
+        assert isinstance(family, HistogramMetricFamily)
+        buckets, running = [], 0
+        for le, n in zip([*(_le(b) for b in bounds), "+Inf"], counts):
+            running += int(n)
+            buckets.append((le, running))
+        family.add_metric(list(items.values()), buckets, float(snap.get("sum") or 0.0))
 
     def collect(self) -> Iterator[Metric]:
         yield from self.families.values()
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` as Prometheus writes it: ``0.25``, ``1.0``, ``600.0``."""
+    return repr(float(bound))
 
 
 _COUNTER_HELP = {
@@ -74,7 +107,46 @@ _COUNTER_HELP = {
                              " other tier held them (lost; evict_unsaved=yes).",
     "evicted_leftovers": "Incomplete leftovers of saves a crash interrupted, deleted under"
                          " memory pressure.",
+    "fault_waits": "Chunk fetches from another tier (peers, backup) that a read or the"
+                   " restore prefetcher waited for.",
+    "fault_timeouts": "Chunk fetches that ended at the fault-in deadline (read_deadline)"
+                      " with no copy; the read got EIO. Also counted in"
+                      " mtcfs_fault_errors_total.",
 }
+
+_HISTOGRAM_HELP = {
+    "seal_seconds": "Seconds from the release (last close) of a written file to its version"
+                    " sealed: hashed into chunks and recorded.",
+}
+
+
+class StepLike(Protocol):
+    """What :func:`backup_lag` reads of a committed step (the core's ``StepRecord``)."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def committed_ns(self) -> int: ...
+    @property
+    def backed_up_ns(self) -> int | None: ...
+
+
+def backup_lag(steps: Iterable[StepLike], now_ns: int) -> tuple[int, float]:
+    """How far the backup tier is behind the newest committed step on this node.
+
+    Returns ``(steps, seconds)``: the committed steps newer than the newest one backed up
+    (all of them if none is), and the seconds since the oldest of those was committed
+    (``now_ns`` and ``committed_ns`` are Unix times in ns); ``(0, 0.0)`` when the newest
+    committed step is backed up. The seconds are the training a loss of every RAM tier
+    would cost now, at most.
+    """
+    rows = list(steps)
+    backed = [r.number for r in rows if r.backed_up_ns is not None]
+    newest = max(backed) if backed else None
+    behind = [r for r in rows if newest is None or r.number > newest]
+    if not behind:
+        return 0, 0.0
+    return len(behind), max(0.0, (now_ns - min(r.committed_ns for r in behind)) / 1e9)
 
 
 log = logging.getLogger(__name__)
@@ -161,6 +233,8 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
             len(reads.get("suspect_peers") or []))
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
+    for key, snap in sorted((status.get("histograms") or {}).items()):
+        out.histogram(f"mtcfs_{key}", _HISTOGRAM_HELP.get(key, key), snap)
     scrub = status.get("scrub") or {}
     out.add("mtcfs_scrub_passes_total", "counter", "Scrub passes over the RAM tier finished.",
             scrub.get("passes"))
@@ -186,8 +260,22 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
                 len(backup.get("pending") or []))
         out.add("mtcfs_backup_last_seconds", "gauge", "Duration of the last backup.",
                 backup.get("last_seconds"))
+        out.add("mtcfs_backup_lag_steps", "gauge",
+                "Committed checkpoints on this node newer than the newest one backed up.",
+                backup.get("lag_steps"))
+        out.add("mtcfs_backup_lag_seconds", "gauge",
+                "Seconds since the oldest committed checkpoint newer than the newest one "
+                "backed up was committed (0: the newest is backed up).",
+                backup.get("lag_seconds"))
+        out.add("mtcfs_backup_last_success_timestamp_seconds", "gauge",
+                "Unix time the last backup finished.", backup.get("last_finished"))
+        store = backup.get("store") or {}
+        out.add("mtcfs_backup_corrupt_chunks_total", "counter",
+                "Chunks downloaded from the backup tier that failed verification.",
+                store.get("corrupt_chunks"))
     restore = status.get("restore")
     if restore:
+        _restore_progress(out, restore)
         out.add("mtcfs_restore_pending_chunks", "gauge", "Chunks still to be restored.",
                 restore.get("pending_chunks"))
         out.add("mtcfs_restore_pending_bytes", "gauge", "Bytes still to be restored.",
@@ -203,6 +291,31 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
     if ns:
         _namespace_metrics(out, ns)
     return out
+
+
+def _restore_progress(out: _Out, r: Mapping[str, Any]) -> None:
+    """The restore at mount (or by ``mtcfs restore``): the step's bytes and files, done and
+    in all, labelled with the tier its manifest came from (``peers`` or ``backup``)."""
+    total = r.get("bytes")
+    src = str(r.get("manifest_from") or "")
+    lab = {"tier": "peers" if src.startswith("peer") else src or "none"}
+    pending = r.get("pending_bytes") or 0
+    if isinstance(total, int):
+        out.add("mtcfs_restore_total_bytes", "gauge",
+                "Bytes of the checkpoint being (or last) restored on this node.", total, lab)
+        out.add("mtcfs_restore_done_bytes", "gauge",
+                "Bytes of that checkpoint in RAM now (total less those still to fetch).",
+                max(0, total - pending), lab)
+    files = r.get("files")
+    if isinstance(files, int):
+        out.add("mtcfs_restore_total_files", "gauge",
+                "Files of the checkpoint being (or last) restored on this node.", files, lab)
+        out.add("mtcfs_restore_done_files", "gauge",
+                "Files of that checkpoint with all their chunks in RAM.",
+                max(0, files - int(r.get("pending_files") or 0)), lab)
+    out.add("mtcfs_restore_corrupt_chunks_total", "counter",
+            "Chunks a restore fetched that failed verification (fetched again elsewhere).",
+            r.get("corrupt_chunks"))
 
 
 def _mtc_metrics(out: _Out, m: Mapping[str, Any]) -> None:
@@ -242,9 +355,23 @@ def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
 
 def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
     out.add("mtcfs_peer_nodes", "gauge", "Ranks in the job.", p.get("nodes"))
-    ms = p.get("membership") if isinstance(p.get("membership"), Mapping) else {}
+    ms: Mapping[str, Any] = p["membership"] if isinstance(p.get("membership"), Mapping) \
+        else {}
     out.add("mtcfs_peer_registered", "gauge",
             "1 while this node holds its membership lease in etcd.", ms.get("registered"))
+    out.add("mtcfs_peer_etcd_connected", "gauge",
+            "1 if etcd answered this node's last membership call (registration or lease "
+            "keepalive).", ms.get("connected"))
+    out.add("mtcfs_peer_lease_ttl_seconds", "gauge", "TTL of this node's membership lease.",
+            ms.get("lease_ttl_s"))
+    out.add("mtcfs_peer_lease_renewed_age_seconds", "gauge",
+            "Seconds since the membership lease was last renewed (above the TTL: it "
+            "expired).", ms.get("lease_renewed_ago_s"))
+    out.add("mtcfs_peer_etcd_errors_total", "counter",
+            "Membership calls to etcd that failed.", ms.get("etcd_errors"))
+    out.add("mtcfs_peer_reregistrations_total", "counter",
+            "Times the membership lease expired and this node registered again.",
+            ms.get("reregistrations"))
     lc = p.get("latest_complete") or {}
     out.add("mtcfs_peer_latest_complete_step", "gauge",
             "Newest step complete on all ranks.", lc.get("number"))
@@ -258,6 +385,9 @@ def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
                 "Checkpoints not yet confirmed by the peer.", r.get("lag_steps"), lab)
         out.add("mtcfs_peer_replication_lag_bytes", "gauge",
                 "Bytes of checkpoints not yet confirmed by the peer.", r.get("lag_bytes"), lab)
+        out.add("mtcfs_peer_replication_lag_seconds", "gauge",
+                "Seconds since the oldest checkpoint not yet confirmed by the peer was "
+                "committed (0: none).", r.get("lag_seconds"), lab)
         out.add("mtcfs_peer_replication_up", "gauge",
                 "1 if replication to the peer works (state ok or lagging).",
                 r.get("state") in ("ok", "lagging"), lab)
@@ -270,7 +400,11 @@ def _peer_metrics(out: _Out, p: Mapping[str, Any]) -> None:
             store.get("used_bytes"))
     out.add("mtcfs_peer_replica_corrupt_deleted_total", "counter",
             "Replica chunks found corrupt and deleted.", store.get("corrupt_deleted"))
-    for rank, n in sorted((p.get("bad_peers") or {}).items()):
+    bad = {str(r): n for r, n in (p.get("bad_peers") or {}).items()}
+    for m in _rows(p.get("members")):  # every other member, at 0 until one sends a bad one
+        if m.get("rank") is not None and m.get("rank") != p.get("rank"):
+            bad.setdefault(str(m["rank"]), 0)
+    for rank, n in sorted(bad.items(), key=lambda kv: (len(kv[0]), kv[0])):
         out.add("mtcfs_peer_bad_chunks_total", "counter",
                 "Chunks that failed verification, by the peer that sent them.", n,
                 {"peer": rank})

@@ -137,6 +137,7 @@ def test_fill_fetches_each_missing_chunk_once_and_counts_it(tmp_path):
     trio.run(main)
     assert os.pread(fds.get(v), len(data), 0) == data
     assert counters.chunks_faulted == 4 and counters.bytes_faulted == len(data)
+    assert counters.fault_waits == 4 and counters.fault_timeouts == 0  # one wait per fetch
     assert sorted(host.arrived) == [(1, i) for i in range(4)]
     consistent(host, fds, budget, fetcher)
 
@@ -161,12 +162,13 @@ def test_a_failed_fetch_fails_again_at_once_within_the_window(tmp_path):
 
     trio.run(main)
     assert counters.fault_errors == 1 and host.errors and host.released
+    assert counters.fault_timeouts == 0  # EIO from every source: not the deadline
     consistent(host, fds, budget, fetcher)
 
 
 def test_a_source_that_never_answers_ends_at_the_deadline(tmp_path):
     data = os.urandom(CS)
-    host, fds, budget, _counters, fetcher, source, v = setup(tmp_path, data)
+    host, fds, budget, counters, fetcher, source, v = setup(tmp_path, data)
     source.gate = trio.Event()  # never set
     fetcher.fetch_deadline_s = 0.3
 
@@ -178,6 +180,7 @@ def test_a_source_that_never_answers_ends_at_the_deadline(tmp_path):
 
     trio.run(main)
     assert v.missing == {0}
+    assert counters.fault_timeouts == counters.fault_errors == counters.fault_waits == 1
     consistent(host, fds, budget, fetcher)
 
 

@@ -17,21 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster import free_ports
 from support.mount import MTCFS
+from support.prom import Series, scrape
 
 
-def _scrape(address: str) -> dict[str, dict[tuple, float]]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
-        assert r.status == 200
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+def _scrape(address: str) -> Series:
+    return scrape(address)[0]
 
 
-def _one(series: dict[str, dict[tuple, float]], name: str) -> tuple[dict[str, str], float]:
+def _one(series: Series, name: str) -> tuple[dict[str, str], float]:
     (labels, value), = series[name].items()
     return dict(labels), value
 

@@ -213,6 +213,7 @@ class FaultIn:
         last: list[str] = []  # ... and in the last whole pass
         passes = 0
         why = ""
+        self._counters.fault_waits += 1
         v.pins += 1
         try:
             with trio.move_on_at(deadline) as scope:
@@ -230,6 +231,7 @@ class FaultIn:
                             break
                     await trio.sleep(min(0.25 * 2 ** (passes - 1), 4.0))
             if scope.cancelled_caught:
+                self._counters.fault_timeouts += 1
                 why = f"no source served it within {self.fetch_deadline_s:g} s"
                 if last:  # the deadline cut this pass: say what the last whole one heard
                     tried = last + [t for t in tried if t not in last]

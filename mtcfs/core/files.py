@@ -291,6 +291,7 @@ class FileOps:
 
         ``allow_writers``: writers that may still hold the version (1 when close(2) of the
         last writable descriptor seals it before its RELEASE, in scope=job)."""
+        t0 = time.monotonic()
         if v.sealing is None:
             v.sealing = trio.Event()
         done = v.sealing
@@ -332,6 +333,7 @@ class FileOps:
                     self.tree.write(ino)
             self.chunk_index.add_version(v)
             self.counters.seals += 1
+            self.counters.seal_seconds.observe(time.monotonic() - t0)
             v.sealing = None
             if ino is not None:
                 self._step_changed(ino)

@@ -4,8 +4,10 @@ counters, and the protocol of chunk sources it faults data in from."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from mtcfs.base.counters import LATENCY_BOUNDS_S, Histogram
 
 class ChunkSource(Protocol):
     """Where missing chunks come from (peers, the backup tier). Wired by the daemon."""
@@ -67,6 +69,12 @@ class Counters:
     deleted_unsaved_steps: int = 0
     #: Incomplete leftovers of saves a crash interrupted, deleted under memory pressure.
     evicted_leftovers: int = 0
+    #: Chunk fetches from another tier that a read or the prefetcher waited for.
+    fault_waits: int = 0
+    #: ... of them, those that ended at the fault-in deadline (counted in fault_errors too).
+    fault_timeouts: int = 0
+    #: Seconds from the last writer's release to the version sealed (hashed, recorded).
+    seal_seconds: Histogram = field(default_factory=lambda: Histogram(LATENCY_BOUNDS_S))
 
 
 #: Linux's CLOCK_REALTIME_COARSE (the time module does not name it).

@@ -123,6 +123,9 @@ class Membership:
         #: its lease (a replacement on the same host and port, its store wiped)
         self.address_is_mine = address_is_mine
         self.error = ""            # why this member lost its registration ("" while fine)
+        #: the last call to etcd for this member (registration, keepalive) was answered
+        self.connected = False
+        self._renewed = time.monotonic()  # when the lease was last granted or renewed
         self.counters: dict[str, int] = {"keepalives": 0, "reregistrations": 0,
                                          "etcd_errors": 0}
         self._own_view = view is None and watch
@@ -193,6 +196,8 @@ class Membership:
             raise
         old, self.lease = self.lease, lease
         self.error = ""
+        self.connected = True
+        self._renewed = time.monotonic()
         if old:
             try:
                 self.etcd.revoke(old)
@@ -224,6 +229,10 @@ class Membership:
         if self._own_view and self.members_view is not None:
             self.members_view.stop()
 
+    def renewed_ago_s(self) -> float:
+        """Seconds since the lease was last granted or renewed (above its TTL: it expired)."""
+        return time.monotonic() - self._renewed
+
     def renew(self) -> int:
         """One keepalive; returns the remaining TTL (<= 0: the lease is gone)."""
         ttl = self.etcd.keepalive(self.lease)
@@ -236,8 +245,9 @@ class Membership:
         while not self._stop.wait(every):
             try:
                 ttl = self.renew()
+                self.connected = True
                 if ttl > 0:
-                    last_ok = time.monotonic()
+                    last_ok = self._renewed = time.monotonic()
                     continue
                 if self._stop.is_set():
                     return  # leaving: the lease was revoked on purpose
@@ -251,6 +261,7 @@ class Membership:
                 return
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
+                self.connected = False
                 if time.monotonic() - last_ok > self.ttl_s:
                     self.error = f"lease not renewed for {self.ttl_s} s: {exc}"
                 log.warning("rank %d: keepalive failed: %s", self.rank, exc)
@@ -354,6 +365,7 @@ class MemberView:
                 pass
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
+                self.connected = False
                 log.warning("membership watch: %s", exc)
                 if isinstance(exc, EtcdPermissionDenied):
                     pause = DENIED_PAUSE_S  # until a role is granted: not twice a second
@@ -363,6 +375,7 @@ class MemberView:
                 self._load_view()
             except EtcdError as exc:
                 self.counters["etcd_errors"] += 1
+                self.connected = False
                 log.warning("membership reload: %s", exc)
 
     def _apply(self, events: Any, revision: int) -> None:

@@ -340,6 +340,7 @@ class PeerTier(MembershipRounds, Replication):
             lag_steps, lag_bytes = self.lag(link)
             links.append({"peer": p, "address": self.addresses.get(p), "state": link.state,
                           "lag_steps": lag_steps, "lag_bytes": lag_bytes,
+                          "lag_seconds": round(self.lag_seconds(link), 3),
                           "last_replicated": link.last_replicated,
                           "last_error": link.last_error, "bytes_sent": link.bytes_sent,
                           "chunks_sent": link.chunks_sent,
@@ -353,6 +354,13 @@ class PeerTier(MembershipRounds, Replication):
                            "registered": self.member is not None and not self.membership_error,
                            "error": self.membership_error or None,
                            "lease_ttl_s": self.member.ttl_s if self.member else None,
+                           "connected": self.member.connected if self.member else False,
+                           "lease_renewed_ago_s": round(self.member.renewed_ago_s(), 3)
+                           if self.member else None,
+                           "etcd_errors": self.member.counters["etcd_errors"]
+                           if self.member else 0,
+                           "reregistrations": self.member.counters["reregistrations"]
+                           if self.member else 0,
                            "steps_recorded": sorted(self._recorded or ())},
             "replicas": len(self.peer_ranks()) if self.rank in self.peer_override
             else self.cfg.replicas, "placement": self._placement_name(),

@@ -124,6 +124,14 @@ class Replication:
         total = sum(v.size for rec in steps for v in self.fs.step_versions(rec))
         return len(steps), total
 
+    def lag_seconds(self, link: PeerLink) -> float:
+        """Seconds since the oldest step the peer has not confirmed was committed (0: it
+        holds every step it should)."""
+        steps = self._wanted(link)
+        if not steps:
+            return 0.0
+        return max(0.0, time.time() - min(r.committed_ns for r in steps) / 1e9)
+
     def _ready(self, rec: StepRecord) -> bool:
         """Sealed, and all of it in RAM (a step still being restored waits)."""
         return self.fs.step_sealed(rec) and self.fs.step_in_ram(rec)
