@@ -349,17 +349,19 @@ class NamespaceOps:
         ino = self.tree.child(d, name)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
-        with self.db.transaction():
+        with self.db.transaction():  # one transaction: the name, the inode, its data
             self.tree.unlink(d, name)
             self._drop_link(ino, d, name)
             self.tree.touch(d)
-        self._maybe_free_inode(ino)
+            self._maybe_free_inode(ino)
         return ino
 
     def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None:
         ino.nlink -= 1
         ino.ctime_ns = _now_ns()
-        if ino.parent == d.ino and ino.name == name:
+        if ino.nlink == 0:
+            ino.parent, ino.name = 0, b""  # no name left: nothing to look up
+        elif ino.parent == d.ino and ino.name == name:
             # Re-point the file's path at another remaining link, if any.
             row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
                                   (ino.ino,)).fetchone()
