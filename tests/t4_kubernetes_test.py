@@ -15,8 +15,9 @@ No cluster runs here, so this checks what can be checked on one machine:
   with the DaemonSet's environment (host paths replaced by temp dirs, SIZE and the metrics
   port made to fit this machine): the probe passes once the mount is served, fails within
   its bound while the daemon is SIGSTOPped and after it was SIGKILLed, a restarted
-  entrypoint clears the dead mount and serves the sealed files again, and preStop unmounts
-  cleanly; the rank comes from the node's label through a real HTTPS server speaking the
+  entrypoint clears the dead mount and serves the sealed files again, the trainer's ``wait``
+  returns once the mount is served and gives up in its bound when it is not, preStop forces
+  the unmount when a trainer holds a file open and unmounts cleanly otherwise; the rank comes from the node's label through a real HTTPS server speaking the
   API's ``GET /api/v1/nodes/NAME`` with the service account's token.
 """
 
@@ -343,6 +344,26 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
         _wait_probe(env, p)
         assert "clearing the dead mount" in log.read_text()
         assert (mnt / "step_1" / "w.bin").read_bytes() == b"x" * 100_000
+        # the trainer's init container: returns at once when the mount is served
+        r = node_cmd(env, "wait", str(mnt), "--timeout", "20")
+        assert r.returncode == 0 and "is served" in r.stdout, r
+
+        # preStop while a trainer holds a file open: the clean unmount is refused (busy),
+        # the forced one detaches the mount, the daemon ends; the sealed files stay
+        held = open(mnt / "step_1" / "w.bin", "rb")
+        try:
+            r = node_cmd(env, "prestop", "--timeout", "20", timeout=120)
+            assert r.returncode == 0 and "by force" in r.stdout, (r, log.read_text()[-3000:])
+            assert not is_mounted(str(mnt))
+            p.wait(timeout=30)
+        finally:
+            try:
+                held.close()
+            except OSError:  # ENOTCONN: the forced unmount ended the trainer's open files
+                pass
+        p = start()
+        _wait_probe(env, p)
+        assert (mnt / "step_1" / "w.bin").read_bytes() == b"x" * 100_000
 
         # preStop: a clean unmount, the daemon exits by itself
         r = node_cmd(env, "prestop", "--timeout", "60", timeout=120)
@@ -353,6 +374,10 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
         assert r.returncode == 1 and "not an mtcfs mount" in r.stderr, r
         r = node_cmd(env, "prestop")  # a second preStop has nothing to do
         assert r.returncode == 0 and "not mounted" in r.stdout, r
+        t0 = time.monotonic()
+        r = node_cmd(env, "wait", str(mnt), "--timeout", "2")
+        assert r.returncode == 1 and "gave up after 2s" in r.stderr, r
+        assert time.monotonic() - t0 < 15
     finally:
         for q in procs:
             if q.poll() is None:
