@@ -70,6 +70,7 @@ NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 ASYNC_READ = 1 << 0
 ATOMIC_O_TRUNC = 1 << 3
 BIG_WRITES = 1 << 5
+WRITEBACK_CACHE = 1 << 16
 MAX_PAGES = 1 << 22
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
@@ -151,6 +152,7 @@ class Server:
     state: Path
     passthrough: bool = True
     max_seconds: float = 1800.0
+    writeback_cache: bool = False  # an experiment: the kernel then refuses passthrough opens
     dev: int = -1
     nodes: dict[int, Node] = field(default_factory=dict)
     handles: dict[int, Handle] = field(default_factory=dict)
@@ -293,6 +295,8 @@ class Server:
             if not offered & PASSTHROUGH:
                 raise ReplyError(errno.EPROTO)  # kernel built without CONFIG_FUSE_PASSTHROUGH
             want |= PASSTHROUGH
+        if self.writeback_cache:
+            want |= WRITEBACK_CACHE
         got = want & offered
         self._reply(unique, INIT_OUT.pack(
             7, minor, max_readahead, got & 0xFFFFFFFF, 16, 12, MAX_WRITE, 1,
@@ -517,9 +521,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-passthrough", action="store_true",
                    help="serve READ/WRITE in this process instead")
     p.add_argument("--max-seconds", type=float, default=1800.0)
+    p.add_argument("--writeback-cache", action="store_true",
+                   help="also ask for the writeback cache (to see what the kernel does)")
     a = p.parse_args(argv)
     srv = Server(a.store.resolve(), a.mountpoint.resolve(), a.state.resolve(),
-                 passthrough=not a.no_passthrough, max_seconds=a.max_seconds)
+                 passthrough=not a.no_passthrough, max_seconds=a.max_seconds,
+                 writeback_cache=a.writeback_cache)
 
     def on_signal(_sig: int, _frame: object) -> None:
         srv.stop = True
