@@ -176,9 +176,9 @@ def run(sizes: list[int], reps: int, only: list[str], touch: bool) -> dict[str, 
                         if rec["size"] != size:
                             raise RuntimeError(f"{t}: sealed {rec['size']} bytes, not {size}")
                     elif t == "mtcfs":
-                        sealed = wait_until(
-                            lambda f=f: mtcfs_state(f) in ("local", "backed-up"), 300,
-                            f"{f} to be sealed")
+                        def is_sealed(path: Path = f) -> bool:
+                            return mtcfs_state(path) in ("local", "backed-up")
+                        sealed = wait_until(is_sealed, 300, f"{f} to be sealed")
                     s["write"].append(mibps(size, t_w))
                     s["sealed"].append(sealed)
                     s["hash_s"].append(hash_s)
