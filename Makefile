@@ -68,3 +68,11 @@ FUZZ_EXAMPLES ?= 20000
 fuzz:
 	MTCFS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest -q --timeout 0 -o session_timeout=86400 \
 		tests/t1_fuzz_parsers_test.py tests/t2_fuzz_peer_test.py $(ARGS)
+
+# Beyond the FUSE ceiling (benchmarks/bench_passthrough.py, docs/passthrough.md, issue 18): 1 MiB
+# sequential write + seal and cold/warm reads of 256 MiB and 1 GiB on tmpfs, a Python /dev/fuse
+# server with kernel passthrough (and without), the no-op pyfuse3 ceiling and a one-node mtcfs
+# mount, 3 repeats (about 3 minutes). make bench-passthrough ARGS="--sizes 1G --reps 5"
+.PHONY: bench-passthrough
+bench-passthrough:
+	$(PYTHON) -m benchmarks.bench_passthrough $(ARGS)
