@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import trio
 
-from mtcfs.core.model import ROOT_INO, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Handle, Inode
 from mtcfs.core.records import StepRecord
 
 #: The largest file, in bytes (beyond: EFBIG). Holes cost nothing against size=, but a
@@ -81,13 +81,9 @@ class CapacityOps:
         (:meth:`mtcfs.core.eviction.Eviction.crash_leftovers`)."""
         return self.eviction.crash_leftovers()
 
-    def _step_versions(self, s: StepRecord) -> list[Version]:
-        return [self.versions[i.vid] for _p, i in self.walk(self.inodes[s.ino])
-                if i.is_file and i.vid is not None]
-
     def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
         with self.db.transaction():
-            for v in self._step_versions(s):
+            for v in self.step_registry.versions_of(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 self.vstore.drop_data(v)  # core/versions.py; it stays, all missing
@@ -99,7 +95,7 @@ class CapacityOps:
         """Delete the top-level directory ``top`` and everything below (a step is forgotten
         with its directory)."""
         name = top.name
-        items = list(self.walk(top))
+        items = list(self.tree.walk(top))
         with self.db.transaction():
             for _path, ino in reversed(items):
                 parent, name = self.inodes[ino.parent], ino.name

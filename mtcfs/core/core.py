@@ -12,7 +12,8 @@ versions, their rows, data files and descriptors; ``versions`` and ``fds`` here 
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
 :class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
-(``eviction``); see docs/architecture.md, "The core".
+(``eviction``), :class:`~mtcfs.core.step_registry.StepRegistry` (``step_registry``: the
+committed steps and their rows; ``steps`` here is its dict); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -56,6 +57,7 @@ from mtcfs.core.own_files import OwnFileOps
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.scrub import ScrubOps
+from mtcfs.core.step_registry import StepRegistry
 from mtcfs.core.tier_api import TierApiOps
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.xattrs import XattrOps
@@ -104,7 +106,11 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.versions: dict[int, Version] = self.vstore.versions
         self.fds: FdCache = self.vstore.fds
         self.handles: dict[int, Handle | DirHandle] = {}
-        self.steps: dict[str, StepRecord] = {}
+        #: The committed steps, their rows and commit rules (core/step_registry.py).
+        #: ``steps`` here is its dict of records (read it; only it adds or removes).
+        self.step_registry = StepRegistry(self.db, self.tree, self.vstore, self,
+                                          job=job, rank=rank)
+        self.steps: dict[str, StepRecord] = self.step_registry.records
         self.counters = Counters()
         #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
         self.eviction = Eviction(self, self.counters, keep)
@@ -187,9 +193,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 db.set_kv("next_vid", "1")
         self.tree.load()  # inodes, directory entries, xattrs (core/inodes.py)
         self.vstore.load(fresh)  # core/versions.py: its rows and next_vid
-        for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
-            self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
-                                            committed_ns=row[3], backed_up_ns=row[4], source=row[5])
+        self.step_registry.load()  # core/step_registry.py: the committed steps
         self._repair()
 
     def _repair(self) -> None:
@@ -202,10 +206,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             # being written at the crash are sealed again after mount (start).
             current = {i.vid for i in self.inodes.values() if i.vid is not None}
             self._unsealed_at_load.extend(self.vstore.repair(current))
-            for name in [n for n, s in self.steps.items()
-                         if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
-                self.steps.pop(name)
-                db.execute("DELETE FROM steps WHERE name=?", (name,))
+            # Steps whose directory a crash removed before their row.
+            self.step_registry.drop_stale()
         # what counts against size=: core/budget.py
         self.budget.measure_all(self.versions.values(), self.store.data_path)
         self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
@@ -228,7 +230,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             nursery.start_soon(self._seal, v)
         self._unsealed_at_load.clear()
         if not self.job_scope:
-            self._commit_sealed_markers()
+            self.step_registry.commit_sealed_markers()
 
     def close(self, clean: bool = False) -> None:
         """Close data file descriptors (the store itself is closed by its owner).
@@ -254,20 +256,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             except Exception:  # an observer bug must not break the filesystem
                 log.exception("observer failed on %s", event)
 
-    # ------------------------------------------------------------------ persistence
-
-    def _write_step(self, s: StepRecord) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO steps(name, number, ino, committed_ns, backed_up_ns, source)"
-            " VALUES (?,?,?,?,?,?)", (s.name, s.number, s.ino, s.committed_ns, s.backed_up_ns, s.source))
-
     # ------------------------------------------------------------------ helpers
-
-    def step_of(self, ino: Inode) -> StepRecord | None:
-        top = self.tree.top_dir(ino)
-        if top is None:
-            return None
-        return self.steps.get(top.name.decode(errors="surrogateescape"))
 
     def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
         """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
@@ -279,7 +268,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.tree.write(d)
         parent.nlink -= 1
         if parent.ino == ROOT_INO:
-            self._forget_step(name)
+            self.step_registry.forget(name)
 
     def _maybe_free_inode(self, ino: Inode) -> None:
         if ino.nlink > 0 or ino.ino == ROOT_INO:

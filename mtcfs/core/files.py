@@ -326,7 +326,7 @@ class FileOps:
             self.counters.seals += 1
             v.sealing = None
             if ino is not None:
-                self._step_changed(ino)
+                self.step_registry.changed(ino)
             if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
                 await self._ns_publish(ino, v)
@@ -334,7 +334,7 @@ class FileOps:
                 self._emit("sealed", v)
                 if not self.job_scope:
                     with self.db.transaction():
-                        self._maybe_commit_by_file(ino)
+                        self.step_registry.commit_by_marker(ino)
         except trio.Cancelled:
             cancelled = True  # the daemon stops: the next start seals it (core: _repair)
             raise

@@ -427,7 +427,7 @@ class NamespaceOps:
                     self._drop_link(victim, dst_dir, new_name)
             self.tree.unlink(src_dir, old_name)
             if src_dir.ino == ROOT_INO and ino.is_dir:
-                self._forget_step(old_name)
+                self.step_registry.forget(old_name)
             self.tree.link(dst_dir, new_name, ino)
             if ino.is_dir and src_dir is not dst_dir:
                 src_dir.nlink -= 1
@@ -439,14 +439,14 @@ class NamespaceOps:
                 self.tree.touch(dst_dir)
             # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
             if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
-                self._commit_step(ino, "orbax-rename")
+                self.step_registry.commit(ino, "orbax-rename")
             elif dst_dir.ino == ROOT_INO and ino.is_dir and \
                     stepnames.restore_marker_step(old_name) is not None:
-                self._commit_step(ino, "orbax-restore")
+                self.step_registry.commit(ino, "orbax-restore")
             elif ino.is_file and new_name in stepnames.COMMIT_FILES:
                 # scope=job: the marker is published (sealed job-wide) whatever this node's
                 # kernel still holds open of it, so every node commits at this op
-                self._maybe_commit_by_file(ino, published=self.job_scope)
+                self.step_registry.commit_by_marker(ino, published=self.job_scope)
         if victim is not None:
             self._maybe_free_inode(victim)
         return victim

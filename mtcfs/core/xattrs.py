@@ -93,7 +93,7 @@ class XattrOps:
                 return "remote" if full and v.backed_up else "restoring"
             if v.backed_up:
                 return "backed-up"
-            rec = self.step_of(ino)
+            rec = self.step_registry.of(ino)
             return self._replicated(rec) if rec is not None else "local"
         if ino.is_dir and ino.parent == ROOT_INO:
             rec = self.steps.get(ino.name.decode(errors="surrogateescape"))
