@@ -62,10 +62,8 @@ def events(fs: Filesystem) -> list[tuple[str, Any]]:
 async def dcp_step(fs: Filesystem, name: bytes, data: bytes = b"x" * (2 * CS + 5)) -> int:
     """A DCP-style step: a shard, then .metadata; both sealed. Its directory's inode."""
     d = await fs.mkdir(ROOT_INO, name, 0o755, 0, 0)
-    shard = await write_file(fs, d.ino, b"__0_0.distcp", data)
-    meta = await write_file(fs, d.ino, b".metadata", b"m" * 100)
-    await sealed(fs, shard)
-    await sealed(fs, meta)
+    await sealed(fs, await write_file(fs, d.ino, b"__0_0.distcp", data))
+    await sealed(fs, await write_file(fs, d.ino, b".metadata", b"m" * 100))
     return d.ino
 
 
@@ -73,7 +71,7 @@ def test_a_marker_commits_once_and_a_save_into_the_same_directory_commits_again(
     async def body(fs: Filesystem) -> None:
         seen = events(fs)
         d = await fs.mkdir(ROOT_INO, b"step_10", 0o755, 0, 0)
-        await write_file(fs, d.ino, b"__0_0.distcp", b"a" * 1000)
+        await sealed(fs, await write_file(fs, d.ino, b"__0_0.distcp", b"a" * 1000))
         assert "step_10" not in fs.steps  # no marker: not complete
         meta = await write_file(fs, d.ino, b".metadata", b"m")
         await sealed(fs, meta)

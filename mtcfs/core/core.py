@@ -47,10 +47,10 @@ from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
-from mtcfs.core.files import FileOps
+from mtcfs.core.files import OpenFiles
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.jobns import JobNamespaceOps
-from mtcfs.core.model import ROOT_INO, DirHandle, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from mtcfs.core.own_files import OwnFileOps
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
-class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
+class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
                  JobNamespaceOps, OwnFileOps, ScrubOps, TierApiOps):
     """The core of one mount.
 
@@ -105,7 +105,6 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.vstore = VersionStore(self, store, self.chunk_size)
         self.versions: dict[int, Version] = self.vstore.versions
         self.fds: FdCache = self.vstore.fds
-        self.handles: dict[int, Handle | DirHandle] = {}
         #: The committed steps, their rows and commit rules (core/step_registry.py).
         #: ``steps`` here is its dict of records (read it; only it adds or removes).
         self.step_registry = StepRegistry(self.db, self.tree, self.vstore, self,
@@ -117,12 +116,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
         #: ``in_flight`` and ``Version.alloc``; the eviction policy makes room for it.
         self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
-                                settle=self.settle_releases, make_room=self.eviction.make_room)
+                                settle=lambda: self.open_files.settle_releases(),
+                                make_room=self.eviction.make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
-        #: time.monotonic() of the last write() by the application (background tiers yield
-        #: to it).
-        self.last_write = 0.0
         self.cpu_limiter = pools.limiter("cpu")
         #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk source,
         #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
@@ -131,10 +128,17 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: First-read verification and the scrub (core/verifier.py); ``scrub_*`` here are its.
         self.verifier = Verifier(self, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
-        self._next_fh = 1
         self._nursery: trio.Nursery | None = None
         #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
         self.chunk_index = ChunkIndex(self.versions)
+        #: Open files (core/files.py): the handle table, writers' versions, the seal on
+        #: last close, ``last_write``. ``handles`` here is its dict (read it).
+        self.open_files = OpenFiles(self, db=self.db, tree=self.tree, vstore=self.vstore,
+                                    budget=self.budget, verifier=self.verifier,
+                                    chunk_index=self.chunk_index,
+                                    step_registry=self.step_registry, counters=self.counters,
+                                    cpu_limiter=self.cpu_limiter)
+        self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
         self._unsealed_at_load: list[Version] = []
         #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
@@ -175,6 +179,47 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     @shared_used.setter
     def shared_used(self, fn: Callable[[], int]) -> None:
         self.budget.shared_used = fn
+
+    @property
+    def last_write(self) -> float:
+        """time.monotonic() of the application's last write (the open files')."""
+        return self.open_files.last_write
+
+    # ------------------------------------------------------------------ FUSE operations on
+    # open files: the adapter's entry points (core/files.py does the work)
+
+    async def open(self, num: int, flags: int) -> tuple[int, bool]:
+        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`)."""
+        return await self.open_files.open(num, flags)
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Attr]:
+        """Create and open ``name`` in ``parent``: ``(fh, attr)`` (:meth:`OpenFiles.create`)."""
+        return await self.open_files.create(parent, name, mode, flags, uid, gid)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``off`` (:meth:`OpenFiles.read`)."""
+        return await self.open_files.read(fh, off, size)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        """Write ``buf`` at ``off``; bytes written (:meth:`OpenFiles.write`)."""
+        return await self.open_files.write(fh, off, buf)
+
+    async def flush(self, fh: int, final: bool = True) -> None:
+        """close(2) of one descriptor (:meth:`OpenFiles.flush`)."""
+        await self.open_files.flush(fh, final)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        """Record the length written so far (:meth:`OpenFiles.fsync`)."""
+        await self.open_files.fsync(fh, datasync)
+
+    async def release(self, fh: int) -> None:
+        """The last close of handle ``fh`` (:meth:`OpenFiles.release`)."""
+        await self.open_files.release(fh)
+
+    def kernel_inos(self, fh: int) -> set[int]:
+        """The inode numbers the kernel may know handle ``fh``'s file by."""
+        return self.open_files.kernel_inos(fh)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,9 +271,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._nursery = nursery
         # Serving from now on: until close(clean=True), a stop is a crash.
         self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
-        for v in self._unsealed_at_load:
-            nursery.start_soon(self._seal, v)
-        self._unsealed_at_load.clear()
+        self.open_files.start(nursery, self._unsealed_at_load)
+        self._unsealed_at_load = []
         if not self.job_scope:
             self.step_registry.commit_sealed_markers()
 

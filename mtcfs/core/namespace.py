@@ -142,13 +142,13 @@ class NamespaceOps:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self._fault_in_all(ino)
-            v = await self._writable_version(ino, trunc=(size == 0))
+            v = await self.open_files.writable_version(ino, trunc=(size == 0))
             v.writers += 1
             try:
                 await self._resize(v, size)
             finally:
                 v.writers -= 1
-            self._after_write_close(v)
+            self.open_files.after_write_close(v)
             return
         await self._resize(v, size)
 
@@ -456,12 +456,9 @@ class NamespaceOps:
     async def opendir(self, num: int) -> int:
         await self.ns_log.fresh()
         d = self.tree.dir(num)
-        fh = self._next_fh
-        self._next_fh += 1
         entries = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
         entries.extend(sorted(d.children.items()))  # type: ignore[union-attr]
-        self.handles[fh] = DirHandle(fh, d.ino, entries)
-        return fh
+        return self.open_files.add_dir(d.ino, entries)
 
     def readdir(self, fh: int, start: int) -> Iterable[tuple[bytes, Attr, int, bool]]:
         """Yield ``(name, attr, next_offset, counts_lookup)`` from offset ``start``."""
@@ -481,4 +478,4 @@ class NamespaceOps:
             ino.lookups += 1
 
     async def releasedir(self, fh: int) -> None:
-        self.handles.pop(fh, None)
+        self.open_files.drop_dir(fh)

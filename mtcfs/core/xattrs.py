@@ -64,7 +64,7 @@ class XattrOps:
         if key == b"state":
             return self.state_of(ino).encode()
         if key == b"blake3" and ino.is_file:
-            v = await self.wait_sealed(ino)
+            v = await self.open_files.wait_sealed(ino)
             if v is None:
                 raise FsError(ENOATTR)
             return v.blake3.encode()
