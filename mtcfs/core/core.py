@@ -1,19 +1,24 @@
 """The filesystem core: namespace, handles, versions, seal, steps, capacity.
 
-:class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
-module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, writes, seal),
-:mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
-:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
-state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the inodes, directory entries and
-kernel aliases, and their rows; ``inodes`` and ``aliases`` here are its dicts: only it
-adds or removes entries), :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the
-versions, their rows, data files and descriptors; ``versions`` and ``fds`` here are its),
-:class:`~mtcfs.core.budget.RamBudget` (``budget``),
+:class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
+:mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
+concern in mixins, one module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.jobns`,
+:mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
+:mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
+:mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
+Components that own their state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the
+inodes, directory entries and kernel aliases, and their rows; ``inodes`` and ``aliases``
+here are its dicts: only it adds or removes entries),
+:class:`~mtcfs.core.versions.VersionStore` (``vstore``: the versions, their rows, data
+files and descriptors; ``versions`` and ``fds`` here are its),
+:class:`~mtcfs.core.step_registry.StepRegistry` (``step_registry``: the committed steps
+and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.files.OpenFiles`
+(``open_files``: the handle table, writers' versions and the seal; ``handles`` here is its
+dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
-:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
-(``eviction``), :class:`~mtcfs.core.step_registry.StepRegistry` (``step_registry``: the
-committed steps and their rows; ``steps`` here is its dict); see docs/architecture.md, "The core".
+:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``) and
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
