@@ -465,7 +465,7 @@ class Daemon:
         if cmd == "checkpoints":
             return await self.checkpoints()
         if cmd == "seal":
-            rec = fs.seal_path(str(req.get("path", "")))
+            rec = fs.step_registry.seal(str(req.get("path", "")))
             return {"step": rec.name, "number": rec.number}
         if cmd == "gc":
             evicted = fs.evict()
@@ -474,7 +474,7 @@ class Daemon:
                 stats = await trio.to_thread.run_sync(self.backup_store.retain,
                                                       self.opts.backup_keep)
                 kept = await trio.to_thread.run_sync(self.backup_store.list_steps)
-                evicted += fs.backup_retired({s.step for s in kept})
+                evicted += fs.step_registry.retired({s.step for s in kept})
                 swept = getattr(stats, "__dict__", stats)
             return {"evicted": evicted, "backup_retention": swept}
         if cmd == "verify":
@@ -583,7 +583,7 @@ class Daemon:
         rows: dict[str, dict[str, Any]] = {}
         for rec in fs.steps.values():
             files = size = local = 0
-            for _p, ino in fs.walk(fs.inodes[rec.ino]):
+            for _p, ino in fs.tree.walk(fs.inodes[rec.ino]):
                 if ino.is_file:
                     v = fs.versions[ino.vid]
                     files += 1

@@ -269,7 +269,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
-        await self.fs.settle_releases()  # an unlinked file just closed: its space is back
+        await self.fs.open_files.settle_releases()  # an unlinked file just closed: its space is back
         s = self.fs.statfs()
         out = pyfuse3.StatvfsData()
         bs = 4096

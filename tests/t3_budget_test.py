@@ -186,7 +186,7 @@ def test_pressure_evicts_a_backed_up_step_and_the_budget_follows(tmp_path):
             d = await fs.mkdir(ROOT_INO, b"step_%d" % n, 0o755, 0, 0)
             f = await write_file(fs, d.ino, b"x", os.urandom(3 * CS))
             await sealed(fs, f)
-            fs.seal_path(f"step_{n}")
+            fs.step_registry.seal(f"step_{n}")
         fs.steps["step_1"].backed_up_ns = 1  # the backup tier holds it: its data may go
         check_budget(fs)
         before = fs.used

@@ -66,7 +66,7 @@ def test_the_core_keeps_its_index_exact(tmp_path):
             inos.append(attr.ino)
         for ino in inos:
             with trio.fail_after(10):
-                await fs.wait_sealed(fs.inodes[ino])
+                await fs.open_files.wait_sealed(fs.inodes[ino])
         consistent(fs.chunk_index, fs.versions)
         v = fs.versions[fs.inodes[inos[0]].vid]
         assert all(fs.has_local_chunk(d) for d in v.chunks)

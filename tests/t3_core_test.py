@@ -32,7 +32,7 @@ def test_rewrite_makes_new_version_and_pinned_old_stays(tmp_path):
         d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
         f = await write_file(fs, d.ino, b"x", old)
         v1 = await sealed(fs, f)
-        fs.seal_path("step_1")
+        fs.step_registry.seal("step_1")
         _m, pinned = fs.snapshot_step("step_1")
         read = fs.chunk_reader(pinned)
         await write_file(fs, d.ino, b"x", new)          # O_TRUNC rewrite: new version

@@ -28,6 +28,8 @@ class Host:
         self.inodes: dict[int, Inode] = {ROOT_INO: inode(ROOT_INO, "dir")}
         self.versions: dict[int, Version] = {}
         self.job_scope = False  # scope=node
+        self.step_registry = self  # versions_of: one version per step
+        self.tree = self  # walk
         self.acted: list[tuple[str, str]] = []
         for n, backed_up in steps.items():
             name = f"step_{n}"
@@ -46,7 +48,7 @@ class Host:
         yield "", top
         yield "f", self.inodes[90 + top.ino]
 
-    def _step_versions(self, s: StepRecord) -> list[Version]:
+    def versions_of(self, s: StepRecord) -> list[Version]:
         return [self.versions[s.number]]
 
     def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:

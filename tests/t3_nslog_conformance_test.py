@@ -340,7 +340,7 @@ def test_core_operations_go_through_the_log(log_kind, tmp_path, request):
         await fs.flush(fh)
         await fs.release(fh)
         with trio.fail_after(10):
-            await fs.wait_sealed(fs.inodes[attr.ino])
+            await fs.open_files.wait_sealed(fs.inodes[attr.ino])
         await fs.symlink(d, b"link", b"w.bin", 0, 0)
         await fs.link(attr.ino, ROOT_INO, b"hard", )
         await fs.mknod(d, b"fifo", stat.S_IFIFO | 0o644, 0, 0, 0)

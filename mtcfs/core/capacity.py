@@ -1,58 +1,25 @@
-"""Capacity of the RAM tier, the facade's part: releases in flight, statfs, and what the
+"""Capacity of the RAM tier, the facade's part: statfs, and what the
 eviction policy does to the namespace (drop a step's data, delete a tree).
 
 The budget is :class:`mtcfs.core.budget.RamBudget` (``Filesystem.budget``); the policy
 that chooses what leaves RAM is :class:`mtcfs.core.eviction.Eviction`
 (``Filesystem.eviction``). A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see
-that module for the concurrency protocol every method follows.
+that module for the concurrency protocol every method follows. The RELEASEs in flight of
+unlinked files are the open files' (core/files.py: ``OpenFiles.settle_releases``).
 """
 
 from __future__ import annotations
 
-import trio
-
-from mtcfs.core.model import ROOT_INO, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Inode
 from mtcfs.core.records import StepRecord
 
 #: The largest file, in bytes (beyond: EFBIG). Holes cost nothing against size=, but a
 #: file is hashed whole when sealed, holes included (about 2 GB/s): 1 TiB is minutes.
 MAX_FILE_SIZE = 1 << 40
-#: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
-#: whose last close(2) was seen (the kernel sends RELEASE after close returns).
-RELEASE_WAIT_S = 1.0
 
 
 class CapacityOps:
     """Capacity of the RAM tier, the facade's part (see the module docstring)."""
-
-    # ------------------------------------------------------------------ capacity
-
-    def _releases_in_flight(self) -> list[Handle]:
-        out = []
-        for h in self.handles.values():
-            if isinstance(h, Handle) and h.closed:
-                ino = self.inodes.get(h.ino)
-                if ino is not None and ino.nlink == 0:
-                    out.append(h)
-        return out
-
-    async def settle_releases(self) -> None:
-        """Wait (at most RELEASE_WAIT_S) for the RELEASE of unlinked files already closed:
-        their space comes back then. A handle is waited for once."""
-        pending = self._releases_in_flight()
-        if not pending:
-            return
-        with trio.move_on_after(RELEASE_WAIT_S):
-            while any(self.handles.get(h.fh) is h for h in pending):
-                ev = self.__dict__.setdefault("_released", trio.Event())
-                await ev.wait()
-        for h in pending:
-            h.closed = False  # still open past the wait (mapped, or held): not waited again
-
-    def _released_one(self) -> None:
-        ev = self.__dict__.pop("_released", None)
-        if ev is not None:
-            ev.set()
 
     # ------------------------------------------------------------------ eviction (core/eviction.py)
 
@@ -81,13 +48,9 @@ class CapacityOps:
         (:meth:`mtcfs.core.eviction.Eviction.crash_leftovers`)."""
         return self.eviction.crash_leftovers()
 
-    def _step_versions(self, s: StepRecord) -> list[Version]:
-        return [self.versions[i.vid] for _p, i in self.walk(self.inodes[s.ino])
-                if i.is_file and i.vid is not None]
-
     def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
         with self.db.transaction():
-            for v in self._step_versions(s):
+            for v in self.step_registry.versions_of(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
                 self.vstore.drop_data(v)  # core/versions.py; it stays, all missing
@@ -99,7 +62,7 @@ class CapacityOps:
         """Delete the top-level directory ``top`` and everything below (a step is forgotten
         with its directory)."""
         name = top.name
-        items = list(self.walk(top))
+        items = list(self.tree.walk(top))
         with self.db.transaction():
             for _path, ino in reversed(items):
                 parent, name = self.inodes[ino.parent], ino.name

@@ -1,4 +1,6 @@
-"""Checkpoints (steps): commit detection, and what the backup and restore tiers need — snapshots, pins, imports, verification.
+"""What the backup and restore tiers need of the core beyond the step registry: pins, chunk
+reads, imports, verification. The steps themselves (commit detection, records, backup
+state) are :class:`mtcfs.core.step_registry.StepRegistry`'s.
 
 A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
 concurrency protocol every method follows.
@@ -16,203 +18,19 @@ import trio
 
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.errors import FsError
-from mtcfs.base import steps as stepnames
-from mtcfs.core.model import ROOT_INO, Inode, Version
+from mtcfs.core.model import ROOT_INO, Version
 from mtcfs.core.records import StepRecord, now_ns as _now_ns
 from mtcfs.core.symlinks import escapes
-from mtcfs.base.manifest import SPECIAL_MODES, Entry, StepManifest, special_node
+from mtcfs.base.manifest import SPECIAL_MODES, StepManifest
 from mtcfs.core.store.fdcache import FdCache
 
 log = logging.getLogger("mtcfs.core.core")
 
 
 class CheckpointOps:
-    """Checkpoints (steps): commit detection, and what the backup and restore tiers need — snapshots, pins, imports, verification."""
-
-    # ------------------------------------------------------------------ steps
-
-    def _commit_step(self, d: Inode, source: str) -> StepRecord | None:
-        if d.parent != ROOT_INO:
-            return None
-        name = d.name.decode(errors="surrogateescape")
-        number = stepnames.step_number(name)
-        if number is None and source != "mtcfs seal":
-            return None
-        rec = self.steps.get(name)
-        if rec is not None and rec.ino == d.ino:
-            if rec.backed_up_ns is None and source != "mtcfs seal":
-                # Committed again after a change (DCP re-saving into the same directory):
-                # the backup policy must see it as a new commit.
-                rec.committed_ns = _now_ns()
-                rec.source = source
-                self._write_step(rec)
-                self._emit("committed", rec)
-            return rec
-        rec = StepRecord(name=name, number=number if number is not None else 0, ino=d.ino,
-                         committed_ns=_now_ns(), source=source)
-        self.steps[name] = rec
-        if source == "orbax-restore":
-            # A step the replicator restored under its marker name, back under its own:
-            # its bytes are those of the backup tier if every file's are.
-            versions = self._step_versions(rec)
-            if versions and all(v.backed_up for v in versions):
-                rec.backed_up_ns = rec.committed_ns
-        self._write_step(rec)
-        log.info("checkpoint %s committed (%s)", name, source)
-        self._emit("committed", rec)
-        return rec
-
-    def _maybe_commit_by_file(self, f: Inode, published: bool = False) -> None:
-        """Commit the step whose marker file ``f`` is (once sealed and closed; ``published``:
-        sealed at close(2) in scope=job, whose RELEASE may not have come yet)."""
-        if f.name not in stepnames.COMMIT_FILES:
-            return
-        v = self.versions.get(f.vid) if f.vid is not None else None
-        if v is None or not v.sealed or (v.writers and not published):
-            return
-        d = self.inodes.get(f.parent)
-        if d is not None and d.parent == ROOT_INO:
-            self._commit_step(d, stepnames.COMMIT_FILES[f.name])
-
-    def _commit_sealed_markers(self) -> None:
-        """Commit the steps whose marker file is sealed but whose commit was never recorded:
-        a crash between the seal's transaction and the commit's."""
-        root = self.inodes[ROOT_INO]
-        for name, num in list(root.children.items()):  # type: ignore[union-attr]
-            d = self.inodes.get(num)
-            if d is None or not d.is_dir or stepnames.step_number(name) is None or \
-                    name.decode(errors="surrogateescape") in self.steps:
-                continue
-            for marker in stepnames.COMMIT_FILES:
-                f = self.inodes.get(d.children.get(marker, 0))  # type: ignore[union-attr]
-                if f is not None and f.is_file:
-                    with self.db.transaction():
-                        self._maybe_commit_by_file(f)
-
-    def _step_changed(self, ino: Inode) -> None:
-        """A file in a committed step changed: its backup copy no longer matches."""
-        rec = self.step_of(ino)
-        if rec is not None:
-            rec.replicated = 0
-            rec.generation += 1
-            self._emit("step_changed", rec)
-        if rec is not None and rec.backed_up_ns is not None:
-            rec.backed_up_ns = None
-            with self.db.transaction():
-                self._write_step(rec)
-
-    def backup_retired(self, kept: set[str]) -> list[str]:
-        """The backup tier now holds only the steps in ``kept`` (after ``backup_keep``).
-
-        Local steps that were counted as backed up but were retired lose that status; those
-        of them whose data has left RAM are deleted, since their bytes are now nowhere.
-        Returns the names of the deleted steps.
-        """
-        deleted = []
-        for rec in list(self.steps.values()):
-            if rec.backed_up_ns is None or rec.name in kept or rec.backing_up:
-                continue
-            versions = self._step_versions(rec)
-            if any(v.missing for v in versions) and not self.job_scope:
-                self._delete_tree(rec)
-                deleted.append(rec.name)
-                log.info("deleted checkpoint %s: backup_keep retired its backup copy and its"
-                         " data was no longer in RAM", rec.name)
-                continue
-            rec.backed_up_ns = None
-            with self.db.transaction():
-                self._write_step(rec)
-                for v in versions:
-                    if v.backed_up:
-                        v.backed_up = False
-                        self.vstore.write(v)
-        return deleted
-
-    def _forget_step(self, name: bytes) -> None:
-        key = name.decode(errors="surrogateescape")
-        if self.steps.pop(key, None) is not None:
-            self.db.execute("DELETE FROM steps WHERE name=?", (key,))
-            self._emit("step_removed", key)
-
-    def seal_path(self, path: str) -> StepRecord:
-        """Mark the top-level directory ``path`` as a complete checkpoint (``mtcfs seal``).
-
-        Raises:
-            FsError: ENOENT, ENOTDIR, or EINVAL when ``path`` is not a top-level directory.
-        """
-        ino = self.tree.resolve(path)
-        if not ino.is_dir:
-            raise FsError(errno.ENOTDIR, f"{path} is not a directory")
-        if ino.parent != ROOT_INO:
-            raise FsError(errno.EINVAL, f"{path} is not a top-level directory of the job")
-        with self.db.transaction():
-            rec = self._commit_step(ino, "mtcfs seal")
-        assert rec is not None
-        return rec
-
-    def step_sealed(self, rec: StepRecord) -> bool:
-        """True when every file below the step is sealed (no writer, no seal running)."""
-        for _path, ino in self.walk(self.inodes[rec.ino]):
-            if ino.is_file:
-                v = self.versions[ino.vid]  # type: ignore[index]
-                if not v.sealed or v.writers or v.sealing is not None:
-                    return False
-        return True
-
-    def walk(self, top: Inode) -> Iterable[tuple[str, Inode]]:
-        """Yield (job-relative path, inode) of ``top`` and everything below, parents first."""
-        base = self.tree.path_of(top) or ""
-        stack = [(base, top)]
-        while stack:
-            path, ino = stack.pop()
-            yield path, ino
-            if ino.is_dir:
-                for name, child in sorted(ino.children.items(), reverse=True):  # type: ignore[union-attr]
-                    stack.append((f"{path}/{name.decode(errors='surrogateescape')}" if path
-                                  else name.decode(errors="surrogateescape"), self.inodes[child]))
+    """Pins, chunk reads over pinned versions, step imports and ``mtcfs verify``."""
 
     # ------------------------------------------------------------------ backup / restore support
-
-    def snapshot_step(self, name: str) -> tuple[StepManifest, list[Version]]:
-        """The manifest of committed step ``name`` and its pinned versions.
-
-        The caller must :meth:`unpin` the versions when done (the data files stay while
-        pinned, even if the files are rewritten or deleted meanwhile).
-
-        Raises:
-            FsError: ENOENT if the step is not committed; EAGAIN if a file in it is unsealed.
-        """
-        rec = self.steps.get(name)
-        if rec is None:
-            raise FsError(errno.ENOENT, f"no committed checkpoint {name}")
-        if not self.step_sealed(rec):
-            raise FsError(errno.EAGAIN, f"checkpoint {name} has files still being written")
-        entries, pinned = [], []
-        for path, ino in self.walk(self.inodes[rec.ino]):
-            perm = ino.mode & 0o7777
-            if ino.is_dir:
-                entries.append(Entry(path, "dir", perm, ino.mtime_ns))
-            elif ino.kind == "symlink":
-                entries.append(Entry(path, "symlink", perm, ino.mtime_ns, size=len(ino.target),
-                                     target=ino.target.decode(errors="surrogateescape")))
-            elif ino.kind == "special":  # metadata only: carried as such, no data
-                entries.append(Entry(path, "special", perm, ino.mtime_ns,
-                                     node=special_node(ino.mode), rdev=ino.rdev))
-            else:
-                v = self.versions[ino.vid]  # type: ignore[index]
-                if v.origin >= 0:
-                    continue  # scope=job: another rank's file; that rank backs it up
-                v.pins += 1
-                pinned.append(v)
-                entries.append(Entry(path, "file", perm, ino.mtime_ns, size=v.size,
-                                     chunk_size=v.chunk_size, chunks=v.chunks, blake3=v.blake3))
-        m = StepManifest(job=self.job, step=name, step_number=rec.number,
-                         created_ns=_now_ns(), entries=entries, rank=self.rank)
-        return m, pinned
-
-    def step_in_ram(self, rec: StepRecord) -> bool:
-        """True when every chunk of every file of the step is in RAM (nothing to fault in)."""
-        return all(not v.missing for v in self._step_versions(rec) if v.origin < 0)
 
     def unpin(self, versions: Iterable[Version]) -> None:
         for v in versions:
@@ -273,27 +91,6 @@ class CheckpointOps:
         off, length = chunk_span(idx, v.size, v.chunk_size)
         return v, off, length
 
-    def mark_backed_up(self, name: str, versions: list[Version]) -> None:
-        """Record that step ``name`` (with these versions) is complete in the backup tier."""
-        with self.db.transaction():
-            for v in versions:
-                if v.vid in self.versions and not v.backed_up:
-                    v.backed_up = True
-                    self.vstore.write(v)
-            rec = self.steps.get(name)
-            if rec is not None:
-                rec.backed_up_ns = _now_ns()
-                self._write_step(rec)
-
-    def backup_pending(self) -> str | None:
-        """The step whose backup started and had not completed when the daemon stopped."""
-        return self.db.get_kv("backup_pending") or None
-
-    def set_backup_pending(self, name: str | None) -> None:
-        """Record (durably) that the backup of ``name`` started; None: it completed."""
-        with self.db.transaction():
-            self.db.set_kv("backup_pending", name or "")
-
     def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
         """Create the namespace of a step with no data yet (restore).
 
@@ -349,9 +146,8 @@ class CheckpointOps:
             rec = StepRecord(name=m.step, number=m.step_number, ino=top.ino,
                              committed_ns=_now_ns(), source="restore",
                              backed_up_ns=_now_ns() if backed_up else None)
-            self.steps[m.step] = rec
-            self._write_step(rec)
-        for v in [self.versions[i.vid] for _p, i in self.walk(top) if i.is_file]:
+            self.step_registry.add(rec)
+        for v in [self.versions[i.vid] for _p, i in self.tree.walk(top) if i.is_file]:
             self.chunk_index.add_version(v)
         return rec
 

@@ -1,18 +1,24 @@
 """The filesystem core: namespace, handles, versions, seal, steps, capacity.
 
-:class:`Filesystem` holds the state; its operations are grouped by concern in mixins, one
-module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.files` (handles, writes, seal),
-:mod:`~mtcfs.core.checkpoints` (steps, backup/restore support), :mod:`~mtcfs.core.capacity`,
-:mod:`~mtcfs.core.faultin` and :mod:`~mtcfs.core.xattrs`. Components that own their
-state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the inodes, directory entries and
-kernel aliases, and their rows; ``inodes`` and ``aliases`` here are its dicts: only it
-adds or removes entries), :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the
-versions, their rows, data files and descriptors; ``versions`` and ``fds`` here are its),
-:class:`~mtcfs.core.budget.RamBudget` (``budget``),
+:class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
+:mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
+concern in mixins, one module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.jobns`,
+:mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
+:mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
+:mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
+Components that own their state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the
+inodes, directory entries and kernel aliases, and their rows; ``inodes`` and ``aliases``
+here are its dicts: only it adds or removes entries),
+:class:`~mtcfs.core.versions.VersionStore` (``vstore``: the versions, their rows, data
+files and descriptors; ``versions`` and ``fds`` here are its),
+:class:`~mtcfs.core.step_registry.StepRegistry` (``step_registry``: the committed steps
+and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.files.OpenFiles`
+(``open_files``: the handle table, writers' versions and the seal; ``handles`` here is its
+dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
-:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``) and
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``), :class:`~mtcfs.core.eviction.Eviction`
-(``eviction``); see docs/architecture.md, "The core".
+:class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``) and
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -46,16 +52,17 @@ from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
-from mtcfs.core.files import FileOps
+from mtcfs.core.files import OpenFiles
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.jobns import JobNamespaceOps
-from mtcfs.core.model import ROOT_INO, DirHandle, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from mtcfs.core.own_files import OwnFileOps
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.scrub import ScrubOps
+from mtcfs.core.step_registry import StepRegistry
 from mtcfs.core.tier_api import TierApiOps
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.xattrs import XattrOps
@@ -72,7 +79,7 @@ log = logging.getLogger(__name__)
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
-class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
+class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
                  JobNamespaceOps, OwnFileOps, ScrubOps, TierApiOps):
     """The core of one mount.
 
@@ -103,20 +110,21 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.vstore = VersionStore(self, store, self.chunk_size)
         self.versions: dict[int, Version] = self.vstore.versions
         self.fds: FdCache = self.vstore.fds
-        self.handles: dict[int, Handle | DirHandle] = {}
-        self.steps: dict[str, StepRecord] = {}
+        #: The committed steps, their rows and commit rules (core/step_registry.py).
+        #: ``steps`` here is its dict of records (read it; only it adds or removes).
+        self.step_registry = StepRegistry(self.db, self.tree, self.vstore, self,
+                                          job=job, rank=rank)
+        self.steps: dict[str, StepRecord] = self.step_registry.records
         self.counters = Counters()
         #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
         self.eviction = Eviction(self, self.counters, keep)
         #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
         #: ``in_flight`` and ``Version.alloc``; the eviction policy makes room for it.
         self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
-                                settle=self.settle_releases, make_room=self.eviction.make_room)
+                                settle=lambda: self.open_files.settle_releases(),
+                                make_room=self.eviction.make_room)
         self.errors: list[str] = []
         self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
-        #: time.monotonic() of the last write() by the application (background tiers yield
-        #: to it).
-        self.last_write = 0.0
         self.cpu_limiter = pools.limiter("cpu")
         #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk source,
         #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
@@ -125,10 +133,17 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         #: First-read verification and the scrub (core/verifier.py); ``scrub_*`` here are its.
         self.verifier = Verifier(self, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
-        self._next_fh = 1
         self._nursery: trio.Nursery | None = None
         #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
         self.chunk_index = ChunkIndex(self.versions)
+        #: Open files (core/files.py): the handle table, writers' versions, the seal on
+        #: last close, ``last_write``. ``handles`` here is its dict (read it).
+        self.open_files = OpenFiles(self, db=self.db, tree=self.tree, vstore=self.vstore,
+                                    budget=self.budget, verifier=self.verifier,
+                                    chunk_index=self.chunk_index,
+                                    step_registry=self.step_registry, counters=self.counters,
+                                    cpu_limiter=self.cpu_limiter)
+        self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
         self._unsealed_at_load: list[Version] = []
         #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
@@ -170,6 +185,47 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
     def shared_used(self, fn: Callable[[], int]) -> None:
         self.budget.shared_used = fn
 
+    @property
+    def last_write(self) -> float:
+        """time.monotonic() of the application's last write (the open files')."""
+        return self.open_files.last_write
+
+    # ------------------------------------------------------------------ FUSE operations on
+    # open files: the adapter's entry points (core/files.py does the work)
+
+    async def open(self, num: int, flags: int) -> tuple[int, bool]:
+        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`)."""
+        return await self.open_files.open(num, flags)
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Attr]:
+        """Create and open ``name`` in ``parent``: ``(fh, attr)`` (:meth:`OpenFiles.create`)."""
+        return await self.open_files.create(parent, name, mode, flags, uid, gid)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``off`` (:meth:`OpenFiles.read`)."""
+        return await self.open_files.read(fh, off, size)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        """Write ``buf`` at ``off``; bytes written (:meth:`OpenFiles.write`)."""
+        return await self.open_files.write(fh, off, buf)
+
+    async def flush(self, fh: int, final: bool = True) -> None:
+        """close(2) of one descriptor (:meth:`OpenFiles.flush`)."""
+        await self.open_files.flush(fh, final)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        """Record the length written so far (:meth:`OpenFiles.fsync`)."""
+        await self.open_files.fsync(fh, datasync)
+
+    async def release(self, fh: int) -> None:
+        """The last close of handle ``fh`` (:meth:`OpenFiles.release`)."""
+        await self.open_files.release(fh)
+
+    def kernel_inos(self, fh: int) -> set[int]:
+        """The inode numbers the kernel may know handle ``fh``'s file by."""
+        return self.open_files.kernel_inos(fh)
+
     # ------------------------------------------------------------------ lifecycle
 
     def _load(self) -> None:
@@ -187,9 +243,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
                 db.set_kv("next_vid", "1")
         self.tree.load()  # inodes, directory entries, xattrs (core/inodes.py)
         self.vstore.load(fresh)  # core/versions.py: its rows and next_vid
-        for row in db.execute("SELECT name, number, ino, committed_ns, backed_up_ns, source FROM steps"):
-            self.steps[row[0]] = StepRecord(name=row[0], number=row[1], ino=row[2],
-                                            committed_ns=row[3], backed_up_ns=row[4], source=row[5])
+        self.step_registry.load()  # core/step_registry.py: the committed steps
         self._repair()
 
     def _repair(self) -> None:
@@ -202,10 +256,8 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             # being written at the crash are sealed again after mount (start).
             current = {i.vid for i in self.inodes.values() if i.vid is not None}
             self._unsealed_at_load.extend(self.vstore.repair(current))
-            for name in [n for n, s in self.steps.items()
-                         if s.ino not in self.inodes or self.inodes[ROOT_INO].children.get(n.encode()) != s.ino]:
-                self.steps.pop(name)
-                db.execute("DELETE FROM steps WHERE name=?", (name,))
+            # Steps whose directory a crash removed before their row.
+            self.step_registry.drop_stale()
         # what counts against size=: core/budget.py
         self.budget.measure_all(self.versions.values(), self.store.data_path)
         self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
@@ -224,11 +276,10 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self._nursery = nursery
         # Serving from now on: until close(clean=True), a stop is a crash.
         self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
-        for v in self._unsealed_at_load:
-            nursery.start_soon(self._seal, v)
-        self._unsealed_at_load.clear()
+        self.open_files.start(nursery, self._unsealed_at_load)
+        self._unsealed_at_load = []
         if not self.job_scope:
-            self._commit_sealed_markers()
+            self.step_registry.commit_sealed_markers()
 
     def close(self, clean: bool = False) -> None:
         """Close data file descriptors (the store itself is closed by its owner).
@@ -254,20 +305,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
             except Exception:  # an observer bug must not break the filesystem
                 log.exception("observer failed on %s", event)
 
-    # ------------------------------------------------------------------ persistence
-
-    def _write_step(self, s: StepRecord) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO steps(name, number, ino, committed_ns, backed_up_ns, source)"
-            " VALUES (?,?,?,?,?,?)", (s.name, s.number, s.ino, s.committed_ns, s.backed_up_ns, s.source))
-
     # ------------------------------------------------------------------ helpers
-
-    def step_of(self, ino: Inode) -> StepRecord | None:
-        top = self.tree.top_dir(ino)
-        if top is None:
-            return None
-        return self.steps.get(top.name.decode(errors="surrogateescape"))
 
     def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
         """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
@@ -279,7 +317,7 @@ class Filesystem(NamespaceOps, FileOps, CheckpointOps, CapacityOps, FaultInOps, 
         self.tree.write(d)
         parent.nlink -= 1
         if parent.ino == ROOT_INO:
-            self._forget_step(name)
+            self.step_registry.forget(name)
 
     def _maybe_free_inode(self, ino: Inode) -> None:
         if ino.nlink > 0 or ino.ino == ROOT_INO:

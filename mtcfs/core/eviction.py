@@ -25,18 +25,30 @@ __all__ = ["Eviction", "Host"]
 log = logging.getLogger("mtcfs.core.core")
 
 
+class StepVersions(Protocol):
+    """The step registry's read the policy makes (core/step_registry.py)."""
+
+    def versions_of(self, rec: StepRecord) -> list[Version]: ...
+
+
+class Walks(Protocol):
+    """The inode table's walk (core/inodes.py)."""
+
+    def walk(self, top: Inode) -> Iterator[tuple[str, Inode]]: ...
+
+
 class Host(Protocol):
     """What :class:`Eviction` may use of the core (the ``Filesystem`` facade)."""
 
     steps: dict[str, StepRecord]
     inodes: dict[int, Inode]
+    step_registry: StepVersions
+    tree: Walks
     versions: dict[int, Version]
     @property
     def job_scope(self) -> bool: ...
     @property
     def used(self) -> int: ...
-    def walk(self, top: Inode) -> Iterator[tuple[str, Inode]]: ...
-    def _step_versions(self, s: StepRecord) -> list[Version]: ...
     def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None: ...
     def _delete_tree(self, s: StepRecord) -> None: ...
     def _delete_dir_tree(self, top: Inode) -> None: ...
@@ -114,14 +126,14 @@ class Eviction:
             return saved
         lossy = []
         for s in unsaved:
-            if s.backing_up or any(v.handles for v in self._host._step_versions(s)):
+            if s.backing_up or any(v.handles for v in self._host.step_registry.versions_of(s)):
                 break  # oldest first: never a newer unsaved step in its place
             lossy.append(s)
         return saved + lossy
 
     def _step_local_bytes(self, s: StepRecord) -> int:
         total = 0
-        for _p, ino in self._host.walk(self._host.inodes[s.ino]):
+        for _p, ino in self._host.tree.walk(self._host.inodes[s.ino]):
             if ino.is_file:
                 total += self._host.versions[ino.vid].alloc  # type: ignore[index]
         return total
@@ -163,7 +175,7 @@ class Eviction:
     def _unfinished_save(self, top: Inode, *, dcp: bool) -> bool:
         """Rules (b) to (d) of :meth:`crash_leftovers` for the directory ``top``."""
         shards = False
-        for _p, ino in self._host.walk(top):
+        for _p, ino in self._host.tree.walk(top):
             if ino.ino not in self._inos_at_load or ino.mtime_ns > self._loaded_ns:
                 return False  # (d) changed since load
             if ino is top:
@@ -212,7 +224,7 @@ class Eviction:
         for s in self.evictable_steps(pressure=pressure, keep_unsaved=keep_unsaved):
             if pressure and start_used - self._host.used >= need:  # type: ignore[operator]
                 break
-            if any(v.handles for v in self._host._step_versions(s)):
+            if any(v.handles for v in self._host.step_registry.versions_of(s)):
                 continue
             if self._host.job_scope:
                 # scope=job: the namespace is the job's; drop only data held elsewhere

@@ -122,7 +122,7 @@ class FaultInOps:
     def pending_fault_in(self) -> list[tuple[Version, int]]:
         """(version, chunk index) pairs still missing in current versions, in path order."""
         out = []
-        for _path, ino in self.walk(self.inodes[ROOT_INO]):
+        for _path, ino in self.tree.walk(self.inodes[ROOT_INO]):
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
                 if v.origin >= 0:

@@ -1,7 +1,34 @@
-"""File handles and versions: open, create, read, write, fsync, release, and seal on last close.
+"""Open files: the handle table, open, create, read, write, fsync, release, and the seal
+on last close.
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
-concurrency protocol every method follows.
+:class:`OpenFiles` owns
+
+- ``handles``: fh -> :class:`~mtcfs.core.model.Handle` (or a directory's
+  :class:`~mtcfs.core.model.DirHandle`, added by ``opendir`` through :meth:`OpenFiles.add_dir`)
+  and the next fh number; ``Filesystem.handles`` is the same dict, read by others; only
+  this class adds or removes entries;
+- the writers' versions: which version a new writer writes to (copy-on-write, with holes
+  kept, reserved against ``size=`` first), each version's ``writers``/``handles`` counts
+  and each inode's ``opens``;
+- the seal: a version is hashed (blake3 per chunk, in a worker thread under the CPU
+  limiter) when its last writer closes, and its row, the chunk index, the step registry
+  (a commit marker, a changed step) and the observers (``sealed``) learn of it;
+- ``last_write``: ``time.monotonic()`` of the application's last write (the background
+  tiers yield to it); the RELEASEs in flight of unlinked files (:meth:`settle_releases`).
+
+It holds the components it uses (the inode table, the version store, the RAM budget, the
+verifier, the chunk index, the step registry, the counters and the CPU limiter) and reaches
+the rest of the core only through :class:`Host`: the namespace log (a create, a fresh view
+before open), fault-in, truncation, freeing an inode, publishing a sealed version
+(scope=job), events and errors.
+
+Units: offsets and sizes in bytes; ``fh`` numbers start at 1 and are never reused while
+the core lives. Errors: :class:`~mtcfs.base.errors.FsError` (EBADF, EISDIR, EINVAL, EFBIG,
+ENOSPC, EAGAIN, ESTALE, EIO), each where a method's docstring says.
+
+Concurrency (docs/architecture.md): every method runs on the trio thread; a coroutine may
+rely only on state it read after its last ``await``. The seal re-checks ``Version.gen``
+after hashing.
 """
 
 from __future__ import annotations
@@ -10,15 +37,28 @@ import errno
 import logging
 import os
 import time
+from typing import Any, Protocol
 
 import trio
 
 from mtcfs.base.chunking import hash_fd
 from mtcfs.base.errors import FsError
-from mtcfs.core.capacity import MAX_FILE_SIZE
-from mtcfs.core.model import Attr, Handle, Inode, Version
 from mtcfs.base.ns_ops import Create
+from mtcfs.core.budget import RamBudget
+from mtcfs.core.capacity import MAX_FILE_SIZE
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.inodes import InodeTable
+from mtcfs.core.model import Attr, DirHandle, Handle, Inode, Version
+from mtcfs.core.ns_log import NamespaceLog
+from mtcfs.core.records import Counters
 from mtcfs.core.records import now_ns as _now_ns
+from mtcfs.core.step_registry import StepRegistry
+from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.verifier import Verifier
+from mtcfs.core.versions import VersionStore
+
+__all__ = ["RELEASE_WAIT_S", "Host", "OpenFiles"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -27,13 +67,125 @@ log = logging.getLogger("mtcfs.core.core")
 #: "create", docs/benchmarks.md 6a). Larger ones are hashed in a worker thread.
 INLINE_SEAL_BYTES = 64 * 1024
 
+#: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
+#: whose last close(2) was seen (the kernel sends RELEASE after close returns).
+RELEASE_WAIT_S = 1.0
 
-class FileOps:
-    """File handles and versions: open, create, read, write, fsync, release, and seal on last close."""
+
+class Host(Protocol):
+    """What :class:`OpenFiles` may use of the core (the ``Filesystem`` facade), read at
+    each use (the daemon replaces ``ns_log`` in scope=job)."""
+
+    @property
+    def ns_log(self) -> NamespaceLog: ...
+    @property
+    def job_scope(self) -> bool: ...
+    async def fault_in(self, v: Version, off: int, size: int) -> None: ...
+    async def _fault_in_all(self, ino: Inode) -> None: ...
+    async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None: ...
+    def _maybe_free_inode(self, ino: Inode) -> None: ...
+    async def _ns_publish(self, ino: Inode, v: Version) -> None: ...
+    def _emit(self, event: str, obj: Any) -> None: ...
+    def report_error(self, msg: str) -> None: ...
+
+
+class OpenFiles:
+    """The open files of one core.
+
+    Args:
+        host: the core (see :class:`Host`).
+        db: the store's metadata database.
+        tree, vstore, budget, verifier, chunk_index, step_registry: the core's components.
+        counters: the core's counters (``bytes_written``, ``bytes_read``, ``seals``,
+            ``enospc``).
+        cpu_limiter: the limiter of the CPU pool (hashing at seal).
+    """
+
+    def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+                 budget: RamBudget, verifier: Verifier, chunk_index: ChunkIndex,
+                 step_registry: StepRegistry, counters: Counters,
+                 cpu_limiter: trio.CapacityLimiter) -> None:
+        self._host = host
+        self.db = db
+        self.tree = tree
+        self.vstore = vstore
+        self.budget = budget
+        self.verifier = verifier
+        self.chunk_index = chunk_index
+        self.step_registry = step_registry
+        self.counters = counters
+        self.cpu_limiter = cpu_limiter
+        self.versions: dict[int, Version] = vstore.versions
+        self.inodes: dict[int, Inode] = tree.inodes
+        self.fds: FdCache = vstore.fds
+        #: fh -> open file or directory (``Filesystem.handles`` is this dict).
+        self.handles: dict[int, Handle | DirHandle] = {}
+        self._next_fh = 1
+        #: time.monotonic() of the last write() by the application (background tiers yield
+        #: to it).
+        self.last_write = 0.0
+        self._nursery: trio.Nursery | None = None
+        self._released: trio.Event | None = None
+
+    @property
+    def job_scope(self) -> bool:
+        """Whether other nodes change this namespace too (the host's)."""
+        return self._host.job_scope
+
+    def start(self, nursery: trio.Nursery, unsealed: list[Version]) -> None:
+        """Seal in ``nursery`` from now on; start with ``unsealed`` (what a crash left)."""
+        self._nursery = nursery
+        for v in unsealed:
+            nursery.start_soon(self._seal, v)
+
+    # ------------------------------------------------------------------ the handle table
+
+    def _add(self, make: Any) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = make(fh)
+        return fh
+
+    def add_dir(self, ino: int, entries: list[tuple[bytes, int]]) -> int:
+        """Register an open directory (``opendir``) listing ``entries``; its fh."""
+        return self._add(lambda fh: DirHandle(fh, ino, entries))
+
+    def drop_dir(self, fh: int) -> None:
+        """Forget open directory ``fh`` (``releasedir``); an unknown fh is ignored."""
+        if isinstance(self.handles.get(fh), DirHandle):
+            del self.handles[fh]
+
+    def _releases_in_flight(self) -> list[Handle]:
+        out = []
+        for h in self.handles.values():
+            if isinstance(h, Handle) and h.closed:
+                ino = self.inodes.get(h.ino)
+                if ino is not None and ino.nlink == 0:
+                    out.append(h)
+        return out
+
+    async def settle_releases(self) -> None:
+        """Wait (at most :data:`RELEASE_WAIT_S`) for the RELEASE of unlinked files already
+        closed: their space comes back then. A handle is waited for once."""
+        pending = self._releases_in_flight()
+        if not pending:
+            return
+        with trio.move_on_after(RELEASE_WAIT_S):
+            while any(self.handles.get(h.fh) is h for h in pending):
+                if self._released is None:
+                    self._released = trio.Event()
+                await self._released.wait()
+        for h in pending:
+            h.closed = False  # still open past the wait (mapped, or held): not waited again
+
+    def _released_one(self) -> None:
+        ev, self._released = self._released, None
+        if ev is not None:
+            ev.set()
 
     # ------------------------------------------------------------------ files
 
-    async def _writable_version(self, ino: Inode, *, trunc: bool) -> Version:
+    async def writable_version(self, ino: Inode, *, trunc: bool) -> Version:
         """The version a new writer writes to: the open one, or a new copy-on-write one.
 
         The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
@@ -56,7 +208,7 @@ class FileOps:
                     and not (cur.handles or cur.pins or cur.sealing is not None
                              or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
-            if need and not self.budget.fits(need, in_flight=False):
+            if need and cur is not None and not self.budget.fits(need, in_flight=False):
                 cur.pins += 1  # not evicted while we wait for room
                 try:
                     await self.budget.reserve(need)
@@ -78,7 +230,7 @@ class FileOps:
         Raises:
             FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
         """
-        await self.ns_log.fresh()
+        await self._host.ns_log.fresh()
         ino = self.tree.get(num)
         if ino.is_dir:
             raise FsError(errno.EISDIR)
@@ -87,9 +239,9 @@ class FileOps:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         if writable and not trunc:
-            await self._fault_in_all(ino)
+            await self._host._fault_in_all(ino)
         if writable:
-            v = await self._writable_version(ino, trunc=trunc)
+            v = await self.writable_version(ino, trunc=trunc)
             v.writers += 1
             if trunc:
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
@@ -97,14 +249,12 @@ class FileOps:
             if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
                 # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
                 # dropped its own size to 0 (atomic_o_trunc): follow it.
-                await self._truncate(ino, 0, None)
+                await self._host._truncate(ino, 0, None)
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
             v = self.versions[ino.vid]  # type: ignore[index]
         v.handles += 1
         ino.opens += 1
-        fh = self._next_fh
-        self._next_fh += 1
-        self.handles[fh] = Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND))
+        fh = self._add(lambda fh: Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND)))
         # Close-to-open across nodes (scope=job): the kernel may keep its page cache only
         # if this node served the same version at its last open.
         keep = ino.last_open_vid == v.vid or not self.job_scope
@@ -113,7 +263,7 @@ class FileOps:
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Attr]:
-        res = await self.ns_log.submit(Create(
+        res = await self._host.ns_log.submit(Create(
             parent=self.tree.dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
             excl=bool(flags & os.O_EXCL)))
         ino = self.tree.get(res["ino"])
@@ -128,9 +278,7 @@ class FileOps:
         v.handles += 1
         ino.opens += 1
         ino.lookups += 1
-        fh = self._next_fh
-        self._next_fh += 1
-        self.handles[fh] = Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND))
+        fh = self._add(lambda fh: Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND)))
         return fh, self.tree.attr(ino)
 
     def _handle(self, fh: int) -> Handle:
@@ -159,7 +307,7 @@ class FileOps:
         if v.missing or self.verifier.needs(v):  # fault-in, or verify first (core/verifier.py)
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
-                await self.fault_in(v, off, size)
+                await self._host.fault_in(v, off, size)
                 data = os.pread(self.vstore.fd(v), size, off)
             finally:
                 v.pins -= 1
@@ -214,7 +362,7 @@ class FileOps:
         """
         h = self._handle(fh)
         if final:
-            h.closed = True  # its RELEASE follows (capacity.py: settle_releases)
+            h.closed = True  # its RELEASE follows (settle_releases)
         if not self.job_scope or not h.writable or not final:
             return
         v = h.version
@@ -232,7 +380,7 @@ class FileOps:
         ino = self.inodes.get(h.ino)
         out = {h.ino}
         if ino is not None and ino.kid:
-            out.update(k for k, n in self.aliases.items() if n == h.ino)
+            out.update(k for k, n in self.tree.aliases.items() if n == h.ino)
         return out
 
     async def _reopen_sealed(self, h: Handle) -> Version:
@@ -242,7 +390,7 @@ class FileOps:
         ino = self.tree.get(h.ino)
         if ino.vid != old.vid:
             raise FsError(errno.ESTALE, "the file was replaced since this descriptor was opened")
-        v = await self._writable_version(ino, trunc=False)
+        v = await self.writable_version(ino, trunc=False)
         if h.version is not old:
             return h.version  # reopened by another write of this handle meanwhile
         old.writers -= 1
@@ -271,13 +419,13 @@ class FileOps:
             v.writers -= 1
         if ino is not None:
             ino.opens -= 1
-            self._maybe_free_inode(ino)  # an unlinked file's space comes back here
+            self._host._maybe_free_inode(ino)  # an unlinked file's space comes back here
         if h.writable:
-            self._after_write_close(v)
+            self.after_write_close(v)
         self.vstore.release(v)
         self._released_one()
 
-    def _after_write_close(self, v: Version) -> None:
+    def after_write_close(self, v: Version) -> None:
         if not v.current or self.versions.get(v.vid) is not v:
             return  # freed (unlinked) or replaced: nothing to seal
         if v.writers == 0 and not v.sealed and v.sealing is None and self._nursery is not None:
@@ -313,7 +461,7 @@ class FileOps:
                     if v.dropped:
                         return  # freed while hashing (core/versions.py: VersionStore.release)
                     v.seal_error = str(exc)
-                    self.report_error(f"seal of version {v.vid} failed: {exc}")
+                    self._host.report_error(f"seal of version {v.vid} failed: {exc}")
                     return
                 if v.vid not in self.versions or v.dropped:
                     return
@@ -336,15 +484,15 @@ class FileOps:
             self.counters.seal_seconds.observe(time.monotonic() - t0)
             v.sealing = None
             if ino is not None:
-                self._step_changed(ino)
+                self.step_registry.changed(ino)
             if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
-                await self._ns_publish(ino, v)
+                await self._host._ns_publish(ino, v)
             if ino is not None and ino.vid == v.vid:
-                self._emit("sealed", v)
+                self._host._emit("sealed", v)
                 if not self.job_scope:
                     with self.db.transaction():
-                        self._maybe_commit_by_file(ino)
+                        self.step_registry.commit_by_marker(ino)
         except trio.Cancelled:
             cancelled = True  # the daemon stops: the next start seals it (core: _repair)
             raise
@@ -353,7 +501,7 @@ class FileOps:
             done.set()
             if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
                     and not allow_writers and not cancelled:
-                self._after_write_close(v)
+                self.after_write_close(v)
             self.vstore.release(v)
 
     async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:

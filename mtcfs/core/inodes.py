@@ -35,7 +35,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from mtcfs.base.errors import FsError
@@ -288,6 +288,20 @@ class InodeTable:
             parts.append(cur.name)
             cur = self.inodes[cur.parent]
         return "/".join(p.decode(errors="surrogateescape") for p in reversed(parts))
+
+    def walk(self, top: Inode) -> Iterator[tuple[str, Inode]]:
+        """Yield (job-relative path, inode) of ``top`` and everything below it, parents
+        first, names in byte order. The tree must not change while the walk runs (take a
+        ``list`` of it first when acting on it)."""
+        base = self.path_of(top) or ""
+        stack = [(base, top)]
+        while stack:
+            path, ino = stack.pop()
+            yield path, ino
+            if ino.is_dir:
+                for name, child in sorted((ino.children or {}).items(), reverse=True):
+                    sub = name.decode(errors="surrogateescape")
+                    stack.append((f"{path}/{sub}" if path else sub, self.inodes[child]))
 
     def resolve(self, path: str) -> Inode:
         """Look up a job-relative path without touching lookup counts.

@@ -309,7 +309,7 @@ class JobNamespaceOps:
                 self.vstore.write(v)
                 ino.mtime_ns = op.mtime_ns
                 self.tree.write(ino)
-                self._maybe_commit_by_file(ino, published=True)
+                self.step_registry.commit_by_marker(ino, published=True)
                 return
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
         if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op.size:
@@ -326,7 +326,7 @@ class JobNamespaceOps:
         ino.mtime_ns = ino.ctime_ns = op.mtime_ns
         self.tree.renumber(ino)
         self.tree.write(ino)
-        self._maybe_commit_by_file(ino)
+        self.step_registry.commit_by_marker(ino)
 
     @staticmethod
     def _published(v: Version, rank: int) -> dict[str, Any]:
@@ -422,7 +422,7 @@ class JobNamespaceOps:
             old_aliases = dict(self.aliases)
             # handles and reads under way read on through their descriptors (core/versions.py)
             self.vstore.forget_all()
-            self.steps.clear()
+            self.step_registry.clear()
             self.chunk_index.clear()
             self.chunk_origins.clear()
             self.budget.clear()
@@ -513,8 +513,7 @@ class JobNamespaceOps:
             for s in snap["steps"]:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])
-                self.steps[rec.name] = rec
-                self._write_step(rec)
+                self.step_registry.add(rec)
             new = {v.vid for v in self.versions.values()}
             self.vstore.settle_kept()  # still registered (being written here): evictable
             for vid in self.store.data_vids() - new:

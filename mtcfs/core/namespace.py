@@ -142,13 +142,13 @@ class NamespaceOps:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self._fault_in_all(ino)
-            v = await self._writable_version(ino, trunc=(size == 0))
+            v = await self.open_files.writable_version(ino, trunc=(size == 0))
             v.writers += 1
             try:
                 await self._resize(v, size)
             finally:
                 v.writers -= 1
-            self._after_write_close(v)
+            self.open_files.after_write_close(v)
             return
         await self._resize(v, size)
 
@@ -429,7 +429,7 @@ class NamespaceOps:
                     self._drop_link(victim, dst_dir, new_name)
             self.tree.unlink(src_dir, old_name)
             if src_dir.ino == ROOT_INO and ino.is_dir:
-                self._forget_step(old_name)
+                self.step_registry.forget(old_name)
             self.tree.link(dst_dir, new_name, ino)
             if ino.is_dir and src_dir is not dst_dir:
                 src_dir.nlink -= 1
@@ -441,14 +441,14 @@ class NamespaceOps:
                 self.tree.touch(dst_dir)
             # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
             if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
-                self._commit_step(ino, "orbax-rename")
+                self.step_registry.commit(ino, "orbax-rename")
             elif dst_dir.ino == ROOT_INO and ino.is_dir and \
                     stepnames.restore_marker_step(old_name) is not None:
-                self._commit_step(ino, "orbax-restore")
+                self.step_registry.commit(ino, "orbax-restore")
             elif ino.is_file and new_name in stepnames.COMMIT_FILES:
                 # scope=job: the marker is published (sealed job-wide) whatever this node's
                 # kernel still holds open of it, so every node commits at this op
-                self._maybe_commit_by_file(ino, published=self.job_scope)
+                self.step_registry.commit_by_marker(ino, published=self.job_scope)
         if victim is not None:
             self._maybe_free_inode(victim)
         return victim
@@ -458,12 +458,9 @@ class NamespaceOps:
     async def opendir(self, num: int) -> int:
         await self.ns_log.fresh()
         d = self.tree.dir(num)
-        fh = self._next_fh
-        self._next_fh += 1
         entries = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
         entries.extend(sorted(d.children.items()))  # type: ignore[union-attr]
-        self.handles[fh] = DirHandle(fh, d.ino, entries)
-        return fh
+        return self.open_files.add_dir(d.ino, entries)
 
     def readdir(self, fh: int, start: int) -> Iterable[tuple[bytes, Attr, int, bool]]:
         """Yield ``(name, attr, next_offset, counts_lookup)`` from offset ``start``."""
@@ -483,4 +480,4 @@ class NamespaceOps:
             ino.lookups += 1
 
     async def releasedir(self, fh: int) -> None:
-        self.handles.pop(fh, None)
+        self.open_files.drop_dir(fh)

@@ -47,7 +47,7 @@ class OwnFileOps:
             await self.flush(fh)  # type: ignore[attr-defined]
         finally:
             await self.release(fh)  # type: ignore[attr-defined]
-        v = await self.wait_sealed(ino)  # type: ignore[attr-defined]
+        v = await self.open_files.wait_sealed(ino)  # type: ignore[attr-defined]
         if v is not None and v.seal_error:
             raise FsError(errno.EIO, v.seal_error)
         old = self.tree.dir(parent).children.get(name)  # type: ignore[attr-defined]
@@ -64,7 +64,7 @@ class OwnFileOps:
         if num is None:
             raise FsError(errno.ENOENT, f"no {name.decode(errors='replace')}")
         ino = self.inodes[num]  # type: ignore[attr-defined]
-        v = await self.wait_sealed(ino)  # type: ignore[attr-defined]
+        v = await self.open_files.wait_sealed(ino)  # type: ignore[attr-defined]
         if v is None:  # still open for writing: read what it holds now
             v = self.versions[ino.vid] if ino.vid is not None else None  # type: ignore[attr-defined]
         size = v.size if v is not None else 0

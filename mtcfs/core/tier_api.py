@@ -2,7 +2,8 @@
 
 A mixin of :class:`mtcfs.core.core.Filesystem`, kept apart so that what the ports promise
 beyond the core's own operations is in one place. Each method is a small read or a
-forward to the core's internals; none changes behaviour.
+forward to the core's components (the step registry's backup state and reads among them);
+none changes behaviour. The core's own code calls the components, never these.
 """
 
 from __future__ import annotations
@@ -10,16 +11,54 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from mtcfs.base.manifest import StepManifest
 from mtcfs.core.model import ROOT_INO, Version
 from mtcfs.core.records import StepRecord
+from mtcfs.core.step_registry import StepRegistry
 
 
 class TierApiOps:
     """Reads and requests of the ports that the other mixins do not already provide."""
 
+    # The step registry's answers the ports promise (core/step_registry.py); the core's own
+    # code calls ``step_registry`` directly.
+
+    step_registry: StepRegistry
+
     def step_versions(self, rec: StepRecord) -> list[Version]:
         """The current versions of the files below step ``rec``, in walk order."""
-        return self._step_versions(rec)  # type: ignore[attr-defined, no-any-return]
+        return self.step_registry.versions_of(rec)
+
+    def step_sealed(self, rec: StepRecord) -> bool:
+        """True when every file below the step is sealed (no writer, no seal running)."""
+        return self.step_registry.sealed(rec)
+
+    def step_in_ram(self, rec: StepRecord) -> bool:
+        """True when every chunk of every file of the step is in RAM (nothing to fault in)."""
+        return self.step_registry.in_ram(rec)
+
+    def snapshot_step(self, name: str) -> tuple[StepManifest, list[Version]]:
+        """The manifest of committed step ``name`` and its pinned versions; unpin them when
+        done. Raises FsError ENOENT (no such step) or EAGAIN (a file in it is unsealed)."""
+        return self.step_registry.snapshot(name)
+
+    def mark_backed_up(self, name: str, versions: list[Version]) -> None:
+        """Record that step ``name`` (with these versions) is complete in the backup tier."""
+        self.step_registry.mark_backed_up(name, versions)
+
+    def backup_pending(self) -> str | None:
+        """The step whose backup started and had not completed when the daemon stopped."""
+        return self.step_registry.backup_pending()
+
+    def set_backup_pending(self, name: str | None) -> None:
+        """Record (durably) that the backup of ``name`` started; None: it completed."""
+        self.step_registry.set_backup_pending(name)
+
+    def backup_retired(self, kept: set[str]) -> list[str]:
+        """The backup tier now holds only ``kept``; the names of the local steps deleted."""
+        return self.step_registry.retired(kept)
+
+    # ------------------------------------------------------------------ namespace reads
 
     def root_entries(self) -> Mapping[bytes, int]:
         """The root directory's entries, name -> inode number: a read-only view that

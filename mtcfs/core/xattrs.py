@@ -64,7 +64,7 @@ class XattrOps:
         if key == b"state":
             return self.state_of(ino).encode()
         if key == b"blake3" and ino.is_file:
-            v = await self.wait_sealed(ino)
+            v = await self.open_files.wait_sealed(ino)
             if v is None:
                 raise FsError(ENOATTR)
             return v.blake3.encode()
@@ -93,7 +93,7 @@ class XattrOps:
                 return "remote" if full and v.backed_up else "restoring"
             if v.backed_up:
                 return "backed-up"
-            rec = self.step_of(ino)
+            rec = self.step_registry.of(ino)
             return self._replicated(rec) if rec is not None else "local"
         if ino.is_dir and ino.parent == ROOT_INO:
             rec = self.steps.get(ino.name.decode(errors="surrogateescape"))

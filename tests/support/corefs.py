@@ -53,4 +53,4 @@ async def write_file(fs: Filesystem, parent: int, name: bytes, data: bytes,
 async def sealed(fs: Filesystem, ino: int) -> Any:
     """The sealed version of inode ``ino``, waited for at most 10 s."""
     with trio.fail_after(10):
-        return await fs.wait_sealed(fs.inodes[ino])
+        return await fs.open_files.wait_sealed(fs.inodes[ino])

@@ -1,0 +1,159 @@
+"""Open files (core/files.py, ``Filesystem.open_files``) driven through the core in-process
+(no FUSE): the handle table, copy-on-write for writers, the seal on last close, fsync,
+``last_write`` and the wait for RELEASEs in flight.
+
+Each test ends with the consistency check (:func:`consistent`): every version's
+``handles``/``writers`` counts and every inode's ``opens`` are what the handle table holds;
+every handle's version is registered; every sealed current version's row says what the
+version in memory says, and its data file holds its bytes (blake3 of the file).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import blake3
+import pytest
+import trio
+from support.corefs import CS, run, sealed, write_file
+
+from mtcfs.base.errors import FsError
+from mtcfs.core.capacity import MAX_FILE_SIZE
+from mtcfs.core.core import Filesystem
+from mtcfs.core.files import RELEASE_WAIT_S
+from mtcfs.core.model import ROOT_INO, Handle
+
+
+def consistent(fs: Filesystem) -> None:
+    files = [h for h in fs.open_files.handles.values() if isinstance(h, Handle)]
+    assert fs.handles is fs.open_files.handles
+    for v in fs.versions.values():
+        assert v.handles == sum(h.version is v for h in files), v.vid
+        assert v.writers == sum(h.version is v and h.writable for h in files), v.vid
+    for ino in fs.inodes.values():
+        assert ino.opens == sum(h.ino == ino.ino for h in files), ino.ino
+    for h in files:
+        assert fs.versions.get(h.version.vid) is h.version
+    rows = {r[0]: (r[1], r[2], bool(r[3]), r[4]) for r in fs.db.execute(
+        "SELECT vid, ino, size, sealed, blake3 FROM versions")}
+    for ino in fs.inodes.values():
+        if not ino.is_file or ino.vid is None:
+            continue
+        v = fs.versions[ino.vid]
+        if v.sealed and not v.missing:
+            assert rows[v.vid] == (v.ino, v.size, True, v.blake3)
+            with open(fs.store.data_path(v.vid), "rb") as f:
+                assert blake3.blake3(f.read()[:v.size]).hexdigest() == v.blake3
+
+
+def test_handles_are_numbered_once_and_counted_on_versions_and_inodes(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        ino = await write_file(fs, ROOT_INO, b"a", b"1" * 1000)
+        await sealed(fs, ino)
+        r1, _k = await fs.open(ino, os.O_RDONLY)
+        r2, _k = await fs.open(ino, os.O_RDONLY)
+        d = await fs.opendir(ROOT_INO)
+        assert len({r1, r2, d}) == 3
+        v = fs.versions[fs.inodes[ino].vid]
+        assert (v.handles, v.writers, fs.inodes[ino].opens) == (2, 0, 2)
+        consistent(fs)
+        with pytest.raises(FsError) as e:
+            await fs.write(r1, 0, b"x")  # read-only handle
+        assert e.value.errno == errno.EBADF
+        with pytest.raises(FsError) as e:
+            await fs.read(d, 0, 10)  # a directory's handle is no file's
+        assert e.value.errno == errno.EBADF
+        await fs.releasedir(d)
+        await fs.release(r1)
+        await fs.release(r1)  # a second RELEASE of the same fh changes nothing
+        with pytest.raises(FsError) as e:
+            await fs.read(r1, 0, 10)
+        assert e.value.errno == errno.EBADF
+        assert await fs.read(r2, 0, 4) == b"1111"
+        await fs.release(r2)
+        assert not fs.handles and v.handles == 0 and fs.inodes[ino].opens == 0
+        r3, _k = await fs.open(ino, os.O_RDONLY)
+        assert r3 > max(r1, r2, d)  # never reused
+        await fs.release(r3)
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_a_writer_of_a_sealed_file_writes_a_new_version_and_the_seal_follows_its_close(tmp_path):
+    old = os.urandom(3 * CS + 7)
+
+    async def body(fs: Filesystem) -> None:
+        ino = await write_file(fs, ROOT_INO, b"f", old)
+        v1 = await sealed(fs, ino)
+        reader, _k = await fs.open(ino, os.O_RDONLY)
+        w, _k = await fs.open(ino, os.O_WRONLY)
+        v2 = fs.versions[fs.inodes[ino].vid]
+        assert v2 is not v1 and not v2.sealed and v2.size == len(old)  # copy-on-write
+        before = fs.last_write
+        await trio.sleep(0.01)
+        assert await fs.write(w, CS, b"N" * 10) == 10
+        assert fs.last_write > before
+        # one file has one content: the reader opened before sees the write too
+        assert await fs.read(reader, CS, 10) == b"N" * 10
+        consistent(fs)
+        await fs.release(w)
+        v = await sealed(fs, ino)
+        new = old[:CS] + b"N" * 10 + old[CS + 10:]
+        assert v is v2 and v.blake3 == blake3.blake3(new).hexdigest()
+        await fs.release(reader)
+        assert v1.vid not in fs.versions  # the old one went with its last handle
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_fsync_records_the_length_and_writes_past_the_limit_are_refused(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        fh, attr = await fs.create(ROOT_INO, b"g", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        await fs.write(fh, 0, b"z" * 5000)
+        vid = fs.inodes[attr.ino].vid
+        await fs.fsync(fh, False)
+        assert fs.db.execute("SELECT size, sealed FROM versions WHERE vid=?",
+                             (vid,)).fetchone() == (5000, 0)
+        with pytest.raises(FsError) as e:
+            await fs.write(fh, MAX_FILE_SIZE, b"x")
+        assert e.value.errno == errno.EFBIG
+        consistent(fs)
+        await fs.release(fh)
+        await sealed(fs, attr.ino)
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_settle_waits_for_the_release_of_an_unlinked_closed_file_and_no_longer(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        fh, attr = await fs.create(ROOT_INO, b"tmp", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        await fs.write(fh, 0, b"t" * 3000)
+        vid = fs.inodes[attr.ino].vid
+        await fs.unlink(ROOT_INO, b"tmp")
+        await fs.flush(fh, final=True)  # close(2) seen: its RELEASE is on its way
+
+        async def release_later() -> None:
+            await trio.sleep(0.1)
+            await fs.release(fh)
+        async with trio.open_nursery() as n:
+            n.start_soon(release_later)
+            t0 = trio.current_time()
+            await fs.open_files.settle_releases()
+            assert fh not in fs.handles and trio.current_time() - t0 < RELEASE_WAIT_S
+        assert vid not in fs.versions  # its space came back at that RELEASE
+        # one never released: waited for once, at most RELEASE_WAIT_S
+        fh2, _a = await fs.create(ROOT_INO, b"held", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        await fs.unlink(ROOT_INO, b"held")
+        await fs.flush(fh2, final=True)
+        t0 = trio.current_time()
+        with trio.fail_after(RELEASE_WAIT_S + 5):
+            await fs.open_files.settle_releases()
+        assert trio.current_time() - t0 >= RELEASE_WAIT_S * 0.9
+        t0 = trio.current_time()
+        await fs.open_files.settle_releases()  # not waited for again
+        assert trio.current_time() - t0 < RELEASE_WAIT_S / 2
+        consistent(fs)
+        await fs.release(fh2)
+        consistent(fs)
+    run(body, tmp_path)
