@@ -567,7 +567,7 @@ class Daemon:
         rec = fs.steps.get(step) if fs is not None and isinstance(step, str) else None
         if fs is None or rec is None or rec.ino not in fs.inodes:
             return None
-        return sum(1 for _p, ino in fs.walk(fs.inodes[rec.ino]) if ino.is_file)
+        return sum(1 for _p, ino in fs.tree.walk(fs.inodes[rec.ino]) if ino.is_file)
 
     def _peer_source(self) -> Any:
         """The chunk source that asks peers (for its suspects), or None."""
