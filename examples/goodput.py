@@ -259,7 +259,7 @@ def _train(spec: WorkerSpec, conn: mpc.Connection) -> None:
         t0 = time.monotonic()
         x, y = batch(spec.seed, spec.rank, n)
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)  # sum of 2 ranks: the same bits in either order
         flat.div_(NODES)
@@ -462,6 +462,12 @@ def spawn(ctx: Any, specs: list[WorkerSpec]) -> tuple[list[Any], list[mpc.Connec
     return procs, conns
 
 
+def _ready(conns: list[mpc.Connection], timeout: float) -> list[mpc.Connection]:
+    """The connections of ``conns`` with a message (or EOF) waiting, after ``timeout``."""
+    got = mpc.wait(list(conns), timeout)
+    return [c for c in conns if c in got]
+
+
 def kill_all(procs: list[Any], first: int = 0) -> None:
     """SIGKILL every rank process, ``first`` first, and reap them."""
     for p in [procs[first]] + [q for i, q in enumerate(procs) if i != first]:
@@ -484,7 +490,7 @@ def run_reference(ctx: Any, s: Setup) -> dict[int, str]:
         while len(out) < NODES:
             if time.monotonic() > deadline:
                 raise TimeoutError("the reference run did not finish in 300 s")
-            for c in mpc.wait(conns, 1.0):
+            for c in _ready(conns, 1.0):
                 try:
                     msg = c.recv()
                 except EOFError:  # a rank that is done has exited
@@ -542,7 +548,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                     hit = todo.pop(0)
                     break
                 wait = 0.05 if not todo else min(0.05, max(0.0, t0 + todo[0].t - now))
-                for c in mpc.wait(conns, wait):
+                for c in _ready(conns, wait):
                     try:
                         msg = c.recv()
                     except EOFError:  # a rank that is done has exited
@@ -651,7 +657,7 @@ def measure_stall(ctx: Any, s: Setup, mode: str, dirs: list[str], steps: int = 5
         while conns:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"calibration ({mode}) did not finish in 120 s")
-            for c in mpc.wait(conns, 1.0):
+            for c in _ready(conns, 1.0):
                 try:
                     msg = c.recv()
                 except EOFError:
