@@ -602,7 +602,8 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                                 restore or 0)
             res.failures.append(rec)
             recovering = rec
-            res.timeline.append((t_hit - t0, last))
+            # in the plot: down to the restored step at the failure, flat while recovering
+            res.timeline += [(t_hit - t0, last), (t_hit - t0, restore or 0)]
             say(f"  {name}: t={t_hit - t0:6.1f}s {hit.kind:>7} failure (rank {hit.rank}) "
                 f"at step {last}: restoring "
                 f"{'step ' + str(restore) if restore else 'from scratch'}")
