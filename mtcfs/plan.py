@@ -105,5 +105,21 @@ def plan_interval(mtbf_s: float, save_s: float, restart_s: float = 0.0) -> Inter
     else:
         daly = mtbf_s
     daly = max(daly, save_s)
-    waste = min(1.0, save_s / daly + (daly + save_s) / (2 * mtbf_s) + restart_s / mtbf_s)
-    return IntervalPlan(young, daly, waste)
+    return IntervalPlan(young, daly, expected_waste(daly, mtbf_s, save_s, restart_s))
+
+
+def expected_waste(interval_s: float, mtbf_s: float, save_s: float,
+                   restart_s: float = 0.0) -> float:
+    """The expected share of wall-clock time lost (0..1), to first order, when checkpointing
+    every ``interval_s`` seconds of training: ``save_s / interval_s`` (saving) +
+    ``(interval_s + save_s) / (2 mtbf_s)`` (half an interval redone per failure) +
+    ``restart_s / mtbf_s`` (restart), capped at 1. The model of :func:`plan_interval`, for
+    an interval that is not the optimum (e.g. another strategy's).
+
+    Raises:
+        ValueError: interval or MTBF not positive, save or restart time negative.
+    """
+    if interval_s <= 0 or mtbf_s <= 0 or save_s < 0 or restart_s < 0:
+        raise ValueError("interval and MTBF must be positive, save and restart times >= 0")
+    return min(1.0, save_s / interval_s + (interval_s + save_s) / (2 * mtbf_s)
+               + restart_s / mtbf_s)

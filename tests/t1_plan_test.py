@@ -63,3 +63,14 @@ def test_bad_input_is_one_line_and_exit_2(args):
     r = _plan(*args)
     assert r.returncode == 2, r
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("mtcfs: "), r.stderr
+
+
+def test_expected_waste_is_the_model_of_plan_interval():
+    from mtcfs.plan import expected_waste
+    ip = plan_interval(10800, 20, restart_s=120)
+    assert expected_waste(ip.daly_s, 10800, 20, 120) == pytest.approx(ip.waste)
+    # a longer interval than the optimum saves less often but redoes more
+    assert expected_waste(2 * ip.daly_s, 10800, 20, 120) > ip.waste
+    assert expected_waste(1e9, 1, 1) == 1.0
+    with pytest.raises(ValueError):
+        expected_waste(0, 10800, 20)
