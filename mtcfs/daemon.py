@@ -24,8 +24,8 @@ from mtcfs.base import pools
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
+from mtcfs.core.step_registry import backup_lag
 from mtcfs.fuse_ops import Operations
-from mtcfs.metrics import backup_lag
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.sdnotify import Notifier

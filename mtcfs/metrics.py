@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -118,35 +118,6 @@ _HISTOGRAM_HELP = {
     "seal_seconds": "Seconds from the release (last close) of a written file to its version"
                     " sealed: hashed into chunks and recorded.",
 }
-
-
-class StepLike(Protocol):
-    """What :func:`backup_lag` reads of a committed step (the core's ``StepRecord``)."""
-
-    @property
-    def number(self) -> int: ...
-    @property
-    def committed_ns(self) -> int: ...
-    @property
-    def backed_up_ns(self) -> int | None: ...
-
-
-def backup_lag(steps: Iterable[StepLike], now_ns: int) -> tuple[int, float]:
-    """How far the backup tier is behind the newest committed step on this node.
-
-    Returns ``(steps, seconds)``: the committed steps newer than the newest one backed up
-    (all of them if none is), and the seconds since the oldest of those was committed
-    (``now_ns`` and ``committed_ns`` are Unix times in ns); ``(0, 0.0)`` when the newest
-    committed step is backed up. The seconds are the training a loss of every RAM tier
-    would cost now, at most.
-    """
-    rows = list(steps)
-    backed = [r.number for r in rows if r.backed_up_ns is not None]
-    newest = max(backed) if backed else None
-    behind = [r for r in rows if newest is None or r.number > newest]
-    if not behind:
-        return 0, 0.0
-    return len(behind), max(0.0, (now_ns - min(r.committed_ns for r in behind)) / 1e9)
 
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import pytest
 
 from mtcfs.base.counters import Histogram
 from mtcfs.core.records import StepRecord
-from mtcfs.metrics import backup_lag, prometheus_text
+from mtcfs.core.step_registry import backup_lag
+from mtcfs.metrics import prometheus_text
 
 STATUS = {
     "job": "llama", "node": "host-a", "ram": {"capacity": 100, "used": 40, "checkpoints": 2},

@@ -70,6 +70,25 @@ class Host(Protocol):
     def _delete_tree(self, s: StepRecord) -> None: ...
 
 
+def backup_lag(steps: Iterable[StepRecord], now_ns: int) -> tuple[int, float]:
+    """How far the backup tier is behind the newest committed step on this node.
+
+    Returns ``(steps, seconds)``: the committed steps newer than the newest one backed up
+    (all of them if none is), and the seconds since the oldest of those was committed
+    (``now_ns`` and ``committed_ns`` are Unix times in ns); ``(0, 0.0)`` when the newest
+    committed step is backed up. The seconds are the training a loss of every RAM tier
+    would cost now, at most. Shown in ``mtcfs status`` and as the metrics
+    ``mtcfs_backup_lag_steps``/``_seconds``.
+    """
+    rows = list(steps)
+    backed = [r.number for r in rows if r.backed_up_ns is not None]
+    newest = max(backed) if backed else None
+    behind = [r for r in rows if newest is None or r.number > newest]
+    if not behind:
+        return 0, 0.0
+    return len(behind), max(0.0, (now_ns - min(r.committed_ns for r in behind)) / 1e9)
+
+
 class StepRegistry:
     """The committed steps of one core.
 
