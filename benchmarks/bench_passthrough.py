@@ -31,8 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,10 +39,9 @@ from typing import Any
 
 from benchmarks.common import (GiB, MiB, REPO, SCRATCH_SHM, UniqueData, drop_caches, log,
                                machine_info, median, mtcfs_mount, mtcfs_state, noop_mount,
-                               prefault, read_file, scratch_dir, spread, wait_until,
-                               write_file, write_json)
+                               prefault, read_file, scratch_dir, served_mount, spread,
+                               wait_until, write_file, write_json)
 from mtcfs.base.chunking import hash_fd
-from mtcfs.base.mountinfo import force_unmount, is_mounted
 
 TARGETS = ("tmpfs", "passthrough", "devfuse", "noop", "mtcfs")
 IO = MiB
@@ -64,27 +61,8 @@ def ptfs_mount(root: Path, passthrough: bool) -> Iterator[tuple[Path, Path, Path
         d.mkdir(parents=True)
     cmd = [sys.executable, "-m", "benchmarks.passthrough_fs", str(store), str(mnt), str(state),
            "--max-seconds", "1500"] + ([] if passthrough else ["--no-passthrough"])
-    proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError(f"passthrough_fs did not mount: {line!r} "
-                               f"{proc.stderr.read() if proc.stderr else ''}")
+    with served_mount(cmd, mnt, "passthrough_fs", ["umount", str(mnt)]):
         yield mnt, store, state
-    finally:
-        if is_mounted(str(mnt)):
-            subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        force_unmount(str(mnt))
 
 
 def wait_seal(state: Path, name: str, n_before: int, timeout: float = 120) -> dict[str, Any]:

@@ -302,21 +302,26 @@ def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
 
 
 @contextlib.contextmanager
-def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
-    """Mount :mod:`benchmarks.noop_fs` at ``mnt`` in a subprocess; unmount on exit."""
-    mnt.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.noop_fs", str(mnt),
-                             "--size", str(size)], cwd=str(REPO), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def served_mount(cmd: list[str], mnt: Path, what: str,
+                 unmount: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """Run FUSE server ``cmd`` (it prints ``ready`` once ``mnt`` is mounted), yield its
+    process; on exit unmount with ``unmount`` and stop it: wait 20 s, then SIGTERM, then
+    SIGKILL, and abort the FUSE connection if anything is still mounted.
+
+    Raises:
+        RuntimeError: the server did not print ``ready`` (its stderr is in the message).
+    """
+    proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if line.strip() != "ready":
             err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"noop_fs did not mount: {line!r} {err}")
-        yield mnt
+            raise RuntimeError(f"{what} did not mount: {line!r} {err}")
+        yield proc
     finally:
         if is_mounted(str(mnt)):
-            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+            subprocess.run(unmount, capture_output=True, timeout=30)
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
@@ -327,6 +332,15 @@ def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
                 proc.kill()
                 proc.wait(10)
         force_unmount(str(mnt))
+
+
+@contextlib.contextmanager
+def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
+    """Mount :mod:`benchmarks.noop_fs` at ``mnt`` in a subprocess; unmount on exit."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    with served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(mnt), "--size",
+                       str(size)], mnt, "noop_fs", ["fusermount3", "-u", str(mnt)]):
+        yield mnt
 
 
 def read_ahead_kb(mountpoint: Path) -> int | None:
