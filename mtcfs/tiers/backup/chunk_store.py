@@ -32,6 +32,20 @@ Upload shares: data-parallel twins hold the same chunks. With ``share``, :meth:`
 uploads only the missing chunks that are this node's share, waits (polling the bucket) for
 the twins to upload theirs, and uploads itself only what is still missing after
 ``share_wait_s``, so a dead twin costs time, not data.
+
+A wait pays off only if the twins back up the *same* step. They may not: each node's
+scheduler picks its own newest step at its own time (after a node is replaced, its timer
+starts at its mount). The goodput run (docs/goodput.md) found each twin then waiting the
+whole ``share_wait_s`` for a share that never came and starting the next backup at once
+(the interval was shorter than the wait), so the timers' offset never closed: every step
+was complete on one rank only, and the job had no new step to restore. Decision: the
+twins converge through the rank manifests in the bucket, no other channel. With ``twins``,
+the wait ends as soon as every twin has begun a newer step and not this one (it will not
+come back: the scheduler only joins steps newer than its last backup), and
+:class:`~mtcfs.tiers.backup.scheduler.BackupService` backs up at once a step a twin has
+begun (:meth:`BackupStore.steps_begun`) if it holds it, so both complete that step. A twin
+behind this step or on it is still waited for, up to ``share_wait_s``. See
+docs/peer-protocol.md (item 8).
 """
 
 from __future__ import annotations
