@@ -305,15 +305,17 @@ class Daemon:
         else:
             self.backup_store = BackupStore(backend)
         source = BackupChunkSource(self.backup_store)
-        share = None
+        share, twins = None, None
         if self.peer is not None:
             self.peer.backup_store = self.backup_store
             share = self.peer.upload_share()
+            twins = self.peer.twins
 
         iv = o.backup_interval
         self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
                                     every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
-                                    url=o.backup, interval_text=str(iv), share=share)
+                                    url=o.backup, interval_text=str(iv), share=share,
+                                    twins=twins)
         return source
 
     # ------------------------------------------------------------------ running

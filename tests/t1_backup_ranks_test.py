@@ -552,6 +552,43 @@ def test_share_finds_a_slow_twins_chunks(tmp_path) -> None:
     assert set(be.chunk_puts().values()) == {1}
 
 
+def test_share_wait_ends_once_the_twin_is_on_a_newer_step(tmp_path) -> None:
+    """The twin began step 21 and not step 20: it will not upload its share of step 20, so
+    this node stops waiting at once and uploads it (goodput finding: twins on different
+    steps each waited the whole share wait)."""
+    be = Counting(FileBackend(tmp_path))
+    me, twin = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    files = {"w.bin": blob(7, 12 * CHUNK)}
+    m = make_step(20, files, chunks=chunks)
+    twin.begin_step(make_step(21, {"w.bin": blob(8, CHUNK)}, rank=1))
+    assert me.steps_begun([1, 2]) == {1: {"step_21"}, 2: set()}
+    theirs = sum(not share_of(0, 2)(h) for h in chunks)
+    t0 = time.monotonic()
+    stats = me.put_step(m, chunks.__getitem__, share=share_of(0, 2), share_wait_s=60,
+                        twins=[1])
+    assert time.monotonic() - t0 < 20 and stats.seconds_waiting < 20
+    assert stats.chunks_uploaded == len(chunks) and stats.chunks_taken_over == theirs > 0
+    assert set(be.chunk_puts().values()) == {1}
+    assert restore_files(BackupStore(be, rank=0), "step_20") == files
+
+
+@pytest.mark.parametrize("twin_began", [["step_19"], ["step_20", "step_21"]])
+def test_share_wait_goes_on_while_the_twin_may_still_upload(tmp_path, twin_began) -> None:
+    """A twin behind this step (it may join it) or on this very step (it is uploading its
+    share) is waited for, up to share_wait_s."""
+    be = FileBackend(tmp_path)
+    me, twin = stores(be, 2)
+    chunks: dict[str, bytes] = {}
+    m = make_step(20, {"w.bin": blob(9, 8 * CHUNK)}, chunks=chunks)
+    for name in twin_began:
+        n = int(name.split("_")[1])
+        twin.begin_step(make_step(n, {"w.bin": blob(10, CHUNK)}, rank=1, name=name))
+    stats = me.put_step(m, chunks.__getitem__, share=share_of(0, 2), share_wait_s=0.5,
+                        twins=[1])
+    assert stats.seconds_waiting >= 0.5 and stats.chunks_taken_over > 0
+
+
 # -- the scheduler passes the share ----------------------------------------------------------
 
 def test_backup_service_passes_share(tmp_path) -> None:
@@ -585,6 +622,50 @@ def test_backup_service_passes_share(tmp_path) -> None:
     theirs = sum(not share_of(1, 2)(h) for h in chunks)
     assert store.stats()["chunks_taken_over"] == theirs > 0
     assert svc.status.last_chunks_by_others == 0
+
+
+def test_backup_service_joins_the_step_a_twin_began(tmp_path) -> None:
+    """A twin began step_20 in the bucket: this node, holding step_20 and the newer step_21,
+    backs up step_20 (so the job has a step complete on both), and a twin's step it does
+    not hold, or one not newer than its last backup, is not joined."""
+    be = FileBackend(tmp_path)
+    chunks: dict[str, bytes] = {}
+    ms = {n: make_step(n, {"w.bin": blob(40 + n, 3 * CHUNK)}, chunks=chunks, rank=1)
+          for n in (19, 20, 21)}
+    twin = BackupStore(be, rank=0)
+    for n in (19, 20, 22):
+        twin.begin_step(make_step(n, {"w.bin": blob(40 + n, 3 * CHUNK)}))
+    recs = {f"step_{n}": SimpleNamespace(name=f"step_{n}", number=n, committed_ns=n,
+                                         backed_up_ns=1 if n == 19 else None,
+                                         backing_up=False) for n in (19, 20, 21)}
+    calls: list[str] = []
+
+    def mark(name: str, pinned: object) -> None:
+        calls.append(name)
+        recs[name].backed_up_ns = 2
+
+    fs = SimpleNamespace(
+        steps=recs, subscribe=lambda cb: None, backup_pending=lambda: None,
+        set_backup_pending=lambda name: None, step_sealed=lambda r: True,
+        step_in_ram=lambda r: True, snapshot_step=lambda name: (ms[int(name[5:])], []),
+        chunk_reader=lambda pinned: chunks.__getitem__, unpin=lambda pinned: None,
+        evict=list, mark_backed_up=mark, backup_retired=lambda kept: [])
+    svc = BackupService(fs, BackupStore(be, rank=1), interval_s=3600.0, every_ckpts=None,
+                        keep_backups=5, url="u", interval_text="1h", share=share_of(1, 2),
+                        share_wait_s=0.05, twins=lambda: {0})
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run)
+            with trio.fail_after(20):
+                while not calls:
+                    await trio.sleep(0.02)
+            await trio.sleep(0.3)  # step_21 is not due for an hour, and no twin began it
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert calls == ["step_20"]
+    assert restore_files(BackupStore(be, rank=1), "step_20") == {"w.bin": blob(60, 3 * CHUNK)}
 
 
 def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:

@@ -32,6 +32,20 @@ Upload shares: data-parallel twins hold the same chunks. With ``share``, :meth:`
 uploads only the missing chunks that are this node's share, waits (polling the bucket) for
 the twins to upload theirs, and uploads itself only what is still missing after
 ``share_wait_s``, so a dead twin costs time, not data.
+
+A wait pays off only if the twins back up the *same* step. They may not: each node's
+scheduler picks its own newest step at its own time (after a node is replaced, its timer
+starts at its mount). The goodput run (docs/goodput.md) found each twin then waiting the
+whole ``share_wait_s`` for a share that never came and starting the next backup at once
+(the interval was shorter than the wait), so the timers' offset never closed: every step
+was complete on one rank only, and the job had no new step to restore. Decision: the
+twins converge through the rank manifests in the bucket, no other channel. With ``twins``,
+the wait ends as soon as every twin has begun a newer step and not this one (it will not
+come back: the scheduler only joins steps newer than its last backup), and
+:class:`~mtcfs.tiers.backup.scheduler.BackupService` backs up at once a step a twin has
+begun (:meth:`BackupStore.steps_begun`) if it holds it, so both complete that step. A twin
+behind this step or on it is still waited for, up to ``share_wait_s``. See
+docs/peer-protocol.md (item 8).
 """
 
 from __future__ import annotations
@@ -39,12 +53,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 from mtcfs.base import pools
+from mtcfs.base.steps import step_number
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
 from mtcfs.base.manifest import StepManifest
@@ -54,7 +70,7 @@ from mtcfs.tiers.backup.codec import DEFAULT_LEVEL, decode_chunk, encode_chunk
 from mtcfs.base.counters import Counters
 from mtcfs.tiers.backup.errors import BackupError, ChunkCorrupt, NotFound
 from mtcfs.tiers.backup.gate import GateHold, SweepGate
-from mtcfs.tiers.backup.layout import check_hash, check_rank, check_step, chunk_key
+from mtcfs.tiers.backup.layout import MANIFEST, check_hash, check_rank, check_step, chunk_key
 from mtcfs.tiers.backup.records import BackupStats, RetentionStats, StepInfo
 from mtcfs.tiers.backup.retention import run_job_retention, run_retention
 from mtcfs.tiers.backup.rwlock import SharedExclusiveLock
@@ -304,7 +320,8 @@ class BackupStore:
     def put_step(self, manifest: StepManifest, read_chunk: Callable[[str], bytes],
                  progress: Callable[[int, int], None] | None = None, *,
                  share: Callable[[str], bool] | None = None,
-                 share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> BackupStats:
+                 share_wait_s: float = DEFAULT_SHARE_WAIT_S,
+                 twins: Collection[int] = ()) -> BackupStats:
         """Back up one step: intent manifest, missing chunks, then the COMPLETE marker.
 
         On a multi-node store the step is this rank's (``steps/<step>/rank-<rank>/``); with
@@ -327,6 +344,13 @@ class BackupStore:
             share_wait_s: with ``share``, seconds (>= 0) to wait after uploading this node's
                 share for the other nodes to upload theirs (the bucket is polled with a
                 backoff); chunks still missing then are uploaded by this node.
+            twins: with ``share``, the ranks whose shares this node waits for (its
+                data-parallel twins). The wait ends early, and this node uploads the rest,
+                once every one of them is known to be elsewhere: it has no manifest of this
+                step in the bucket but has one (intent or complete) of a step with a higher
+                number, so it will not come back to this one (:meth:`steps_begun`, one
+                listing of ``steps/`` per poll round). Empty: wait the whole
+                ``share_wait_s`` for whatever is missing.
 
         Returns:
             What was uploaded (:class:`BackupStats`), including how many chunks other nodes
@@ -374,7 +398,9 @@ class BackupStore:
                     progress(done, total)
             if theirs:
                 w0 = time.monotonic()
-                found, still = self._await_others(theirs, share_wait_s)
+                found, still = self._await_others(
+                    theirs, share_wait_s,
+                    partial(self._twins_elsewhere, manifest, tuple(twins)) if twins else None)
                 tally.waiting += time.monotonic() - w0
                 tally.by_others += len(found)
                 for h in found:
@@ -383,8 +409,8 @@ class BackupStore:
                         progress(done, total)
                 if still:
                     log.warning("step %s: %d chunks of other nodes' shares are still not in "
-                                "%s after %.0f s; uploading them here", manifest.step,
-                                len(still), self.describe(), share_wait_s)
+                                "%s after %.1f s; uploading them here", manifest.step,
+                                len(still), self.describe(), time.monotonic() - w0)
                 for h, n in self._upload_all(still, read_chunk, remote_check=True):
                     if n:
                         tally.uploaded += 1
@@ -413,8 +439,12 @@ class BackupStore:
                  tally.uploaded, len(sizes), tally.by_others, tally.sent + meta, stats.seconds)
         return stats
 
-    def _await_others(self, pending: list[str], wait_s: float) -> tuple[list[str], list[str]]:
-        """Poll the bucket for chunks other nodes upload, up to ``wait_s`` seconds.
+    def _await_others(self, pending: list[str], wait_s: float,
+                      elsewhere: Callable[[], bool] | None = None
+                      ) -> tuple[list[str], list[str]]:
+        """Poll the bucket for chunks other nodes upload, up to ``wait_s`` seconds, or until
+        ``elsewhere()`` (asked once per round that leaves chunks missing) is True: the nodes
+        that would upload them are busy with a newer step.
 
         Returns (found, still missing), each in the order given. Found chunks are added to
         the index. Each round checks the chunks in order and stops after
@@ -443,9 +473,53 @@ class BackupStore:
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 break
+            if elsewhere is not None and elsewhere():
+                log.info("step's share wait ends after %.1f s: the twins back up newer steps; "
+                         "uploading the %d chunks of their shares here",
+                         wait_s - left, len(pending))
+                break
             time.sleep(min(delay, left))
             delay = min(cap, delay * 2)
         return found, pending
+
+    def steps_begun(self, ranks: Iterable[int]) -> dict[int, set[str]]:
+        """The steps each of ``ranks`` has begun in the bucket: those whose directory
+        (``steps/<step>/rank-<r>/``) holds a manifest, an intent or a complete one. One
+        listing of ``steps/``.
+
+        Returns:
+            ``{rank: {step name, ...}}`` with an entry (maybe empty) for every rank asked.
+
+        Raises:
+            ValueError: on a bad rank.
+            BackupError: if the listing fails.
+        """
+        want = {check_rank(r) for r in ranks}
+        out: dict[int, set[str]] = {r: set() for r in want if r is not None}
+        with self._counting_errors():
+            _, ranked = scan_layouts(self._backend)
+        for step, by_rank in ranked.items():
+            for r, objs in by_rank.items():
+                if r in out and MANIFEST in objs:
+                    out[r].add(step)
+        return out
+
+    def _twins_elsewhere(self, manifest: StepManifest, twins: tuple[int, ...]) -> bool:
+        """Whether every one of ``twins`` has begun a step numbered above ``manifest``'s and
+        not ``manifest``'s own: none of them will upload its share of this step. False when
+        the bucket cannot be listed (the wait goes on, bounded by its deadline)."""
+        try:
+            begun = self.steps_begun(twins)
+        except BackupError as exc:
+            log.debug("cannot tell where the twins are (%s); waiting on", exc)
+            return False
+        for names in begun.values():
+            if manifest.step in names:
+                return False
+            nums = (step_number(n) for n in names)
+            if not any(n is not None and n > manifest.step_number for n in nums):
+                return False
+        return True
 
     def _enter_gate(self, stack: ExitStack, tally: _Tally | None) -> GateHold | None:
         """Take the sweep gate shared into ``stack`` (a multi-node store with a gate), adding

@@ -18,7 +18,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -73,18 +73,27 @@ class BackupService:
             :meth:`BackupStore.put_step`.
         share_wait_s: seconds to wait for the other nodes' shares before uploading them
             here (>= 0).
+        twins: with ``share``, ``twins() -> ranks`` of this node's data-parallel twins (the
+            nodes whose shares it waits for). Twins converge on common steps: a step a twin
+            has begun in the bucket (intent or complete), that this node holds committed and
+            not backed up and that is newer than its last backup, is backed up at once,
+            whether or not the interval is due, and before this node's own newest; and a
+            share wait ends early once the twins are on newer steps (see
+            :meth:`BackupStore.put_step`). None: neither.
     """
 
     def __init__(self, fs: BackupPort, store: BackupStore, *, interval_s: float | None,
                  every_ckpts: int | None, keep_backups: int, url: str, interval_text: str,
                  share: Callable[[str], bool] | None = None,
-                 share_wait_s: float = DEFAULT_SHARE_WAIT_S) -> None:
+                 share_wait_s: float = DEFAULT_SHARE_WAIT_S,
+                 twins: Callable[[], Collection[int]] | None = None) -> None:
         if not share_wait_s >= 0:
             raise ValueError(f"share_wait_s must be >= 0, got {share_wait_s}")
         self.fs = fs
         self.store = store
         self.share = share
         self.share_wait_s = share_wait_s
+        self.twins = twins if share is not None else None
         self.interval_s = interval_s
         self.every_ckpts = every_ckpts
         #: Back up when the newest step's number is at least this far past the last one
@@ -184,7 +193,11 @@ class BackupService:
             elif self._resume is not None and not (resume_waits and self._due()):
                 rec, counted = self.fs.steps.get(self._resume), 0
             elif self._due():
-                rec = self.candidate()
+                # An explicit request is for the newest step; otherwise a twin's step first.
+                rec = (self.candidate() if self._force is not None
+                       else await self._joinable() or self.candidate())
+            else:
+                rec, counted = await self._joinable(), 0
             resume_waits = False
             if rec is None:
                 if self._force is not None:
@@ -234,6 +247,32 @@ class BackupService:
                 self._force = None
                 self._done.set()
 
+    async def _joinable(self) -> StepRecord | None:
+        """The step to join: the newest one a twin has begun in the bucket that this node
+        holds committed, not backed up (nor being backed up) and numbered above its last
+        backup; None if there is none, without twins, or if the bucket cannot be listed
+        (logged; the interval still applies)."""
+        if self.twins is None:
+            return None
+        ranks = set(self.twins())
+        if not ranks:
+            return None
+        try:
+            begun = await trio.to_thread.run_sync(self.store.steps_begun, ranks,
+                                                  abandon_on_cancel=True)
+        except BackupError as exc:
+            log.warning("cannot list the twins' backups: %s", exc)
+            return None
+        names = set().union(*begun.values())
+        found = [r for r in (self.fs.steps.get(n) for n in names)
+                 if r is not None and r.backed_up_ns is None and not r.backing_up
+                 and (self._last_number is None or r.number > self._last_number)]
+        if not found:
+            return None
+        rec = max(found, key=lambda r: (r.number, r.committed_ns))
+        log.info("joining the backup of %s, which a data-parallel twin began", rec.name)
+        return rec
+
     def _sleep_time(self) -> float:
         if self.every_ckpts is None and self.every_steps is None and \
                 self.candidate() is not None:
@@ -264,7 +303,8 @@ class BackupService:
         try:
             stats = await trio.to_thread.run_sync(
                 partial(self.store.put_step, manifest, self.fs.chunk_reader(pinned),
-                        share=self.share, share_wait_s=self.share_wait_s),
+                        share=self.share, share_wait_s=self.share_wait_s,
+                        twins=tuple(sorted(self.twins())) if self.twins is not None else ()),
                 abandon_on_cancel=True)
         except (BackupError, OSError) as exc:
             self.status.failures += 1
