@@ -2,7 +2,7 @@
 
 :class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
 :mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
-concern in mixins, one module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.jobns`,
+concern in mixins, one module each: :mod:`~mtcfs.core.namespace`,
 :mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
 :mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
 :mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
@@ -17,8 +17,12 @@ and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.files.OpenFiles
 dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``) and
-:class:`~mtcfs.core.eviction.Eviction` (``eviction``); see docs/architecture.md, "The core".
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``),
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``) and
+:class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one apply path of namespace ops, the
+log position, publishing in scope=job, the namespace's snapshot and install;
+``chunk_origins`` here is its dict; ``apply_op`` and the ``ns_*`` methods here forward to
+it); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
