@@ -351,8 +351,9 @@ class JobNamespace:
         self._ns_dir(op.parent)
         dst = self._ns_dir(op.new_parent)
         victim = dst.children.get(op.new_name)  # type: ignore[union-attr]
-        if victim is not None and victim in self.tree.inodes and self.tree.inodes[victim].nlink <= 1:
-            self._keep_if_open(self.tree.inodes[victim], keep)
+        inodes = self.tree.inodes
+        if victim is not None and victim in inodes and inodes[victim].nlink <= 1:
+            self._keep_if_open(inodes[victim], keep)
         self._host._rename_now(op.parent, op.name, op.new_parent, op.new_name, op.flags)
 
     def _apply_setattr(self, op: SetAttr, keep: list[Version]) -> None:
