@@ -6,6 +6,9 @@
   EtcdNamespace on a real etcd (one member on loopback), the same test bodies for both.
 * The apply path driven through the core's FUSE-facing methods in both scopes, ending with
   a consistency check of inodes, dentries and SQLite (and a reload of the store).
+* The job-scope side of the core (core/jobns.py) in process: several cores share a
+  replicated log kept in memory, so ops, publishes, the log position, snapshots and their
+  install are driven without etcd or FUSE, every core checked consistent at the end.
 """
 
 from __future__ import annotations
@@ -380,3 +383,235 @@ def _tree(fs) -> dict:
         for name, child in (ino.children or {}).items():
             stack.append((path + b"/" + name, child))
     return out
+
+
+# ------------------------------------------------ the job-scope apply path, in process
+#
+# Several cores in one trio run share a replicated log kept in memory: every op is applied
+# by every core in one order through ``ns_apply`` (as EtcdNamespace does from its watch),
+# without etcd and without FUSE. It drives the namespace component (core/jobns.py):
+# apply in scope=job, publish, the log position, snapshot and install.
+
+
+class _JobLog:
+    """A replicated :class:`NamespaceLog` in memory for the cores in ``members`` (a fake
+    beside the real EtcdNamespace, which the suite above runs): ``submit`` gives the op
+    this node's envelope, takes it through its wire form, and has every member apply it at
+    the next position; a refused op still moves every member's position (as the etcd log
+    does); the submitter gets its own result or errno."""
+
+    replicated = True
+    unavailable = False
+
+    def __init__(self, members: list, epoch: int = 1) -> None:
+        self.members = members
+        self.epoch = epoch
+        self.seq = 0
+        self.ids = 0
+
+    def for_node(self, fs) -> "_NodeLog":
+        return _NodeLog(self, fs)
+
+    def apply(self, op: NsOp) -> dict:
+        """Order ``op`` and apply it on every member: ``{rank: result or errno}``."""
+        self.seq += 1
+        out: dict = {}
+        for fs in self.members:
+            try:
+                out[fs.rank], _keep = fs.ns_apply(op.to_wire(), self.seq, self.epoch)
+            except FsError as exc:
+                fs.ns_set_position(self.epoch, self.seq)
+                out[fs.rank] = exc.errno
+        return out
+
+
+class _NodeLog:
+    replicated = True
+    unavailable = False
+
+    def __init__(self, job: _JobLog, fs) -> None:
+        self.job, self.fs = job, fs
+
+    async def submit(self, op: NsOp) -> dict:
+        import dataclasses
+        self.job.ids += 1
+        op = dataclasses.replace(op, rank=self.fs.rank, id=f"t.{self.job.ids}")
+        got = self.job.apply(op)[self.fs.rank]
+        if isinstance(got, int):
+            raise FsError(got)
+        return got
+
+    async def fresh(self) -> None:
+        return None
+
+    def status(self) -> dict:
+        return {"engine": "memory", "seq": self.job.seq}
+
+
+def _run_job(tmp_path, body, ranks=(0, 1)):
+    """Run ``body(cores, job_log)`` on fresh cores of ``ranks`` sharing one _JobLog; every
+    core is checked consistent afterwards."""
+    async def main():
+        async with trio.open_nursery() as n:
+            cores = [open_fs(tmp_path / f"store{r}", rank=r) for r in ranks]
+            job = _JobLog(cores)
+            try:
+                for fs in cores:
+                    fs.ns_log = job.for_node(fs)
+                    assert fs.job_scope
+                    fs.start(n)
+                with trio.fail_after(60):
+                    await body(cores, job)
+                for fs in cores:
+                    check_consistent(fs)
+            finally:
+                n.cancel_scope.cancel()
+                for fs in cores:
+                    fs.close()
+                    fs.store.close()
+    trio.run(main)
+
+
+async def _published_on(fs, ino: int, size: int) -> None:
+    """Wait (10 s at most) until ``fs`` holds the published version of ``ino`` of ``size``."""
+    with trio.fail_after(10):
+        while not (fs.inodes[ino].published and fs.inodes[ino].published["size"] == size):
+            await trio.sleep(0.01)
+
+
+async def _write(fs, parent: int, name: bytes, data: bytes) -> int:
+    from support.corefs import write_file
+    ino = await write_file(fs, parent, name, data)
+    with trio.fail_after(10):
+        await fs.open_files.wait_sealed(fs.inodes[ino])
+    return ino
+
+
+async def _read(fs, ino: int) -> bytes:
+    fh, _keep = await fs.open(ino, os.O_RDONLY)
+    try:
+        return await fs.read(fh, 0, 1 << 30)
+    finally:
+        await fs.release(fh)
+
+
+def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
+    """Two ranks change one namespace: every op applied on both, in one order, gives the
+    same tree (inode numbers included), the same log position, and on the reader the
+    writer's published content: small files inline (read at once), larger ones as chunks
+    missing here whose origin is the writer's rank."""
+    small, large = os.urandom(5000), os.urandom(300 * 1024)  # INLINE_BYTES is 256 KiB
+
+    async def body(cores, job):
+        a, b = cores
+        d = (await a.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)).ino
+        f_small = await _write(a, d, b"small.bin", small)
+        f_large = await _write(a, d, b"large.bin", large)
+        await _published_on(b, f_small, len(small))
+        await _published_on(b, f_large, len(large))
+        assert await _read(b, f_small) == small  # came inside the publish op
+        v = b.versions[b.inodes[f_large].vid]
+        assert v.origin == 0 and v.missing and v.size == len(large)
+        assert {b.chunk_origin(c) for c in v.chunks} == {0}
+        assert await _read(a, f_large) == large  # the writer reads its own
+        # rank 1 changes the namespace too; rank 0 applies it
+        await b.rename(d, b"small.bin", d, b"renamed.bin")
+        await b.symlink(d, b"latest", b"renamed.bin", 0, 0)
+        e = (await b.mkdir(d, b"sub", 0o700, 0, 0)).ino
+        await b.rmdir(d, b"sub")
+        await b.unlink(d, b"large.bin")
+        assert await _errno(a.mkdir(d, b"latest", 0o755, 0, 0)) == errno.EEXIST
+        assert await _errno(b.unlink(d, b"gone")) == errno.ENOENT
+        assert e not in a.inodes or not a.inodes[e].parent
+        assert sorted(a.inodes[d].children) == [b"latest", b"renamed.bin"]
+        assert _tree(a) == _tree(b)
+        assert a.ns_position() == b.ns_position() == (1, job.seq)
+        assert await _read(a, f_small) == await _read(b, f_small) == small
+
+    _run_job(tmp_path, body)
+
+
+def test_a_refused_op_moves_the_position_and_it_survives_a_restart(tmp_path):
+    """The position (epoch, seq) is recorded with each op applied, and moved by a refused
+    one; a reopened store has it."""
+    got = {}
+
+    async def body(cores, job):
+        a, _b = cores
+        await a.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+        assert a.ns_position() == (1, 1)
+        assert await _errno(a.mkdir(ROOT_INO, b"d", 0o755, 0, 0)) == errno.EEXIST
+        assert [fs.ns_position() for fs in cores] == [(1, 2), (1, 2)]
+        job.epoch = 4  # a new incarnation of the job's log
+        await a.mkdir(ROOT_INO, b"e", 0o755, 0, 0)
+        got.update({fs.rank: fs.ns_position() for fs in cores})
+
+    _run_job(tmp_path, body)
+    assert got == {0: (4, 3), 1: (4, 3)}
+    for r in (0, 1):
+        fs = open_fs(tmp_path / f"store{r}", rank=r)
+        try:
+            assert fs.ns_position() == (4, 3)
+            assert sorted(fs.inodes[ROOT_INO].children) == [b"d", b"e"]
+            check_consistent(fs)
+        finally:
+            fs.close()
+            fs.store.close()
+
+
+def test_snapshot_installs_the_same_namespace_on_a_joining_node(tmp_path):
+    """A node that joins installs another's snapshot: the same tree, position and steps,
+    every chunk missing (origin: the writer); ops applied after it keep the nodes equal.
+    The writer installing its own snapshot (a rejoin with its store) keeps its data: its
+    files read back bit-exact without a fetch."""
+    data = os.urandom(400 * 1024)
+
+    async def body(cores, job):
+        a, b, c = cores
+        job.members.remove(c)  # c joins later, from a snapshot
+        d = (await a.mkdir(ROOT_INO, b"step_2", 0o755, 0, 0)).ino
+        f = await _write(a, d, b"w.bin", data)
+        await _write(a, d, b"commit_success.txt", b"ok")  # a step's commit marker
+        await a.link(f, ROOT_INO, b"hard")
+        await a.symlink(d, b"s", b"w.bin", 0, 0)
+        await _published_on(b, f, len(data))
+        assert sorted(b.steps) == sorted(a.steps) == ["step_2"]
+        snap = b.ns_snapshot()
+        assert (snap["epoch"], snap["seq"]) == b.ns_position() == a.ns_position()
+        c.ns_install(json.loads(json.dumps(snap)))  # as it travels: JSON
+        assert _tree(c) == _tree(a) == _tree(b)
+        assert c.ns_position() == a.ns_position()
+        assert sorted(c.steps) == sorted(a.steps)
+        v = c.versions[c.inodes[f].vid]
+        assert v.missing and v.origin == 0
+        assert {c.chunk_origin(x) for x in v.chunks} == {0}
+        check_consistent(c)
+        # ops after the snapshot apply on the joined node as on the others
+        job.members.append(c)
+        await b.unlink(ROOT_INO, b"hard")
+        await c.rename(d, b"s", ROOT_INO, b"latest")
+        assert _tree(a) == _tree(b) == _tree(c)
+        assert a.ns_position() == b.ns_position() == c.ns_position() == (1, job.seq)
+        # the writer rejoins with its store: its own data stays, read without a fetch
+        a.ns_install(a.ns_snapshot())
+        assert not a.versions[a.inodes[f].vid].missing
+        assert await _read(a, f) == data
+        assert _tree(a) == _tree(c)
+
+    _run_job(tmp_path, body, ranks=(0, 1, 2))
+
+
+@pytest.mark.xfail(strict=True, reason="found while moving jobns: another rank's publish of "
+                   "an empty commit marker takes the 'same content, only the time changes' "
+                   "path of _apply_publish, which commits nothing (core/jobns.py); not "
+                   "changed here (behaviour kept identical), see docs/architecture.md")
+def test_an_empty_commit_marker_commits_the_step_on_every_node(tmp_path):
+    """``touch step_N/commit_success.txt`` on one rank commits step_N on every rank."""
+    async def body(cores, job):
+        a, b = cores
+        d = (await a.mkdir(ROOT_INO, b"step_5", 0o755, 0, 0)).ino
+        await _write(a, d, b"commit_success.txt", b"")
+        assert sorted(a.steps) == ["step_5"]
+        assert sorted(b.steps) == ["step_5"]
+
+    _run_job(tmp_path, body)

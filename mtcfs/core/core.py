@@ -2,7 +2,7 @@
 
 :class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
 :mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
-concern in mixins, one module each: :mod:`~mtcfs.core.namespace`, :mod:`~mtcfs.core.jobns`,
+concern in mixins, one module each: :mod:`~mtcfs.core.namespace`,
 :mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
 :mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
 :mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
@@ -17,8 +17,12 @@ and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.files.OpenFiles
 dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``) and
-:class:`~mtcfs.core.eviction.Eviction` (``eviction``); see docs/architecture.md, "The core".
+:class:`~mtcfs.core.verifier.Verifier` (``verifier``),
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``) and
+:class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one apply path of namespace ops, the
+log position, publishing in scope=job, the namespace's snapshot and install;
+``chunk_origins`` here is its dict; ``apply_op`` and the ``ns_*`` methods here forward to
+it); see docs/architecture.md, "The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -45,6 +49,7 @@ from typing import Any
 import trio
 
 from mtcfs.base import pools
+from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import CapacityOps
 from mtcfs.core.checkpoints import CheckpointOps
@@ -54,7 +59,7 @@ from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import OpenFiles
 from mtcfs.core.inodes import InodeTable
-from mtcfs.core.jobns import JobNamespaceOps
+from mtcfs.core.jobns import JobNamespace
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
@@ -80,7 +85,7 @@ CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
 class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
-                 JobNamespaceOps, OwnFileOps, ScrubOps, TierApiOps):
+                 OwnFileOps, ScrubOps, TierApiOps):
     """The core of one mount.
 
     Args:
@@ -151,8 +156,15 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         #: scope=job: kernel inode number -> core inode number, for files renumbered for
         #: the kernel (Inode.kid); the inode table's.
         self.aliases: dict[int, int] = self.tree.aliases
-        #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first).
-        self.chunk_origins: dict[str, int] = {}
+        #: The apply path of namespace ops, the log position, publishing, and the
+        #: namespace's snapshot and install (core/jobns.py).
+        self.jobns = JobNamespace(self, db=self.db, store=store, rank=rank, tree=self.tree,
+                                  vstore=self.vstore, step_registry=self.step_registry,
+                                  chunk_index=self.chunk_index, budget=self.budget,
+                                  verifier=self.verifier)
+        #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first); the
+        #: namespace component's dict (read it; only it changes it).
+        self.chunk_origins: dict[str, int] = self.jobns.chunk_origins
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()
@@ -226,6 +238,41 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         """The inode numbers the kernel may know handle ``fh``'s file by."""
         return self.open_files.kernel_inos(fh)
 
+    # ------------------------------------------------------------------ namespace ops: the
+    # apply path, under the names the logs and the ports use (core/jobns.py does the work)
+
+    def apply_op(self, op: NsOp) -> tuple[dict[str, Any], list[Version]]:
+        """Apply one namespace op, the only way the namespace changes
+        (:meth:`JobNamespace.apply_op`): ``(result, versions to fetch before
+        acknowledging)``. Raises FsError: the op is refused."""
+        return self.jobns.apply_op(op)
+
+    def ns_apply(self, op: NsOp | dict[str, Any], seq: int, epoch: int
+                 ) -> tuple[dict[str, Any], list[Version]]:
+        """scope=job: apply the op at ``(epoch, seq)`` of the job's log and record that
+        position (:meth:`JobNamespace.apply_at`). Raises FsError: the op is refused."""
+        return self.jobns.apply_at(op, seq, epoch)
+
+    def ns_position(self) -> tuple[int, int]:
+        """(epoch, seq) of the last op applied here ((0, 0) when none)."""
+        return self.jobns.position()
+
+    def ns_set_position(self, epoch: int, seq: int) -> None:
+        """Record the log position without applying an op (:meth:`JobNamespace.set_position`)."""
+        self.jobns.set_position(epoch, seq)
+
+    def ns_snapshot(self) -> dict[str, Any]:
+        """The whole namespace as a JSON-able dict (:meth:`JobNamespace.snapshot`)."""
+        return self.jobns.snapshot()
+
+    def ns_install(self, snap: dict[str, Any]) -> None:
+        """Replace this node's namespace with ``snap`` (:meth:`JobNamespace.install`)."""
+        self.jobns.install(snap)
+
+    async def _ns_publish(self, ino: Inode, v: Version) -> None:
+        """Publish sealed ``v`` of ``ino`` job-wide (the seal's; :meth:`JobNamespace.publish`)."""
+        await self.jobns.publish(ino, v)
+
     # ------------------------------------------------------------------ lifecycle
 
     def _load(self) -> None:
@@ -263,8 +310,7 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
         for v in self.versions.values():
             self.chunk_index.add_version(v)
-            if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
-                self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
+        self.jobns.loaded(self.versions.values())  # where other ranks' chunks come from
 
     @property
     def job_scope(self) -> bool:
@@ -274,6 +320,7 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
     def start(self, nursery: trio.Nursery) -> None:
         """Attach the core to a nursery for its background work; seals what a crash left open."""
         self._nursery = nursery
+        self.jobns.start(nursery)
         # Serving from now on: until close(clean=True), a stop is a crash.
         self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
         self.open_files.start(nursery, self._unsealed_at_load)

@@ -1,14 +1,19 @@
 """The apply path of namespace ops (both scopes), and the core's side of scope=job's
 job-wide namespace (docs/consistency.md, docs/architecture.md, "Namespace operations").
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in). Every namespace change is an
-*op* (:mod:`mtcfs.base.ns_ops`). In scope=job the mount's ``ns_log``
+:class:`JobNamespace` is a component of :class:`mtcfs.core.core.Filesystem` (``fs.jobns``):
+it owns the log position and where other ranks' chunks come from. The facade forwards to
+it ``apply_op``, ``ns_apply``, ``ns_position``, ``ns_set_position``, ``ns_snapshot`` and
+``ns_install`` (the names the ports and the logs use) and the seal's publish; what it needs
+of the core is its :class:`Host` protocol. Every namespace change is an *op*
+(:mod:`mtcfs.base.ns_ops`). In scope=job the mount's ``ns_log``
 (:mod:`mtcfs.tiers.namespace.etcd_log`) has etcd order each op into the job's log, and every
-node applies it, in log order, with :meth:`ns_apply`. Applying is deterministic and
-synchronous (one trio step, one SQLite transaction): every node that applied the same ops
-holds the same namespace, with the same inode numbers, because only applying an op
-(:meth:`apply_op`) allocates them. The errno with which applying refuses an op (the same on every node) is
-the answer to the system call that made it.
+node applies it, in log order, with :meth:`JobNamespace.apply_at`. Applying is
+deterministic and synchronous (one trio step, one SQLite transaction): every node that
+applied the same ops holds the same namespace, with the same inode numbers, because only
+applying an op (:meth:`JobNamespace.apply_op`) allocates them. The errno with which
+applying refuses an op (the same on every node) is the answer to the system call that made
+it.
 
 The FUSE-facing methods (mkdir, create, rename, ...) submit an op and return once this node
 applied it. File data never travels in ops, except the bytes of small files (every DCP rank
@@ -18,8 +23,8 @@ that wrote it, and other nodes fault its chunks in on read.
 The op kinds and their fields are in :mod:`mtcfs.base.ns_ops` (typed ops and their wire
 form, the JSON stored in etcd). The apply functions here (``_apply_<kind>``) are also
 scope=node's: its :class:`~mtcfs.core.ns_log.LocalLog` applies every op at once through
-:meth:`apply_op`. What differs by scope inside them is said where it does (a new file's
-first version; what nodes reading a removed file keep).
+:meth:`JobNamespace.apply_op`. What differs by scope inside them is said where it does (a
+new file's first version; what nodes reading a removed file keep).
 """
 
 from __future__ import annotations
@@ -29,19 +34,31 @@ import errno
 import logging
 import os
 import stat
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Protocol
 
 import blake3
 import trio
 
 from mtcfs.base.errors import FsError
-from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.base.ns_ops import (
     Create, Link, Mkdir, Mknod, Noop, NsOp, Publish, Rename, Rmdir, SetAttr, Symlink, Unlink,
     from_wire,
 )
+from mtcfs.core.budget import RamBudget
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.inodes import InodeTable
+from mtcfs.core.model import ROOT_INO, Inode, Version
+from mtcfs.core.ns_log import NamespaceLog
 from mtcfs.core.records import StepRecord
+from mtcfs.core.step_registry import StepRegistry
+from mtcfs.core.store import Store
+from mtcfs.core.store.meta import MetaDB
 from mtcfs.core.symlinks import escapes
+from mtcfs.core.verifier import Verifier
+from mtcfs.core.versions import VersionStore
+
+__all__ = ["EMPTY_BLAKE3", "INLINE_BYTES", "LINGER_S", "Host", "JobNamespace"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -65,16 +82,92 @@ def _text(b: bytes) -> str:
     return b.decode(errors="surrogateescape")
 
 
-class JobNamespaceOps:
-    """The apply path of every namespace op (both scopes); scope=job: publishing, and the
-    snapshot and install of the job-wide namespace."""
+class Host(Protocol):
+    """What :class:`JobNamespace` may use of the core (the ``Filesystem`` facade), read at
+    each use (the daemon replaces ``ns_log`` in scope=job): the log, the errors, pins, and
+    namespace.py's shared helpers that change one name (errno rules, SQLite write-through,
+    commit detection)."""
+
+    @property
+    def ns_log(self) -> NamespaceLog: ...
+    @property
+    def job_scope(self) -> bool: ...
+    def report_error(self, msg: str) -> None: ...
+    def unpin(self, versions: Iterable[Version]) -> None: ...
+    def _dir_depth(self, d: Inode) -> int | None: ...
+    def _mkdir_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode: ...
+    def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int,
+                     gid: int) -> Inode: ...
+    def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                   gid: int) -> Inode: ...
+    def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None: ...
+    def _unlink_now(self, parent: int, name: bytes) -> Inode: ...
+    def _rmdir_now(self, parent: int, name: bytes) -> None: ...
+    def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                    flags: int = 0) -> Inode | None: ...
+
+
+#: An apply function: (the component, the op, the versions to keep) -> result or None.
+ApplyFn = Callable[["JobNamespace", Any, list[Version]], "dict[str, Any] | None"]
+
+
+class JobNamespace:
+    """The apply path of every namespace op (both scopes); scope=job: publishing, the log
+    position, where other ranks' chunks come from, and the snapshot and install of the
+    job-wide namespace.
+
+    Owns: the log position (kv keys ``ns_epoch``/``ns_seq``: only :meth:`apply_at`,
+    :meth:`set_position` and :meth:`install` write them), :attr:`chunk_origins`, and the
+    publications in flight (:meth:`publish`, its retries) and lingering pins of this node's
+    replaced files (their tasks in the core's nursery, from :meth:`start`).
+
+    Args:
+        host: the core (see :class:`Host`).
+        db: the store's metadata database (one transaction per op).
+        store: the store (data file paths, at install).
+        rank: this node's rank (ops of this rank are this node's own).
+        tree, vstore, step_registry, chunk_index, budget, verifier: the core's components.
+    """
 
     #: op type -> its apply function (set below the class)
-    _apply_fns: ClassVar[dict[type[NsOp], Any]]
+    _apply_fns: ClassVar[dict[type[NsOp], ApplyFn]]
+
+    def __init__(self, host: Host, *, db: MetaDB, store: Store, rank: int, tree: InodeTable,
+                 vstore: VersionStore, step_registry: StepRegistry, chunk_index: ChunkIndex,
+                 budget: RamBudget, verifier: Verifier) -> None:
+        self._host = host
+        self.db = db
+        self.store = store
+        self.rank = rank
+        self.tree = tree
+        self.vstore = vstore
+        self.step_registry = step_registry
+        self.chunk_index = chunk_index
+        self.budget = budget
+        self.verifier = verifier
+        #: chunk digest -> rank that wrote it (scope=job: where fault-in looks first); read
+        #: by the chunk source through ``Filesystem.chunk_origin``; only this changes it.
+        self.chunk_origins: dict[str, int] = {}
+        self._nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Run background work (publications tried again, lingering pins) in ``nursery``;
+        before this, none is started (a snapshot install at mount needs none)."""
+        self._nursery = nursery
+
+    def loaded(self, versions: Iterable[Version]) -> None:
+        """At load: note where other ranks' chunks of ``versions`` come from."""
+        for v in versions:
+            if v.origin >= 0:  # scope=job: where another rank's chunks are fetched from
+                self.chunk_origins.update(dict.fromkeys(v.chunks, v.origin))
+
+    def chunk_origin(self, digest: str) -> int | None:
+        """The rank that wrote chunk ``digest``, None when unknown."""
+        return self.chunk_origins.get(digest)
 
     # ------------------------------------------------------------------ submitting
 
-    async def _ns_publish(self, ino: Inode, v: Version) -> None:
+    async def publish(self, ino: Inode, v: Version) -> None:
         """Publish sealed version ``v`` of ``ino`` job-wide (called by the seal).
 
         Records the failure as ``v.seal_error`` (close(2) then returns EIO) when the
@@ -87,12 +180,12 @@ class JobNamespaceOps:
         # the job's version this one replaces: a later try publishes only over it
         expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
         v.pins += 1  # must be here when this node applies its own publish
-        v.publishing = True  # and a snapshot installed meanwhile keeps it (ns_install)
+        v.publishing = True  # and a snapshot installed meanwhile keeps it (install)
         try:
-            await self.ns_log.submit(op)
+            await self._host.ns_log.submit(op)
         except FsError as exc:
             v.seal_error = f"cannot publish {self.tree.path_of(ino)} job-wide: {exc.strerror}"
-            self.report_error(v.seal_error)
+            self._host.report_error(v.seal_error)
             if exc.errno == errno.EIO and self._nursery is not None:
                 self._nursery.start_soon(self._republish, ino, v,
                                         dataclasses.replace(op, expect=expect))
@@ -116,7 +209,7 @@ class JobNamespaceOps:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 30.0)
                 try:
-                    await self.ns_log.submit(op)
+                    await self._host.ns_log.submit(op)
                 except FsError as exc:
                     if exc.errno == errno.EIO:
                         continue  # etcd still away
@@ -150,7 +243,7 @@ class JobNamespaceOps:
             res = self._apply_fns[type(op)](self, op, keep)
         return res or {}, keep
 
-    def ns_apply(self, op: NsOp | dict[str, Any], seq: int, epoch: int
+    def apply_at(self, op: NsOp | dict[str, Any], seq: int, epoch: int
                  ) -> tuple[dict[str, Any], list[Version]]:
         """scope=job: apply the op at position ``(epoch, seq)`` of the job's log and record
         that position, in the same transaction. ``op``: typed, or its wire dict.
@@ -169,9 +262,17 @@ class JobNamespaceOps:
             self.db.set_kv("ns_epoch", str(epoch))
         return res, keep
 
-    def ns_position(self) -> tuple[int, int]:
+    def position(self) -> tuple[int, int]:
         """(epoch, seq) of the last op applied here (0, 0 when none)."""
         return int(self.db.get_kv("ns_epoch") or 0), int(self.db.get_kv("ns_seq") or 0)
+
+    def set_position(self, epoch: int, seq: int) -> None:
+        """Record the log position ``(epoch, seq)`` without applying an op: an op refused
+        or skipped by the log still moves it; a node that seeds the log starts at
+        ``(incarnation, 0)``. In the current transaction, if one is open."""
+        with self.db.transaction():
+            self.db.set_kv("ns_seq", str(seq))
+            self.db.set_kv("ns_epoch", str(epoch))
 
     def _ns_dir(self, num: int) -> Inode:
         d = self.tree.dir(num)
@@ -187,25 +288,25 @@ class JobNamespaceOps:
 
     def _apply_mkdir(self, op: Mkdir, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._mkdir_now(op.parent, op.name, op.mode, op.uid, op.gid)
+        ino = self._host._mkdir_now(op.parent, op.name, op.mode, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_symlink(self, op: Symlink, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._symlink_now(op.parent, op.name, op.target, op.uid, op.gid)
+        ino = self._host._symlink_now(op.parent, op.name, op.target, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_mknod(self, op: Mknod, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._mknod_now(op.parent, op.name, op.mode, op.rdev, op.uid, op.gid)
+        ino = self._host._mknod_now(op.parent, op.name, op.mode, op.rdev, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_link(self, op: Link, keep: list[Version]) -> None:
-        ino = self.inodes.get(op.ino)
+        ino = self.tree.inodes.get(op.ino)
         if ino is None or ino.nlink <= 0:
             raise FsError(errno.ENOENT)
         self._ns_dir(op.new_parent)
-        self._link_now(ino, op.new_parent, op.new_name)
+        self._host._link_now(ino, op.new_parent, op.new_name)
 
     def _apply_create(self, op: Create, keep: list[Version]) -> dict[str, Any]:
         d = self._ns_dir(op.parent)
@@ -214,15 +315,15 @@ class JobNamespaceOps:
         if existing is not None:
             if op.excl:
                 raise FsError(errno.EEXIST)
-            if not self.inodes[existing].is_file:
+            if not self.tree.inodes[existing].is_file:
                 # (the kernel looks the name up first: only a race with another node's
                 # op, or this node's, gets here)
-                raise FsError(errno.EISDIR if self.inodes[existing].is_dir or self.job_scope
-                              else errno.EINVAL)
+                raise FsError(errno.EISDIR if self.tree.inodes[existing].is_dir
+                              or self._host.job_scope else errno.EINVAL)
             return {"ino": existing, "existed": True}
         ino = self.tree.new("file", stat.S_IFREG | (op.mode & 0o7777), op.uid, op.gid)
         v = self.vstore.new(ino)
-        if self.job_scope:
+        if self._host.job_scope:
             # Job-wide, a new file is empty and published as such (every node serves it);
             # the submitter's writer starts its own version over it (files.py: create).
             v.sealed, v.blake3, v.origin = True, EMPTY_BLAKE3, self._origin(op)
@@ -240,22 +341,23 @@ class JobNamespaceOps:
         victim = self.tree.child(self.tree.dir(op.parent), op.name)
         if victim.nlink <= 1:  # another hard link keeps the content reachable
             self._keep_if_open(victim, keep)
-        self._unlink_now(op.parent, op.name)
+        self._host._unlink_now(op.parent, op.name)
 
     def _apply_rmdir(self, op: Rmdir, keep: list[Version]) -> None:
         self._ns_dir(op.parent)
-        self._rmdir_now(op.parent, op.name)
+        self._host._rmdir_now(op.parent, op.name)
 
     def _apply_rename(self, op: Rename, keep: list[Version]) -> None:
         self._ns_dir(op.parent)
         dst = self._ns_dir(op.new_parent)
         victim = dst.children.get(op.new_name)  # type: ignore[union-attr]
-        if victim is not None and victim in self.inodes and self.inodes[victim].nlink <= 1:
-            self._keep_if_open(self.inodes[victim], keep)
-        self._rename_now(op.parent, op.name, op.new_parent, op.new_name, op.flags)
+        inodes = self.tree.inodes
+        if victim is not None and victim in inodes and inodes[victim].nlink <= 1:
+            self._keep_if_open(inodes[victim], keep)
+        self._host._rename_now(op.parent, op.name, op.new_parent, op.new_name, op.flags)
 
     def _apply_setattr(self, op: SetAttr, keep: list[Version]) -> None:
-        ino = self.inodes.get(op.ino)
+        ino = self.tree.inodes.get(op.ino)
         if ino is None or (ino.nlink <= 0 and ino.ino != ROOT_INO):
             raise FsError(errno.ENOENT)
         if op.mode is not None:
@@ -272,9 +374,9 @@ class JobNamespaceOps:
 
     def _keep_if_open(self, ino: Inode, keep: list[Version]) -> None:
         """``ino`` loses its name or content job-wide: keep what nodes reading it need."""
-        if not self.job_scope:
+        if not self._host.job_scope:
             return  # scope=node: open descriptors keep the data file itself
-        v = self.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
+        v = self.vstore.versions.get(ino.vid) if ino.is_file and ino.vid is not None else None
         if v is None:
             return
         if ino.opens and v.missing:
@@ -285,10 +387,10 @@ class JobNamespaceOps:
 
     async def _unpin_later(self, v: Version) -> None:
         await trio.sleep(LINGER_S)
-        self.unpin([v])
+        self._host.unpin([v])
 
     def _apply_publish(self, op: Publish, keep: list[Version]) -> None:
-        ino = self.inodes.get(op.ino)
+        ino = self.tree.inodes.get(op.ino)
         if ino is None or not ino.is_file or ino.nlink <= 0:
             return  # unlinked meanwhile: nobody can open it by name
         if op.expect is not None and \
@@ -299,7 +401,7 @@ class JobNamespaceOps:
         ino.published = {"size": op.size, "chunk_size": op.chunk_size, "chunks": list(chunks),
                          "blake3": op.blake3, "rank": op.rank}
         if op.rank == self.rank:
-            v = self.versions.get(op.vid)
+            v = self.vstore.versions.get(op.vid)
             if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
                 if ino.vid != v.vid:  # another node's earlier publish replaced it here
                     v.current = True
@@ -311,7 +413,7 @@ class JobNamespaceOps:
                 self.tree.write(ino)
                 self.step_registry.commit_by_marker(ino, published=True)
                 return
-        cur = self.versions.get(ino.vid) if ino.vid is not None else None
+        cur = self.vstore.versions.get(ino.vid) if ino.vid is not None else None
         if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op.size:
             # this content already (a snapshot carried it, or the file was rewritten with
             # the same bytes, or touched): only the time changes
@@ -347,13 +449,13 @@ class JobNamespaceOps:
 
     # ------------------------------------------------------------------ snapshots
 
-    def ns_snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """The whole namespace as a JSON-able dict (for a node that joins)."""
-        epoch, seq = self.ns_position()
+        epoch, seq = self.position()
         out: list[dict[str, Any]] = []
         for parent, name, ino in self._dentries():
             # one entry per name: a hard-linked inode comes once per link, each with the
-            # same ino (ns_install links the later ones to the first)
+            # same ino (install links the later ones to the first)
             e: dict[str, Any] = {"ino": ino.ino, "parent": parent, "name": _text(name),
                                  "kind": ino.kind, "mode": ino.mode, "uid": ino.uid,
                                  "gid": ino.gid, "mtime_ns": ino.mtime_ns,
@@ -361,7 +463,7 @@ class JobNamespaceOps:
             if ino.rdev:
                 e["rdev"] = ino.rdev
             if ino.is_file and ino.vid is not None:
-                v = self.versions[ino.vid]
+                v = self.vstore.versions[ino.vid]
                 if v.sealed and v.sealing is None and not v.writers and not v.publishing \
                         and not v.seal_error:
                     e["version"] = self._published(v, self.rank if v.origin < 0 else v.origin)
@@ -372,24 +474,24 @@ class JobNamespaceOps:
                         "blake3": EMPTY_BLAKE3, "rank": self.rank}
             out.append(e)
         steps = [{"name": s.name, "number": s.number, "ino": s.ino, "source": s.source,
-                  "committed_ns": s.committed_ns} for s in self.steps.values()]
+                  "committed_ns": s.committed_ns} for s in self.step_registry.records.values()]
         return {"epoch": epoch, "seq": seq, "next_ino": self.tree.next_ino, "entries": out,
                 "steps": steps}
 
     def _dentries(self) -> list[tuple[int, bytes, Inode]]:
         """Every (parent ino, name, inode) of the namespace, parents before children."""
         out: list[tuple[int, bytes, Inode]] = []
-        stack = [self.inodes[ROOT_INO]]
+        stack = [self.tree.inodes[ROOT_INO]]
         while stack:
             d = stack.pop()
             for name, num in sorted(d.children.items()):  # type: ignore[union-attr]
-                child = self.inodes[num]
+                child = self.tree.inodes[num]
                 out.append((d.ino, name, child))
                 if child.is_dir:
                     stack.append(child)
         return out
 
-    def ns_install(self, snap: dict[str, Any]) -> None:
+    def install(self, snap: dict[str, Any]) -> None:
         """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
 
         This node's own files come back as versions with every chunk missing, faulted in
@@ -399,9 +501,9 @@ class JobNamespaceOps:
         writer's close publishes it as if nothing happened. A symlink whose target is
         absolute or leaves the mount is not created (logged; docs/security-local.md).
         """
-        writing: dict[int, tuple[Version, int, bytes, dict | None]] = {}
-        for v in self.versions.values():
-            ino = self.inodes.get(v.ino)
+        writing: dict[int, tuple[Version, int, bytes, dict[str, Any] | None]] = {}
+        for v in self.vstore.versions.values():
+            ino = self.tree.inodes.get(v.ino)
             if v.origin < 0 and v.current and ino is not None and ino.vid == v.vid and (
                     v.writers or not v.sealed or v.sealing is not None or v.publishing):
                 writing[v.ino] = (v, ino.parent, ino.name, ino.published)
@@ -409,17 +511,17 @@ class JobNamespaceOps:
         busy = {w[0].vid for w in writing.values()}
         # Complete local copies of content the snapshot names are kept (a node that rejoins
         # with its store keeps its own files, replicated or not).
-        have = {(v.chunks, v.size): v for v in self.versions.values()
+        have = {(v.chunks, v.size): v for v in self.vstore.versions.values()
                 if v.sealed and not v.missing and v.chunks and v.vid not in busy}
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
             # what the kernel and open descriptors know of inodes that stay
             runtime = {n: (i.kind, i.lookups, i.opens, i.last_open_vid, i.kid)
-                       for n, i in self.inodes.items()}
-            content = {v.ino: (v.chunks, v.size) for v in self.versions.values()
+                       for n, i in self.tree.inodes.items()}
+            content = {v.ino: (v.chunks, v.size) for v in self.vstore.versions.values()
                        if v.current and v.sealed}
-            old_aliases = dict(self.aliases)
+            old_aliases = dict(self.tree.aliases)
             # handles and reads under way read on through their descriptors (core/versions.py)
             self.vstore.forget_all()
             self.step_registry.clear()
@@ -431,16 +533,16 @@ class JobNamespaceOps:
             for e in snap["entries"]:
                 names.setdefault(e["ino"], set()).add((e["parent"], _name(e["name"])))
             for e in snap["entries"]:
-                parent = self.inodes[e["parent"]]
+                parent = self.tree.inodes[e["parent"]]
                 kind = e["kind"]
                 if kind == "symlink" and escapes(_name(e["target"]),
-                                                 self._dir_depth(parent) or 0):
+                                                 self._host._dir_depth(parent) or 0):
                     # docs/security-local.md: never made, whoever sent the snapshot
                     log.warning("namespace snapshot: symlink %s/%s -> %r points outside "
                                 "the mount: not created", self.tree.path_of(parent), e["name"],
                                 e["target"])
                     continue
-                linked = self.inodes.get(e["ino"])
+                linked = self.tree.inodes.get(e["ino"])
                 if linked is not None and kind != "dir":  # another name of an inode here
                     self.tree.link(parent, _name(e["name"]), linked)
                     linked.nlink += 1
@@ -481,7 +583,7 @@ class JobNamespaceOps:
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
                     if old is not None:  # take over the old data file
-                        self.fds.drop(v)
+                        self.vstore.fds.drop(v)
                         os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
                         v.missing.clear()
                         self.budget.account(v)
@@ -505,7 +607,7 @@ class JobNamespaceOps:
             # data stays (not current) until our op is applied, which may make it current.
             set_aside = {v.vid for v in aside}
             aside.extend(w[0] for w in writing.values()
-                         if w[0].publishing and w[0].vid not in self.versions and
+                         if w[0].publishing and w[0].vid not in self.vstore.versions and
                          w[0].vid not in set_aside)
             for v in aside:
                 v.current = False
@@ -514,7 +616,7 @@ class JobNamespaceOps:
                 rec = StepRecord(name=s["name"], number=s["number"], ino=s["ino"],
                                  committed_ns=s["committed_ns"], source=s["source"])
                 self.step_registry.add(rec)
-            new = {v.vid for v in self.versions.values()}
+            new = {v.vid for v in self.vstore.versions.values()}
             self.vstore.settle_kept()  # still registered (being written here): evictable
             for vid in self.store.data_vids() - new:
                 self.store.remove_data(vid)  # open descriptors still read what they opened
@@ -525,12 +627,12 @@ class JobNamespaceOps:
                  len(snap["entries"]), len(snap["steps"]))
 
 
-#: The apply function of each op type (JobNamespaceOps.apply_op).
-JobNamespaceOps._apply_fns = {
-    Noop: JobNamespaceOps._apply_noop, Mkdir: JobNamespaceOps._apply_mkdir,
-    Create: JobNamespaceOps._apply_create, Symlink: JobNamespaceOps._apply_symlink,
-    Mknod: JobNamespaceOps._apply_mknod, Link: JobNamespaceOps._apply_link,
-    Unlink: JobNamespaceOps._apply_unlink, Rmdir: JobNamespaceOps._apply_rmdir,
-    Rename: JobNamespaceOps._apply_rename, SetAttr: JobNamespaceOps._apply_setattr,
-    Publish: JobNamespaceOps._apply_publish,
+#: The apply function of each op type (JobNamespace.apply_op).
+JobNamespace._apply_fns = {
+    Noop: JobNamespace._apply_noop, Mkdir: JobNamespace._apply_mkdir,
+    Create: JobNamespace._apply_create, Symlink: JobNamespace._apply_symlink,
+    Mknod: JobNamespace._apply_mknod, Link: JobNamespace._apply_link,
+    Unlink: JobNamespace._apply_unlink, Rmdir: JobNamespace._apply_rmdir,
+    Rename: JobNamespace._apply_rename, SetAttr: JobNamespace._apply_setattr,
+    Publish: JobNamespace._apply_publish,
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from mtcfs.base.ns_ops import NsOp
+from mtcfs.core.model import Version
 
 
 @runtime_checkable
@@ -60,18 +61,24 @@ class NamespaceLog(Protocol):
         ...
 
 
+class Applier(Protocol):
+    """What :class:`LocalLog` needs of the core: its one apply path."""
+
+    def apply_op(self, op: NsOp) -> tuple[dict[str, Any], list[Version]]: ...
+
+
 class LocalLog:
     """scope=node's log: the op is applied at once (no order to agree on, nothing to wait
     for). The op's envelope stays empty (no apply function reads it in scope=node).
 
     Args:
-        fs: the filesystem core (``apply_op``, ``rank``).
+        fs: the filesystem core (``apply_op``: core/jobns.py, through the facade).
     """
 
     replicated = False
     unavailable = False
 
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Applier) -> None:
         self.fs = fs
         #: ops applied (and refused) since the mount, for tests and status
         self.applied = 0

@@ -254,12 +254,8 @@ class MtcPort(CoreView, OwnFilesPort, Protocol):
 
 
 class NamespacePort(FaultInPort, Protocol):
-    """scope=job: the job's namespace log applies ops to the core and seeds it."""
-
-    @property
-    def db(self) -> KvStore:
-        """The store's key/value table (the log's position is kept there)."""
-        ...
+    """scope=job: the job's namespace log applies ops to the core and seeds it; the core
+    keeps the log's position (core/jobns.py)."""
 
     def ns_apply(self, op: NsOp | dict[str, Any], seq: int,
                  epoch: int) -> tuple[dict[str, Any], list[Version]]:
@@ -278,6 +274,11 @@ class NamespacePort(FaultInPort, Protocol):
 
     def ns_position(self) -> tuple[int, int]:
         """(epoch, seq) of the last op applied here ((0, 0) when none)."""
+        ...
+
+    def ns_set_position(self, epoch: int, seq: int) -> None:
+        """Record the log position ``(epoch, seq)`` without applying an op (an op refused
+        or skipped still moves it; a seeder starts at ``(incarnation, 0)``)."""
         ...
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mtcfs.core import ports
 from mtcfs.core.core import Filesystem
+from mtcfs.core.jobns import Host as JobNamespaceHost
 
 
 def conforms(fs: Filesystem) -> None:
@@ -16,4 +17,6 @@ def conforms(fs: Filesystem) -> None:
     namespace: ports.NamespacePort = fs
     origins: ports.ChunkOriginPort = fs
     mount_restore: ports.MountRestorePort = fs
-    del backup, peer, restore, mtc, namespace, origins, mount_restore
+    # the core's own components' hosts (those checked here)
+    jobns_host: JobNamespaceHost = fs
+    del backup, peer, restore, mtc, namespace, origins, mount_restore, jobns_host

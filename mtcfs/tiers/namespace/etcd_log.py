@@ -104,7 +104,7 @@ class EtcdNamespace:
 
     Args:
         fs: the filesystem core (``ns_apply``, ``ns_snapshot``, ``ns_install``,
-            ``ns_position``, ``fault_in``, ``db``).
+            ``ns_position``, ``ns_set_position``, ``fault_in``).
         etcd: the job's etcd client.
         prefix: the job's key prefix (ends with ``/``).
         rank: this node's rank.
@@ -382,7 +382,7 @@ class EtcdNamespace:
 
     def _moved_past(self, rev: int) -> None:
         """An op that changed nothing still moves this node's position."""
-        self.fs.db.set_kv("ns_seq", str(rev))
+        self.fs.ns_set_position(self.epoch, rev)
 
     def _apply_batch(self, batch: WatchBatch) -> list[Any]:
         keep: list[Any] = []
@@ -518,9 +518,7 @@ class EtcdNamespace:
                                                   prefix_end(self.cand_prefix)))
         # Our own namespace is the base: keep it, at this incarnation and revision 0.
         self.epoch, self.seq = inc, 0
-        with self.fs.db.transaction():
-            self.fs.db.set_kv("ns_epoch", str(inc))
-            self.fs.db.set_kv("ns_seq", "0")
+        self.fs.ns_set_position(inc, 0)
         log.info("seeded the job's namespace in etcd (incarnation %d, %d entries)", inc,
                  len(snap["entries"]))
         return base
