@@ -601,10 +601,6 @@ def test_snapshot_installs_the_same_namespace_on_a_joining_node(tmp_path):
     _run_job(tmp_path, body, ranks=(0, 1, 2))
 
 
-@pytest.mark.xfail(strict=True, reason="found while moving jobns: another rank's publish of "
-                   "an empty commit marker takes the 'same content, only the time changes' "
-                   "path of _apply_publish, which commits nothing (core/jobns.py); not "
-                   "changed here (behaviour kept identical), see docs/architecture.md")
 def test_an_empty_commit_marker_commits_the_step_on_every_node(tmp_path):
     """``touch step_N/commit_success.txt`` on one rank commits step_N on every rank."""
     async def body(cores, job):

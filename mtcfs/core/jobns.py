@@ -415,10 +415,13 @@ class JobNamespace:
                 return
         cur = self.vstore.versions.get(ino.vid) if ino.vid is not None else None
         if cur is not None and cur.sealed and cur.chunks == chunks and cur.size == op.size:
-            # this content already (a snapshot carried it, or the file was rewritten with
-            # the same bytes, or touched): only the time changes
+            # this content already (a snapshot carried it, the file was rewritten with the
+            # same bytes or touched, or an empty file, which the create op made, was sealed):
+            # the time changes, and a commit marker still commits its step (an empty
+            # ``commit_success.txt`` written by another rank)
             ino.mtime_ns = ino.ctime_ns = op.mtime_ns
             self.tree.write(ino)
+            self.step_registry.commit_by_marker(ino)
             return
         if cur is not None:
             self._keep_if_open(ino, keep)
