@@ -18,13 +18,19 @@ Three measurements each:
   the files are read back and compared byte for byte (``verified``) on tmpfs and mtcfs
   (the no-op fs keeps no bytes; its reads return zeros once the kernel dropped a page),
   on mtcfs once more after dropping the page cache (from the store).
+- **fio** (when installed: ``scripts/setup.sh`` adds it), the issue's command line:
+  ``--rw=randwrite --bsrange=4k-1m --size=512m --numjobs=2 --ioengine=psync
+  --verify=crc32c --end_fsync=1``; fio lays each file out first (writes it, closes it),
+  then reopens it and writes it at random offsets; its verify reads the files back after
+  dropping their cached pages. On the no-op fs ``--do_verify=0`` (it keeps nothing).
+  Write MiB/s as fio reports it.
 - **torch.save** of a state dict of ``--torch-size`` bytes (fp32 tensors of 8 MiB),
 - **safetensors save_file** of ``--st-size`` bytes: seconds for the call, which
   closes the file (FLUSH: the kernel writes its dirty pages back before close returns).
 
 The daemon CPU (``utime + stime`` of the FUSE server process over the phase, ms per MiB)
 is shown for the no-op fs and mtcfs: on a shared machine it is steadier than wall time.
-Targets: random-write MiB/s >= 0.7 of the no-op's; each save's seconds <= 1.2x the no-op's.
+fio's CPU is per MiB of its writes and verify reads together. Targets: random-write MiB/s >= 0.7 of the no-op's; each save's seconds <= 1.2x the no-op's.
 To profile the daemon under this load: ``py-spy record --pid PID`` (the pid is logged).
 """
 
@@ -33,7 +39,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import json
 import random
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -154,6 +163,28 @@ def verify(paths: list[Path], size: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
+    """fio's random-write job in directory ``d`` (see the module docstring); write MiB/s.
+
+    Raises:
+        RuntimeError: fio failed (a verify error included); its output is in the message.
+    """
+    cmd = ["fio", "--name=rand", f"--directory={d}", "--rw=randwrite", "--bsrange=4k-1m",
+           f"--size={size}", f"--numjobs={nfiles}", "--ioengine=psync", "--verify=crc32c",
+           "--end_fsync=1", "--group_reporting", "--output-format=json"]
+    if not verify:
+        cmd.append("--do_verify=0")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"fio failed in {d}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    if job["error"]:
+        raise RuntimeError(f"fio error {job['error']} in {d}")
+    for p in d.glob("rand.*"):
+        p.unlink()
+    return float(job["write"]["bw_bytes"]) / MiB
+
+
 def state_dict(nbytes: int) -> dict[str, Any]:
     import torch
     g = torch.Generator().manual_seed(18)
@@ -183,9 +214,11 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
         only: tuple[str, ...], touch: bool) -> BenchResult:
     res = BenchResult("random", f"Random writes ({nfiles} x {size // MiB} MiB, 4 KiB-1 MiB "
                       f"blocks, verified) and library saves, median of {reps}",
-                      ["target", "rand MiB/s", "rand cpu ms/MiB", "torch.save s",
-                       "torch cpu ms/MiB", "save_file s", "st cpu ms/MiB"])
-    keys = ("rand", "rand_cpu", "torch", "torch_cpu", "st", "st_cpu", "read", "cold", "seal")
+                      ["target", "rand MiB/s", "rand cpu ms/MiB",
+                       "fio MiB/s", "fio cpu ms/MiB", "torch.save s", "torch cpu ms/MiB",
+                       "save_file s", "st cpu ms/MiB"])
+    keys = ("rand", "rand_cpu", "fio", "fio_cpu", "torch", "torch_cpu", "st", "st_cpu", "read",
+            "cold", "seal")
     s: dict[str, dict[str, list[float]]] = {t: {k: [] for k in keys} for t in TARGETS}
     can_drop = drop_caches()
     sd_torch = state_dict(torch_size) if "torch" in only else {}
@@ -230,6 +263,15 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
                             + (", verified" if t != "noop" else ""))
                         for p in paths:
                             os.unlink(p)
+                    if "fio" in only and shutil.which("fio"):
+                        if touch:
+                            prefault(3 * nfiles * size + (1 << 30))
+                        c0 = cpu_seconds(pid)
+                        st["fio"].append(run_fio(d, size, nfiles, verify=t != "noop"))
+                        st["fio_cpu"].append((cpu_seconds(pid) - c0) * 1e3
+                                             / (2 * nfiles * size / MiB))
+                        log(f"rep {rep + 1} {t:5s} fio random write {st['fio'][-1]:7.0f} MiB/s, "
+                            f"cpu {st['fio_cpu'][-1]:.2f} ms/MiB (layout + write + verify)")
                     for key, sd, mib, fn in (("torch", sd_torch, torch_mib, torch_save),
                                              ("st", sd_st, st_mib, st_save)):
                         if key not in only:
@@ -256,11 +298,14 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
     for t in TARGETS:
         mt = med[t]
         res.rows.append([t, f(mt["rand"], 0), f(mt["rand_cpu"]) if t != "tmpfs" else "-",
+                         f(mt["fio"], 0), f(mt["fio_cpu"]) if t != "tmpfs" else "-",
                          f(mt["torch"], 3), f(mt["torch_cpu"]) if t != "tmpfs" else "-",
                          f(mt["st"], 3), f(mt["st_cpu"]) if t != "tmpfs" else "-"])
     res.checks = [
         Check("mtcfs random write MiB/s / no-op", _ratio(med["mtcfs"]["rand"],
                                                          med["noop"]["rand"]), 0.7),
+        Check("mtcfs fio random write MiB/s / no-op", _ratio(med["mtcfs"]["fio"],
+                                                             med["noop"]["fio"]), 0.7),
         Check("mtcfs torch.save s / no-op", _ratio(med["mtcfs"]["torch"],
                                                    med["noop"]["torch"]), 1.2, op="<="),
         Check("mtcfs save_file s / no-op", _ratio(med["mtcfs"]["st"], med["noop"]["st"]),
@@ -290,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--torch-size", type=_size, default=500 * MiB)
     p.add_argument("--st-size", type=_size, default=332 * MiB)
-    p.add_argument("--only", default="rand,torch,st", help="comma-separated: rand,torch,st")
+    p.add_argument("--only", default="rand,fio,torch,st",
+                   help="comma-separated: rand,fio,torch,st")
     p.add_argument("--no-prefault", action="store_true")
     p.add_argument("--json", help="output file (default bench-results/random-<time>.json)")
     a = p.parse_args(argv)
