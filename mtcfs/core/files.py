@@ -67,13 +67,6 @@ log = logging.getLogger("mtcfs.core.core")
 #: "create", docs/benchmarks.md 6a). Larger ones are hashed in a worker thread.
 INLINE_SEAL_BYTES = 64 * 1024
 
-#: A write request of at least this many bytes is copied into the store in a worker thread
-#: (the kernel's writeback sends up to 1 MiB per request); smaller ones on the loop, where
-#: the hop would cost more than the copy (docs/benchmarks.md, "Random writes and library
-#: saves"). ``MTCFS_WRITE_THREAD_BYTES`` in the daemon's environment overrides it (A/B
-#: benchmarks: a huge value keeps every copy on the loop).
-THREAD_WRITE_BYTES = int(os.environ.get("MTCFS_WRITE_THREAD_BYTES", 256 * 1024))
-
 #: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
 #: whose last close(2) was seen (the kernel sends RELEASE after close returns).
 RELEASE_WAIT_S = 1.0
@@ -347,26 +340,12 @@ class OpenFiles:
         if need:
             await self.budget.reserve(need)
         try:
-            if len(buf) >= THREAD_WRITE_BYTES:
-                # Copied into the store by a worker thread while the loop takes the next
-                # request (the kernel has several writeback requests in flight): the leased
-                # descriptor stays open across the await, the reserved bytes are held.
-                self.vstore.fd(v)  # cached, so that the lease opens nothing
-                fd = self.fds.lease(v)
-                try:
-                    with self.budget.hold(need):
-                        n = await trio.to_thread.run_sync(os.pwrite, fd, buf, off)
-                finally:
-                    self.fds.unlease(v, fd)
-            else:
-                n = os.pwrite(self.vstore.fd(v), buf, off)
+            n = os.pwrite(self.vstore.fd(v), buf, off)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 self.counters.enospc += 1
                 raise FsError(errno.ENOSPC, "store directory is full") from None
             raise
-        if v.dropped:
-            return n  # freed while a thread wrote it (unlinked): nothing left to count
         if end > v.size:
             v.size = end
         self.budget.account(v)
