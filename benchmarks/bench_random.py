@@ -171,7 +171,8 @@ def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
     """
     cmd = ["fio", "--name=rand", f"--directory={d}", "--rw=randwrite", "--bsrange=4k-1m",
            f"--size={size}", f"--numjobs={nfiles}", "--ioengine=psync", "--verify=crc32c",
-           "--end_fsync=1", "--group_reporting", "--output-format=json"]
+           "--end_fsync=1", "--group_reporting", "--output-format=json",
+           "--verify_state_save=0"]
     if not verify:
         cmd.append("--do_verify=0")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
