@@ -76,3 +76,12 @@ fuzz:
 .PHONY: bench-passthrough
 bench-passthrough:
 	$(PYTHON) -m benchmarks.bench_passthrough $(ARGS)
+
+# Random writes and library saves (benchmarks/bench_random.py, issue 18): 2 x 512 MiB written
+# in 4 KiB-1 MiB blocks at random offsets (Python job, verified; and fio if installed),
+# torch.save of 500 MiB, safetensors save_file of 332 MiB, on tmpfs, the no-op FUSE ceiling
+# and one mtcfs node, with the daemons' CPU per MiB (3 repeats: about 3 minutes).
+# make bench-random ARGS="--size 256M --reps 5 --only rand,fio"
+.PHONY: bench-random
+bench-random:
+	$(PYTHON) -m benchmarks.bench_random $(ARGS)

@@ -3,13 +3,14 @@
 # environment in .venv with mtcfs and its test dependencies, and the mount helper on PATH
 # (so `mount -t fuse.mtcfs` and fstab work); etcd-server is the coordination engine of
 # multi-node tests (a real server on loopback), etcd-client (etcdctl) sets up its users and
-# roles in tests/t7_etcd_auth_test.py. Idempotent: a second run does nothing new.
+# roles in tests/t7_etcd_auth_test.py; fio is the random-write load of
+# benchmarks/bench_random.py. Idempotent: a second run does nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client; do
+for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client fio; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

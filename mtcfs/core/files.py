@@ -194,6 +194,13 @@ class OpenFiles:
         """
         for _attempt in range(3):
             cur = self.versions[ino.vid] if ino.vid is not None else None
+            while (cur is not None and cur.sealing is not None and not cur.sealed and not trunc
+                   and not self.job_scope and not cur.writers):
+                # Reopened right after its last close (fio lays a file out, closes it and
+                # reopens it): the hash under way ends soon; then the sealed file is taken
+                # over below instead of copied.
+                await cur.sealing.wait()
+                cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
                     os.ftruncate(self.vstore.fd(cur), 0)

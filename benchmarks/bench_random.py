@@ -1,0 +1,358 @@
+"""Random writes and library saves (issue 18): tmpfs vs the no-op FUSE ceiling vs mtcfs.
+
+Run ``python -m benchmarks.bench_random [--size 512M] [--files 2] [--reps 3]`` as root
+(``make bench-random``). Three targets, the order rotating each repeat:
+
+- ``tmpfs``: a directory under /dev/shm;
+- ``noop``: :mod:`benchmarks.noop_fs` (writes discarded, any file, any offset): the FUSE
+  ceiling with the same kernel settings as mtcfs (writeback cache, keep_cache);
+- ``mtcfs``: one node, ``scope=node``, store on /dev/shm.
+
+Three measurements each:
+
+- **random writes**: ``--files`` files of ``--size`` bytes, one thread per file (as
+  ``fio --numjobs``). Each file is cut into blocks of random sizes, multiples of 4 KiB from
+  4 KiB to 1 MiB, written once each in a random order with ``os.pwrite``; then ``fsync`` and
+  ``close``. MiB/s is all the bytes over the time from the first open to the last close.
+  Every 4 KiB page carries its file offset and a seed, so a misplaced write is seen. Then
+  the files are read back and compared byte for byte (``verified``) on tmpfs and mtcfs
+  (the no-op fs keeps no bytes; its reads return zeros once the kernel dropped a page),
+  on mtcfs once more after dropping the page cache (from the store).
+- **fio** (when installed: ``scripts/setup.sh`` adds it), the issue's command line:
+  ``--rw=randwrite --bsrange=4k-1m --size=512m --numjobs=2 --ioengine=psync
+  --verify=crc32c --end_fsync=1``; fio lays each file out first (writes it, closes it),
+  then reopens it and writes it at random offsets; its verify reads the files back after
+  dropping their cached pages. On the no-op fs ``--do_verify=0`` (it keeps nothing).
+  Write MiB/s as fio reports it.
+- **torch.save** of a state dict of ``--torch-size`` bytes (fp32 tensors of 8 MiB),
+- **safetensors save_file** of ``--st-size`` bytes: seconds for the call, which
+  closes the file (FLUSH: the kernel writes its dirty pages back before close returns).
+
+The daemon CPU (``utime + stime`` of the FUSE server process over the phase, ms per MiB)
+is shown for the no-op fs and mtcfs: on a shared machine it is steadier than wall time.
+fio's CPU is per MiB of its writes and verify reads together. Targets: random-write MiB/s >= 0.7 of the no-op's; each save's seconds <= 1.2x the no-op's.
+To profile the daemon under this load: ``py-spy record --pid PID`` (the pid is logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import json
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (MiB, REPO, BenchResult, Check, drop_caches, log, machine_info,
+                               median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
+                               served_mount, wait_until, write_json)
+
+TARGETS = ("tmpfs", "noop", "mtcfs")
+PAGE = 4096
+BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """``utime + stime`` of process ``pid`` (all its threads), seconds; 0 without a pid."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def content(seed: int, off: int, n: int) -> np.ndarray:
+    """The bytes ``[off, off + n)`` of file ``seed``; ``off`` and ``n`` multiples of 4 KiB.
+
+    Random bytes (a 16 MiB pattern, shifted by the seed) with the offset and the seed in
+    the first 16 bytes of every page.
+    """
+    start = (off + seed * 7 * PAGE) % (16 * MiB)
+    out = np.empty(n, dtype=np.uint8)
+    done = 0
+    while done < n:
+        take = min(n - done, 16 * MiB - start)
+        out[done:done + take] = BASE[start:start + take]
+        done += take
+        start = 0
+    words = out.view("<u8")
+    words[0::PAGE // 8] = np.arange(off, off + n, PAGE, dtype=np.uint64)
+    words[1::PAGE // 8] = seed
+    return out
+
+
+def blocks(size: int, rng: random.Random) -> list[tuple[int, int]]:
+    """``size`` cut into (offset, length) blocks of 4 KiB..1 MiB (4 KiB multiples),
+    shuffled."""
+    out = []
+    off = 0
+    while off < size:
+        n = min(rng.randint(1, 256) * PAGE, size - off)
+        out.append((off, n))
+        off += n
+    rng.shuffle(out)
+    return out
+
+
+def random_write(paths: list[Path], size: int, seed: int) -> float:
+    """Write each of ``paths`` (one thread each) as described in the module docstring.
+    Returns the seconds from the first open to the last close."""
+    plans = [blocks(size, random.Random(seed + i)) for i in range(len(paths))]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(paths) + 1)
+
+    def one(i: int) -> None:
+        try:
+            start.wait()
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for off, n in plans[i]:
+                    buf = content(seed + i, off, n)
+                    if os.pwrite(fd, buf, off) != n:
+                        raise OSError(f"short write at {off} of {paths[i]}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(paths))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return dt
+
+
+def verify(paths: list[Path], size: int, seed: int) -> float:
+    """Read ``paths`` back in 16 MiB pieces and compare with what was written; seconds.
+
+    Raises:
+        AssertionError: a file's length or bytes differ (the first offset is named).
+    """
+    t0 = time.perf_counter()
+    for i, p in enumerate(paths):
+        with open(p, "rb", buffering=0) as f:
+            off = 0
+            buf = bytearray(16 * MiB)
+            while off < size:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                want = content(seed + i, off, n)
+                got = np.frombuffer(buf, dtype=np.uint8, count=n)
+                if not np.array_equal(got, want):
+                    bad = int(np.flatnonzero(got != want)[0])
+                    raise AssertionError(f"{p}: bytes differ at offset {off + bad}")
+                off += n
+            if off != size or f.read(1):
+                raise AssertionError(f"{p}: length {off}, expected {size}")
+    return time.perf_counter() - t0
+
+
+def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
+    """fio's random-write job in directory ``d`` (see the module docstring); write MiB/s.
+
+    Raises:
+        RuntimeError: fio failed (a verify error included); its output is in the message.
+    """
+    cmd = ["fio", "--name=rand", f"--directory={d}", "--rw=randwrite", "--bsrange=4k-1m",
+           f"--size={size}", f"--numjobs={nfiles}", "--ioengine=psync", "--verify=crc32c",
+           "--end_fsync=1", "--group_reporting", "--output-format=json",
+           "--verify_state_save=0"]
+    if not verify:
+        cmd.append("--do_verify=0")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"fio failed in {d}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    if job["error"]:
+        raise RuntimeError(f"fio error {job['error']} in {d}")
+    for p in d.glob("rand.*"):
+        p.unlink()
+    return float(job["write"]["bw_bytes"]) / MiB
+
+
+def state_dict(nbytes: int) -> dict[str, Any]:
+    import torch
+    g = torch.Generator().manual_seed(18)
+    n = max(1, nbytes // (8 * MiB))
+    return {f"layer{i}.weight": torch.rand(2 * MiB, generator=g) for i in range(n)}
+
+
+def torch_save(path: Path, sd: dict[str, Any]) -> float:
+    import torch
+    t0 = time.perf_counter()
+    torch.save(sd, path)
+    return time.perf_counter() - t0
+
+
+def st_save(path: Path, sd: dict[str, Any]) -> float:
+    from safetensors.torch import save_file
+    t0 = time.perf_counter()
+    save_file(sd, str(path))
+    return time.perf_counter() - t0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
+        only: tuple[str, ...], touch: bool) -> BenchResult:
+    res = BenchResult("random", f"Random writes ({nfiles} x {size // MiB} MiB, 4 KiB-1 MiB "
+                      f"blocks, verified) and library saves, median of {reps}",
+                      ["target", "rand MiB/s", "rand cpu ms/MiB",
+                       "fio MiB/s", "fio cpu ms/MiB", "torch.save s", "torch cpu ms/MiB",
+                       "save_file s", "st cpu ms/MiB"])
+    keys = ("rand", "rand_cpu", "fio", "fio_cpu", "torch", "torch_cpu", "st", "st_cpu", "read",
+            "cold", "seal")
+    s: dict[str, dict[str, list[float]]] = {t: {k: [] for k in keys} for t in TARGETS}
+    can_drop = drop_caches()
+    sd_torch = state_dict(torch_size) if "torch" in only else {}
+    sd_st = state_dict(st_size) if "st" in only else {}
+    torch_mib = sum(t.numel() * 4 for t in sd_torch.values()) / MiB
+    st_mib = sum(t.numel() * 4 for t in sd_st.values()) / MiB
+    with scratch_dir("/dev/shm", "random") as root:
+        (root / "tmpfs").mkdir()
+        (root / "noop").mkdir()
+        with mtcfs_mount(root / "mtcfs", {"size": "12G"}) as m, \
+                served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop")],
+                             root / "noop", "noop_fs",
+                             ["fusermount3", "-u", str(root / "noop")]) as noop:
+            dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "mtcfs": m.mnt}
+            pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid,
+                                           "mtcfs": int(m.status()["pid"])}
+            log(f"daemon pids: mtcfs {pids['mtcfs']}, noop {pids['noop']}")
+            for rep in range(reps):
+                order = TARGETS[rep % 3:] + TARGETS[:rep % 3]
+                for t in order:
+                    d, pid, st = dirs[t], pids[t], s[t]
+                    if "rand" in only:
+                        paths = [d / f"rand{i}.bin" for i in range(nfiles)]
+                        if touch:
+                            prefault(2 * nfiles * size + (1 << 30))
+                        c0 = cpu_seconds(pid)
+                        dt = random_write(paths, size, 1000 * rep + 1)
+                        st["rand_cpu"].append((cpu_seconds(pid) - c0) * 1e3
+                                              / (nfiles * size / MiB))
+                        st["rand"].append(nfiles * size / MiB / dt)
+                        if t == "mtcfs":  # the seal (hashing) must not overlap what follows
+                            st["seal"].append(wait_until(
+                                lambda: all(mtcfs_state(p) in ("local", "backed-up")
+                                            for p in paths), 300, "the files to be sealed"))
+                        if t != "noop":  # it keeps no bytes: nothing to compare
+                            st["read"].append(verify(paths, size, 1000 * rep + 1))
+                        if t == "mtcfs" and can_drop:
+                            drop_caches()
+                            st["cold"].append(verify(paths, size, 1000 * rep + 1))
+                        log(f"rep {rep + 1} {t:5s} random write {st['rand'][-1]:7.0f} MiB/s, "
+                            f"cpu {st['rand_cpu'][-1]:.2f} ms/MiB"
+                            + (", verified" if t != "noop" else ""))
+                        for p in paths:
+                            os.unlink(p)
+                    if "fio" in only and shutil.which("fio"):
+                        if touch:
+                            prefault(3 * nfiles * size + (1 << 30))
+                        c0 = cpu_seconds(pid)
+                        st["fio"].append(run_fio(d, size, nfiles, verify=t != "noop"))
+                        st["fio_cpu"].append((cpu_seconds(pid) - c0) * 1e3
+                                             / (2 * nfiles * size / MiB))
+                        log(f"rep {rep + 1} {t:5s} fio random write {st['fio'][-1]:7.0f} MiB/s, "
+                            f"cpu {st['fio_cpu'][-1]:.2f} ms/MiB (layout + write + verify)")
+                    for key, sd, mib, fn in (("torch", sd_torch, torch_mib, torch_save),
+                                             ("st", sd_st, st_mib, st_save)):
+                        if key not in only:
+                            continue
+                        p = d / f"model.{key}"
+                        if touch:
+                            prefault(2 * int(mib) * MiB + (1 << 30))
+                        c0 = cpu_seconds(pid)
+                        st[key].append(fn(p, sd))
+                        st[f"{key}_cpu"].append((cpu_seconds(pid) - c0) * 1e3 / mib)
+                        log(f"rep {rep + 1} {t:5s} {key} {st[key][-1]:.3f} s, "
+                            f"cpu {st[f'{key}_cpu'][-1]:.2f} ms/MiB")
+                        if t == "mtcfs":
+                            wait_until(lambda: mtcfs_state(p) in ("local", "backed-up"), 300,
+                                       f"{p} to be sealed")
+                        os.unlink(p)
+                    time.sleep(0.3)
+            res.samples["mtcfs_counters"] = m.status().get("counters")
+    med = {t: {k: median(v) for k, v in s[t].items()} for t in TARGETS}
+
+    def f(x: float | None, d: int = 2) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for t in TARGETS:
+        mt = med[t]
+        res.rows.append([t, f(mt["rand"], 0), f(mt["rand_cpu"]) if t != "tmpfs" else "-",
+                         f(mt["fio"], 0), f(mt["fio_cpu"]) if t != "tmpfs" else "-",
+                         f(mt["torch"], 3), f(mt["torch_cpu"]) if t != "tmpfs" else "-",
+                         f(mt["st"], 3), f(mt["st_cpu"]) if t != "tmpfs" else "-"])
+    res.checks = [
+        Check("mtcfs random write MiB/s / no-op", _ratio(med["mtcfs"]["rand"],
+                                                         med["noop"]["rand"]), 0.7),
+        Check("mtcfs fio random write MiB/s / no-op", _ratio(med["mtcfs"]["fio"],
+                                                             med["noop"]["fio"]), 0.7),
+        Check("mtcfs torch.save s / no-op", _ratio(med["mtcfs"]["torch"],
+                                                   med["noop"]["torch"]), 1.2, op="<="),
+        Check("mtcfs save_file s / no-op", _ratio(med["mtcfs"]["st"], med["noop"]["st"]),
+              1.2, op="<="),
+    ]
+    res.notes.append(f"torch.save {torch_mib:.0f} MiB, save_file {st_mib:.0f} MiB; "
+                     f"load average {os.getloadavg()}")
+    if med["mtcfs"]["cold"] is not None:
+        res.notes.append(f"mtcfs verified read back after drop_caches: "
+                         f"{nfiles * size / MiB / med['mtcfs']['cold']:.0f} MiB/s")
+    res.samples.update({"size": size, "files": nfiles, "reps": reps, "raw": s, "median": med})
+    return res
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units \
+        else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import render
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_random", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=_size, default=512 * MiB, help="bytes per file (512M)")
+    p.add_argument("--files", type=int, default=2, help="files written at once (2)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--torch-size", type=_size, default=500 * MiB)
+    p.add_argument("--st-size", type=_size, default=332 * MiB)
+    p.add_argument("--only", default="rand,fio,torch,st",
+                   help="comma-separated: rand,fio,torch,st")
+    p.add_argument("--no-prefault", action="store_true")
+    p.add_argument("--json", help="output file (default bench-results/random-<time>.json)")
+    a = p.parse_args(argv)
+    print(f"load average {os.getloadavg()}", flush=True)
+    t0 = time.monotonic()
+    res = run(a.size, a.files, a.reps, a.torch_size, a.st_size, tuple(a.only.split(",")),
+              not a.no_prefault)
+    res.seconds = time.monotonic() - t0
+    print(render(res))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(a.json) if a.json else REPO / "bench-results" / f"random-{stamp}.json"
+    write_json(out, {"machine": machine_info(), "result": res.to_json()})
+    print(f"\nresults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
