@@ -228,6 +228,10 @@ class VersionStore:
             v.size = src.size
             v.missing = set(src.missing)
             v.chunk_size = src.chunk_size
+            if src.sealed and not src.missing:
+                # its data file holds exactly those chunks: the seal hashes only the
+                # chunks written since (Version.dirty)
+                v.base_chunks = src.chunks
         self._host.budget.account(v)
         self.versions[v.vid] = v
         self.write(v)
