@@ -155,19 +155,47 @@ def test_rewrite_while_a_reader_holds_the_file_open(tmp_path):
     async def body(fs):
         ino = await write_file(fs, ROOT_INO, b"r", bytes(data))
         v1 = await sealed(fs, ino)
-        rfh, _ = await fs.open(ino, os.O_RDONLY)  # the old version is in use: copied
-        hashed0 = fs.counters.seal_bytes_hashed
+        rfh, _ = await fs.open(ino, os.O_RDONLY)
+        assert await fs.read(rfh, 0, 10) == data[:10]
+        used0, hashed0 = fs.used, fs.counters.seal_bytes_hashed
         await _rewrite(fs, ino, [(7 * CS + 1, b"xy")])
         data[7 * CS + 1:7 * CS + 3] = b"xy"
         v2 = await sealed(fs, ino)
         assert v2.vid != v1.vid
         assert fs.counters.seal_bytes_hashed - hashed0 == CS
+        # the data file was taken over, not copied: the reader's old version holds none
+        assert fs.used - used0 <= CS
+        assert _data_blocks(fs, v1.vid) == 0 and v1.vid in fs.versions
+        assert fs.chunk_index.locate(v1.chunks[0]) == (v2, 0)
         _check(fs, v2, bytes(data))
         assert await fs.read(rfh, 0, len(data)) == data  # one file, one content
         await fs.release(rfh)
         assert v1.vid not in fs.versions
         assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
             blake3.blake3(data).hexdigest()
+    run(body, tmp_path)
+
+
+def test_rewrite_while_a_backup_pins_the_old_version_copies_and_the_pin_reads_old_bytes(
+        tmp_path):
+    data = bytearray(os.urandom(6 * CS))
+
+    async def body(fs):
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        ino = await write_file(fs, d.ino, b"x", bytes(data))
+        v1 = await sealed(fs, ino)
+        fs.step_registry.seal("step_1")
+        _m, pinned = fs.snapshot_step("step_1")  # a backup upload in flight
+        read = fs.chunk_reader(pinned)
+        await _rewrite(fs, ino, [(2 * CS, b"p")])
+        old = bytes(data)
+        data[2 * CS] = ord("p")
+        v2 = await sealed(fs, ino)
+        _check(fs, v2, bytes(data))
+        assert read(v1.chunks[2]) == old[2 * CS:3 * CS]  # the pinned old bytes, intact
+        fs.unpin(pinned)
+        assert v1.vid not in fs.versions
+        assert await _read_all(fs, ino, len(data)) == data
     run(body, tmp_path)
 
 

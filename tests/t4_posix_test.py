@@ -1641,7 +1641,7 @@ def test_mtcfs_zz_no_leaks(shared_mount):
 
 def test_rewrite_of_one_byte_of_a_sealed_file_costs_the_chunks_written(shared_mount):
     """Reopen a sealed 256 MiB file (a dense head, the rest a hole) for writing, change one
-    byte in two chunks, close: the bytes are the old ones with those bytes changed,
+    byte in two chunks, close, a reader holding it open throughout: the bytes are the old ones with those bytes changed,
     user.mtcfs.blake3 is the true blake3, the seal hashed the two chunks written and RAM
     grew by less than a chunk (a page written in the hole)."""
     m = shared_mount
@@ -1656,13 +1656,18 @@ def test_rewrite_of_one_byte_of_a_sealed_file_costs_the_chunks_written(shared_mo
         wait_sealed(p)
         st0 = m.status()
         chunk = st0["chunk_size"]
-        fd = os.open(p, os.O_RDWR)
+        reader = os.open(p, os.O_RDONLY)  # held open across the rewrite: nothing copied
         try:
-            for off, b in [(3 * MiB + 1, b"\xaa"), (100 * MiB + 7, b"\x01")]:
-                assert os.pwrite(fd, b, off) == 1
+            fd = os.open(p, os.O_RDWR)
+            try:
+                for off, b in [(3 * MiB + 1, b"\xaa"), (100 * MiB + 7, b"\x01")]:
+                    assert os.pwrite(fd, b, off) == 1
+            finally:
+                os.close(fd)
+            wait_sealed(p)
+            assert os.pread(reader, 1, 3 * MiB + 1) == b"\xaa"  # one file, one content
         finally:
-            os.close(fd)
-        wait_sealed(p)
+            os.close(reader)
         st1 = m.status()
         hashed = st1["counters"]["seal_bytes_hashed"] - st0["counters"]["seal_bytes_hashed"]
         assert hashed == 2 * chunk  # the two chunks written, not the other 62

@@ -190,8 +190,8 @@ class OpenFiles:
         """The version a new writer writes to: the open one, or a new copy-on-write one.
 
         The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
-        sealed version nothing else uses is not copied: the new version takes its data
-        file over.
+        sealed version nothing but read-only handles uses is not copied: the new version
+        takes its data file over (core/versions.py: ``new``).
         """
         for _attempt in range(3):
             cur = self.versions[ino.vid] if ino.vid is not None else None
@@ -207,8 +207,11 @@ class OpenFiles:
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
+            # Take the data file over unless something reads the old version's own bytes:
+            # a pin (a thread, a backup upload), a seal or a publish; read-only handles read
+            # the current version (read), so the old one keeps no data (vstore._detach).
             take = (cur is not None and not trunc and not self.job_scope and cur.sealed
-                    and not (cur.handles or cur.pins or cur.sealing is not None
+                    and not (cur.writers or cur.pins or cur.sealing is not None
                              or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):
