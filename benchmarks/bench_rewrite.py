@@ -3,7 +3,7 @@
 ``python -m benchmarks.bench_rewrite [--sizes 1G,2G] [--reps 3] [--base DIR] [--json OUT]``
 
 For each size and kind (``sparse``: 8 MiB of data then a hole; ``dense``: every byte
-written), one file is written and sealed, then rewritten ``--reps`` times: open O_RDWR,
+written; ``dense+reader``: dense, with a read-only descriptor held open throughout), one file is written and sealed, then rewritten ``--reps`` times: open O_RDWR,
 ``pwrite`` of one byte at a different offset, close, until the new version is sealed
 (``user.mtcfs.state`` leaves ``writing``). Per rewrite it records the wall time, the
 daemon's CPU time (utime + stime from /proc/PID/stat), the bytes the seal hashed
@@ -52,7 +52,7 @@ def cpu_s(pid: int) -> float:
 def make_file(p: Path, size: int, kind: str) -> None:
     block = os.urandom(MiB)
     with open(p, "wb") as f:
-        n = size if kind == "dense" else HEAD
+        n = HEAD if kind == "sparse" else size
         for off in range(0, n, MiB):
             f.write(block[: min(MiB, n - off)])
         f.truncate(size)
@@ -85,6 +85,7 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
     make_file(p, size, kind)
     wait_sealed(p)
     pid = int(mount.status()["pid"]) if mount is not None else None
+    reader = os.open(p, os.O_RDONLY) if kind.endswith("+reader") else None
     out: dict[str, Any] = {"system": name, "size": size, "kind": kind, "runs": []}
     for i in range(reps):
         off = (size // (reps + 1)) * (i + 1) + 12345  # a different chunk each time
@@ -103,14 +104,17 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
             run["hashed_bytes"] = None if h0 is None or h1 is None else h1 - h0
             run["ram_used_growth"] = st1["ram"]["used"] - st0["ram"]["used"]
         out["runs"].append(run)
-        print(f"  {name:6s} {kind:6s} {size // MiB:5d} MiB rewrite {i}: {run}", flush=True)
+        print(f"  {name:6s} {kind:12s} {size // MiB:5d} MiB rewrite {i}: {run}", flush=True)
+    if reader is not None:
+        os.close(reader)
+        wait_sealed(p)
     if mount is not None and pid is not None:
         c0 = cpu_s(pid)
         t0 = time.perf_counter()
         os.getxattr(p, "user.mtcfs.blake3")
         out["blake3_xattr"] = {"wall_s": round(time.perf_counter() - t0, 4),
                                "daemon_cpu_s": round(cpu_s(pid) - c0, 3)}
-        print(f"  {name:6s} {kind:6s} first blake3 xattr: {out['blake3_xattr']}", flush=True)
+        print(f"  {name:6s} {kind:12s} first blake3 xattr: {out['blake3_xattr']}", flush=True)
     p.unlink()
     return out
 
@@ -124,7 +128,7 @@ def parse_size(s: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1G,2G")
-    ap.add_argument("--kinds", default="sparse,dense")
+    ap.add_argument("--kinds", default="sparse,dense,dense+reader")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--base", default="/work/main", help="tree whose code the 'before' "
                     "daemon runs (empty: skip 'before')")

@@ -5,12 +5,15 @@ not to the file's size; holes stay holes; the whole-file hash stays the true bla
 In-process core (tests/support/corefs.py, chunks of CS = 64 KiB); the real mount's form is
 in t4_posix_test.py (test_rewrite_of_one_byte_of_a_sealed_file_*)."""
 
+import errno
 import os
 
 import blake3
+import pytest
 import trio
 
 from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, open_fs, run, sealed, write_file
 
@@ -276,3 +279,31 @@ def test_whole_file_hash_of_a_rewritten_file_whose_data_was_dropped(tmp_path):
         got = await fs.getxattr(ino, b"user.mtcfs.blake3")  # faulted in from the copy
         assert got.decode() == blake3.blake3(data).hexdigest()
     run(body, tmp_path)
+
+
+def _on_disk(fs) -> int:
+    data = os.path.dirname(fs.store.data_path(0))
+    return sum(os.stat(os.path.join(data, n)).st_blocks * 512 for n in os.listdir(data))
+
+
+def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
+    data = os.urandom(20 * CS)
+
+    async def body(fs):
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        ino = await write_file(fs, d.ino, b"x", data)
+        await sealed(fs, ino)
+        fs.step_registry.seal("step_1")
+        _m, pinned = fs.snapshot_step("step_1")  # pinned: a rewrite must copy, 40 > 30
+        with pytest.raises(FsError) as e:
+            await fs.open(ino, os.O_RDWR)
+        assert e.value.errno == errno.ENOSPC
+        fs.unpin(pinned)
+        rfh, _ = await fs.open(ino, os.O_RDONLY)  # a reader only: taken over, it fits
+        await _rewrite(fs, ino, [(0, b"X")])
+        await sealed(fs, ino)
+        assert fs.used == _on_disk(fs) <= 21 * CS
+        assert await fs.read(rfh, 0, 3) == b"X" + data[1:3]
+        await fs.release(rfh)
+        assert fs.used == _on_disk(fs) <= 21 * CS
+    run(body, tmp_path, capacity=30 * CS)
