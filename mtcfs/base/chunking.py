@@ -3,7 +3,8 @@
 A sealed file version is cut into chunks of ``chunk_size`` bytes (the last one may be
 shorter). Each chunk is named by the hex blake3 digest of its bytes; the file as a whole
 also gets the blake3 digest of its full content, so ``user.mtcfs.blake3`` equals what
-``b3sum`` prints for the file.
+``b3sum`` prints for the file. A rewrite of a sealed file hashes only the chunks it changed
+(:func:`rehash_fd`); its whole-file digest is computed when asked (:func:`file_hash_fd`).
 
 Fixed-size rather than content-defined chunking: tensor files change in place, they do not
 shift, so fixed offsets give the same dedup at a fraction of the CPU cost (see
