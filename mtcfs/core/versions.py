@@ -256,6 +256,7 @@ class VersionStore:
         old.missing = set(range(chunk_count(old.size, old.chunk_size)))
         self.write(old)
         host.db.after_commit(functools.partial(self._fresh_data, old))
+        failpoint("core.detach_in_transaction")  # tests: a crash before that commit
 
     def _fresh_data(self, old: Version) -> None:
         """The second half of :meth:`_detach`, after the commit: ``old``'s name gets a new
