@@ -250,6 +250,7 @@ class VersionStore:
         the new version's bytes). A crash before that commit leaves ``old`` current with its
         data file intact."""
         host = self._host
+        self._hand_over_last_copies(old)  # as its release would (the new version is unindexed)
         host.chunk_index.forget_version(old)
         host.verifier.drop(old.vid)
         self.fds.drop(old)
