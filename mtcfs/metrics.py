@@ -109,6 +109,10 @@ _COUNTER_HELP = {
                          " memory pressure.",
     "fault_waits": "Chunk fetches from another tier (peers, backup) that a read or the"
                    " restore prefetcher waited for.",
+    "seal_bytes_hashed": "Bytes read and hashed by seals (a rewrite of a sealed file hashes"
+                         " only the chunks it changed).",
+    "file_hash_bytes": "Bytes hashed to compute the whole-file blake3 of a rewritten file"
+                       " when it was asked for (user.mtcfs.blake3).",
     "fault_timeouts": "Chunk fetches that ended at the fault-in deadline (read_deadline)"
                       " with no copy; the read got EIO. Also counted in"
                       " mtcfs_fault_errors_total.",

@@ -202,6 +202,32 @@ def test_take_over_links_the_data_file_and_frees_the_old_version(host):
     check(host)
 
 
+def test_take_over_of_a_version_with_handles_leaves_it_with_no_data(host):
+    ino = inode(10)
+    old = sealed(host, ino, [b"x" * CS, b"y" * 100])
+    old.handles = 1  # a reader: it reads the current version (files.py: read)
+    keeper = Keeper(wants={chunk_hash(b"y" * 100)})
+    host.vs.chunk_keeper = keeper
+    with host.db.transaction():
+        v = host.vs.new(ino, take_over=old)
+        host.vs.set_current(ino, v)
+        # until the commit, the old name still holds the data (a crash rolls back to it)
+        assert os.stat(host.store.data_path(old.vid)).st_ino == \
+            os.stat(host.store.data_path(v.vid)).st_ino
+    assert v.base_chunks == old.chunks and not v.missing
+    assert old.vid in host.vs.versions and old.missing == {0, 1} and old.alloc == 0
+    assert os.stat(host.store.data_path(old.vid)).st_size == old.size
+    assert keeper.kept == {chunk_hash(b"y" * 100): b"y" * 100}  # handed over, as at release
+    assert host.chunk_index.locate(old.chunks[0]) is None and old.vid in host.dropped
+    assert os.pread(host.vs.fd(v), CS + 100, 0) == b"x" * CS + b"y" * 100
+    check(host)  # counted once against size=
+    old.handles = 0
+    with host.db.transaction():
+        host.vs.release(old)
+    assert old.vid not in host.vs.versions
+    check(host)
+
+
 def test_new_sealed_takes_inline_chunks_that_match_and_keep_open_false_closes(host):
     chunks = [b"p" * CS, b"q" * 10]
     digests = (chunk_hash(chunks[0]), chunk_hash(b"not q"))  # the second does not match

@@ -1635,3 +1635,47 @@ def test_mtcfs_zz_no_leaks(shared_mount):
                           what="RAM tier usage to return to 0")
     st = os.statvfs(shared_mount.mnt)
     assert st.f_bfree == st.f_blocks
+
+
+# ---------------------------------------------------------------------- rewrites (issue 18)
+
+def test_rewrite_of_one_byte_of_a_sealed_file_costs_the_chunks_written(shared_mount):
+    """Reopen a sealed 256 MiB file (a dense head, the rest a hole) for writing, change one
+    byte in two chunks, close, a reader holding it open throughout: the bytes are the old ones with those bytes changed,
+    user.mtcfs.blake3 is the true blake3, the seal hashed the two chunks written and RAM
+    grew by less than a chunk (a page written in the hole)."""
+    m = shared_mount
+    d = m.path("t-rewrite-one-byte")
+    d.mkdir()
+    p = d / "big"
+    size, head = 256 * MiB, pattern(8 * MiB + 5)
+    try:
+        with open(p, "wb") as f:
+            f.write(head)
+            f.truncate(size)
+        wait_sealed(p)
+        st0 = m.status()
+        chunk = st0["chunk_size"]
+        reader = os.open(p, os.O_RDONLY)  # held open across the rewrite: nothing copied
+        try:
+            fd = os.open(p, os.O_RDWR)
+            try:
+                for off, b in [(3 * MiB + 1, b"\xaa"), (100 * MiB + 7, b"\x01")]:
+                    assert os.pwrite(fd, b, off) == 1
+            finally:
+                os.close(fd)
+            wait_sealed(p)
+            assert os.pread(reader, 1, 3 * MiB + 1) == b"\xaa"  # one file, one content
+        finally:
+            os.close(reader)
+        st1 = m.status()
+        hashed = st1["counters"]["seal_bytes_hashed"] - st0["counters"]["seal_bytes_hashed"]
+        assert hashed == 2 * chunk  # the two chunks written, not the other 62
+        assert st1["ram"]["used"] - st0["ram"]["used"] <= chunk  # the hole stays a hole
+        expect = bytearray(head + bytes(size - len(head)))
+        expect[3 * MiB + 1] = 0xAA
+        expect[100 * MiB + 7] = 1
+        assert uncached(p) == expect
+        assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(expect).hexdigest()
+    finally:
+        shutil.rmtree(d)

@@ -3,7 +3,8 @@
 A sealed file version is cut into chunks of ``chunk_size`` bytes (the last one may be
 shorter). Each chunk is named by the hex blake3 digest of its bytes; the file as a whole
 also gets the blake3 digest of its full content, so ``user.mtcfs.blake3`` equals what
-``b3sum`` prints for the file.
+``b3sum`` prints for the file. A rewrite of a sealed file hashes only the chunks it changed
+(:func:`rehash_fd`); its whole-file digest is computed when asked (:func:`file_hash_fd`).
 
 Fixed-size rather than content-defined chunking: tensor files change in place, they do not
 shift, so fixed offsets give the same dedup at a fraction of the CPU cost (see
@@ -12,6 +13,8 @@ docs/architecture.md).
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 from dataclasses import dataclass
 
@@ -53,12 +56,15 @@ class HashResult:
     Attributes:
         size: bytes hashed.
         chunks: hex blake3 digest of each chunk, in file order.
-        file_hash: hex blake3 digest of the whole content.
+        file_hash: hex blake3 digest of the whole content; "" when not computed
+            (:func:`rehash_fd`).
+        hashed: bytes read and hashed to get this result.
     """
 
     size: int
     chunks: tuple[str, ...]
     file_hash: str
+    hashed: int = 0
 
 
 def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
@@ -94,4 +100,91 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
             piece.release()
     finally:
         view.release()
-    return HashResult(size, tuple(digests), whole.hexdigest())
+    return HashResult(size, tuple(digests), whole.hexdigest(), size)
+
+
+def _read_into(fd: int, view: memoryview, off: int, want: int, size: int) -> None:
+    got = 0
+    while got < want:
+        n = os.preadv(fd, [view[got:want]], off + got)
+        if n == 0:
+            raise OSError(f"data file is shorter than {size} bytes")
+        got += n
+
+
+def _is_hole(fd: int, off: int, length: int) -> bool:
+    """Whether ``[off, off+length)`` of ``fd`` holds no data extent (reads as zeros)."""
+    try:
+        return os.lseek(fd, off, os.SEEK_DATA) >= off + length
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # only a hole past off
+            return True
+        raise
+
+
+@functools.lru_cache(maxsize=8)
+def zero_chunk_hash(length: int) -> str:
+    """The hex blake3 digest of ``length`` zero bytes (a chunk that is all hole)."""
+    return blake3.blake3(bytes(length)).hexdigest()
+
+
+def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
+              dirty: set[int]) -> HashResult:
+    """The chunk digests of the first ``size`` bytes of ``fd``, hashing only what changed.
+
+    ``base``: the digests of the content the file started from (same ``chunk_size``);
+    ``dirty``: indices of the chunks written or resized since. A chunk in ``dirty`` or
+    past the end of ``base`` is read and hashed (one that is all hole gets the digest of
+    zeros without being read); the others keep their ``base`` digest. The whole-file hash
+    is not computed (``file_hash`` is ""; :func:`file_hash_fd` computes it when asked).
+    Blocking; call it from a worker thread for large changes.
+
+    Raises:
+        OSError: if the file cannot be read or is shorter than ``size``.
+    """
+    n = (size + chunk_size - 1) // chunk_size
+    digests = list(base[:n])
+    todo = sorted(i for i in dirty if i < n)
+    todo.extend(range(len(digests), n))
+    digests.extend([""] * (n - len(digests)))
+    hashed = 0
+    buf: bytearray | None = None
+    for i in sorted(set(todo)):
+        off = i * chunk_size
+        want = min(chunk_size, size - off)
+        if _is_hole(fd, off, want):
+            digests[i] = zero_chunk_hash(want)
+            continue
+        if buf is None:
+            buf = bytearray(min(chunk_size, size))
+        view = memoryview(buf)
+        try:
+            _read_into(fd, view, off, want, size)
+            digests[i] = blake3.blake3(view[:want]).hexdigest()
+        finally:
+            view.release()
+        hashed += want
+    return HashResult(size, tuple(digests), "", hashed)
+
+
+def file_hash_fd(fd: int, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
+    """The hex blake3 digest of the first ``size`` bytes of ``fd`` (the whole-file hash
+    alone, read ``chunk_size`` bytes at a time). Blocking and CPU-bound: call it from a
+    worker thread.
+
+    Raises:
+        OSError: if the file cannot be read or is shorter than ``size``.
+    """
+    whole = blake3.blake3()
+    if size == 0:
+        return EMPTY_HASH
+    buf = bytearray(min(chunk_size, size))
+    view = memoryview(buf)
+    try:
+        for off in range(0, size, chunk_size):
+            want = min(chunk_size, size - off)
+            _read_into(fd, view, off, want, size)
+            whole.update(view[:want])
+    finally:
+        view.release()
+    return whole.hexdigest()

@@ -37,11 +37,12 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
 
-from mtcfs.base.chunking import hash_fd
+from mtcfs.base.chunking import HashResult, file_hash_fd, hash_fd, rehash_fd
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import Create
 from mtcfs.core.budget import RamBudget
@@ -189,8 +190,8 @@ class OpenFiles:
         """The version a new writer writes to: the open one, or a new copy-on-write one.
 
         The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
-        sealed version nothing else uses is not copied: the new version takes its data
-        file over.
+        sealed version nothing but read-only handles uses is not copied: the new version
+        takes its data file over (core/versions.py: ``new``).
         """
         for _attempt in range(3):
             cur = self.versions[ino.vid] if ino.vid is not None else None
@@ -204,6 +205,8 @@ class OpenFiles:
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
                     os.ftruncate(self.vstore.fd(cur), 0)
+                    cur.base_chunks = None
+                    cur.dirty.clear()
                     cur.size = 0
                     cur.missing.clear()
                     cur.gen += 1
@@ -211,8 +214,11 @@ class OpenFiles:
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
+            # Take the data file over unless something reads the old version's own bytes:
+            # a pin (a thread, a backup upload), a seal or a publish; read-only handles read
+            # the current version (read), so the old one keeps no data (vstore._detach).
             take = (cur is not None and not trunc and not self.job_scope and cur.sealed
-                    and not (cur.handles or cur.pins or cur.sealing is not None
+                    and not (cur.writers or cur.pins or cur.sealing is not None
                              or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):
@@ -339,6 +345,7 @@ class OpenFiles:
         need = self.budget.new_bytes(v, off, end)
         if need:
             await self.budget.reserve(need)
+        v.changed(off, end)
         try:
             n = os.pwrite(self.vstore.fd(v), buf, off)
         except OSError as exc:
@@ -454,14 +461,21 @@ class OpenFiles:
         try:
             while True:
                 gen, size = v.gen, v.size
+                # A rewrite hashes only the chunks written since it started from a sealed
+                # version; scope=job hashes the whole file: its hash names the publication
+                # (jobns.py: Publish.expect). See docs/architecture.md, "Rewrites".
+                fn: Callable[..., HashResult] = hash_fd
+                args: tuple[Any, ...] = (size, v.chunk_size)
+                if v.base_chunks is not None and not self.job_scope:
+                    fn, args = rehash_fd, (size, v.chunk_size, v.base_chunks, set(v.dirty))
                 try:
                     fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
                     try:
                         if size <= INLINE_SEAL_BYTES:  # cheaper than the hop to a thread
-                            res = hash_fd(fd, size, v.chunk_size)
+                            res = fn(fd, *args)
                         else:
                             res = await trio.to_thread.run_sync(
-                                hash_fd, fd, size, v.chunk_size, limiter=self.cpu_limiter)
+                                fn, fd, *args, limiter=self.cpu_limiter)
                     finally:
                         self.fds.unlease(v, fd)
                 except OSError as exc:
@@ -479,8 +493,11 @@ class OpenFiles:
                 break
             v.sealed = True
             v.chunks = res.chunks
-            v.blake3 = res.file_hash
+            v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
+            v.base_chunks = None
+            v.dirty.clear()
             v.backed_up = False
+            self.counters.seal_bytes_hashed += res.hashed
             ino = self.inodes.get(v.ino)
             with self.db.transaction():
                 self.vstore.write(v)
@@ -510,6 +527,39 @@ class OpenFiles:
                     and not allow_writers and not cancelled:
                 self.after_write_close(v)
             self.vstore.release(v)
+
+    async def file_hash(self, v: Version) -> str:
+        """The hex blake3 of sealed ``v``'s whole content (``user.mtcfs.blake3``).
+
+        A rewrite's seal hashes only the chunks it changed and leaves ``v.blake3`` empty;
+        the first ask computes it here (missing chunks faulted in first, as a read would),
+        records it in the version's row and counts the bytes (``file_hash_bytes``).
+
+        Raises:
+            FsError: EIO from the fault-in of a chunk this node does not hold.
+        """
+        if v.blake3:
+            return v.blake3
+        v.pins += 1  # stays while hashed, even if replaced meanwhile
+        try:
+            await self._host.fault_in(v, 0, v.size)
+            chunks = v.chunks
+            fd = self.fds.lease(v)
+            try:
+                digest = await trio.to_thread.run_sync(
+                    file_hash_fd, fd, v.size, v.chunk_size, limiter=self.cpu_limiter)
+            finally:
+                self.fds.unlease(v, fd)
+            self.counters.file_hash_bytes += v.size
+        finally:
+            v.pins -= 1
+            self.vstore.release(v)
+        if v.chunks == chunks and not v.dropped:
+            v.blake3 = digest
+            if self.versions.get(v.vid) is v:
+                with self.db.transaction():
+                    self.vstore.write(v)
+        return digest
 
     async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:
         """Wait until the current version of file ``ino`` is sealed.

@@ -156,6 +156,7 @@ class NamespaceOps:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.fault_in(v, 0, v.size)
+        v.changed(v.size, size)
         os.ftruncate(self.vstore.fd(v), size)
         v.size = size
         v.gen += 1

@@ -73,6 +73,11 @@ class Counters:
     fault_waits: int = 0
     #: ... of them, those that ended at the fault-in deadline (counted in fault_errors too).
     fault_timeouts: int = 0
+    #: Bytes read and hashed by seals (a rewrite hashes only the chunks it changed).
+    seal_bytes_hashed: int = 0
+    #: Bytes hashed to compute a whole-file hash when asked (``user.mtcfs.blake3`` of a
+    #: rewritten file; core/files.py: file_hash).
+    file_hash_bytes: int = 0
     #: Seconds from the last writer's release to the version sealed (hashed, recorded).
     seal_seconds: Histogram = field(default_factory=lambda: Histogram(LATENCY_BOUNDS_S))
 

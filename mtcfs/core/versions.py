@@ -203,8 +203,9 @@ class VersionStore:
             take_over: Version | None = None) -> Version:
         """A new version of ``ino``, registered and accounted: empty, a copy of
         ``copy_from`` (its data extents only: holes stay holes), or ``take_over``'s data
-        file itself (a second name for it; the caller makes sure nothing else uses that
-        version, which goes at :meth:`set_current`). Not current yet: the caller makes it
+        file itself (a second name for it; the caller makes sure that nothing but read-only
+        handles uses that version, which goes at :meth:`set_current` or, with handles, is
+        left with no data: :meth:`_detach`). Not current yet: the caller makes it
         so with :meth:`set_current`."""
         store, fds = self._store, self.fds
         v = Version(vid=self.alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
@@ -228,10 +229,47 @@ class VersionStore:
             v.size = src.size
             v.missing = set(src.missing)
             v.chunk_size = src.chunk_size
+            if src.sealed and not src.missing:
+                # its data file holds exactly those chunks: the seal hashes only the
+                # chunks written since (Version.dirty)
+                v.base_chunks = src.chunks
         self._host.budget.account(v)
         self.versions[v.vid] = v
         self.write(v)
+        if take_over is not None and take_over.handles:
+            self._detach(take_over)
         return v
+
+    def _detach(self, old: Version) -> None:
+        """``old``'s data file became a new version's (:meth:`new`, ``take_over``) while
+        handles still hold ``old`` (none writable, no pin: nothing reads it in a thread).
+        Their reads go to the file's current version (core/files.py: ``read``), so ``old``
+        keeps no data: every chunk missing, out of the chunk index and the verifier, its
+        descriptor closed and, once the caller's transaction commits, a new empty data file
+        under its name (not counted twice against size=; nothing that reads it by vid sees
+        the new version's bytes). A crash before that commit leaves ``old`` current with its
+        data file intact."""
+        host = self._host
+        self._hand_over_last_copies(old)  # as its release would (the new version is unindexed)
+        host.chunk_index.forget_version(old)
+        host.verifier.drop(old.vid)
+        self.fds.drop(old)
+        old.missing = set(range(chunk_count(old.size, old.chunk_size)))
+        self.write(old)
+        host.db.after_commit(functools.partial(self._fresh_data, old))
+        failpoint("core.detach_in_transaction")  # tests: a crash before that commit
+
+    def _fresh_data(self, old: Version) -> None:
+        """The second half of :meth:`_detach`, after the commit: ``old``'s name gets a new
+        sparse data file of its size (nothing if ``old`` was freed meanwhile)."""
+        if self.versions.get(old.vid) is not old:
+            return
+        self.fds.drop(old)
+        self._store.remove_data(old.vid)
+        fd = self._store.open_data(old.vid, create=True)
+        self.fds.adopt(old, fd)
+        os.ftruncate(fd, old.size)
+        self._host.budget.account(old)
 
     def new_sealed(self, ino: int, size: int, chunk_size: int, chunks: tuple[str, ...],
                    file_hash: str, *, origin: int = -1, backed_up: bool = False,

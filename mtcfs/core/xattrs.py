@@ -67,7 +67,7 @@ class XattrOps:
             v = await self.open_files.wait_sealed(ino)
             if v is None:
                 raise FsError(ENOATTR)
-            return v.blake3.encode()
+            return (await self.open_files.file_hash(v)).encode()
         if key == b"control" and ino.ino == ROOT_INO:
             return self.store.control_socket.encode()
         raise FsError(ENOATTR)

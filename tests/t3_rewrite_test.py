@@ -1,0 +1,309 @@
+"""Rewrites of sealed files at chunk granularity (issue 18): reopening a sealed file for
+writing and changing a few bytes costs work and RAM in proportion to the chunks changed,
+not to the file's size; holes stay holes; the whole-file hash stays the true blake3.
+
+In-process core (tests/support/corefs.py, chunks of CS = 64 KiB); the real mount's form is
+in t4_posix_test.py (test_rewrite_of_one_byte_of_a_sealed_file_*)."""
+
+import errno
+import os
+
+import blake3
+import pytest
+import trio
+
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
+from mtcfs.core.model import ROOT_INO
+from support.corefs import CS, open_fs, run, sealed, write_file
+
+MIB = 1 << 20
+
+
+def _chunks(data: bytes) -> list[str]:
+    return [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
+
+
+async def _read_all(fs, ino: int, size: int) -> bytes:
+    fh, _ = await fs.open(ino, os.O_RDONLY)
+    out = bytearray()
+    while len(out) < size + 1:
+        b = await fs.read(fh, len(out), 4 * MIB)
+        if not b:
+            break
+        out += b
+    await fs.release(fh)
+    return bytes(out)
+
+
+async def _rewrite(fs, ino: int, writes, truncate: int | None = None) -> None:
+    """Open ``ino`` O_RDWR (no O_TRUNC), apply ``writes`` [(off, bytes)], optionally a
+    truncate through the handle, close."""
+    fh, _ = await fs.open(ino, os.O_RDWR)
+    for off, b in writes:
+        assert await fs.write(fh, off, b) == len(b)
+    if truncate is not None:
+        await fs.setattr(ino, size=truncate, fh=fh)
+    await fs.release(fh)
+
+
+def _data_blocks(fs, vid: int) -> int:
+    return os.stat(fs.store.data_path(vid)).st_blocks * 512
+
+
+def _check(fs, v, expect: bytes) -> None:
+    assert v.size == len(expect)
+    assert list(v.chunks) == _chunks(expect)
+
+
+def test_one_byte_rewrite_of_a_sealed_64mib_sparse_file_hashes_one_chunk(tmp_path):
+    size = 64 * MIB
+    head = os.urandom(3 * CS + 17)
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"big", head)
+        await fs.setattr(ino, size=size)  # the rest: a hole
+        v1 = await sealed(fs, ino)
+        expect = bytearray(head + bytes(size - len(head)))
+        assert v1.blake3 == blake3.blake3(expect).hexdigest()
+        used0, hashed0 = fs.used, fs.counters.seal_bytes_hashed
+
+        off = 40 * MIB + 5  # in the hole
+        await _rewrite(fs, ino, [(off, b"\x01")])
+        expect[off] = 1
+        v2 = await sealed(fs, ino)
+        assert v2.vid != v1.vid
+        # work: the one chunk written is hashed, no other
+        assert fs.counters.seal_bytes_hashed - hashed0 == CS
+        # RAM: the hole stays a hole, the rest of the data is not copied
+        assert fs.used - used0 <= CS
+        assert _data_blocks(fs, v2.vid) <= len(head) + CS
+        _check(fs, v2, bytes(expect))
+        assert await _read_all(fs, ino, size) == expect
+        # the whole-file hash: computed when asked, the true blake3 of the content
+        fh0 = fs.counters.file_hash_bytes
+        got = await fs.getxattr(ino, b"user.mtcfs.blake3")
+        assert got.decode() == blake3.blake3(expect).hexdigest()
+        assert fs.counters.file_hash_bytes - fh0 == size
+        got = await fs.getxattr(ino, b"user.mtcfs.blake3")  # recorded: not hashed again
+        assert fs.counters.file_hash_bytes - fh0 == size
+        assert fs.versions[ino_vid(fs, ino)].blake3 == got.decode()
+    run(body, tmp_path)
+
+
+def ino_vid(fs, ino: int) -> int:
+    return fs.inodes[ino].vid
+
+
+def test_one_byte_rewrite_of_a_dense_file_hashes_one_chunk_and_copies_nothing(tmp_path):
+    data = bytearray(os.urandom(8 * MIB))
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"dense", bytes(data))
+        await sealed(fs, ino)
+        used0, hashed0 = fs.used, fs.counters.seal_bytes_hashed
+        await _rewrite(fs, ino, [(5 * MIB + 3, b"Z")])
+        data[5 * MIB + 3] = ord("Z")
+        v2 = await sealed(fs, ino)
+        assert fs.counters.seal_bytes_hashed - hashed0 == CS
+        assert fs.used - used0 <= CS
+        _check(fs, v2, bytes(data))
+        assert await _read_all(fs, ino, len(data)) == data
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
+    run(body, tmp_path)
+
+
+def test_rewrites_across_chunk_boundaries_past_the_end_and_truncates(tmp_path):
+    base = os.urandom(10 * CS + 100)
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", base)
+        await sealed(fs, ino)
+        cases = [
+            # (writes, truncate) applied to the previous content
+            ([(2 * CS - 3, b"abcdef")], None),                   # across a boundary
+            ([(len(base) + 3 * CS + 7, b"tail")], None),         # past the end: a gap
+            ([], 4 * CS + 9),                                    # shrink mid-chunk
+            ([], 4 * CS),                                        # shrink to a boundary
+            ([], 9 * CS + 1),                                    # extend: a hole
+            ([(9 * CS, b"q" * (CS + 1))], None),                 # write the extension
+            ([(0, b"A")], 2 * CS + 5),                           # write, then shrink
+            ([(6 * CS + 1, b"B")], None),                        # past end again
+        ]
+        content = bytearray(base)
+        for writes, trunc in cases:
+            hashed0 = fs.counters.seal_bytes_hashed
+            await _rewrite(fs, ino, writes, trunc)
+            for off, b in writes:
+                if off > len(content):
+                    content += bytes(off - len(content))
+                content[off:off + len(b)] = b
+            if trunc is not None:
+                content = content[:trunc] + bytes(max(0, trunc - len(content)))
+            v = await sealed(fs, ino)
+            _check(fs, v, bytes(content))
+            assert await _read_all(fs, ino, len(content)) == content
+            assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+                blake3.blake3(content).hexdigest()
+            # never more than the chunks written (holes are not read)
+            written = sum(len(b) for _o, b in writes)
+            assert fs.counters.seal_bytes_hashed - hashed0 <= (written // CS + 2) * CS
+    run(body, tmp_path)
+
+
+def test_rewrite_while_a_reader_holds_the_file_open(tmp_path):
+    data = bytearray(os.urandom(20 * CS))
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"r", bytes(data))
+        v1 = await sealed(fs, ino)
+        rfh, _ = await fs.open(ino, os.O_RDONLY)
+        assert await fs.read(rfh, 0, 10) == data[:10]
+        used0, hashed0 = fs.used, fs.counters.seal_bytes_hashed
+        await _rewrite(fs, ino, [(7 * CS + 1, b"xy")])
+        data[7 * CS + 1:7 * CS + 3] = b"xy"
+        v2 = await sealed(fs, ino)
+        assert v2.vid != v1.vid
+        assert fs.counters.seal_bytes_hashed - hashed0 == CS
+        # the data file was taken over, not copied: the reader's old version holds none
+        assert fs.used - used0 <= CS
+        assert _data_blocks(fs, v1.vid) == 0 and v1.vid in fs.versions
+        assert fs.chunk_index.locate(v1.chunks[0]) == (v2, 0)
+        _check(fs, v2, bytes(data))
+        assert await fs.read(rfh, 0, len(data)) == data  # one file, one content
+        await fs.release(rfh)
+        assert v1.vid not in fs.versions
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
+    run(body, tmp_path)
+
+
+def test_rewrite_while_a_backup_pins_the_old_version_copies_and_the_pin_reads_old_bytes(
+        tmp_path):
+    data = bytearray(os.urandom(6 * CS))
+
+    async def body(fs):
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        ino = await write_file(fs, d.ino, b"x", bytes(data))
+        v1 = await sealed(fs, ino)
+        fs.step_registry.seal("step_1")
+        _m, pinned = fs.snapshot_step("step_1")  # a backup upload in flight
+        read = fs.chunk_reader(pinned)
+        await _rewrite(fs, ino, [(2 * CS, b"p")])
+        old = bytes(data)
+        data[2 * CS] = ord("p")
+        v2 = await sealed(fs, ino)
+        _check(fs, v2, bytes(data))
+        assert read(v1.chunks[2]) == old[2 * CS:3 * CS]  # the pinned old bytes, intact
+        fs.unpin(pinned)
+        assert v1.vid not in fs.versions
+        assert await _read_all(fs, ino, len(data)) == data
+    run(body, tmp_path)
+
+
+def test_two_rewrites_in_a_row_and_an_o_trunc_rewrite(tmp_path):
+    data = bytearray(os.urandom(6 * CS))
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"t", bytes(data))
+        await sealed(fs, ino)
+        await _rewrite(fs, ino, [(1, b"1")])
+        data[1] = ord("1")
+        v = await sealed(fs, ino)
+        assert v.blake3 == ""  # not asked yet
+        await _rewrite(fs, ino, [(5 * CS, b"2")])  # based on a version never whole-hashed
+        data[5 * CS] = ord("2")
+        v = await sealed(fs, ino)
+        _check(fs, v, bytes(data))
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
+        new = os.urandom(3 * CS)
+        await write_file(fs, ROOT_INO, b"t", new, flags=os.O_WRONLY | os.O_TRUNC)
+        v = await sealed(fs, ino)
+        _check(fs, v, new)
+        assert v.blake3 == blake3.blake3(new).hexdigest()  # a full seal hashes the file
+    run(body, tmp_path)
+
+
+def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
+    data = bytearray(os.urandom(12 * CS))
+    ino_box: list[int] = []
+
+    async def first(fs):
+        ino = await write_file(fs, ROOT_INO, b"c", bytes(data))
+        await sealed(fs, ino)
+        ino_box.append(ino)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        await fs.write(fh, 3 * CS + 2, b"crash")
+        await fs.fsync(fh, False)
+        # "crash": no release, no close of the store's database
+        fs.store.db.conn.close()
+        os.close(fs.store._lock_fd)
+        fs.store._lock_fd = -1
+        fs.store.db = None
+
+    async def body():
+        async with trio.open_nursery() as n:
+            fs = open_fs(tmp_path / "store")
+            fs.start(n)
+            await first(fs)
+            n.cancel_scope.cancel()
+    trio.run(body)
+    data[3 * CS + 2:3 * CS + 7] = b"crash"
+
+    async def second(fs):
+        v = await sealed(fs, ino_box[0])  # sealed again at start, every chunk hashed
+        _check(fs, v, bytes(data))
+        assert v.blake3 == blake3.blake3(data).hexdigest()
+        assert await _read_all(fs, ino_box[0], len(data)) == data
+        assert await fs.verify() == []
+    run(second, tmp_path)
+
+
+def test_whole_file_hash_of_a_rewritten_file_whose_data_was_dropped(tmp_path):
+    data = bytearray(os.urandom(5 * CS))
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"e", bytes(data))
+        await sealed(fs, ino)
+        await _rewrite(fs, ino, [(2 * CS, b"e")])
+        data[2 * CS] = ord("e")
+        v = await sealed(fs, ino)
+        # a second local copy of the content, then v's data leaves RAM (eviction)
+        other = await write_file(fs, ROOT_INO, b"copy", bytes(data))
+        await sealed(fs, other)
+        with fs.db.transaction():
+            fs.vstore.drop_data(v)
+        assert v.missing
+        got = await fs.getxattr(ino, b"user.mtcfs.blake3")  # faulted in from the copy
+        assert got.decode() == blake3.blake3(data).hexdigest()
+    run(body, tmp_path)
+
+
+def _on_disk(fs) -> int:
+    data = os.path.dirname(fs.store.data_path(0))
+    return sum(os.stat(os.path.join(data, n)).st_blocks * 512 for n in os.listdir(data))
+
+
+def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
+    data = os.urandom(20 * CS)
+
+    async def body(fs):
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        ino = await write_file(fs, d.ino, b"x", data)
+        await sealed(fs, ino)
+        fs.step_registry.seal("step_1")
+        _m, pinned = fs.snapshot_step("step_1")  # pinned: a rewrite must copy, 40 > 30
+        with pytest.raises(FsError) as e:
+            await fs.open(ino, os.O_RDWR)
+        assert e.value.errno == errno.ENOSPC
+        fs.unpin(pinned)
+        rfh, _ = await fs.open(ino, os.O_RDONLY)  # a reader only: taken over, it fits
+        await _rewrite(fs, ino, [(0, b"X")])
+        await sealed(fs, ino)
+        assert fs.used == _on_disk(fs) <= 21 * CS
+        assert await fs.read(rfh, 0, 3) == b"X" + data[1:3]
+        await fs.release(rfh)
+        assert fs.used == _on_disk(fs) <= 21 * CS
+    run(body, tmp_path, capacity=30 * CS)
