@@ -357,6 +357,9 @@ class Result:
     backup_timeline: list[tuple[float, int]] = field(default_factory=list)
     backup_final: int | None = None  #: mtcfs: that step at the end, just before unmount
     last_sealed: int = 0  #: the newest step every rank checkpointed (sealed or committed)
+    #: mtcfs: seconds after the last step until ``last_sealed`` was complete on every rank in
+    #: the backup tier (waited for up to :func:`catch_up_s`), None if it was not
+    backup_caught_up_s: float | None = None
 
     @property
     def steps_lost(self) -> int:
@@ -667,12 +670,26 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
             res.backup_final = nodes.backup_complete()
             if res.backup_final is not None:
                 scan_backup(time.monotonic())
+            if len(res.digests) == NODES and res.last_sealed:
+                # the job is done: does the backup tier reach its last checkpoint? (bounded)
+                t_end, limit = time.monotonic(), catch_up_s(s)
+                while time.monotonic() - t_end < limit:
+                    if (scan_backup(time.monotonic()) or 0) >= res.last_sealed:
+                        res.backup_caught_up_s = round(time.monotonic() - t_end, 2)
+                        break
+                    time.sleep(0.2)
             res.backup_bytes = nodes.uploaded() if nodes.mounts[0].pid else res.backup_bytes
             nodes.unmount()
             res.backup_bytes = max(res.backup_bytes, nodes.uploaded())
     res.goodput = s.steps * s.step_s / res.wall_s
     res.equal = all(res.digests.get(r) == ref[r] for r in range(NODES))
     return res
+
+
+def catch_up_s(s: Setup) -> float:
+    """How long the end of an mtcfs strategy waits for its last checkpoint to be complete
+    on every rank in the backup tier: 4 backup intervals, at least 30 s."""
+    return max(30.0, 4 * float(s.backup_interval.rstrip("s")))
 
 
 def pick_backup(rank_dirs: list[Path]) -> int | None:
@@ -814,7 +831,11 @@ def backup_report(results: list[Result], s: Setup) -> str:
         adv = [n for _, n in r.backup_timeline]
         lines.append(f"    job-complete backup steps, in order: {adv}")
         lines.append(f"    at the end: backup {r.backup_final if r.backup_final is not None else 'none'}"
-                     f" / checkpointed {r.last_sealed} (every {r.every} steps)")
+                     f" / checkpointed {r.last_sealed} (every {r.every} steps); step "
+                     f"{r.last_sealed} complete on every rank "
+                     + (f"{r.backup_caught_up_s:.1f} s after the last step"
+                        if r.backup_caught_up_s is not None
+                        else f"NOT within {catch_up_s(s):.0f} s after the last step"))
     return "\n".join(lines)
 
 
