@@ -827,6 +827,8 @@ def backup_report(results: list[Result], s: Setup) -> str:
             lines.append(f"    after the replacement at t={f.t:.1f}s: "
                          + (f"first newer job-complete backup (step {after[0][1]}) "
                             f"{after[0][0] - f.t:.1f} s later" if after
+                            else "no step newer than the checkpoint it restored was "
+                            "checkpointed after it" if r.last_sealed <= f.sealed
                             else "NO newer step complete on every rank in the backup tier"))
         adv = [n for _, n in r.backup_timeline]
         lines.append(f"    job-complete backup steps, in order: {adv}")
