@@ -31,9 +31,15 @@ to ``--step-ms``; mtcfs's reads from its backup tier after a ``job`` failure are
 the baseline's bandwidth (the rank waits until bytes / bandwidth after its load started).
 Everything else (saves, seals, restores, kills, remounts, the peer copy) is real.
 
+With ``--data-parallel`` the mtcfs nodes mount with ``assume_data_parallelism=2``: the two
+ranks are data-parallel twins and split each backup's upload between them.
+
 Prints a table (goodput measured and as Young/Daly predict it, steps lost, recovery time
 per failure kind, save stall, bytes to the backup tier, final weights equal) and writes the
 plot (step against wall time, failures marked) to ``--png``; ``--json`` writes the results.
+Then, per mtcfs strategy, the newest step complete on every rank in the backup bucket at
+each failure and at the end, against the newest step checkpointed on every rank, and how
+soon a newer job-complete backup followed each node replacement.
 Exit status 0 only when every strategy's final state equals the uninterrupted run's.
 """
 
@@ -324,6 +330,9 @@ class FailureRecord:
     step: int  #: the last step done when it hit
     restored: int  #: the step training resumed from
     recovery_s: float = 0.0  #: injection -> every rank ready to train again
+    #: mtcfs: the newest step complete on every rank in the backup tier when it hit
+    backup_step: int | None = None
+    sealed: int = 0  #: the newest step every rank had checkpointed when it hit
 
 
 @dataclass
@@ -343,6 +352,14 @@ class Result:
     timeline: list[tuple[float, int]] = field(default_factory=list)
     digests: dict[int, str] = field(default_factory=dict)
     equal: bool = False
+    #: mtcfs: (s since start, newest step complete on every rank in the backup tier), at
+    #: each change (sampled every 0.5 s while ranks train)
+    backup_timeline: list[tuple[float, int]] = field(default_factory=list)
+    backup_final: int | None = None  #: mtcfs: that step at the end, just before unmount
+    last_sealed: int = 0  #: the newest step every rank checkpointed (sealed or committed)
+    #: mtcfs: seconds after the last step until ``last_sealed`` was complete on every rank in
+    #: the backup tier (waited for up to :func:`catch_up_s`), None if it was not
+    backup_caught_up_s: float | None = None
 
     @property
     def steps_lost(self) -> int:
@@ -361,7 +378,8 @@ class Nodes:
     ``file://`` bucket under ``work/<name>``. Keeps the bytes each node's daemons uploaded
     to the backup tier (the ``bytes_uploaded`` counter, read before a daemon is killed)."""
 
-    def __init__(self, work: Path, name: str, backup_interval: str) -> None:
+    def __init__(self, work: Path, name: str, backup_interval: str,
+                 data_parallel: int = 1) -> None:
         from demo_peers import free_ports
         self.root = work / name
         self.bucket = self.root / "bucket"
@@ -379,6 +397,8 @@ class Nodes:
                 "peers": ",".join(f"127.0.0.1:{p}" for p in ports),
                 "listen": f"127.0.0.1:{ports[r]}", "backup": f"file://{self.bucket}",
                 "backup_interval": backup_interval, **coord, **tls(r)}
+            if data_parallel > 1:  # the ranks are data-parallel twins: split the backup
+                opts["assume_data_parallelism"] = str(data_parallel)
             self.mounts.append(MtcfsMount(job, work / f"n{r}" / "mnt", opts))
         self.uploaded_dead = [0] * NODES
         self.uploaded_live = [0] * NODES
@@ -413,6 +433,11 @@ class Nodes:
         on_all(lose, ranks)
         on_all(lambda r: self.mounts[r].mount(), ranks)
 
+    def backup_complete(self) -> int | None:
+        """The newest step complete on every rank in the ``file://`` bucket (a ``COMPLETE``
+        marker in ``steps/<step>/rank-<r>/`` for every r), or None."""
+        return job_complete_backup(self.bucket)
+
     def complete_steps(self, r: int) -> set[int]:
         """Steps whose directory in node r's mount is a complete checkpoint."""
         mnt = self.mounts[r].mnt
@@ -432,6 +457,15 @@ class Nodes:
         on_all(lambda m: m.unmount(), self.mounts)
 
 
+def job_complete_backup(bucket: Path) -> int | None:
+    """The newest step complete on every rank in the ``file://`` bucket of a multi-node
+    job (``steps/step_<n>/rank-<r>/COMPLETE`` for every rank r < NODES), or None."""
+    done = [n for n, name in steps_in(bucket / "steps", _STEP_DIR).items()
+            if all((bucket / "steps" / name / f"rank-{r}" / "COMPLETE").exists()
+                   for r in range(NODES))]
+    return max(done) if done else None
+
+
 @dataclass
 class Setup:
     """Everything the strategies share."""
@@ -447,6 +481,7 @@ class Setup:
     ckpt_bytes: int  #: one rank's checkpoint (set by calibrate)
     backup_interval: str
     max_wall_s: float
+    data_parallel: int = 1  #: mtcfs's assume_data_parallelism (1: not given)
 
 
 def spawn(ctx: Any, specs: list[WorkerSpec]) -> tuple[list[Any], list[mpc.Connection]]:
@@ -515,7 +550,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
     nodes: Nodes | None = None
     rank_dirs = [s.work / name / "bucket" / f"rank{r}" for r in range(NODES)]
     if mode == "mtcfs":
-        nodes = Nodes(s.work, name, s.backup_interval)
+        nodes = Nodes(s.work, name, s.backup_interval, s.data_parallel)
         nodes.mount()
         dirs = [str(m.mnt) for m in nodes.mounts]
     else:
@@ -523,6 +558,18 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
             d.mkdir(parents=True)
         dirs = [str(d) for d in rank_dirs]
     procs: list[Any] = []
+    saved: dict[int, set[int]] = {r: set() for r in range(NODES)}  # rank -> steps saved
+    t0 = time.monotonic()
+
+    def scan_backup(now: float) -> int | None:
+        """The bucket's newest step complete on every rank, noted in res.backup_timeline
+        when it changed (mtcfs strategies)."""
+        assert nodes is not None
+        newest = nodes.backup_complete()
+        if newest is not None and (not res.backup_timeline
+                                   or res.backup_timeline[-1][1] != newest):
+            res.backup_timeline.append((round(now - t0, 3), newest))
+        return newest
     try:
         t0 = time.monotonic()
         deadline = t0 + s.max_wall_s
@@ -531,7 +578,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
         restore: int | None = None
         floor = 0.0
         recovering: FailureRecord | None = None
-        saved: dict[int, set[int]] = {r: set() for r in range(NODES)}
+        next_scan = 0.0  # when to look at the backup bucket next (mtcfs)
         while True:
             port = free_ports(1)[0]
             procs, conns = spawn(ctx, [WorkerSpec(
@@ -544,6 +591,9 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(f"{name}: not done after {s.max_wall_s:.0f} s")
+                if nodes is not None and now >= next_scan:
+                    scan_backup(now)
+                    next_scan = now + 0.5
                 if len(ready) == NODES and todo and t0 + todo[0].t <= now:
                     hit = todo.pop(0)
                     break
@@ -583,6 +633,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
             # --- a failure: the job's ranks die; the kind says what else is lost ---------
             t_hit = time.monotonic()
             kill_all(procs, hit.rank)
+            in_backup = scan_backup(t_hit) if nodes is not None else None
             lost = {"process": [], "node": [hit.rank], "job": list(range(NODES))}[hit.kind]
             if nodes is not None:
                 if lost:
@@ -599,24 +650,46 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
             else:
                 restore = pick_backup(rank_dirs)
             rec = FailureRecord(hit.kind, hit.rank, round(t_hit - t0, 3), last,
-                                restore or 0)
+                                restore or 0, backup_step=in_backup,
+                                sealed=max((n for n in set.intersection(*saved.values())
+                                            if n <= last), default=0))
             res.failures.append(rec)
             recovering = rec
             # in the plot: down to the restored step at the failure, flat while recovering
             res.timeline += [(t_hit - t0, last), (t_hit - t0, restore or 0)]
             say(f"  {name}: t={t_hit - t0:6.1f}s {hit.kind:>7} failure (rank {hit.rank}) "
                 f"at step {last}: restoring "
-                f"{'step ' + str(restore) if restore else 'from scratch'}")
+                f"{'step ' + str(restore) if restore else 'from scratch'}"
+                + (f" (backup tier: step {in_backup} complete on every rank)"
+                   if nodes is not None else ""))
     finally:
         if procs:
             kill_all(procs)
+        res.last_sealed = max(set.intersection(*saved.values()), default=0)
         if nodes is not None:
+            res.backup_final = nodes.backup_complete()
+            if res.backup_final is not None:
+                scan_backup(time.monotonic())
+            if len(res.digests) == NODES and res.last_sealed:
+                # the job is done: does the backup tier reach its last checkpoint? (bounded)
+                t_end, limit = time.monotonic(), catch_up_s(s)
+                while time.monotonic() - t_end < limit:
+                    if (scan_backup(time.monotonic()) or 0) >= res.last_sealed:
+                        res.backup_caught_up_s = round(time.monotonic() - t_end, 2)
+                        break
+                    time.sleep(0.2)
             res.backup_bytes = nodes.uploaded() if nodes.mounts[0].pid else res.backup_bytes
             nodes.unmount()
             res.backup_bytes = max(res.backup_bytes, nodes.uploaded())
     res.goodput = s.steps * s.step_s / res.wall_s
     res.equal = all(res.digests.get(r) == ref[r] for r in range(NODES))
     return res
+
+
+def catch_up_s(s: Setup) -> float:
+    """How long the end of an mtcfs strategy waits for its last checkpoint to be complete
+    on every rank in the backup tier: 4 backup intervals, at least 30 s."""
+    return max(30.0, 4 * float(s.backup_interval.rstrip("s")))
 
 
 def pick_backup(rank_dirs: list[Path]) -> int | None:
@@ -680,7 +753,7 @@ def calibrate(ctx: Any, s: Setup, ratio: float) -> tuple[float, float]:
     tier's bandwidth to the RAM tier's save rate so measured / ``ratio``, and measure the
     save stall there the same way. Returns (mtcfs save s, backup tier save s); sets
     ``s.bandwidth`` and ``s.ckpt_bytes``."""
-    nodes = Nodes(s.work, "calib", s.backup_interval)
+    nodes = Nodes(s.work, "calib", s.backup_interval, s.data_parallel)
     nodes.mount()
     try:
         mtcfs_s = statistics.median(measure_stall(ctx, s, "mtcfs",
@@ -731,6 +804,43 @@ def table(results: list[Result], s: Setup) -> str:
     return "\n".join(rows)
 
 
+def backup_report(results: list[Result], s: Setup) -> str:
+    """Per mtcfs strategy: is its backup tier current after node replacements? The newest
+    step complete on every rank in the bucket against the newest step every rank
+    checkpointed, at each failure and at the end, and which step each whole-job restore
+    used."""
+    lines = [f"backup tier (mtcfs backs up every {s.backup_interval}"
+             + (f", assume_data_parallelism={s.data_parallel}" if s.data_parallel > 1 else "")
+             + "): newest step complete on every rank / newest step checkpointed on every rank"]
+    for r in results:
+        if r.name == "backup":
+            continue
+        lines.append(f"  {r.label}:")
+        for f in r.failures:
+            what = {"process": "", "node": f" -> node {f.rank} replaced",
+                    "job": f" -> restored step {f.restored} from the backup tier"}[f.kind]
+            lines.append(f"    t={f.t:6.1f}s {f.kind:>7} at step {f.step}: backup "
+                         f"{f.backup_step if f.backup_step is not None else 'none'} / "
+                         f"checkpointed {f.sealed}{what}")
+        for f in (f for f in r.failures if f.kind == "node"):
+            after = [(t, n) for t, n in r.backup_timeline if t > f.t and n > f.sealed]
+            lines.append(f"    after the replacement at t={f.t:.1f}s: "
+                         + (f"first newer job-complete backup (step {after[0][1]}) "
+                            f"{after[0][0] - f.t:.1f} s later" if after
+                            else "no step newer than the checkpoint it restored was "
+                            "checkpointed after it" if r.last_sealed <= f.sealed
+                            else "NO newer step complete on every rank in the backup tier"))
+        adv = [n for _, n in r.backup_timeline]
+        lines.append(f"    job-complete backup steps, in order: {adv}")
+        lines.append(f"    at the end: backup {r.backup_final if r.backup_final is not None else 'none'}"
+                     f" / checkpointed {r.last_sealed} (every {r.every} steps); step "
+                     f"{r.last_sealed} complete on every rank "
+                     + (f"{r.backup_caught_up_s:.1f} s after the last step"
+                        if r.backup_caught_up_s is not None
+                        else f"NOT within {catch_up_s(s):.0f} s after the last step"))
+    return "\n".join(lines)
+
+
 def plot(results: list[Result], s: Setup, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -768,11 +878,14 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Result], Setup, dict
     say(f"goodput run: {NODES} ranks, {args.steps} steps of {args.step_ms} ms, "
         f"MTBF {args.mtbf} s, seed {args.seed}")
     say(f"scratch: {work}")
+    if args.data_parallel:
+        say("mtcfs mounts with assume_data_parallelism=2: the ranks' nodes split each backup")
     step_s = args.step_ms / 1000
     horizon = 20 * args.steps * step_s + 600
     s = Setup(work, args.seed, args.steps, step_s, args.width, args.mtbf,
               schedule(args.seed, args.mtbf, horizon, args.short), 0.0, 0,
-              f"{max(1, round(args.mtbf / 3))}s", horizon)
+              f"{max(1, round(args.mtbf / 3))}s", horizon,
+              2 if args.data_parallel else 1)
     t = time.monotonic()
     ref = run_reference(ctx, s)
     t_ref = time.monotonic() - t
@@ -808,7 +921,7 @@ def run(args: argparse.Namespace, work: Path) -> tuple[list[Result], Setup, dict
     calib = {"mtcfs_save_s": mtcfs_s, "backup_save_s": backup_s, "ckpt_bytes": nbytes,
              "backup_bandwidth": bw, "ratio": args.ratio,
              "young_daly": {"mtcfs": asdict(plan_m), "backup": asdict(plan_b)},
-             "backup_interval": s.backup_interval}
+             "backup_interval": s.backup_interval, "data_parallel": s.data_parallel}
     return results, s, calib
 
 
@@ -824,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=10.0,
                    help="RAM tier save rate / backup tier bandwidth")
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="mount mtcfs with assume_data_parallelism=2 (the 2 ranks are "
+                   "data-parallel twins: they split each backup's upload)")
     p.add_argument("--png", type=Path, default=Path("goodput.png"), help="the plot")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -841,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     results, s, calib = out
     say("")
     say(table(results, s))
+    say("")
+    say(backup_report(results, s))
     plot(results, s, args.png)
     say(f"plot: {args.png}")
     if args.json:
