@@ -102,7 +102,8 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         #: The inode table (core/inodes.py): inodes, directory entries, kernel aliases and
         #: their rows. ``inodes`` and ``aliases`` here are its dicts (read them; only it adds
         #: or removes entries).
-        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size)
+        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size,
+                               exact_next_ino=lambda: self.job_scope)
         self.inodes: dict[int, Inode] = self.tree.inodes
         #: The versions of files, their rows, data files and descriptors (core/versions.py).
         #: ``versions`` and ``fds`` here are its (the same objects), read by many; only it
