@@ -321,21 +321,25 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
             self.step_registry.forget(name)
 
     def _maybe_free_inode(self, ino: Inode) -> None:
+        """Free what an inode without a name no longer needs: with no open handle, its
+        data and its rows (in the caller's transaction, or one of its own), even while the
+        kernel still holds a lookup reference (it cannot read without opening; a crash
+        frees such an inode at load anyway: ``free_orphans``); its number once the kernel
+        forgot it too."""
         if ino.nlink > 0 or ino.ino == ROOT_INO:
             return
-        if ino.opens == 0 and ino.vid is not None:
-            # No name and no open handle: the data can go now, even while the kernel still
-            # holds a lookup reference (it cannot read without opening).
+        if ino.opens == 0 and (ino.vid is not None or self.tree.has_row(ino)):
             with self.db.transaction():
                 self.vstore.set_current(ino, None)
-                self.tree.write(ino)
+                self.tree.delete_rows(ino)
         if ino.lookups > 0 or ino.opens > 0:
             return
+        rows = self.tree.has_row(ino) or bool(ino.xattrs)  # written again since (a setattr)
         if not self.tree.forget(ino):  # its number and kernel aliases
             return
-        with self.db.transaction():
-            self.tree.delete_rows(ino)
-            self.vstore.set_current(ino, None)
+        if rows:
+            with self.db.transaction():
+                self.tree.delete_rows(ino)
 
     def report_error(self, msg: str) -> None:
         """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""

@@ -70,6 +70,9 @@ class InodeTable:
         self.inodes: dict[int, Inode] = {}
         #: scope=job: kernel inode number -> core inode number (Inode.kid).
         self.aliases: dict[int, int] = {}
+        #: numbers of registered inodes whose rows were deleted (unlinked, still known to
+        #: the kernel): their final forget writes nothing.
+        self._rowless: set[int] = set()
         self._next_ino = 2
         self._next_kid = 1 << 48
 
@@ -123,6 +126,7 @@ class InodeTable:
         and returned); a namespace snapshot install (core/jobns.py) fills the rest."""
         self.inodes.clear()
         self.aliases.clear()
+        self._rowless.clear()
         root = self._root_inode()
         self.write(root)
         self.inodes[ROOT_INO] = root
@@ -153,6 +157,7 @@ class InodeTable:
         """Write the row of ``ino`` (INSERT OR REPLACE): at the commit of the transaction in
         progress, once however often it is asked in that transaction (the fields as they
         are then), at once outside one."""
+        self._rowless.discard(ino.ino)
         self._db.defer(("inode", ino.ino), lambda: self._write_row(ino))
 
     def _write_row(self, ino: Inode) -> None:
@@ -169,12 +174,20 @@ class InodeTable:
         self._db.execute("DELETE FROM inodes WHERE ino=?", (ino.ino,))
         if ino.xattrs:  # no row without an entry (loaded at start, kept by core/xattrs.py)
             self._db.execute("DELETE FROM xattrs WHERE ino=?", (ino.ino,))
+        if ino.ino in self.inodes:
+            self._rowless.add(ino.ino)  # until written again or forgotten
+
+    def has_row(self, ino: Inode) -> bool:
+        """Whether ``ino`` (a registered inode) may have a row: False after
+        :meth:`delete_rows` until it is written again."""
+        return ino.ino not in self._rowless
 
     def forget(self, ino: Inode) -> bool:
         """Drop ``ino``'s number (and its kernel aliases) from the table; False if it was
         not there. Its rows stay until :meth:`delete_rows`."""
         if self.inodes.pop(ino.ino, None) is None:
             return False
+        self._rowless.discard(ino.ino)
         if ino.kid:
             for k in [k for k, n in self.aliases.items() if n == ino.ino]:
                 del self.aliases[k]

@@ -388,10 +388,10 @@ class NamespaceOps:
             raise FsError(errno.ENOTDIR)
         if ino.children:
             raise FsError(errno.ENOTEMPTY)
-        with self.db.transaction():
+        with self.db.transaction():  # one transaction: the name, the inode, the parent
             self._remove_dir_entry(d, name, ino)
             self.tree.touch(d)
-        self._maybe_free_inode(ino)
+            self._maybe_free_inode(ino)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                      flags: int = 0) -> None:
