@@ -4,7 +4,11 @@ Every namespace change is one transaction, so a ``kill -9`` of the daemon at any
 leaves a consistent namespace (SQLite WAL; the store is on tmpfs, so durability against a
 process crash is what matters, not against power loss). File sizes of versions still being
 written are recorded only on seal and fsync; recovery takes the data file's length instead
-(see :meth:`mtcfs.core.store.Store.recover`).
+(see :meth:`mtcfs.core.store.Store.recover`). So are the times the kernel's writeback cache
+sends for a file being written (a SETATTR of times only, at every close): the seal's
+transaction writes them with the inode's row; a crash before it keeps the times of the
+inode's last committed row. A row written several times in one transaction is written once,
+at its commit (:meth:`MetaDB.defer`).
 
 The schema below is the canonical description of the on-disk metadata; every column's
 meaning and sentinel values are commented there.
