@@ -124,6 +124,8 @@ class InodeTable:
     def clear(self) -> Inode:
         """Forget every inode and alias and start over with a new, empty root (written
         and returned); a namespace snapshot install (core/jobns.py) fills the rest."""
+        for num in self.inodes:  # a row write still deferred names an inode that goes
+            self._db.cancel(("inode", num))
         self.inodes.clear()
         self.aliases.clear()
         self._rowless.clear()

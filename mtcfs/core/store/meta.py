@@ -192,11 +192,6 @@ class MetaDB:
             for fn in todo.values():
                 fn()
 
-    @property
-    def in_transaction(self) -> bool:
-        """Whether a :meth:`transaction` is open (statements join it)."""
-        return self._depth > 0
-
     def defer(self, key: Hashable, fn: Callable[[], None]) -> None:
         """Run ``fn`` (a row write) once at the outer commit of the transaction in
         progress, before ``COMMIT``; a later ``defer`` of the same ``key`` in the same
