@@ -356,3 +356,19 @@ def test_metadb_transaction_defers_row_writes_and_begins_only_when_written(store
         assert db.get_kv("x") == "5"
     finally:
         db.conn.set_trace_callback(None)
+
+
+def test_clear_drops_row_writes_still_deferred(store):
+    """A snapshot install deletes every row, then clears the table, in one transaction: a
+    row write deferred earlier in it must not bring a dropped inode's row back."""
+    t = open_table(store)
+    db = store.db
+    f = mkfile(t, db, t.get(ROOT_INO), b"f")
+    with db.transaction():
+        f.mtime_ns += 1
+        t.write(f)  # deferred to the commit
+        for table in ("inodes", "dentries", "xattrs"):
+            db.execute(f"DELETE FROM {table}")
+        t.clear()
+    assert db.execute("SELECT ino FROM inodes").fetchall() == [(ROOT_INO,)]
+    consistent(t, store)
