@@ -291,3 +291,84 @@ def test_clear_and_install(store):
     g = mkfile(t, db, root, b"g")
     assert g.ino == 100 and t.next_ino == 101
     consistent(t, store)
+
+
+def test_next_ino_not_written_per_inode_is_recovered_past_every_row(tmp_path):
+    """scope=node (``exact_next_ino`` False): kv next_ino is not written with each new
+    inode; a table loaded again (after a crash: nothing written at close) hands out no
+    number that a row of any table still names."""
+    path = str(tmp_path / "store")
+    s = Store(path, "job", CS)
+    t = InodeTable(s.db, size_of=SIZES.__getitem__, exact_next_ino=lambda: False)
+    with s.db.transaction():
+        t.create_root()
+    t.load()
+    root = t.get(ROOT_INO)
+    d = mkdir(t, s.db, root, b"d")
+    f = mkfile(t, s.db, d, b"f")
+    last = mkfile(t, s.db, d, b"last")
+    with s.db.transaction():  # a version row naming a number past every inode row
+        s.db.execute("INSERT INTO versions(vid, ino, size, chunk_size) VALUES (1, ?, 0, ?)",
+                     (last.ino + 5, CS))
+    assert int(s.db.get_kv("next_ino")) == 2  # not written per inode
+    consistent_rows = {n for (n,) in s.db.execute("SELECT ino FROM inodes")}
+    assert {ROOT_INO, d.ino, f.ino, last.ino} <= consistent_rows
+    s.close()
+
+    s = Store(path, "job", CS)
+    try:
+        again = InodeTable(s.db, size_of=SIZES.__getitem__, exact_next_ino=lambda: False)
+        again.load()
+        assert again.next_ino == last.ino + 6
+    finally:
+        s.close()
+
+
+def test_metadb_transaction_defers_row_writes_and_begins_only_when_written(store):
+    """One row write per key and transaction, run before COMMIT; none on rollback; a
+    transaction in which nothing is written sends no BEGIN."""
+    db = store.db
+    seen: list[str] = []
+    db.conn.set_trace_callback(seen.append)
+    try:
+        with db.transaction():
+            with db.transaction():
+                pass
+        assert seen == []
+        with db.transaction():
+            db.defer("k", lambda: db.set_kv("x", "1"))
+            db.defer("k", lambda: db.set_kv("x", "2"))  # replaces the first
+            assert db.get_kv("x") is None  # not yet: at the commit
+        assert db.get_kv("x") == "2"
+        assert [q for q in seen if "INTO kv" in q] == [
+            "INSERT OR REPLACE INTO kv(key, value) VALUES ('x', '2')"]
+        with pytest.raises(RuntimeError):
+            with db.transaction():
+                db.set_kv("y", "1")
+                db.defer("k", lambda: db.set_kv("x", "3"))
+                raise RuntimeError("refused")
+        assert db.get_kv("x") == "2" and db.get_kv("y") is None
+        with db.transaction():
+            db.defer("k", lambda: db.set_kv("x", "4"))
+            db.cancel("k")
+        assert db.get_kv("x") == "2"
+        db.defer("k", lambda: db.set_kv("x", "5"))  # outside a transaction: at once
+        assert db.get_kv("x") == "5"
+    finally:
+        db.conn.set_trace_callback(None)
+
+
+def test_clear_drops_row_writes_still_deferred(store):
+    """A snapshot install deletes every row, then clears the table, in one transaction: a
+    row write deferred earlier in it must not bring a dropped inode's row back."""
+    t = open_table(store)
+    db = store.db
+    f = mkfile(t, db, t.get(ROOT_INO), b"f")
+    with db.transaction():
+        f.mtime_ns += 1
+        t.write(f)  # deferred to the commit
+        for table in ("inodes", "dentries", "xattrs"):
+            db.execute(f"DELETE FROM {table}")
+        t.clear()
+    assert db.execute("SELECT ino FROM inodes").fetchall() == [(ROOT_INO,)]
+    consistent(t, store)

@@ -107,7 +107,8 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         #: The inode table (core/inodes.py): inodes, directory entries, kernel aliases and
         #: their rows. ``inodes`` and ``aliases`` here are its dicts (read them; only it adds
         #: or removes entries).
-        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size)
+        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size,
+                               exact_next_ino=lambda: self.job_scope)
         self.inodes: dict[int, Inode] = self.tree.inodes
         #: The versions of files, their rows, data files and descriptors (core/versions.py).
         #: ``versions`` and ``fds`` here are its (the same objects), read by many; only it
@@ -367,21 +368,25 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
             self.step_registry.forget(name)
 
     def _maybe_free_inode(self, ino: Inode) -> None:
+        """Free what an inode without a name no longer needs: with no open handle, its
+        data and its rows (in the caller's transaction, or one of its own), even while the
+        kernel still holds a lookup reference (it cannot read without opening; a crash
+        frees such an inode at load anyway: ``free_orphans``); its number once the kernel
+        forgot it too."""
         if ino.nlink > 0 or ino.ino == ROOT_INO:
             return
-        if ino.opens == 0 and ino.vid is not None:
-            # No name and no open handle: the data can go now, even while the kernel still
-            # holds a lookup reference (it cannot read without opening).
+        if ino.opens == 0 and (ino.vid is not None or self.tree.has_row(ino)):
             with self.db.transaction():
                 self.vstore.set_current(ino, None)
-                self.tree.write(ino)
+                self.tree.delete_rows(ino)
         if ino.lookups > 0 or ino.opens > 0:
             return
+        rows = self.tree.has_row(ino) or bool(ino.xattrs)  # written again since (a setattr)
         if not self.tree.forget(ino):  # its number and kernel aliases
             return
-        with self.db.transaction():
-            self.tree.delete_rows(ino)
-            self.vstore.set_current(ino, None)
+        if rows:
+            with self.db.transaction():
+                self.tree.delete_rows(ino)
 
     def report_error(self, msg: str) -> None:
         """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""

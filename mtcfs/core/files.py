@@ -443,8 +443,27 @@ class OpenFiles:
         if not v.current or self.versions.get(v.vid) is not v:
             return  # freed (unlinked) or replaced: nothing to seal
         if v.writers == 0 and not v.sealed and v.sealing is None and self._nursery is not None:
+            if v.size <= INLINE_SEAL_BYTES and not self.job_scope:
+                self._seal_inline(v)  # nothing to await: no task of its own
+                return
             v.sealing = trio.Event()
             self._nursery.start_soon(self._seal, v)
+
+    def _seal_inline(self, v: Version) -> None:
+        """:meth:`_seal` of a small closed version in scope=node, done before returning:
+        hashed on the loop, no publish to wait for."""
+        t0 = time.monotonic()
+        try:
+            res = hash_fd(self.vstore.fd(v), v.size, v.chunk_size)
+        except OSError as exc:
+            v.seal_error = str(exc)
+            self._host.report_error(f"seal of version {v.vid} failed: {exc}")
+            return
+        ino = self._record_seal(v, res, t0)
+        if ino is not None and ino.vid == v.vid:
+            self._host._emit("sealed", v)
+            with self.db.transaction():
+                self.step_registry.commit_by_marker(ino)
 
     # ------------------------------------------------------------------ seal
 
@@ -491,24 +510,7 @@ class OpenFiles:
                 if v.gen != gen or v.size != size:
                     continue
                 break
-            v.sealed = True
-            v.chunks = res.chunks
-            v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
-            v.base_chunks = None
-            v.dirty.clear()
-            v.backed_up = False
-            self.counters.seal_bytes_hashed += res.hashed
-            ino = self.inodes.get(v.ino)
-            with self.db.transaction():
-                self.vstore.write(v)
-                if ino is not None:
-                    self.tree.write(ino)
-            self.chunk_index.add_version(v)
-            self.counters.seals += 1
-            self.counters.seal_seconds.observe(time.monotonic() - t0)
-            v.sealing = None
-            if ino is not None:
-                self.step_registry.changed(ino)
+            ino = self._record_seal(v, res, t0)
             if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
                 await self._host._ns_publish(ino, v)
@@ -527,6 +529,30 @@ class OpenFiles:
                     and not allow_writers and not cancelled:
                 self.after_write_close(v)
             self.vstore.release(v)
+
+    def _record_seal(self, v: Version, res: HashResult, t0: float) -> Inode | None:
+        """Record hashed ``v`` as sealed (``res``: its chunks and whole-file digest): its row
+        and its inode's (the times the writeback cache sent meanwhile), the chunk index,
+        the counters, a changed step. Returns its inode, if it still has one."""
+        v.sealed = True
+        v.chunks = res.chunks
+        v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
+        v.base_chunks = None
+        v.dirty.clear()
+        v.backed_up = False
+        self.counters.seal_bytes_hashed += res.hashed
+        ino = self.inodes.get(v.ino)
+        with self.db.transaction():
+            self.vstore.write(v)
+            if ino is not None:
+                self.tree.write(ino)
+        self.chunk_index.add_version(v)
+        self.counters.seals += 1
+        self.counters.seal_seconds.observe(time.monotonic() - t0)
+        v.sealing = None
+        if ino is not None:
+            self.step_registry.changed(ino)
+        return ino
 
     async def file_hash(self, v: Version) -> str:
         """The hex blake3 of sealed ``v``'s whole content (``user.mtcfs.blake3``).

@@ -52,19 +52,27 @@ class InodeTable:
     """The inodes and directory entries of one core.
 
     Args:
-        db: the store's metadata database (``execute``, ``get_kv``, ``set_kv``); rows are
-            written through it inside the caller's transaction.
+        db: the store's metadata database (``execute``, ``get_kv``, ``set_kv``, ``defer``,
+            ``cancel``); rows are written through it inside the caller's transaction.
         size_of: the size in bytes of version ``vid`` (a regular file's size in
             :meth:`attr`); the facade's versions answer it.
+        exact_next_ino: whether kv ``next_ino`` must be written with every new inode (the
+            numbers are the job's: scope=job); when False it is recovered at :meth:`load`
+            as past every number a row names (a statement fewer per new inode).
     """
 
-    def __init__(self, db: Any, size_of: Callable[[int], int]) -> None:
+    def __init__(self, db: Any, size_of: Callable[[int], int],
+                 exact_next_ino: Callable[[], bool] = lambda: True) -> None:
         self._db = db
         self._size_of = size_of
+        self._exact_next_ino = exact_next_ino
         #: inode number -> inode (every inode the core knows, linked or still open).
         self.inodes: dict[int, Inode] = {}
         #: scope=job: kernel inode number -> core inode number (Inode.kid).
         self.aliases: dict[int, int] = {}
+        #: numbers of registered inodes whose rows were deleted (unlinked, still known to
+        #: the kernel): their final forget writes nothing.
+        self._rowless: set[int] = set()
         self._next_ino = 2
         self._next_kid = 1 << 48
 
@@ -81,7 +89,13 @@ class InodeTable:
     def load(self) -> None:
         """Load every inode, directory entry and xattr from SQLite (the table is empty)."""
         db = self._db
-        self._next_ino = int(db.get_kv("next_ino") or 2)
+        # kv next_ino is written with each new inode only where the numbers must be the
+        # same on every node (scope=job: each node applies the same ops); elsewhere it is
+        # a lower bound, and no number any row still names is handed out again.
+        self._next_ino = max(int(db.get_kv("next_ino") or 2), 1 + max(
+            db.execute(f"SELECT coalesce(max({col}), 1) FROM {table}").fetchone()[0]
+            for table, col in (("inodes", "ino"), ("dentries", "ino"), ("versions", "ino"),
+                               ("xattrs", "ino"), ("steps", "ino"))))
         for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
                               " ctime_ns, target, vid, parent, name, rdev FROM inodes"):
             ino = Inode(*row[:9], target=row[9] or b"", vid=row[10], parent=row[11] or 0,
@@ -110,8 +124,11 @@ class InodeTable:
     def clear(self) -> Inode:
         """Forget every inode and alias and start over with a new, empty root (written
         and returned); a namespace snapshot install (core/jobns.py) fills the rest."""
+        for num in self.inodes:  # a row write still deferred names an inode that goes
+            self._db.cancel(("inode", num))
         self.inodes.clear()
         self.aliases.clear()
+        self._rowless.clear()
         root = self._root_inode()
         self.write(root)
         self.inodes[ROOT_INO] = root
@@ -139,7 +156,13 @@ class InodeTable:
     # ------------------------------------------------------------------ rows
 
     def write(self, ino: Inode) -> None:
-        """Write the row of ``ino`` (INSERT OR REPLACE)."""
+        """Write the row of ``ino`` (INSERT OR REPLACE): at the commit of the transaction in
+        progress, once however often it is asked in that transaction (the fields as they
+        are then), at once outside one."""
+        self._rowless.discard(ino.ino)
+        self._db.defer(("inode", ino.ino), lambda: self._write_row(ino))
+
+    def _write_row(self, ino: Inode) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO inodes(ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
             " ctime_ns, target, vid, parent, name, rdev) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -147,15 +170,26 @@ class InodeTable:
              ino.ctime_ns, ino.target or None, ino.vid, ino.parent, ino.name, ino.rdev))
 
     def delete_rows(self, ino: Inode) -> None:
-        """Delete the inode and xattr rows of ``ino`` (its entries are the caller's)."""
+        """Delete the inode and xattr rows of ``ino`` (its entries are the caller's); a
+        write of its row still deferred in this transaction is dropped."""
+        self._db.cancel(("inode", ino.ino))
         self._db.execute("DELETE FROM inodes WHERE ino=?", (ino.ino,))
-        self._db.execute("DELETE FROM xattrs WHERE ino=?", (ino.ino,))
+        if ino.xattrs:  # no row without an entry (loaded at start, kept by core/xattrs.py)
+            self._db.execute("DELETE FROM xattrs WHERE ino=?", (ino.ino,))
+        if ino.ino in self.inodes:
+            self._rowless.add(ino.ino)  # until written again or forgotten
+
+    def has_row(self, ino: Inode) -> bool:
+        """Whether ``ino`` (a registered inode) may have a row: False after
+        :meth:`delete_rows` until it is written again."""
+        return ino.ino not in self._rowless
 
     def forget(self, ino: Inode) -> bool:
         """Drop ``ino``'s number (and its kernel aliases) from the table; False if it was
         not there. Its rows stay until :meth:`delete_rows`."""
         if self.inodes.pop(ino.ino, None) is None:
             return False
+        self._rowless.discard(ino.ino)
         if ino.kid:
             for k in [k for k, n in self.aliases.items() if n == ino.ino]:
                 del self.aliases[k]
@@ -164,7 +198,8 @@ class InodeTable:
     def _alloc_ino(self) -> int:
         n = self._next_ino
         self._next_ino += 1
-        self._db.set_kv("next_ino", str(self._next_ino))
+        if self._exact_next_ino():
+            self._db.set_kv("next_ino", str(self._next_ino))
         return n
 
     # ------------------------------------------------------------------ inodes

@@ -8,6 +8,7 @@ File *data* is never held here: it lives in the store's data files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 
@@ -146,9 +147,12 @@ class Inode:
         return self.kind == "file"
 
 
-@dataclass(frozen=True)
-class Attr:
-    """Attributes the adapter reports (the fields of struct stat the kernel uses)."""
+class Attr(NamedTuple):
+    """Attributes the adapter reports (the fields of struct stat the kernel uses).
+
+    Immutable. A named tuple, not a frozen dataclass: one is made for every lookup,
+    getattr and directory entry, and a frozen dataclass's ``__init__`` costs about five
+    times as much (docs/benchmarks.md, issue 18)."""
 
     ino: int
     mode: int

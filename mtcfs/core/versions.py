@@ -7,7 +7,7 @@
   pins). Others read this dict (``Filesystem.versions`` is the same object, for the
   component's lifetime); only this class adds or removes entries;
 - the ``versions`` table of the store's SQLite database (one row per registered version,
-  written by :meth:`write`) and the kv key ``next_vid`` (:meth:`alloc_vid`);
+  written by :meth:`write`) and the kv key ``next_vid`` (a lower bound; :meth:`alloc_vid`, :meth:`load`);
 - the data files ``<store>/data/<vid>`` (created by :meth:`new`/:meth:`new_sealed`,
   removed by :meth:`release` once the deletion of the row commits);
 - ``fds``: the :class:`~mtcfs.core.store.fdcache.FdCache` of data file descriptors
@@ -144,7 +144,13 @@ class VersionStore:
         db = self._host.db
         if fresh:
             db.set_kv("next_vid", "1")
-        self._next_vid = int(db.get_kv("next_vid") or 1)
+        # kv next_vid is a lower bound (not written per version, versions are this node's
+        # own): past every vid a row or a data file still has.
+        self._next_vid = max(int(db.get_kv("next_vid") or 1),
+                             1 + db.execute("SELECT coalesce(max(vid), 0) FROM versions"
+                                            ).fetchone()[0],
+                             1 + max((int(n) for n in os.listdir(self._store.data_dir)
+                                      if n.isascii() and n.isdigit()), default=0))
         for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
                               " backed_up, origin FROM versions"):
             v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
@@ -191,10 +197,10 @@ class VersionStore:
              " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
 
     def alloc_vid(self) -> int:
-        """A new version id (``next_vid`` is persisted in the caller's transaction)."""
+        """A new version id: past every vid a row or a data file has (kv ``next_vid`` is
+        only a lower bound, recovered at :meth:`load`)."""
         n = self._next_vid
         self._next_vid += 1
-        self._host.db.set_kv("next_vid", str(self._next_vid))
         return n
 
     # ------------------------------------------------------------------ new versions

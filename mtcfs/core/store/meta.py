@@ -4,7 +4,11 @@ Every namespace change is one transaction, so a ``kill -9`` of the daemon at any
 leaves a consistent namespace (SQLite WAL; the store is on tmpfs, so durability against a
 process crash is what matters, not against power loss). File sizes of versions still being
 written are recorded only on seal and fsync; recovery takes the data file's length instead
-(see :meth:`mtcfs.core.store.Store.recover`).
+(see :meth:`mtcfs.core.store.Store.recover`). So are the times the kernel's writeback cache
+sends for a file being written (a SETATTR of times only, at every close): the seal's
+transaction writes them with the inode's row; a crash before it keeps the times of the
+inode's last committed row. A row written several times in one transaction is written once,
+at its commit (:meth:`MetaDB.defer`).
 
 The schema below is the canonical description of the on-disk metadata; every column's
 meaning and sentinel values are commented there.
@@ -13,7 +17,7 @@ meaning and sentinel values are commented there.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -136,6 +140,8 @@ class MetaDB:
         if "rdev" not in cols:  # schema 1 -> 2: special files
             self.conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
         self._depth = 0
+        self._begun = False  # BEGIN sent in the transaction in progress
+        self._deferred: dict[Hashable, Callable[[], None]] = {}
         self._after_commit: list[Callable[[], None]] = []
         version = self.get_kv("schema_version")
         if version is None or int(version) < SCHEMA_VERSION:
@@ -146,24 +152,60 @@ class MetaDB:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Group statements into one atomic transaction (nests: only the outer one commits)."""
-        if self._depth == 0:
-            self.conn.execute("BEGIN IMMEDIATE")
+        """Group statements into one atomic transaction (nests: only the outer one commits).
+
+        ``BEGIN`` is sent with the first statement, so a transaction in which nothing is
+        written costs no round of SQLite (one connection, used from one thread: a read
+        before that statement sees the same rows it would inside). Writes given to
+        :meth:`defer` run at the outer commit, before ``COMMIT``.
+        """
         self._depth += 1
         try:
             yield
+            if self._depth == 1 and self._deferred:
+                self._run_deferred()
         except BaseException:
             self._depth -= 1
             if self._depth == 0:
-                self.conn.execute("ROLLBACK")
+                self._deferred.clear()
+                if self._begun:
+                    self._begun = False
+                    self.conn.execute("ROLLBACK")
                 self._after_commit.clear()  # what the rows still name stays
             raise
         self._depth -= 1
         if self._depth == 0:
-            self.conn.execute("COMMIT")
+            if self._begun:
+                self._begun = False
+                self.conn.execute("COMMIT")
             todo, self._after_commit = self._after_commit, []
             for fn in todo:
                 fn()
+
+    def _begin(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+        self._begun = True
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            todo, self._deferred = self._deferred, {}
+            for fn in todo.values():
+                fn()
+
+    def defer(self, key: Hashable, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a row write) once at the outer commit of the transaction in
+        progress, before ``COMMIT``; a later ``defer`` of the same ``key`` in the same
+        transaction replaces it (a row written several times in one op is written once,
+        as it is at the commit). Outside a transaction ``fn`` runs at once. Discarded on
+        rollback."""
+        if self._depth == 0:
+            fn()
+        else:
+            self._deferred[key] = fn
+
+    def cancel(self, key: Hashable) -> None:
+        """Drop the deferred write ``key`` (its row is deleted in this transaction)."""
+        self._deferred.pop(key, None)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the transaction in progress has committed (at once outside one).
@@ -178,6 +220,8 @@ class MetaDB:
             self._after_commit.append(fn)
 
     def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> sqlite3.Cursor:
+        if self._depth and not self._begun:
+            self._begin()
         return self.conn.execute(sql, params)
 
     def get_kv(self, key: str) -> str | None:
@@ -185,4 +229,6 @@ class MetaDB:
         return row[0] if row else None
 
     def set_kv(self, key: str, value: str) -> None:
+        if self._depth and not self._begun:
+            self._begin()
         self.conn.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", (key, value))
