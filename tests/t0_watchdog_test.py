@@ -111,8 +111,9 @@ def test_a_daemon_that_never_answers_fails_the_test_instead_of_hanging(tmp_path)
     env["WATCHDOG_PROBE"] = str(probe)
     # -p conftest: the suite's own conftest (fixtures, watchdog) as a plugin; -c: its ini
     # (timeout = 600, so the marker's 5 s is what counts).
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
-           "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
+    # -n 0: in this process, not in xdist workers (the ini's addopts say -n 2)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+           "-p", "conftest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
            "--basetemp", str(tmp_path / "basetemp"), str(inner)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.peer.limits import MAX_MESSAGE_BYTES, PIECE_BYTES
 from support.peer import CHUNK, LocalTier, blob, chunks_of, make_step
+from support.ports import free_port
 
 JOB = "job"
 NODES = 4
@@ -212,9 +212,7 @@ def test_manifests_listed_with_completeness(cluster, clients):
 
 
 def test_unreachable_peer_is_unavailable_after_retries(clients):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     c = clients(f"127.0.0.1:{port}", 0)
     with pytest.raises(PeerUnavailable) as exc:
         c.has_chunks([chunk_hash(b"x")])
@@ -227,9 +225,7 @@ def test_a_peer_that_comes_up_late_is_reached_within_seconds(tmp_path):
     within 3.5 s (the reconnect backoff is capped at 2 s). With grpc's default backoff (1 s,
     growing by 1.6x up to 120 s) the channel, after those 10 s, failed every call at once for
     about 5 s more (measured 4.7 s), and for minutes after a longer outage."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     c = PeerClient(f"127.0.0.1:{port}", JOB, 1, timeout=5.0, stream_timeout=20.0)
     server = None
     try:

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -254,9 +253,8 @@ def test_the_daemonset_has_what_an_operator_checks():
 # --- the entrypoint for real ----------------------------------------------------------------
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from support.ports import free_port
+    return free_port()
 
 
 def daemonset_env(**override: str) -> dict[str, str]:

@@ -51,10 +51,8 @@ _DCP_PROCESS_SAVER = textwrap.dedent("""
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from support.ports import free_port
+    return free_port()
 
 
 def _remount(mount) -> None:

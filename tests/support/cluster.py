@@ -22,8 +22,10 @@ Tests get one from the ``make_cluster(nodes, **Cluster kwargs)`` fixture in
 
 or without a fixture: ``c = Cluster(tmp, 2); try: c.start(); ... finally: c.cleanup()``.
 
-Ports are found by binding 127.0.0.1:0 and closing the socket again, so another process
-could take one before the daemon binds it; on a test machine that is rare enough.
+Ports come from :func:`support.ports.free_ports`: a block of ports below the kernel's
+ephemeral range that this test process alone hands out, so a parallel test (another
+pytest-xdist worker) cannot take a port between its pick and the daemon's bind, nor while
+a killed rank is down.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -43,22 +44,9 @@ from mtcfs.tiers.peer.tls import TlsFiles
 
 from .mount import Mount, force_unmount
 from .pki import Issued, TestCa
+from .ports import free_ports  # noqa: F401 (re-exported: tests import it from here)
 
 _REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago (all bound at once, then freed)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _opt(v: object) -> str | None:

@@ -29,7 +29,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -225,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 # -- the launcher ------------------------------------------------------------------------------
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that no other test process is handed (support/ports.py; the launcher
+    runs in the test process, where ``support`` is a package)."""
+    from .ports import free_port as port
+    return port(host)
 
 
 def _tail(path: Path, n: int = 3000) -> str:

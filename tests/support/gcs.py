@@ -39,10 +39,9 @@ DEFAULT_BUCKET = "mtcfs-test"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on ``host`` that no other test process is handed (support/ports.py)."""
+    from .ports import free_port as port
+    return port(host)
 
 
 class GcsEmulator:
