@@ -15,7 +15,7 @@ import trio
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
-from support.corefs import CS, open_fs, run, sealed, write_file
+from support.corefs import CS, crash, open_fs, run, sealed, write_file
 
 MIB = 1 << 20
 
@@ -239,11 +239,7 @@ def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
         fh, _ = await fs.open(ino, os.O_RDWR)
         await fs.write(fh, 3 * CS + 2, b"crash")
         await fs.fsync(fh, False)
-        # "crash": no release, no close of the store's database
-        fs.store.db.conn.close()
-        os.close(fs.store._lock_fd)
-        fs.store._lock_fd = -1
-        fs.store.db = None
+        crash(fs)  # no release, no close of the store's database
 
     async def body():
         async with trio.open_nursery() as n:

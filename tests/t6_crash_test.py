@@ -244,8 +244,6 @@ def test_kill9_while_a_rewrite_replaces_a_version_loses_nothing(make_mount, monk
     is unlinked only after that transaction commits, so the rolled-back store still has the
     old bytes (before: the file was unlinked before COMMIT, and the old version came back
     with no data at all)."""
-    import signal
-    import time
 
     monkeypatch.setenv("MTCFS_FAILPOINTS", "core.release_in_transaction=sleep(30)")
     m = make_mount("node")
@@ -255,18 +253,7 @@ def test_kill9_while_a_rewrite_replaces_a_version_loses_nothing(make_mount, monk
     m.wait_for(lambda: m.status()["counters"]["seals"] >= 1, 30, "the seal")
     pid = m.pid
 
-    def rewrite() -> None:  # blocks in the daemon's failpoint, then gets ENOTCONN
-        try:
-            with open(p, "r+b") as f:
-                f.write(b"X")
-        except OSError:
-            pass
-    import threading
-    t = threading.Thread(target=rewrite, daemon=True)
-    t.start()
-    time.sleep(1.0)  # the open reaches the failpoint (it pauses 30 s there)
-    assert t.is_alive(), "the rewrite's open returned: the failpoint was not reached"
-    os.kill(pid, signal.SIGKILL)
+    t = _rewrite_killed_in_failpoint(p, pid)
     m.kill9()
     t.join(10)
     monkeypatch.delenv("MTCFS_FAILPOINTS")
@@ -280,9 +267,6 @@ def test_kill9_while_a_rewrite_takes_over_a_version_a_reader_holds_loses_nothing
     version a reader holds open (issue 18: the old version is left with no data,
     VersionStore._detach): its name gets an empty file only after the commit, so the
     rolled-back store still has the old bytes."""
-    import signal
-    import threading
-    import time
 
     monkeypatch.setenv("MTCFS_FAILPOINTS", "core.detach_in_transaction=sleep(30)")
     m = make_mount("node")
@@ -293,17 +277,7 @@ def test_kill9_while_a_rewrite_takes_over_a_version_a_reader_holds_loses_nothing
     pid = m.pid
     reader = os.open(p, os.O_RDONLY)
 
-    def rewrite() -> None:  # blocks in the daemon's failpoint, then gets ENOTCONN
-        try:
-            with open(p, "r+b") as f:
-                f.write(b"X")
-        except OSError:
-            pass
-    t = threading.Thread(target=rewrite, daemon=True)
-    t.start()
-    time.sleep(1.0)  # the open reaches the failpoint (it pauses 30 s there)
-    assert t.is_alive(), "the rewrite's open returned: the failpoint was not reached"
-    os.kill(pid, signal.SIGKILL)
+    t = _rewrite_killed_in_failpoint(p, pid)
     try:
         os.close(reader)
     except OSError:
@@ -341,3 +315,25 @@ def test_kill9_in_the_middle_of_a_rewrite_reseals_the_bytes_written(make_mount):
     assert p.read_bytes() == data
     assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(data).hexdigest()
     _verify(m)
+
+
+def _rewrite_killed_in_failpoint(p, pid: int):
+    """Open ``p`` for rewriting in a thread (the daemon pauses it in a failpoint), check it
+    is still held there after a second, then SIGKILL the daemon ``pid``. Returns the thread
+    (it ends with ENOTCONN once the mount is gone)."""
+    import signal
+    import threading
+    import time
+
+    def rewrite() -> None:
+        try:
+            with open(p, "r+b") as f:
+                f.write(b"X")
+        except OSError:
+            pass
+    t = threading.Thread(target=rewrite, daemon=True)
+    t.start()
+    time.sleep(1.0)  # the open reaches the failpoint (it pauses 30 s there)
+    assert t.is_alive(), "the rewrite's open returned: the failpoint was not reached"
+    os.kill(pid, signal.SIGKILL)
+    return t

@@ -54,3 +54,12 @@ async def sealed(fs: Filesystem, ino: int) -> Any:
     """The sealed version of inode ``ino``, waited for at most 10 s."""
     with trio.fail_after(10):
         return await fs.open_files.wait_sealed(fs.inodes[ino])
+
+
+def crash(fs: Filesystem) -> None:
+    """A "crash" of an in-process core: its store's database and lock are closed with no
+    release, no seal and no clean shutdown recorded, as SIGKILL would leave them."""
+    fs.store.db.conn.close()
+    os.close(fs.store._lock_fd)
+    fs.store._lock_fd = -1
+    fs.store.db = None
