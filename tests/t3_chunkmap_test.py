@@ -20,9 +20,10 @@ def consistent(index: ChunkIndex, versions: dict[int, Version]) -> None:
     held = {(d, v.vid, i) for v in versions.values() if v.sealed
             for i, d in enumerate(v.chunks) if i not in v.missing}
     indexed = {(d, *loc) for d, loc in index._primary.items()}
-    indexed |= {(d, *a) for d, alts in index._alts.items() for a in alts}
+    indexed |= {(d, vid, i) for d, alts in index._alts.items()
+                for vid, idxs in alts.items() for i in idxs}
     assert indexed == held
-    assert all(alts for alts in index._alts.values())
+    assert all(alts and all(alts.values()) for alts in index._alts.values())
     assert {d for d, _v, _i in held} == set(index._primary) and len(index) == len(index._primary)
 
 

@@ -33,8 +33,11 @@ class ChunkIndex:
         self._versions = versions
         #: digest -> (vid, chunk index) of one local copy.
         self._primary: dict[str, tuple[int, int]] = {}
-        #: digest -> the other local copies.
-        self._alts: dict[str, set[tuple[int, int]]] = {}
+        #: digest -> vid -> chunk indices: the other local copies, by version, so that
+        #: forgetting one version's copies costs the same however many other versions
+        #: hold the chunk (a chunk held by thousands of files or steps: zeros, frozen
+        #: layers).
+        self._alts: dict[str, dict[int, set[int]]] = {}
 
     def __len__(self) -> int:
         """Distinct chunks indexed."""
@@ -48,7 +51,7 @@ class ChunkIndex:
         if loc is None:
             self._primary[digest] = (vid, idx)
         elif loc != (vid, idx):
-            self._alts.setdefault(digest, set()).add((vid, idx))
+            self._alts.setdefault(digest, {}).setdefault(vid, set()).add(idx)
 
     def add_version(self, v: Version) -> None:
         """Index every chunk a sealed ``v`` holds (not the missing ones)."""
@@ -63,17 +66,20 @@ class ChunkIndex:
         takes its place (the replica store counts on this node's copies)."""
         alts = self._alts.get(digest)
         if alts:
-            for a in [a for a in alts if a[0] == vid]:
-                alts.discard(a)
+            alts.pop(vid, None)
         loc = self._primary.get(digest)
         if loc is not None and loc[0] == vid:
             # Replaced in one step, never deleted first: other threads (the replica
-            # store's has_chunk) read this index without a lock.
+            # store's has_chunk) read this index without a lock. Stale copies (a version
+            # gone, or the chunk missing in it) met on the way are dropped.
             while alts:
-                a = alts.pop()
-                other = self._versions.get(a[0])
-                if other is not None and a[1] not in other.missing:
-                    self._primary[digest] = a
+                ovid, idxs = alts.popitem()  # O(1), unlike taking the first key
+                idx = idxs.pop()
+                if idxs:
+                    alts[ovid] = idxs
+                other = self._versions.get(ovid)
+                if other is not None and idx not in other.missing:
+                    self._primary[digest] = (ovid, idx)
                     break
             else:
                 del self._primary[digest]
@@ -112,4 +118,4 @@ class ChunkIndex:
         indexed and no other version holds one)."""
         if self._primary.get(digest, (None,))[0] != vid:
             return False
-        return not any(a[0] != vid for a in self._alts.get(digest, ()))
+        return not any(ovid != vid for ovid in self._alts.get(digest, ()))
