@@ -3,9 +3,8 @@
 :class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
 :mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
 concern in mixins, one module each: :mod:`~mtcfs.core.namespace`,
-:mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
-:mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
-:mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
+:mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`, :mod:`~mtcfs.core.xattrs`,
+:mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
 Components that own their state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the
 inodes, directory entries and kernel aliases, and their rows; ``inodes`` and ``aliases``
 here are its dicts: only it adds or removes entries),
@@ -18,7 +17,12 @@ dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
 :class:`~mtcfs.core.verifier.Verifier` (``verifier``),
-:class:`~mtcfs.core.eviction.Eviction` (``eviction``) and
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``: the policy; ``evict`` here forwards to
+it), :class:`~mtcfs.core.capacity.Reclaim` (``reclaim``: what eviction does to the
+namespace, a step's data dropped or a tree deleted),
+:class:`~mtcfs.core.checkpoints.Checkpoints` (``checkpoints``: pins, chunk readers,
+imports, ``mtcfs verify``; ``unpin``, ``chunk_reader``, ``pin_chunk`` and ``import_step``
+here forward to it) and
 :class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one apply path of namespace ops, the
 log position, publishing in scope=job, the namespace's snapshot and install;
 ``chunk_origins`` here is its dict; ``apply_op`` and the ``ns_*`` methods here forward to

@@ -99,7 +99,7 @@ class StepRegistry:
         job: the job name, recorded in manifests (:meth:`snapshot`).
         rank: this node's rank, recorded in manifests.
         delete_step: deletes a step's directory tree (``Reclaim.delete_step``,
-            core/capacity.py; :meth:`backup_retired`), called at use (bound late: the
+            core/capacity.py; :meth:`retired`), called at use (bound late: the
             facade builds it after the registry).
     """
 
