@@ -114,7 +114,7 @@ class Daemon:
         self.fs.scrub_interval_s, self.fs.scrub_rate = o.scrub_interval, o.scrub_rate
         # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
         # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
-        self.fs.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
+        self.fs.eviction.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
             else not o.backup
         sources: list[tuple[str, Any]] = []
         if o.multi_node:
@@ -484,7 +484,7 @@ class Daemon:
 
             def prog(done: int, total: int) -> None:
                 trio.from_thread.run_sync(progress, done, total, trio_token=tp)
-            bad = await fs.verify(prog)
+            bad = await fs.checkpoints.verify(prog)
             for msg in bad:
                 fs.report_error(f"verify: {msg}")
             return {"mismatches": bad}
@@ -525,8 +525,8 @@ class Daemon:
             "chunk_size": o.chunk_size, "keep": o.keep,
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps),
-                    "evict_unsaved": fs.evict_unsaved,
-                    "deleted_unsaved": list(fs.unsaved_deleted)},
+                    "evict_unsaved": fs.eviction.evict_unsaved,
+                    "deleted_unsaved": list(fs.eviction.unsaved_deleted)},
             "counters": {k: v for k, v in vars(fs.counters).items() if isinstance(v, int)},
             "histograms": {"seal_seconds": fs.counters.seal_seconds.snapshot()},
             "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,

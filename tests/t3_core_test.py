@@ -89,7 +89,7 @@ def test_crash_recovery_keeps_sealed_and_prefix_of_unsealed(tmp_path):
         assert v is not None and v.size == len(partial)
         fh2, _ = await fs.open(p.ino, os.O_RDONLY)
         assert await fs.read(fh2, 0, 10 * CS) == partial
-        assert await fs.verify() == []
+        assert await fs.checkpoints.verify() == []
     run(second, tmp_path)
 
 
@@ -125,7 +125,7 @@ def test_verify_reports_corruption(tmp_path):
         ino = await write_file(fs, ROOT_INO, b"f", data)
         v = await sealed(fs, ino)
         os.pwrite(fs.vstore.fd(v), b"\xff" * 10, CS + 7)   # bit rot in the RAM tier
-        bad = await fs.verify()
+        bad = await fs.checkpoints.verify()
         assert len(bad) == 1 and "chunk 1" in bad[0] and bad[0].startswith("f:")
     run(body, tmp_path)
 

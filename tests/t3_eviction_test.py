@@ -51,16 +51,16 @@ class Host:
     def versions_of(self, s: StepRecord) -> list[Version]:
         return [self.versions[s.number]]
 
-    def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
+    def drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
         self.acted.append(("drop", s.name))
         self.versions[s.number].alloc = 0
 
-    def _delete_tree(self, s: StepRecord) -> None:
+    def delete_step(self, s: StepRecord) -> None:
         self.acted.append(("delete", s.name))
         del self.steps[s.name]
         self.versions[s.number].alloc = 0
 
-    def _delete_dir_tree(self, top: Inode) -> None:
+    def delete_dir_tree(self, top: Inode) -> None:
         self.acted.append(("delete_dir", str(top.ino)))
 
 
@@ -73,7 +73,7 @@ def consistent(host: Host, evicted: list[str]) -> None:
 
 def test_without_pressure_keep_and_the_newest_stay_and_only_saved_steps_go():
     host = Host({1: True, 2: False, 3: True, 4: True, 5: True})
-    ev = Eviction(host, Counters(), keep=2)
+    ev = Eviction(host, host, Counters(), keep=2)
     assert [s.name for s in ev.evictable_steps(pressure=False)] == ["step_1", "step_3"]
     evicted = ev.evict()
     assert evicted == ["step_1", "step_3"] and host.acted == [("drop", "step_1"),
@@ -84,7 +84,7 @@ def test_without_pressure_keep_and_the_newest_stay_and_only_saved_steps_go():
 def test_under_pressure_saved_go_first_then_unsaved_oldest_first_and_it_stops_in_time():
     host = Host({1: False, 2: True, 3: False, 4: False, 5: True})
     counters = Counters()
-    ev = Eviction(host, counters, keep=2)
+    ev = Eviction(host, host, counters, keep=2)
     assert [s.name for s in ev.evictable_steps(pressure=True)] == \
         ["step_2", "step_1", "step_3", "step_4"]
     host.versions[3].handles = 1  # open: it stops there, never a newer one in its place
@@ -99,7 +99,7 @@ def test_under_pressure_saved_go_first_then_unsaved_oldest_first_and_it_stops_in
 
 def test_a_reads_room_never_deletes_an_unsaved_step():
     host = Host({1: False, 2: False, 3: True, 4: False})
-    ev = Eviction(host, Counters(), keep=1)
+    ev = Eviction(host, host, Counters(), keep=1)
     ev.make_room(10 * MB, True)  # keep_unsaved: only steps held elsewhere
     assert host.acted == [("drop", "step_3")] and ev.evict_unsaved
     ev.evict_unsaved = False  # evict_unsaved=no: a write's room never deletes one either
@@ -110,7 +110,7 @@ def test_a_reads_room_never_deletes_an_unsaved_step():
 
 def test_no_leftovers_without_a_crash_before():
     host = Host({1: True})
-    ev = Eviction(host, Counters(), keep=1)
+    ev = Eviction(host, host, Counters(), keep=1)
     ev.loaded(0, previous_crash=False)
     assert ev.crash_leftovers() == []
     consistent(host, [])

@@ -255,7 +255,7 @@ def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
         _check(fs, v, bytes(data))
         assert v.blake3 == blake3.blake3(data).hexdigest()
         assert await _read_all(fs, ino_box[0], len(data)) == data
-        assert await fs.verify() == []
+        assert await fs.checkpoints.verify() == []
     run(second, tmp_path)
 
 

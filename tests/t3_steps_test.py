@@ -33,7 +33,8 @@ def fields(r: StepRecord) -> tuple[Any, ...]:
 
 
 def consistent(fs: Filesystem) -> None:
-    again = StepRegistry(fs.db, fs.tree, fs.vstore, fs, job=fs.job, rank=fs.rank)
+    again = StepRegistry(fs.db, fs.tree, fs.vstore, fs, job=fs.job, rank=fs.rank,
+                         delete_step=fs.reclaim.delete_step)
     again.load()
     assert {n: fields(r) for n, r in again.records.items()} == \
         {n: fields(r) for n, r in fs.steps.items()}
@@ -126,7 +127,7 @@ def test_an_orbax_rename_commits_and_moving_or_removing_the_directory_forgets(tm
         assert "5" not in fs.steps and ("step_removed", "5") in seen
         consistent(fs)
         await dcp_step(fs, b"step_6")
-        fs._delete_tree(fs.steps["step_6"])  # an rmdir of every name below, then of it
+        fs.reclaim.delete_step(fs.steps["step_6"])  # an rmdir of every name below, then of it
         assert "step_6" not in fs.steps and ("step_removed", "step_6") in seen
         consistent(fs)
     run(body, tmp_path)
@@ -163,7 +164,7 @@ def test_backup_state_follows_marks_changes_and_retirement(tmp_path):
         assert fs.steps["step_2"].backed_up_ns is not None
         consistent(fs)
         # step_2's data left RAM; once the backup tier drops it too, it is deleted.
-        fs._drop_step_data(fs.steps["step_2"])
+        fs.reclaim.drop_step_data(fs.steps["step_2"])
         assert not reg.in_ram(fs.steps["step_2"])
         assert reg.retired(set()) == ["step_2"]
         assert "step_2" not in fs.steps and b"step_2" not in fs.inodes[ROOT_INO].children
@@ -204,7 +205,7 @@ def test_an_imported_step_is_recorded_backed_up_with_its_data_missing(tmp_path):
         await dcp_step(fs, b"step_4")
         m, pinned = reg.snapshot("step_4")
         fs.unpin(pinned)
-        fs._delete_tree(fs.steps["step_4"])
+        fs.reclaim.delete_step(fs.steps["step_4"])
         rec = fs.import_step(m)
         assert fs.steps["step_4"] is rec
         assert (rec.number, rec.source) == (4, "restore") and rec.backed_up_ns is not None

@@ -410,11 +410,11 @@ def test_step_whose_marker_reseals_after_kill_is_no_leftover(make_mount):
             assert "step_1" not in fs.steps
             async with trio.open_nursery() as n:
                 fs.start(n)
-                seen.append({d.name for d in fs.crash_leftovers()})
+                seen.append({d.name for d in fs.eviction.crash_leftovers()})
                 with trio.fail_after(30):  # then the re-seal commits it
                     while "step_1" not in fs.steps:
                         await trio.sleep(0.01)
-                seen.append({d.name for d in fs.crash_leftovers()})
+                seen.append({d.name for d in fs.eviction.crash_leftovers()})
                 n.cancel_scope.cancel()
         finally:
             fs.close()

@@ -14,7 +14,7 @@ Trainer use). It is **committed** (complete on this node) when the library commi
 - explicitly: ``mtcfs seal PATH``.
 
 An **unfinished save**, by its library's own definition (what a crash leaves; see
-``crash_leftovers`` in core/capacity.py and docs/usage.md, "Capacity and eviction"):
+``crash_leftovers`` in core/eviction.py and docs/usage.md, "Capacity and eviction"):
 
 - PyTorch DCP: a step directory holding ``*.distcp`` shards (and perhaps ``.metadata.tmp``)
   and no ``.metadata``;

@@ -1,83 +1,95 @@
-"""Capacity of the RAM tier, the facade's part: statfs, and what the
-eviction policy does to the namespace (drop a step's data, delete a tree).
+"""Capacity of the RAM tier: what the eviction policy does to the namespace.
 
-The budget is :class:`mtcfs.core.budget.RamBudget` (``Filesystem.budget``); the policy
-that chooses what leaves RAM is :class:`mtcfs.core.eviction.Eviction`
-(``Filesystem.eviction``). A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see
-that module for the concurrency protocol every method follows. The RELEASEs in flight of
-unlinked files are the open files' (core/files.py: ``OpenFiles.settle_releases``).
+:class:`Reclaim` carries out the eviction policy's decisions (core/eviction.py): drop a
+step's data (the step stays, its chunks missing, faulted in again when read), or delete a
+step's directory tree, or any top-level directory's (a save a crash interrupted). It holds
+no state of its own: it changes the inode table, the version store and the step registry
+through their methods, and calls the facade for the namespace helpers that stay there
+until the namespace is a component (see :class:`Host`).
+
+The budget is :class:`mtcfs.core.budget.RamBudget` (``Filesystem.budget``: statfs'
+figures are its), the policy :class:`mtcfs.core.eviction.Eviction`
+(``Filesystem.eviction``). The RELEASEs in flight of unlinked files are the open files'
+(core/files.py: ``OpenFiles.settle_releases``). Every method runs on the trio thread and
+none awaits; see core/core.py for the concurrency protocol.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
+from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode
 from mtcfs.core.records import StepRecord
+from mtcfs.core.step_registry import StepRegistry
+from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.versions import VersionStore
+
+__all__ = ["MAX_FILE_SIZE", "Host", "Reclaim"]
 
 #: The largest file, in bytes (beyond: EFBIG). Holes cost nothing against size=, but a
 #: file is hashed whole when sealed, holes included (about 2 GB/s): 1 TiB is minutes.
 MAX_FILE_SIZE = 1 << 40
 
 
-class CapacityOps:
-    """Capacity of the RAM tier, the facade's part (see the module docstring)."""
+class Host(Protocol):
+    """What :class:`Reclaim` may use of the core (the ``Filesystem`` facade): the
+    namespace's helpers that remove one name, and the events."""
 
-    # ------------------------------------------------------------------ eviction (core/eviction.py)
+    def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None: ...
+    def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None: ...
+    def _maybe_free_inode(self, ino: Inode) -> None: ...
+    def _emit(self, event: str, obj: Any) -> None: ...
 
-    @property
-    def evict_unsaved(self) -> bool:
-        """Under memory pressure, delete committed steps no other tier holds (oldest first,
-        with a warning) instead of refusing the write with ENOSPC (``evict_unsaved=``)."""
-        return self.eviction.evict_unsaved
 
-    @evict_unsaved.setter
-    def evict_unsaved(self, allowed: bool) -> None:
-        self.eviction.evict_unsaved = allowed
+class Reclaim:
+    """Frees RAM the eviction policy chose: a step's data, or a whole directory tree.
 
-    @property
-    def unsaved_deleted(self) -> list[str]:
-        """The last steps deleted that way (status shows them as a warning)."""
-        return self.eviction.unsaved_deleted
+    Args:
+        host: the core (see :class:`Host`).
+        db: the store's metadata database (each action is one transaction).
+        tree: the core's inode table.
+        vstore: the core's version store.
+        step_registry: the core's step registry (the versions of a step).
+    """
 
-    def evict(self, need: int | None = None) -> list[str]:
-        """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure); see
-        :meth:`mtcfs.core.eviction.Eviction.evict`. Returns the names of the evicted steps."""
-        return self.eviction.evict(need)
+    def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+                 step_registry: StepRegistry) -> None:
+        self._host = host
+        self._db = db
+        self._tree = tree
+        self._vstore = vstore
+        self._step_registry = step_registry
 
-    def crash_leftovers(self) -> list[Inode]:
-        """Top-level directories a save killed by a crash left behind, oldest step first
-        (:meth:`mtcfs.core.eviction.Eviction.crash_leftovers`)."""
-        return self.eviction.crash_leftovers()
-
-    def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
-        with self.db.transaction():
-            for v in self.step_registry.versions_of(s):
+    def drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
+        """Drop the data of step ``s``'s sealed, unpinned versions from RAM; the versions
+        stay, every chunk missing. ``others_only`` (scope=job): only other ranks' files."""
+        with self._db.transaction():
+            for v in self._step_registry.versions_of(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
-                self.vstore.drop_data(v)  # core/versions.py; it stays, all missing
+                self._vstore.drop_data(v)  # core/versions.py; it stays, all missing
 
-    def _delete_tree(self, s: StepRecord) -> None:
-        self._delete_dir_tree(self.inodes[s.ino])
+    def delete_step(self, s: StepRecord) -> None:
+        """Delete step ``s``: its directory and everything below (:meth:`delete_dir_tree`)."""
+        self.delete_dir_tree(self._tree.inodes[s.ino])
 
-    def _delete_dir_tree(self, top: Inode) -> None:
+    def delete_dir_tree(self, top: Inode) -> None:
         """Delete the top-level directory ``top`` and everything below (a step is forgotten
-        with its directory)."""
+        with its directory), in one transaction; the kernel is told to forget ``top``'s
+        name (event ``invalidate_entry``), and each inode is freed once nothing holds it."""
+        inodes = self._tree.inodes
         name = top.name
-        items = list(self.tree.walk(top))
-        with self.db.transaction():
+        items = list(self._tree.walk(top))
+        with self._db.transaction():
             for _path, ino in reversed(items):
-                parent, name = self.inodes[ino.parent], ino.name
+                parent, name = inodes[ino.parent], ino.name
                 if ino.is_dir:
-                    self._remove_dir_entry(parent, name, ino)  # forgets the step at the top
+                    self._host._remove_dir_entry(parent, name, ino)  # forgets the step at the top
                 else:
-                    self.tree.unlink(parent, name)
-                    self._drop_link(ino, parent, name)
-            self.tree.touch(self.inodes[ROOT_INO])
-        self._emit("invalidate_entry", (ROOT_INO, name, top.ino))
+                    self._tree.unlink(parent, name)
+                    self._host._drop_link(ino, parent, name)
+            self._tree.touch(inodes[ROOT_INO])
+        self._host._emit("invalidate_entry", (ROOT_INO, name, top.ino))
         for _path, ino in items:
-            self._maybe_free_inode(ino)
-
-    def statfs(self) -> dict[str, int]:
-        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's): ``capacity``,
-        ``used`` (what the store's data files really hold, holes cost nothing, plus the
-        replicas), ``replicas``, ``free``, ``files`` (inodes). See core/budget.py."""
-        return self.budget.figures(len(self.inodes))
+            self._host._maybe_free_inode(ino)

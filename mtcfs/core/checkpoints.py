@@ -2,8 +2,11 @@
 reads, imports, verification. The steps themselves (commit detection, records, backup
 state) are :class:`mtcfs.core.step_registry.StepRegistry`'s.
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
-concurrency protocol every method follows.
+:class:`Checkpoints` holds no state of its own: the pins are counts on the versions (the
+version store's), the chunk locations the chunk index's. It changes the other components
+through their methods only. Every method runs on the trio thread, except the function
+:meth:`Checkpoints.chunk_reader` returns (any thread) and the hashing of :meth:`verify`
+(a worker thread); see core/core.py for the concurrency protocol.
 """
 
 from __future__ import annotations
@@ -13,29 +16,72 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import trio
 
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.errors import FsError
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Version
 from mtcfs.core.records import StepRecord, now_ns as _now_ns
+from mtcfs.core.step_registry import StepRegistry
 from mtcfs.core.symlinks import escapes
 from mtcfs.base.manifest import SPECIAL_MODES, StepManifest
 from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.verifier import Verifier
+from mtcfs.core.versions import VersionStore
+
+__all__ = ["Checkpoints", "Host"]
 
 log = logging.getLogger("mtcfs.core.core")
 
 
-class CheckpointOps:
-    """Pins, chunk reads over pinned versions, step imports and ``mtcfs verify``."""
+class Host(Protocol):
+    """What :class:`Checkpoints` may use of the core (the ``Filesystem`` facade)."""
+
+    def read_chunk_at(self, v: Version, off: int, length: int,
+                      digest: str | None) -> bytes | None: ...
+
+
+class Checkpoints:
+    """Pins, chunk reads over pinned versions, step imports and ``mtcfs verify``.
+
+    Args:
+        host: the core (see :class:`Host`).
+        db: the store's metadata database (an import is one transaction).
+        tree: the core's inode table.
+        vstore: the core's version store (its versions, descriptors and releases).
+        step_registry: the core's step registry (an import adds its step).
+        chunk_index: the core's chunk index.
+        verifier: the core's verifier (``mtcfs verify`` settles its first-read hashes).
+        cpu_limiter: the limiter of the hashing threads.
+        chunk_size: bytes, the chunk size of an imported file whose manifest gives none.
+    """
+
+    def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+                 step_registry: StepRegistry, chunk_index: ChunkIndex, verifier: Verifier,
+                 cpu_limiter: trio.CapacityLimiter, chunk_size: int) -> None:
+        self._host = host
+        self._db = db
+        self._tree = tree
+        self._vstore = vstore
+        self._step_registry = step_registry
+        self._chunk_index = chunk_index
+        self._verifier = verifier
+        self._cpu_limiter = cpu_limiter
+        self._chunk_size = chunk_size
 
     # ------------------------------------------------------------------ backup / restore support
 
     def unpin(self, versions: Iterable[Version]) -> None:
+        """Release one pin of each of ``versions`` (taken by a snapshot, :meth:`pin_chunk`
+        or :meth:`verify`); a version freed meanwhile loses its data file with its last pin."""
         for v in versions:
             v.pins -= 1
-            self.vstore.release(v)
+            self._vstore.release(v)
 
     def chunk_reader(self, versions: list[Version], *,
                      verify: bool = True) -> Callable[[str], bytes]:
@@ -63,31 +109,24 @@ class CheckpointOps:
                               " restored, or evicted)")
             v, i = loc
             off, length = chunk_span(i, v.size, v.chunk_size)
-            data = self.read_chunk_at(v, off, length, digest if verify else None)
+            data = self._host.read_chunk_at(v, off, length, digest if verify else None)
             if data is None:
                 raise FsError(errno.EIO, f"local chunk {digest[:16]} is corrupt")
             return data
         return read_chunk
 
-    def has_local_chunk(self, digest: str) -> bool:
-        """Whether this node's own files hold chunk ``digest`` in RAM now.
-
-        Safe to call from other threads (a dict lookup and a set membership test, each
-        atomic under the GIL); the answer may be stale by the time it is used.
-        """
-        return self.chunk_index.holds(digest)
-
     def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None:
         """Pin a version holding chunk ``digest``: (version, offset, length), or None.
 
-        Call on the loop; read with :meth:`read_chunk_at` in any thread, then :meth:`unpin`.
+        Call on the loop; read with the core's ``read_chunk_at`` in any thread, then
+        :meth:`unpin`.
         """
-        loc = self.chunk_index.locate(digest)
+        loc = self._chunk_index.locate(digest)
         if loc is None:
             return None
         v, idx = loc
         v.pins += 1
-        self.vstore.fd(v)
+        self._vstore.fd(v)
         off, length = chunk_span(idx, v.size, v.chunk_size)
         return v, off, length
 
@@ -107,14 +146,14 @@ class CheckpointOps:
         Raises:
             FsError: EEXIST if the step's directory already exists.
         """
-        root = self.inodes[ROOT_INO]
+        root = self._tree.inodes[ROOT_INO]
         if m.step.encode() in root.children:  # type: ignore[operator]
             raise FsError(errno.EEXIST, f"{m.step} already exists")
         uid, gid = os.getuid(), os.getgid()
-        with self.db.transaction():
+        with self._db.transaction():
             for e in m.entries:
                 parent_path, _, base = e.path.rpartition("/")
-                parent = self.tree.resolve(parent_path)
+                parent = self._tree.resolve(parent_path)
                 name = base.encode(errors="surrogateescape")
                 if e.kind == "symlink" and escapes(
                         e.target.encode(errors="surrogateescape"),
@@ -124,31 +163,32 @@ class CheckpointOps:
                                 " not created", m.step, e.path, e.target)
                     continue
                 if e.kind == "dir":
-                    ino = self.tree.new("dir", stat.S_IFDIR | e.mode, uid, gid)
+                    ino = self._tree.new("dir", stat.S_IFDIR | e.mode, uid, gid)
                     parent.nlink += 1
                 elif e.kind == "symlink":
-                    ino = self.tree.new("symlink", stat.S_IFLNK | 0o777, uid, gid)
+                    ino = self._tree.new("symlink", stat.S_IFLNK | 0o777, uid, gid)
                     ino.target = e.target.encode(errors="surrogateescape")
                 elif e.kind == "special":
-                    ino = self.tree.new("special", SPECIAL_MODES[e.node] | e.mode, uid, gid)
+                    ino = self._tree.new("special", SPECIAL_MODES[e.node] | e.mode, uid, gid)
                     ino.rdev = e.rdev
                 else:
-                    ino = self.tree.new("file", stat.S_IFREG | e.mode, uid, gid)
-                    v = self.vstore.new_sealed(ino.ino, e.size, e.chunk_size or self.chunk_size,
+                    ino = self._tree.new("file", stat.S_IFREG | e.mode, uid, gid)
+                    v = self._vstore.new_sealed(ino.ino, e.size, e.chunk_size or self._chunk_size,
                                                e.chunks, e.blake3, backed_up=backed_up,
                                                keep_open=False)  # opened again when read
                     ino.vid = v.vid
                 ino.mtime_ns = e.mtime_ns
-                self.tree.link(parent, name, ino)
-                self.tree.write(ino)
-                self.tree.write(parent)
-            top = self.tree.resolve(m.step)
+                self._tree.link(parent, name, ino)
+                self._tree.write(ino)
+                self._tree.write(parent)
+            top = self._tree.resolve(m.step)
             rec = StepRecord(name=m.step, number=m.step_number, ino=top.ino,
                              committed_ns=_now_ns(), source="restore",
                              backed_up_ns=_now_ns() if backed_up else None)
-            self.step_registry.add(rec)
-        for v in [self.versions[i.vid] for _p, i in self.tree.walk(top) if i.is_file]:
-            self.chunk_index.add_version(v)
+            self._step_registry.add(rec)
+        versions = self._vstore.versions
+        for v in [versions[i.vid] for _p, i in self._tree.walk(top) if i.is_file]:  # type: ignore[index]
+            self._chunk_index.add_version(v)
         return rec
 
     async def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
@@ -162,24 +202,24 @@ class CheckpointOps:
         Returns:
             one message per chunk whose bytes do not match its digest.
         """
-        versions = [v for v in self.versions.values() if v.sealed]
+        versions = [v for v in self._vstore.versions.values() if v.sealed]
         for v in versions:
             v.pins += 1
         try:
             work = [(v, i) for v in versions for i in range(len(v.chunks)) if i not in v.missing]
-            bad = await trio.to_thread.run_sync(self._rehash, work, progress, self.fds,
-                                                limiter=self.cpu_limiter)
+            bad = await trio.to_thread.run_sync(self._rehash, work, progress, self._vstore.fds,
+                                                limiter=self._cpu_limiter)
         finally:
             self.unpin(versions)
         out = []
         for v in versions:  # every chunk held was hashed: no first-read hash (core/verifier.py)
-            self.verifier.drop(v.vid)
+            self._verifier.drop(v.vid)
         for v, i in bad:
-            if self.versions.get(v.vid) is v and i not in v.missing:
-                await self.verifier.verify_chunk(v, i, scrub=True)  # known bad: never served again
+            if self._vstore.versions.get(v.vid) is v and i not in v.missing:
+                await self._verifier.verify_chunk(v, i, scrub=True)  # known bad: never served again
             off, length = chunk_span(i, v.size, v.chunk_size)
-            ino = self.inodes.get(v.ino)
-            path = self.tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
+            ino = self._tree.inodes.get(v.ino)
+            path = self._tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
             out.append(f"{path or f'version {v.vid}'}: chunk {i} (bytes {off}..{off + length})"
                        f" does not match {v.chunks[i][:16]}")
         return out

@@ -3,9 +3,8 @@
 :class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
 :mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
 concern in mixins, one module each: :mod:`~mtcfs.core.namespace`,
-:mod:`~mtcfs.core.checkpoints` (pins, chunk readers, imports, verification),
-:mod:`~mtcfs.core.capacity`, :mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`,
-:mod:`~mtcfs.core.xattrs`, :mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
+:mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`, :mod:`~mtcfs.core.xattrs`,
+:mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
 Components that own their state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the
 inodes, directory entries and kernel aliases, and their rows; ``inodes`` and ``aliases``
 here are its dicts: only it adds or removes entries),
@@ -18,7 +17,12 @@ dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
 :class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
 :class:`~mtcfs.core.verifier.Verifier` (``verifier``),
-:class:`~mtcfs.core.eviction.Eviction` (``eviction``) and
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``: the policy; ``evict`` here forwards to
+it), :class:`~mtcfs.core.capacity.Reclaim` (``reclaim``: what eviction does to the
+namespace, a step's data dropped or a tree deleted),
+:class:`~mtcfs.core.checkpoints.Checkpoints` (``checkpoints``: pins, chunk readers,
+imports, ``mtcfs verify``; ``unpin``, ``chunk_reader``, ``pin_chunk`` and ``import_step``
+here forward to it) and
 :class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one apply path of namespace ops, the
 log position, publishing in scope=job, the namespace's snapshot and install;
 ``chunk_origins`` here is its dict; ``apply_op`` and the ``ns_*`` methods here forward to
@@ -43,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -51,8 +55,8 @@ import trio
 from mtcfs.base import pools
 from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.budget import RamBudget
-from mtcfs.core.capacity import CapacityOps
-from mtcfs.core.checkpoints import CheckpointOps
+from mtcfs.core.capacity import Reclaim
+from mtcfs.core.checkpoints import Checkpoints
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
@@ -60,6 +64,7 @@ from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import OpenFiles
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.jobns import JobNamespace
+from mtcfs.base.manifest import StepManifest
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
@@ -84,8 +89,7 @@ log = logging.getLogger(__name__)
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
-class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
-                 OwnFileOps, ScrubOps, TierApiOps):
+class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierApiOps):
     """The core of one mount.
 
     Args:
@@ -119,11 +123,16 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         #: The committed steps, their rows and commit rules (core/step_registry.py).
         #: ``steps`` here is its dict of records (read it; only it adds or removes).
         self.step_registry = StepRegistry(self.db, self.tree, self.vstore, self,
-                                          job=job, rank=rank)
+                                          job=job, rank=rank,
+                                          delete_step=lambda rec: self.reclaim.delete_step(rec))
         self.steps: dict[str, StepRecord] = self.step_registry.records
+        #: What eviction does to the namespace (core/capacity.py): drop a step's data,
+        #: delete a directory tree.
+        self.reclaim = Reclaim(self, db=self.db, tree=self.tree, vstore=self.vstore,
+                               step_registry=self.step_registry)
         self.counters = Counters()
         #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
-        self.eviction = Eviction(self, self.counters, keep)
+        self.eviction = Eviction(self, self.reclaim, self.counters, keep)
         #: The RAM budget against size= (core/budget.py): the only owner of ``used``,
         #: ``in_flight`` and ``Version.alloc``; the eviction policy makes room for it.
         self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
@@ -150,6 +159,12 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
                                     step_registry=self.step_registry, counters=self.counters,
                                     cpu_limiter=self.cpu_limiter)
         self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
+        #: Pins, chunk readers, step imports and ``mtcfs verify`` (core/checkpoints.py).
+        self.checkpoints = Checkpoints(self, db=self.db, tree=self.tree, vstore=self.vstore,
+                                       step_registry=self.step_registry,
+                                       chunk_index=self.chunk_index, verifier=self.verifier,
+                                       cpu_limiter=self.cpu_limiter,
+                                       chunk_size=self.chunk_size)
         self._unsealed_at_load: list[Version] = []
         #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
@@ -171,7 +186,7 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
         self._load()
         self.verifier.start()  # core/verifier.py: what is in RAM now is verified on first read
 
-    # ------------------------------------------------------------------ the budget's figures
+    # ------------------------------------------------------------------ the budget's figures, eviction
 
     @property
     def capacity(self) -> int:
@@ -202,6 +217,45 @@ class Filesystem(NamespaceOps, CheckpointOps, CapacityOps, FaultInOps, XattrOps,
     def last_write(self) -> float:
         """time.monotonic() of the application's last write (the open files')."""
         return self.open_files.last_write
+
+    def statfs(self) -> dict[str, int]:
+        """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's): ``capacity``,
+        ``used`` (what the store's data files really hold, holes cost nothing, plus the
+        replicas), ``replicas``, ``free``, ``files`` (inodes). See core/budget.py."""
+        return self.budget.figures(len(self.inodes))
+
+    def evict(self, need: int | None = None) -> list[str]:
+        """Evict checkpoints from RAM (``mtcfs gc``, the keep= policy, memory pressure):
+        the names of the evicted steps (:meth:`Eviction.evict`)."""
+        return self.eviction.evict(need)
+
+    # ------------------------------------------------------------------ pins, chunk reads,
+    # imports: the ports' names (core/checkpoints.py does the work)
+
+    def unpin(self, versions: Iterable[Version]) -> None:
+        """Release pins taken by a snapshot or :meth:`pin_chunk` (:meth:`Checkpoints.unpin`)."""
+        self.checkpoints.unpin(versions)
+
+    def chunk_reader(self, versions: list[Version], *,
+                     verify: bool = True) -> Callable[[str], bytes]:
+        """A thread-safe ``read_chunk(digest) -> bytes`` over pinned versions; it raises
+        FsError(EIO) for a chunk not in RAM or corrupt (:meth:`Checkpoints.chunk_reader`)."""
+        return self.checkpoints.chunk_reader(versions, verify=verify)
+
+    def has_local_chunk(self, digest: str) -> bool:
+        """Whether this node's own files hold chunk ``digest`` in RAM now (any thread; the
+        answer may be stale when used): :meth:`ChunkIndex.holds`."""
+        return self.chunk_index.holds(digest)
+
+    def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None:
+        """Pin a version holding chunk ``digest``: (version, offset, length), or None
+        (:meth:`Checkpoints.pin_chunk`)."""
+        return self.checkpoints.pin_chunk(digest)
+
+    def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
+        """Create the namespace of a restored step with no data yet; raises FsError(EEXIST)
+        if its directory exists (:meth:`Checkpoints.import_step`)."""
+        return self.checkpoints.import_step(m, backed_up=backed_up)
 
     # ------------------------------------------------------------------ FUSE operations on
     # open files: the adapter's entry points (core/files.py does the work)

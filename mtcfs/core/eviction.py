@@ -3,8 +3,8 @@
 :class:`Eviction` owns the policy's settings and memory: ``keep`` (complete steps always
 kept, ``keep=``), ``evict_unsaved`` (``evict_unsaved=``), the last steps deleted unsaved
 (status), and what the store held when it was loaded (the crash leftovers' rules). It
-decides; the core acts: dropping a step's data or deleting a tree are the core's
-(``Host._drop_step_data``, ``_delete_tree``, ``_delete_dir_tree``, core/capacity.py).
+decides; :class:`mtcfs.core.capacity.Reclaim` acts: it drops a step's data or deletes a
+tree (:class:`Actions`).
 
 The RAM budget (core/budget.py) calls :meth:`Eviction.make_room` when a reservation is
 short. Every method runs on the trio thread and none awaits.
@@ -20,7 +20,7 @@ from mtcfs.base import steps as stepnames
 from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.core.records import Counters, StepRecord
 
-__all__ = ["Eviction", "Host"]
+__all__ = ["Actions", "Eviction", "Host"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -37,8 +37,16 @@ class Walks(Protocol):
     def walk(self, top: Inode) -> Iterator[tuple[str, Inode]]: ...
 
 
+class Actions(Protocol):
+    """What the policy has done when it decides (core/capacity.py, ``Reclaim``)."""
+
+    def drop_step_data(self, s: StepRecord, others_only: bool = False) -> None: ...
+    def delete_step(self, s: StepRecord) -> None: ...
+    def delete_dir_tree(self, top: Inode) -> None: ...
+
+
 class Host(Protocol):
-    """What :class:`Eviction` may use of the core (the ``Filesystem`` facade)."""
+    """What :class:`Eviction` may read of the core (the ``Filesystem`` facade)."""
 
     steps: dict[str, StepRecord]
     inodes: dict[int, Inode]
@@ -49,9 +57,6 @@ class Host(Protocol):
     def job_scope(self) -> bool: ...
     @property
     def used(self) -> int: ...
-    def _drop_step_data(self, s: StepRecord, others_only: bool = False) -> None: ...
-    def _delete_tree(self, s: StepRecord) -> None: ...
-    def _delete_dir_tree(self, top: Inode) -> None: ...
 
 
 class Eviction:
@@ -59,13 +64,15 @@ class Eviction:
 
     Args:
         host: the core (see :class:`Host`).
+        actions: what carries out its decisions (see :class:`Actions`).
         counters: the core's counters (``evicted_steps``, ``deleted_unsaved_steps``,
             ``evicted_leftovers``).
         keep: complete checkpoints always kept in RAM (``keep=``).
     """
 
-    def __init__(self, host: Host, counters: Counters, keep: int) -> None:
+    def __init__(self, host: Host, actions: Actions, counters: Counters, keep: int) -> None:
         self._host = host
+        self._actions = actions
         self._counters = counters
         self.keep = keep
         #: Under memory pressure, delete committed steps no other tier holds (oldest first,
@@ -198,7 +205,7 @@ class Eviction:
             if start_used - self._host.used >= need:
                 return
             name = d.name.decode(errors="surrogateescape")
-            self._host._delete_dir_tree(d)
+            self._actions.delete_dir_tree(d)
             self._leftover_dirs.discard(d.ino)
             self._counters.evicted_leftovers += 1
             log.warning("deleted %s from RAM under memory pressure: the incomplete leftover of"
@@ -229,11 +236,11 @@ class Eviction:
             if self._host.job_scope:
                 # scope=job: the namespace is the job's; drop only data held elsewhere
                 # (other ranks' files, and own files the backup tier holds).
-                self._host._drop_step_data(s, others_only=s.backed_up_ns is None)
+                self._actions.drop_step_data(s, others_only=s.backed_up_ns is None)
             elif s.backed_up_ns is not None:
-                self._host._drop_step_data(s)
+                self._actions.drop_step_data(s)
             else:
-                self._host._delete_tree(s)
+                self._actions.delete_step(s)
                 self._counters.deleted_unsaved_steps += 1
                 msg = (f"deleted checkpoint {s.name} from RAM under memory pressure: no other"
                        " tier held it (not backed up); it is lost (evict_unsaved=yes)")

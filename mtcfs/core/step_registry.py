@@ -21,8 +21,8 @@
 It holds the :class:`~mtcfs.core.inodes.InodeTable` (a step is a top-level directory; its
 files are found by a walk) and the :class:`~mtcfs.core.versions.VersionStore` (its files'
 versions, whose ``backed_up`` flag and row it sets with the step's), and reaches the rest
-of the core only through :class:`Host`: the events to observers, whether the namespace is
-job-wide, and deleting a step's tree.
+of the core only through :class:`Host` (the events to observers, whether the namespace is
+job-wide) and the ``delete_step`` it is given (core/capacity.py's ``Reclaim``).
 
 Shapes and units: step names are ``str`` (a top-level directory's name decoded with
 ``surrogateescape``); times are nanoseconds since the epoch.
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from mtcfs.base import steps as stepnames
@@ -67,7 +67,6 @@ class Host(Protocol):
     @property
     def job_scope(self) -> bool: ...
     def _emit(self, event: str, obj: Any) -> None: ...
-    def _delete_tree(self, s: StepRecord) -> None: ...
 
 
 def backup_lag(steps: Iterable[StepRecord], now_ns: int) -> tuple[int, float]:
@@ -99,11 +98,15 @@ class StepRegistry:
         host: the core (see :class:`Host`).
         job: the job name, recorded in manifests (:meth:`snapshot`).
         rank: this node's rank, recorded in manifests.
+        delete_step: deletes a step's directory tree (``Reclaim.delete_step``,
+            core/capacity.py; :meth:`retired`), called at use (bound late: the
+            facade builds it after the registry).
     """
 
     def __init__(self, db: MetaDB, tree: InodeTable, vstore: VersionStore, host: Host, *,
-                 job: str, rank: int) -> None:
+                 job: str, rank: int, delete_step: Callable[[StepRecord], None]) -> None:
         self._db = db
+        self._delete_step = delete_step
         self._tree = tree
         self._vstore = vstore
         self._host = host
@@ -360,7 +363,7 @@ class StepRegistry:
                 continue
             versions = self.versions_of(rec)
             if any(v.missing for v in versions) and not self._host.job_scope:
-                self._host._delete_tree(rec)
+                self._delete_step(rec)
                 deleted.append(rec.name)
                 log.info("deleted checkpoint %s: backup_keep retired its backup copy and its"
                          " data was no longer in RAM", rec.name)

@@ -1,0 +1,171 @@
+"""The checkpoints component (core/checkpoints.py: pins, chunk readers, imports,
+``mtcfs verify``) and the reclaim component (core/capacity.py: what eviction does to the
+namespace) driven through the core in-process (no FUSE).
+
+Each test ends with the consistency check (:func:`consistent`): no pin is left; the budget's
+``used`` is what the registered versions' data files hold; every chunk held in RAM is found
+by the chunk index and no chunk of a missing one is; the directory entries in memory are the
+rows of ``dentries``, and every inode with a name has its row; every step is a directory
+at the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import hashlib
+
+import pytest
+from support.corefs import CS, run, sealed, write_file
+
+from mtcfs.base.errors import FsError
+from mtcfs.core.core import Filesystem
+from mtcfs.core.model import ROOT_INO, Inode
+
+
+def consistent(fs: Filesystem) -> None:
+    assert all(v.pins == 0 for v in fs.versions.values())
+    assert fs.used == sum(v.alloc for v in fs.versions.values())
+    for v in fs.versions.values():
+        if v.sealed:
+            for i, d in enumerate(v.chunks):
+                if i not in v.missing:
+                    assert fs.has_local_chunk(d), (v.vid, i)
+    held = {d for v in fs.versions.values() if v.sealed
+            for i, d in enumerate(v.chunks) if i not in v.missing}
+    for v in fs.versions.values():
+        for i in v.missing:
+            if v.chunks[i] not in held:
+                assert not fs.has_local_chunk(v.chunks[i])
+    in_memory = {(ino.ino, name, child) for ino in fs.inodes.values() if ino.children
+                 for name, child in ino.children.items()}
+    rows = {(p, bytes(n), c) for p, n, c in fs.db.execute(
+        "SELECT parent, name, ino FROM dentries")}
+    assert rows == in_memory
+    with_rows = {r[0] for r in fs.db.execute("SELECT ino FROM inodes")}
+    assert {c for _p, _n, c in in_memory} <= with_rows
+    root = fs.inodes[ROOT_INO].children
+    assert root is not None
+    for name, rec in fs.steps.items():
+        assert root.get(name.encode()) == rec.ino and fs.inodes[rec.ino].is_dir
+
+
+async def step(fs: Filesystem, name: bytes, files: dict[bytes, bytes]) -> Inode:
+    """A DCP-style step ``name`` holding ``files`` and its marker ``.metadata``, sealed and
+    committed: its directory."""
+    d = await fs.mkdir(ROOT_INO, name, 0o755, 0, 0)
+    for fname, data in files.items():
+        await sealed(fs, await write_file(fs, d.ino, fname, data))
+    await sealed(fs, await write_file(fs, d.ino, b".metadata", b"m" * 10))
+    assert name.decode() in fs.steps
+    return fs.inodes[d.ino]
+
+
+def test_a_pinned_chunk_is_read_bit_exact_after_its_file_is_deleted_then_freed(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        cp = fs.checkpoints
+        data = bytes(range(256)) * (3 * CS // 256) + b"tail"
+        ino = await write_file(fs, ROOT_INO, b"f", data)
+        v = await sealed(fs, ino)
+        assert cp.pin_chunk("0" * 64) is None  # a digest no file holds
+        pinned = cp.pin_chunk(v.chunks[3])
+        assert pinned is not None
+        pv, off, length = pinned
+        assert (pv, off, length) == (v, 3 * CS, 4) and v.pins == 1
+        await fs.unlink(ROOT_INO, b"f")
+        assert fs.read_chunk_at(pv, off, length, v.chunks[3]) == b"tail"
+        cp.unpin([pv])  # the last pin of a version no name holds: freed with it
+        assert v.vid not in fs.versions and not fs.has_local_chunk(v.chunks[0])
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_a_chunk_reader_refuses_a_chunk_not_in_ram_with_eio(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        data = hashlib.sha256(b"a").digest() * (2 * CS // 32 + 1)
+        await step(fs, b"step_1", {b"a": data})
+        m, pinned = fs.step_registry.snapshot("step_1")
+        read = fs.checkpoints.chunk_reader(pinned)
+        first = m.entries[[e.path for e in m.entries].index("step_1/a")].chunks
+        assert b"".join(read(d) for d in first) == data
+        fs.checkpoints.unpin(pinned)
+        fs.reclaim.drop_step_data(fs.steps["step_1"])  # its data leaves RAM, the step stays
+        _m, pinned = fs.step_registry.snapshot("step_1")
+        read = fs.checkpoints.chunk_reader(pinned)
+        with pytest.raises(FsError) as e:
+            read(first[0])
+        assert e.value.errno == errno.EIO and "not in RAM" in str(e.value)
+        fs.checkpoints.unpin(pinned)
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_drop_step_data_keeps_a_pinned_version_and_only_other_ranks_files(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        d = await step(fs, b"step_2", {b"a": b"a" * (CS + 1), b"b": b"b" * (CS + 2)})
+        a = fs.versions[fs.inodes[d.children[b"a"]].vid]  # type: ignore[index]
+        b = fs.versions[fs.inodes[d.children[b"b"]].vid]  # type: ignore[index]
+        rec = fs.steps["step_2"]
+        fs.reclaim.drop_step_data(rec, others_only=True)  # all of them this rank's own
+        assert not a.missing and not b.missing
+        a.pins += 1  # a reader holds a
+        fs.reclaim.drop_step_data(rec)
+        assert not a.missing and b.missing == {0, 1} and b.alloc == 0
+        assert fs.steps["step_2"] is rec and not fs.step_registry.in_ram(rec)
+        fs.unpin([a])
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_delete_dir_tree_removes_everything_below_tells_the_kernel_and_frees(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        seen: list[tuple[str, object]] = []
+        fs.subscribe(lambda ev, obj: seen.append((ev, obj)) if ev != "sealed" else None)
+        top = await fs.mkdir(ROOT_INO, b"leftover", 0o755, 0, 0)  # never a step
+        sub = await fs.mkdir(top.ino, b"sub", 0o755, 0, 0)
+        f1 = await write_file(fs, sub.ino, b"f1", b"1" * (CS + 7))
+        f2 = await write_file(fs, top.ino, b"f2", b"2" * 9)
+        await sealed(fs, f1)
+        await sealed(fs, f2)
+        await fs.link(f2, sub.ino, b"f2-again")  # a second name, inside the same tree
+        kept = await step(fs, b"step_3", {b"a": b"k" * 100})
+        used_before = fs.used
+        vids = {fs.inodes[n].vid for n in (f1, f2)}
+        gone = {top.ino, sub.ino, f1, f2}
+        fs.reclaim.delete_dir_tree(fs.inodes[top.ino])
+        assert b"leftover" not in fs.inodes[ROOT_INO].children  # type: ignore[operator]
+        assert ("invalidate_entry", (ROOT_INO, b"leftover", top.ino)) in seen
+        for n in gone:  # no name, no data, no row; the number kept while the kernel knows it
+            ino = fs.inodes[n]
+            assert ino.nlink == 0 and ino.vid is None and ino.lookups >= 1
+        assert not vids & set(fs.versions) and fs.used < used_before and "step_3" in fs.steps
+        fs.forget([(n, fs.inodes[n].lookups) for n in gone])  # the kernel forgets: numbers go
+        assert not gone & set(fs.inodes)
+        assert fs.db.execute(f"SELECT COUNT(*) FROM inodes WHERE ino IN"
+                             f" ({','.join(map(str, gone))})").fetchone()[0] == 0
+        fs.reclaim.delete_step(fs.steps["step_3"])  # a step goes with its record
+        assert "step_3" not in fs.steps and fs.inodes[kept.ino].nlink == 0
+        assert ("step_removed", "step_3") in seen
+        consistent(fs)
+    run(body, tmp_path)
+
+
+def test_verify_finds_a_flipped_byte_and_the_chunk_is_never_served_again(tmp_path):
+    async def body(fs: Filesystem) -> None:
+        data = os.urandom(2 * CS)  # two chunks of different digests
+        await step(fs, b"step_4", {b"a": data})
+        v = fs.versions[fs.inodes[fs.tree.resolve("step_4/a").ino].vid]  # type: ignore[index]
+        assert await fs.checkpoints.verify() == []
+        fd = fs.fds.get(v)
+        os.pwrite(fd, b"w", CS + 5)
+        bad = await fs.checkpoints.verify()
+        assert bad == [f"step_4/a: chunk 1 (bytes {CS}..{2 * CS}) does not match"
+                       f" {v.chunks[1][:16]}"]
+        assert 1 in v.missing  # known bad: a hole now, faulted in again if read
+        _m, pinned = fs.step_registry.snapshot("step_4")
+        with pytest.raises(FsError) as e:
+            fs.chunk_reader(pinned)(v.chunks[1])
+        assert e.value.errno == errno.EIO
+        fs.unpin(pinned)
+        consistent(fs)
+    run(body, tmp_path)
