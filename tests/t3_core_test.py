@@ -11,7 +11,7 @@ from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
 from mtcfs.core.store import Store, StoreError
-from support.corefs import CS, crash, open_fs, run, sealed, write_file
+from support.corefs import CS, open_fs, run, run_to_crash, sealed, write_file
 
 
 def test_seal_chunks_and_file_hash(tmp_path):
@@ -69,15 +69,7 @@ def test_crash_recovery_keeps_sealed_and_prefix_of_unsealed(tmp_path):
         await sealed(fs, ino)
         fh, _ = await fs.create(ROOT_INO, b"partial", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
         await fs.write(fh, 0, partial)
-        crash(fs)  # no release, no close of the store's database
-
-    async def body():
-        async with trio.open_nursery() as n:
-            fs = open_fs(tmp_path / "store")
-            fs.start(n)
-            await first(fs)
-            n.cancel_scope.cancel()
-    trio.run(body)
+    run_to_crash(first, tmp_path)  # no release, no close of the database
 
     async def second(fs):
         root = fs.inodes[ROOT_INO]

@@ -10,12 +10,11 @@ import os
 
 import blake3
 import pytest
-import trio
 
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
-from support.corefs import CS, crash, open_fs, run, sealed, write_file
+from support.corefs import CS, run, run_to_crash, sealed, write_file
 
 MIB = 1 << 20
 
@@ -239,15 +238,7 @@ def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
         fh, _ = await fs.open(ino, os.O_RDWR)
         await fs.write(fh, 3 * CS + 2, b"crash")
         await fs.fsync(fh, False)
-        crash(fs)  # no release, no close of the store's database
-
-    async def body():
-        async with trio.open_nursery() as n:
-            fs = open_fs(tmp_path / "store")
-            fs.start(n)
-            await first(fs)
-            n.cancel_scope.cancel()
-    trio.run(body)
+    run_to_crash(first, tmp_path)  # no release, no close of the database
     data[3 * CS + 2:3 * CS + 7] = b"crash"
 
     async def second(fs):

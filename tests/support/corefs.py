@@ -56,10 +56,18 @@ async def sealed(fs: Filesystem, ino: int) -> Any:
         return await fs.open_files.wait_sealed(fs.inodes[ino])
 
 
-def crash(fs: Filesystem) -> None:
-    """A "crash" of an in-process core: its store's database and lock are closed with no
-    release, no seal and no clean shutdown recorded, as SIGKILL would leave them."""
-    fs.store.db.conn.close()
-    os.close(fs.store._lock_fd)
-    fs.store._lock_fd = -1
-    fs.store.db = None
+def run_to_crash(fn: Callable[[Filesystem], Awaitable[None]], tmp_path: Path) -> None:
+    """Run ``fn(fs)`` on a core started as :func:`run` does, then "crash" it: its store's
+    database and lock are closed with no release, no seal and no clean shutdown recorded,
+    as SIGKILL would leave them. A later :func:`run` on ``tmp_path`` is the restart."""
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            fs = open_fs(tmp_path / "store")
+            fs.start(n)
+            await fn(fs)
+            fs.store.db.conn.close()
+            os.close(fs.store._lock_fd)
+            fs.store._lock_fd = -1
+            fs.store.db = None
+            n.cancel_scope.cancel()
+    trio.run(main)
