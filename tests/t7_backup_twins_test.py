@@ -19,6 +19,8 @@ import random
 import time
 from pathlib import Path
 
+from support.poll import wait_for
+
 from mtcfs.tiers.backup import BackupStore, FileBackend
 from mtcfs.tiers.backup.chunk_store import DEFAULT_SHARE_WAIT_S
 from mtcfs.tiers.backup.layout import manifest_key
@@ -46,17 +48,6 @@ def _restore(store: BackupStore, step: str, rank: int) -> dict[str, bytes]:
             for e in m.entries if e.kind == "file" and not e.path.endswith(".txt")}
 
 
-def _wait(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what} (last: {v!r})")
-        time.sleep(0.05)
-
-
 def test_twins_on_different_steps_converge_on_a_common_step(make_cluster, tmp_path):
     assert DEFAULT_SHARE_WAIT_S >= 3 * BOUND_S  # the bound below is not a timed-out wait
     bucket = tmp_path / "bucket"
@@ -69,17 +60,17 @@ def test_twins_on_different_steps_converge_on_a_common_step(make_cluster, tmp_pa
     step2 = {"shard.bin": _blob(3, 4 * MiB), "opt.bin": _blob(4, MiB + 77)}
 
     _write_step(c[0].mnt, "step_1", step1)
-    _wait(lambda: be.exists(manifest_key("step_1", 0)), 30, "rank 0 begins step_1")
+    wait_for(lambda: be.exists(manifest_key("step_1", 0)), 30, "rank 0 begins step_1")
     t0 = time.monotonic()
     _write_step(c[1].mnt, "step_2", step2)  # the replacement's first step
-    _wait(lambda: be.exists(manifest_key("step_2", 1)), 30, "rank 1 begins step_2")
+    wait_for(lambda: be.exists(manifest_key("step_2", 1)), 30, "rank 1 begins step_2")
     _write_step(c[0].mnt, "step_2", step2)
 
     def both(step: str) -> bool:
         got = view.complete_ranks().get(step)
         return got is not None and got[1] == {0, 1}
 
-    _wait(lambda: both("step_2"), BOUND_S, "step_2 complete on both ranks")
+    wait_for(lambda: both("step_2"), BOUND_S, "step_2 complete on both ranks")
     took = time.monotonic() - t0
     for r in (0, 1):
         assert _restore(view, "step_2", r) == step2
@@ -91,5 +82,5 @@ def test_twins_on_different_steps_converge_on_a_common_step(make_cluster, tmp_pa
     # step_2; retention then retired step_1, older than the newest step complete on every
     # rank (it was never restorable for the job: rank 1 never held it).
     assert c.status(0)["backup"]["backups"] == 2
-    _wait(lambda: "step_1" not in view.complete_ranks(), BOUND_S, "step_1 retired")
+    wait_for(lambda: "step_1" not in view.complete_ranks(), BOUND_S, "step_1 retired")
     print(f"step_2 complete on both ranks {took:.1f} s after rank 1 began it")
