@@ -88,12 +88,7 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
     try:
         for off in range(0, size, chunk_size):
             want = min(chunk_size, size - off)
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], off + got)
-                if n == 0:
-                    raise OSError(f"data file is shorter than {size} bytes")
-                got += n
+            _read_into(fd, view, off, want, size)
             piece = view[:want]
             digests.append(blake3.blake3(piece).hexdigest())
             whole.update(piece)
@@ -104,6 +99,8 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
 
 
 def _read_into(fd: int, view: memoryview, off: int, want: int, size: int) -> None:
+    """Read ``want`` bytes of ``fd`` at ``off`` into ``view`` (OSError if the file ends
+    first: shorter than the ``size`` the caller expects)."""
     got = 0
     while got < want:
         n = os.preadv(fd, [view[got:want]], off + got)
@@ -144,12 +141,11 @@ def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
     """
     n = (size + chunk_size - 1) // chunk_size
     digests = list(base[:n])
-    todo = sorted(i for i in dirty if i < n)
-    todo.extend(range(len(digests), n))
+    todo = {i for i in dirty if i < n} | set(range(len(digests), n))
     digests.extend([""] * (n - len(digests)))
     hashed = 0
     buf: bytearray | None = None
-    for i in sorted(set(todo)):
+    for i in sorted(todo):
         off = i * chunk_size
         want = min(chunk_size, size - off)
         if _is_hole(fd, off, want):
