@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -83,6 +84,20 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
     digests: list[str] = []
     if size == 0:
         return HashResult(0, (), EMPTY_HASH)
+    for piece in _pieces(fd, size, chunk_size):
+        digests.append(blake3.blake3(piece).hexdigest())
+        whole.update(piece)
+    return HashResult(size, tuple(digests), whole.hexdigest(), size)
+
+
+def _pieces(fd: int, size: int, chunk_size: int) -> Iterator[memoryview]:
+    """The first ``size`` (> 0) bytes of ``fd``, ``chunk_size`` at a time, each read with
+    ``preadv`` into one reused buffer (memory stays flat whatever the size, and the store's
+    pages are never mapped into the daemon). A piece is valid until the next is asked for.
+
+    Raises:
+        OSError: if the file cannot be read or is shorter than ``size``.
+    """
     buf = bytearray(min(chunk_size, size))
     view = memoryview(buf)
     try:
@@ -90,12 +105,12 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
             want = min(chunk_size, size - off)
             _read_into(fd, view, off, want, size)
             piece = view[:want]
-            digests.append(blake3.blake3(piece).hexdigest())
-            whole.update(piece)
-            piece.release()
+            try:
+                yield piece
+            finally:
+                piece.release()
     finally:
         view.release()
-    return HashResult(size, tuple(digests), whole.hexdigest(), size)
 
 
 def _read_into(fd: int, view: memoryview, off: int, want: int, size: int) -> None:
@@ -174,13 +189,6 @@ def file_hash_fd(fd: int, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> st
     whole = blake3.blake3()
     if size == 0:
         return EMPTY_HASH
-    buf = bytearray(min(chunk_size, size))
-    view = memoryview(buf)
-    try:
-        for off in range(0, size, chunk_size):
-            want = min(chunk_size, size - off)
-            _read_into(fd, view, off, want, size)
-            whole.update(view[:want])
-    finally:
-        view.release()
+    for piece in _pieces(fd, size, chunk_size):
+        whole.update(piece)
     return whole.hexdigest()
