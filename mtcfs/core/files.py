@@ -459,11 +459,7 @@ class OpenFiles:
             v.seal_error = str(exc)
             self._host.report_error(f"seal of version {v.vid} failed: {exc}")
             return
-        ino = self._record_seal(v, res, t0)
-        if ino is not None and ino.vid == v.vid:
-            self._host._emit("sealed", v)
-            with self.db.transaction():
-                self.step_registry.commit_by_marker(ino)
+        self._announce_seal(v, self._record_seal(v, res, t0))
 
     # ------------------------------------------------------------------ seal
 
@@ -514,11 +510,7 @@ class OpenFiles:
             if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
                 await self._host._ns_publish(ino, v)
-            if ino is not None and ino.vid == v.vid:
-                self._host._emit("sealed", v)
-                if not self.job_scope:
-                    with self.db.transaction():
-                        self.step_registry.commit_by_marker(ino)
+            self._announce_seal(v, ino)
         except trio.Cancelled:
             cancelled = True  # the daemon stops: the next start seals it (core: _repair)
             raise
@@ -529,6 +521,16 @@ class OpenFiles:
                     and not allow_writers and not cancelled:
                 self.after_write_close(v)
             self.vstore.release(v)
+
+    def _announce_seal(self, v: Version, ino: Inode | None) -> None:
+        """Tell the observers that ``v`` is sealed and, in scope=node, commit the step whose
+        marker it is (in scope=job that happens when its publish op is applied), if ``v`` is
+        still ``ino``'s current version."""
+        if ino is not None and ino.vid == v.vid:
+            self._host._emit("sealed", v)
+            if not self.job_scope:
+                with self.db.transaction():
+                    self.step_registry.commit_by_marker(ino)
 
     def _record_seal(self, v: Version, res: HashResult, t0: float) -> Inode | None:
         """Record hashed ``v`` as sealed (``res``: its chunks and whole-file digest): its row
