@@ -4,8 +4,7 @@
 step's data (the step stays, its chunks missing, faulted in again when read), or delete a
 step's directory tree, or any top-level directory's (a save a crash interrupted). It holds
 no state of its own: it changes the inode table, the version store and the step registry
-through their methods, and calls the facade for the namespace helpers that stay there
-until the namespace is a component (see :class:`Host`).
+through their methods, and removes names through :class:`~mtcfs.core.entries.Entries`.
 
 The budget is :class:`mtcfs.core.budget.RamBudget` (``Filesystem.budget``: statfs'
 figures are its), the policy :class:`mtcfs.core.eviction.Eviction`
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from mtcfs.core.entries import Entries
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode
 from mtcfs.core.records import StepRecord
@@ -33,12 +33,8 @@ MAX_FILE_SIZE = 1 << 40
 
 
 class Host(Protocol):
-    """What :class:`Reclaim` may use of the core (the ``Filesystem`` facade): the
-    namespace's helpers that remove one name, and the events."""
+    """What :class:`Reclaim` may use of the core (the ``Filesystem`` facade): the events."""
 
-    def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None: ...
-    def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None: ...
-    def _maybe_free_inode(self, ino: Inode) -> None: ...
     def _emit(self, event: str, obj: Any) -> None: ...
 
 
@@ -51,11 +47,13 @@ class Reclaim:
         tree: the core's inode table.
         vstore: the core's version store.
         step_registry: the core's step registry (the versions of a step).
+        entries: the core's changes of directory entries (a name removed, an inode freed).
     """
 
     def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
-                 step_registry: StepRegistry) -> None:
+                 step_registry: StepRegistry, entries: Entries) -> None:
         self._host = host
+        self._entries = entries
         self._db = db
         self._tree = tree
         self._vstore = vstore
@@ -85,11 +83,11 @@ class Reclaim:
             for _path, ino in reversed(items):
                 parent, name = inodes[ino.parent], ino.name
                 if ino.is_dir:
-                    self._host._remove_dir_entry(parent, name, ino)  # forgets the step at the top
+                    self._entries.remove_dir_entry(parent, name, ino)  # forgets the step at the top
                 else:
                     self._tree.unlink(parent, name)
-                    self._host._drop_link(ino, parent, name)
+                    self._entries.drop_link(ino, parent, name)
             self._tree.touch(inodes[ROOT_INO])
         self._host._emit("invalidate_entry", (ROOT_INO, name, top.ino))
         for _path, ino in items:
-            self._host._maybe_free_inode(ino)
+            self._entries.maybe_free_inode(ino)

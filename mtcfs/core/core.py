@@ -58,6 +58,7 @@ from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import Reclaim
 from mtcfs.core.checkpoints import Checkpoints
 from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.entries import Entries
 from mtcfs.core.eviction import Eviction
 from mtcfs.core.faultin import FaultInOps
 from mtcfs.core.fetcher import FaultIn
@@ -128,8 +129,13 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         self.steps: dict[str, StepRecord] = self.step_registry.records
         #: What eviction does to the namespace (core/capacity.py): drop a step's data,
         #: delete a directory tree.
+        #: The changes of one directory entry each (core/entries.py): what applying a
+        #: namespace op does, and how eviction and the open files free a name.
+        self.entries = Entries(db=self.db, tree=self.tree, vstore=self.vstore,
+                               step_registry=self.step_registry,
+                               job_scope=lambda: self.job_scope)
         self.reclaim = Reclaim(self, db=self.db, tree=self.tree, vstore=self.vstore,
-                               step_registry=self.step_registry)
+                               step_registry=self.step_registry, entries=self.entries)
         self.counters = Counters()
         #: The eviction policy (core/eviction.py): what leaves RAM when room is short.
         self.eviction = Eviction(self, self.reclaim, self.counters, keep)
@@ -156,7 +162,8 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         self.open_files = OpenFiles(self, db=self.db, tree=self.tree, vstore=self.vstore,
                                     budget=self.budget, verifier=self.verifier,
                                     chunk_index=self.chunk_index,
-                                    step_registry=self.step_registry, counters=self.counters,
+                                    step_registry=self.step_registry, entries=self.entries,
+                                    counters=self.counters,
                                     cpu_limiter=self.cpu_limiter)
         self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
         #: Pins, chunk readers, step imports and ``mtcfs verify`` (core/checkpoints.py).
@@ -177,7 +184,8 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         self.jobns = JobNamespace(self, db=self.db, store=store, rank=rank, tree=self.tree,
                                   vstore=self.vstore, step_registry=self.step_registry,
                                   chunk_index=self.chunk_index, budget=self.budget,
-                                  verifier=self.verifier)
+                                  verifier=self.verifier, entries=self.entries,
+                                  checkpoints=self.checkpoints)
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first); the
         #: namespace component's dict (read it; only it changes it).
         self.chunk_origins: dict[str, int] = self.jobns.chunk_origins
@@ -408,39 +416,6 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
                 log.exception("observer failed on %s", event)
 
     # ------------------------------------------------------------------ helpers
-
-    def _remove_dir_entry(self, parent: Inode, name: bytes, d: Inode) -> None:
-        """Remove the (empty) directory ``d`` from ``parent`` (rmdir, rename over it,
-        eviction); a step directory at the root stops being a checkpoint. The caller
-        writes ``parent``."""
-        self.tree.unlink(parent, name)
-        d.nlink = 0
-        d.parent, d.name = 0, b""
-        self.tree.write(d)
-        parent.nlink -= 1
-        if parent.ino == ROOT_INO:
-            self.step_registry.forget(name)
-
-    def _maybe_free_inode(self, ino: Inode) -> None:
-        """Free what an inode without a name no longer needs: with no open handle, its
-        data and its rows (in the caller's transaction, or one of its own), even while the
-        kernel still holds a lookup reference (it cannot read without opening; a crash
-        frees such an inode at load anyway: ``free_orphans``); its number once the kernel
-        forgot it too."""
-        if ino.nlink > 0 or ino.ino == ROOT_INO:
-            return
-        if ino.opens == 0 and (ino.vid is not None or self.tree.has_row(ino)):
-            with self.db.transaction():
-                self.vstore.set_current(ino, None)
-                self.tree.delete_rows(ino)
-        if ino.lookups > 0 or ino.opens > 0:
-            return
-        rows = self.tree.has_row(ino) or bool(ino.xattrs)  # written again since (a setattr)
-        if not self.tree.forget(ino):  # its number and kernel aliases
-            return
-        if rows:
-            with self.db.transaction():
-                self.tree.delete_rows(ino)
 
     def report_error(self, msg: str) -> None:
         """Log ``msg`` as an error and show it in ``mtcfs status`` (the last 50 kept)."""

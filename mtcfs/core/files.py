@@ -48,6 +48,7 @@ from mtcfs.base.ns_ops import Create
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import MAX_FILE_SIZE
 from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.entries import Entries
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.ns_log import NamespaceLog
@@ -83,8 +84,6 @@ class Host(Protocol):
     def job_scope(self) -> bool: ...
     async def fault_in(self, v: Version, off: int, size: int) -> None: ...
     async def _fault_in_all(self, ino: Inode) -> None: ...
-    async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None: ...
-    def _maybe_free_inode(self, ino: Inode) -> None: ...
     async def _ns_publish(self, ino: Inode, v: Version) -> None: ...
     def _emit(self, event: str, obj: Any) -> None: ...
     def report_error(self, msg: str) -> None: ...
@@ -96,7 +95,8 @@ class OpenFiles:
     Args:
         host: the core (see :class:`Host`).
         db: the store's metadata database.
-        tree, vstore, budget, verifier, chunk_index, step_registry: the core's components.
+        tree, vstore, budget, verifier, chunk_index, step_registry, entries: the core's
+            components.
         counters: the core's counters (``bytes_written``, ``bytes_read``, ``seals``,
             ``enospc``).
         cpu_limiter: the limiter of the CPU pool (hashing at seal).
@@ -104,9 +104,10 @@ class OpenFiles:
 
     def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
                  budget: RamBudget, verifier: Verifier, chunk_index: ChunkIndex,
-                 step_registry: StepRegistry, counters: Counters,
+                 step_registry: StepRegistry, entries: Entries, counters: Counters,
                  cpu_limiter: trio.CapacityLimiter) -> None:
         self._host = host
+        self.entries = entries
         self.db = db
         self.tree = tree
         self.vstore = vstore
@@ -262,7 +263,7 @@ class OpenFiles:
             if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
                 # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
                 # dropped its own size to 0 (atomic_o_trunc): follow it.
-                await self._host._truncate(ino, 0, None)
+                await self.truncate(ino, 0, None)
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
             v = self.versions[ino.vid]  # type: ignore[index]
         v.handles += 1
@@ -415,6 +416,39 @@ class OpenFiles:
         self.vstore.release(old)
         return v
 
+    async def truncate(self, ino: Inode, size: int, fh: int | None) -> None:
+        """Set the size of file ``ino`` to ``size`` bytes, through handle ``fh`` when it is
+        a writer of the current version, else as a short-lived writer of its own (holes
+        cost nothing). Raises FsError: EFBIG; EIO when a missing chunk cannot be fetched."""
+        if size > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
+        h = self.handles.get(fh) if fh is not None else None
+        if isinstance(h, Handle) and h.writable and h.version.vid == ino.vid:
+            v = h.version
+        else:
+            # truncate(2) by path: a short-lived writer of its own.
+            if size:
+                await self._host._fault_in_all(ino)
+            v = await self.writable_version(ino, trunc=(size == 0))
+            v.writers += 1
+            try:
+                await self._resize(v, size)
+            finally:
+                v.writers -= 1
+            self.after_write_close(v)
+            return
+        await self._resize(v, size)
+
+    async def _resize(self, v: Version, size: int) -> None:
+        # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
+        if v.missing:
+            await self._host.fault_in(v, 0, v.size)
+        v.changed(v.size, size)
+        os.ftruncate(self.vstore.fd(v), size)
+        v.size = size
+        v.gen += 1
+        self.budget.account(v)
+
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         if h.writable and not h.version.sealed:
@@ -433,7 +467,7 @@ class OpenFiles:
             v.writers -= 1
         if ino is not None:
             ino.opens -= 1
-            self._host._maybe_free_inode(ino)  # an unlinked file's space comes back here
+            self.entries.maybe_free_inode(ino)  # an unlinked file's space comes back here
         if h.writable:
             self.after_write_close(v)
         self.vstore.release(v)

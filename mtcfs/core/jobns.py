@@ -46,7 +46,9 @@ from mtcfs.base.ns_ops import (
     from_wire,
 )
 from mtcfs.core.budget import RamBudget
+from mtcfs.core.checkpoints import Checkpoints
 from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.entries import Entries
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.core.ns_log import NamespaceLog
@@ -84,27 +86,13 @@ def _text(b: bytes) -> str:
 
 class Host(Protocol):
     """What :class:`JobNamespace` may use of the core (the ``Filesystem`` facade), read at
-    each use (the daemon replaces ``ns_log`` in scope=job): the log, the errors, pins, and
-    namespace.py's shared helpers that change one name (errno rules, SQLite write-through,
-    commit detection)."""
+    each use (the daemon replaces ``ns_log`` in scope=job): the log and the errors."""
 
     @property
     def ns_log(self) -> NamespaceLog: ...
     @property
     def job_scope(self) -> bool: ...
     def report_error(self, msg: str) -> None: ...
-    def unpin(self, versions: Iterable[Version]) -> None: ...
-    def _dir_depth(self, d: Inode) -> int | None: ...
-    def _mkdir_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode: ...
-    def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int,
-                     gid: int) -> Inode: ...
-    def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
-                   gid: int) -> Inode: ...
-    def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None: ...
-    def _unlink_now(self, parent: int, name: bytes) -> Inode: ...
-    def _rmdir_now(self, parent: int, name: bytes) -> None: ...
-    def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-                    flags: int = 0) -> Inode | None: ...
 
 
 #: An apply function: (the component, the op, the versions to keep) -> result or None.
@@ -127,6 +115,8 @@ class JobNamespace:
         store: the store (data file paths, at install).
         rank: this node's rank (ops of this rank are this node's own).
         tree, vstore, step_registry, chunk_index, budget, verifier: the core's components.
+        entries: the changes of one name each op makes (core/entries.py).
+        checkpoints: the pins (a replaced file's version lingers pinned a while).
     """
 
     #: op type -> its apply function (set below the class)
@@ -134,8 +124,11 @@ class JobNamespace:
 
     def __init__(self, host: Host, *, db: MetaDB, store: Store, rank: int, tree: InodeTable,
                  vstore: VersionStore, step_registry: StepRegistry, chunk_index: ChunkIndex,
-                 budget: RamBudget, verifier: Verifier) -> None:
+                 budget: RamBudget, verifier: Verifier, entries: Entries,
+                 checkpoints: Checkpoints) -> None:
         self._host = host
+        self.entries = entries
+        self._checkpoints = checkpoints
         self.db = db
         self.store = store
         self.rank = rank
@@ -288,17 +281,17 @@ class JobNamespace:
 
     def _apply_mkdir(self, op: Mkdir, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._host._mkdir_now(op.parent, op.name, op.mode, op.uid, op.gid)
+        ino = self.entries.mkdir(op.parent, op.name, op.mode, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_symlink(self, op: Symlink, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._host._symlink_now(op.parent, op.name, op.target, op.uid, op.gid)
+        ino = self.entries.symlink(op.parent, op.name, op.target, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_mknod(self, op: Mknod, keep: list[Version]) -> dict[str, Any]:
         self._ns_dir(op.parent)
-        ino = self._host._mknod_now(op.parent, op.name, op.mode, op.rdev, op.uid, op.gid)
+        ino = self.entries.mknod(op.parent, op.name, op.mode, op.rdev, op.uid, op.gid)
         return {"ino": ino.ino}
 
     def _apply_link(self, op: Link, keep: list[Version]) -> None:
@@ -306,7 +299,7 @@ class JobNamespace:
         if ino is None or ino.nlink <= 0:
             raise FsError(errno.ENOENT)
         self._ns_dir(op.new_parent)
-        self._host._link_now(ino, op.new_parent, op.new_name)
+        self.entries.link(ino, op.new_parent, op.new_name)
 
     def _apply_create(self, op: Create, keep: list[Version]) -> dict[str, Any]:
         d = self._ns_dir(op.parent)
@@ -341,11 +334,11 @@ class JobNamespace:
         victim = self.tree.child(self.tree.dir(op.parent), op.name)
         if victim.nlink <= 1:  # another hard link keeps the content reachable
             self._keep_if_open(victim, keep)
-        self._host._unlink_now(op.parent, op.name)
+        self.entries.unlink(op.parent, op.name)
 
     def _apply_rmdir(self, op: Rmdir, keep: list[Version]) -> None:
         self._ns_dir(op.parent)
-        self._host._rmdir_now(op.parent, op.name)
+        self.entries.rmdir(op.parent, op.name)
 
     def _apply_rename(self, op: Rename, keep: list[Version]) -> None:
         self._ns_dir(op.parent)
@@ -354,7 +347,7 @@ class JobNamespace:
         inodes = self.tree.inodes
         if victim is not None and victim in inodes and inodes[victim].nlink <= 1:
             self._keep_if_open(inodes[victim], keep)
-        self._host._rename_now(op.parent, op.name, op.new_parent, op.new_name, op.flags)
+        self.entries.rename(op.parent, op.name, op.new_parent, op.new_name, op.flags)
 
     def _apply_setattr(self, op: SetAttr, keep: list[Version]) -> None:
         ino = self.tree.inodes.get(op.ino)
@@ -387,7 +380,7 @@ class JobNamespace:
 
     async def _unpin_later(self, v: Version) -> None:
         await trio.sleep(LINGER_S)
-        self._host.unpin([v])
+        self._checkpoints.unpin([v])
 
     def _apply_publish(self, op: Publish, keep: list[Version]) -> None:
         ino = self.tree.inodes.get(op.ino)
@@ -539,7 +532,7 @@ class JobNamespace:
                 parent = self.tree.inodes[e["parent"]]
                 kind = e["kind"]
                 if kind == "symlink" and escapes(_name(e["target"]),
-                                                 self._host._dir_depth(parent) or 0):
+                                                 self.entries.dir_depth(parent) or 0):
                     # docs/security-local.md: never made, whoever sent the snapshot
                     log.warning("namespace snapshot: symlink %s/%s -> %r points outside "
                                 "the mount: not created", self.tree.path_of(parent), e["name"],

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import stat
 from collections.abc import Iterable
 
 import trio
 
 from mtcfs.base.errors import FsError
-from mtcfs.base import steps as stepnames
 from mtcfs.core.capacity import MAX_FILE_SIZE
-from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle
 from mtcfs.base.ns_ops import Link, Mkdir, Mknod, Rename, Rmdir, SetAttr, Symlink, Unlink
 from mtcfs.core.records import now_ns as _now_ns
-from mtcfs.core.symlinks import check_target, escapes
+from mtcfs.core.entries import SPECIAL_TYPES
+from mtcfs.core.symlinks import escapes
 
-
-def _text(name: bytes) -> str:
-    return name.decode(errors="surrogateescape")
 
 log = logging.getLogger("mtcfs.core.core")
 
-#: File types mknod makes as special files (metadata-only inodes).
-SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
 
 #: scope=job: seconds the getattr of the root or of a file open here waits for the namespace
 #: before it answers from this node's copy (see ``getattr``).
@@ -59,7 +53,7 @@ class NamespaceOps:
             if ino is None:
                 continue
             ino.lookups = max(0, ino.lookups - n)
-            self._maybe_free_inode(ino)
+            self.entries.maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
         node = self.inodes.get(ino)
@@ -115,7 +109,7 @@ class NamespaceOps:
         if job and not writing:
             mtime_ns = None
         if size is not None:
-            await self._truncate(ino, size, fh)
+            await self.open_files.truncate(ino, size, fh)
             ino.mtime_ns = now
         if writing and size is None and mode is None and uid is None and gid is None:
             # Times of a file being written here (the writeback cache sends them at every
@@ -142,48 +136,6 @@ class NamespaceOps:
             self.tree.write(ino)
         return self.tree.attr(ino)
 
-    async def _truncate(self, ino: Inode, size: int, fh: int | None) -> None:
-        if size > MAX_FILE_SIZE:
-            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
-        h = self.handles.get(fh) if fh is not None else None
-        if isinstance(h, Handle) and h.writable and h.version.vid == ino.vid:
-            v = h.version
-        else:
-            # truncate(2) by path: a short-lived writer of its own.
-            if size:
-                await self._fault_in_all(ino)
-            v = await self.open_files.writable_version(ino, trunc=(size == 0))
-            v.writers += 1
-            try:
-                await self._resize(v, size)
-            finally:
-                v.writers -= 1
-            self.open_files.after_write_close(v)
-            return
-        await self._resize(v, size)
-
-    async def _resize(self, v: Version, size: int) -> None:
-        # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
-        if v.missing:
-            await self.fault_in(v, 0, v.size)
-        v.changed(v.size, size)
-        os.ftruncate(self.vstore.fd(v), size)
-        v.size = size
-        v.gen += 1
-        self.budget.account(v)
-
-    def _dir_for_new_name(self, parent: int, name: bytes) -> Inode:
-        """The directory ``parent``, once ``name`` is checked valid and free in it.
-
-        Raises:
-            FsError: ENOENT/ENOTDIR (parent), EINVAL/ENAMETOOLONG (name), EEXIST.
-        """
-        d = self.tree.dir(parent)
-        self.tree.check_name(name)
-        if name in d.children:  # type: ignore[operator]
-            raise FsError(errno.EEXIST)
-        return d
-
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         return await self._new_entry(Mkdir(parent=self.tree.dir(parent).ino, name=name,
                                            mode=mode, uid=uid, gid=gid))
@@ -195,16 +147,6 @@ class NamespaceOps:
         ino.lookups += 1
         return self.tree.attr(ino)
 
-    def _mkdir_now(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        d = self._dir_for_new_name(parent, name)
-        with self.db.transaction():
-            ino = self.tree.new("dir", stat.S_IFDIR | (mode & 0o7777), uid, gid)
-            self.tree.link(d, name, ino)
-            self.tree.write(ino)
-            d.nlink += 1
-            self.tree.touch(d)
-        return ino
-
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
         """A symlink ``name`` -> ``target`` in ``parent``.
 
@@ -213,20 +155,9 @@ class NamespaceOps:
                 (:mod:`mtcfs.core.symlinks`); the errors of a new name.
         """
         d = self.tree.dir(parent)
-        self._check_link_target(target, d, name)  # before any op is logged
+        self.entries.check_link_target(target, d, name)  # before any op is logged
         return await self._new_entry(Symlink(parent=d.ino, name=name, target=target, uid=uid,
                                              gid=gid))
-
-    def _symlink_now(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
-        d = self._dir_for_new_name(parent, name)
-        self._check_link_target(target, d, name)  # also for scope=job ops of other nodes
-        with self.db.transaction():
-            ino = self.tree.new("symlink", stat.S_IFLNK | 0o777, uid, gid)
-            ino.target = target
-            self.tree.link(d, name, ino)
-            self.tree.write(ino)
-            self.tree.touch(d)
-        return ino
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
                     gid: int) -> Attr:
@@ -243,19 +174,6 @@ class NamespaceOps:
         return await self._new_entry(Mknod(parent=self.tree.dir(parent).ino, name=name,
                                            mode=mode, rdev=rdev, uid=uid, gid=gid))
 
-    def _mknod_now(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
-                   gid: int) -> Inode:
-        d = self._dir_for_new_name(parent, name)
-        if stat.S_IFMT(mode) not in SPECIAL_TYPES:
-            raise FsError(errno.EINVAL)
-        with self.db.transaction():
-            ino = self.tree.new("special", stat.S_IFMT(mode) | (mode & 0o7777), uid, gid)
-            ino.rdev = rdev
-            self.tree.link(d, name, ino)
-            self.tree.write(ino)
-            self.tree.touch(d)
-        return ino
-
     async def readlink(self, num: int) -> bytes:
         """The target of symlink ``num``.
 
@@ -268,67 +186,12 @@ class NamespaceOps:
         if ino.kind != "symlink":
             raise FsError(errno.EINVAL)
         d = self.inodes.get(ino.parent) if ino.parent else None
-        depth = self._dir_depth(d) if d is not None else None
+        depth = self.entries.dir_depth(d) if d is not None else None
         if depth is not None and escapes(ino.target, depth):
             log.warning("symlink %s points outside the mount (%r): not followed",
                         self.tree.path_of(ino), ino.target)
             raise FsError(errno.EPERM)
         return ino.target
-
-    def _dir_depth(self, d: Inode) -> int | None:
-        """Components between the root and directory ``d`` (0 for the root); None when
-        ``d`` is no longer linked into the namespace."""
-        n = 0
-        cur = d
-        while cur.ino != ROOT_INO:
-            nxt = self.inodes.get(cur.parent) if cur.parent else None
-            if nxt is None or n > len(self.inodes):
-                return None
-            n += 1
-            cur = nxt
-        return n
-
-    def _check_link_target(self, target: bytes, d: Inode, name: bytes = b"") -> None:
-        """Refuse a symlink ``target`` in directory ``d`` (:func:`check_target`).
-
-        Raises:
-            FsError: EPERM, ENAMETOOLONG or EINVAL (see :func:`check_target`); ENOENT when
-                ``d`` was removed.
-        """
-        depth = self._dir_depth(d)
-        if depth is None:
-            raise FsError(errno.ENOENT)
-        where = "/".join(filter(None, (self.tree.path_of(d), _text(name))))
-        check_target(target, depth, where)
-
-    def _check_links_moved(self, ino: Inode, src_dir: Inode, dst_dir: Inode,
-                           new_name: bytes) -> None:
-        """Refuse to move ``ino`` from ``src_dir`` to ``dst_dir`` as ``new_name`` (a
-        rename) when that makes a symlink leave the mount: ``ino`` itself, or one in the
-        tree below it. Only a move closer to the root can; the tree is walked only then.
-
-        Raises:
-            FsError: EPERM naming the first such link.
-        """
-        if ino.kind != "symlink" and not ino.is_dir:
-            return
-        old, new = self._dir_depth(src_dir), self._dir_depth(dst_dir)
-        if old is None or new is None or new >= old:
-            return
-        if ino.kind == "symlink":
-            self._check_link_target(ino.target, dst_dir, new_name)
-            return
-        stack = [(ino, new + 1)]
-        while stack:
-            d, depth = stack.pop()
-            for name, num in d.children.items():  # type: ignore[union-attr]
-                child = self.inodes[num]
-                if child.kind == "symlink" and escapes(child.target, depth):
-                    raise FsError(errno.EPERM, f"moving {self.tree.path_of(ino)} would make "
-                                  f"symlink {self.tree.path_of(d)}/{_text(name)} point outside "
-                                  "the mount")
-                if child.is_dir:
-                    stack.append((child, depth + 1))
 
     async def link(self, num: int, new_parent: int, new_name: bytes) -> Attr:
         ino = self.tree.get(num)
@@ -339,60 +202,11 @@ class NamespaceOps:
         ino.lookups += 1
         return self.tree.attr(ino)
 
-    def _link_now(self, ino: Inode, new_parent: int, new_name: bytes) -> None:
-        if ino.is_dir:
-            raise FsError(errno.EPERM)
-        d = self._dir_for_new_name(new_parent, new_name)
-        if ino.kind == "symlink":  # a hard link of a symlink: its target read from there
-            self._check_link_target(ino.target, d, new_name)
-        with self.db.transaction():
-            self.tree.link(d, new_name, ino)
-            ino.nlink += 1
-            ino.ctime_ns = _now_ns()
-            self.tree.write(ino)
-            self.tree.touch(d)
-
     async def unlink(self, parent: int, name: bytes) -> None:
         await self.ns_log.submit(Unlink(parent=self.tree.dir(parent).ino, name=name))
 
-    def _unlink_now(self, parent: int, name: bytes) -> Inode:
-        d = self.tree.dir(parent)
-        ino = self.tree.child(d, name)
-        if ino.is_dir:
-            raise FsError(errno.EISDIR)
-        with self.db.transaction():  # one transaction: the name, the inode, its data
-            self.tree.unlink(d, name)
-            self._drop_link(ino, d, name)
-            self.tree.touch(d)
-            self._maybe_free_inode(ino)
-        return ino
-
-    def _drop_link(self, ino: Inode, d: Inode, name: bytes) -> None:
-        ino.nlink -= 1
-        ino.ctime_ns = _now_ns()
-        if ino.nlink == 0:
-            ino.parent, ino.name = 0, b""  # no name left: nothing to look up
-        elif ino.parent == d.ino and ino.name == name:
-            # Re-point the file's path at another remaining link, if any.
-            row = self.db.execute("SELECT parent, name FROM dentries WHERE ino=? LIMIT 1",
-                                  (ino.ino,)).fetchone()
-            ino.parent, ino.name = (row[0], bytes(row[1])) if row else (0, b"")
-        self.tree.write(ino)
-
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.ns_log.submit(Rmdir(parent=self.tree.dir(parent).ino, name=name))
-
-    def _rmdir_now(self, parent: int, name: bytes) -> None:
-        d = self.tree.dir(parent)
-        ino = self.tree.child(d, name)
-        if not ino.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if ino.children:
-            raise FsError(errno.ENOTEMPTY)
-        with self.db.transaction():  # one transaction: the name, the inode, the parent
-            self._remove_dir_entry(d, name, ino)
-            self.tree.touch(d)
-            self._maybe_free_inode(ino)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                      flags: int = 0) -> None:
@@ -401,68 +215,6 @@ class NamespaceOps:
         await self.ns_log.submit(Rename(parent=self.tree.dir(old_parent).ino, name=old_name,
                                         new_parent=self.tree.dir(new_parent).ino,
                                         new_name=new_name, flags=flags))
-
-    def _rename_now(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-                    flags: int = 0) -> Inode | None:
-        """The rename itself; returns the inode it replaced (unlinked), if any."""
-        if flags & ~1:
-            raise FsError(errno.EINVAL)
-        src_dir, dst_dir = self.tree.dir(old_parent), self.tree.dir(new_parent)
-        self.tree.check_name(new_name)
-        ino = self.tree.child(src_dir, old_name)
-        if ino.is_dir:
-            # A directory may not move below itself.
-            cur: Inode | None = dst_dir
-            while cur is not None and cur.ino != ROOT_INO:
-                if cur.ino == ino.ino:
-                    raise FsError(errno.EINVAL)
-                cur = self.inodes.get(cur.parent)
-        self._check_links_moved(ino, src_dir, dst_dir, new_name)
-        victim_num = dst_dir.children.get(new_name)  # type: ignore[union-attr]
-        victim = self.inodes[victim_num] if victim_num is not None else None
-        if victim is ino:
-            return None
-        if victim is not None:
-            if flags & 1:
-                raise FsError(errno.EEXIST)
-            if ino.is_dir and not victim.is_dir:
-                raise FsError(errno.ENOTDIR)
-            if not ino.is_dir and victim.is_dir:
-                raise FsError(errno.EISDIR)
-            if victim.is_dir and victim.children:
-                raise FsError(errno.ENOTEMPTY)
-        with self.db.transaction():
-            if victim is not None:
-                if victim.is_dir:
-                    self._remove_dir_entry(dst_dir, new_name, victim)
-                else:
-                    self.tree.unlink(dst_dir, new_name)
-                    self._drop_link(victim, dst_dir, new_name)
-            self.tree.unlink(src_dir, old_name)
-            if src_dir.ino == ROOT_INO and ino.is_dir:
-                self.step_registry.forget(old_name)
-            self.tree.link(dst_dir, new_name, ino)
-            if ino.is_dir and src_dir is not dst_dir:
-                src_dir.nlink -= 1
-                dst_dir.nlink += 1
-            ino.ctime_ns = _now_ns()
-            self.tree.write(ino)
-            self.tree.touch(src_dir)
-            if dst_dir is not src_dir:
-                self.tree.touch(dst_dir)
-            # Commit detection (steps.py): Orbax's step rename, DCP's .metadata rename.
-            if dst_dir.ino == ROOT_INO and ino.is_dir and stepnames.is_orbax_tmp(old_name):
-                self.step_registry.commit(ino, "orbax-rename")
-            elif dst_dir.ino == ROOT_INO and ino.is_dir and \
-                    stepnames.restore_marker_step(old_name) is not None:
-                self.step_registry.commit(ino, "orbax-restore")
-            elif ino.is_file and new_name in stepnames.COMMIT_FILES:
-                # scope=job: the marker is published (sealed job-wide) whatever this node's
-                # kernel still holds open of it, so every node commits at this op
-                self.step_registry.commit_by_marker(ino, published=self.job_scope)
-        if victim is not None:
-            self._maybe_free_inode(victim)
-        return victim
 
     # ------------------------------------------------------------------ directories
 
