@@ -110,8 +110,8 @@ class Daemon:
         capacity = o.size or default_capacity(self.store.path)
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
-        self.fs.fetch_deadline_s = o.read_timeout
-        self.fs.scrub_interval_s, self.fs.scrub_rate = o.scrub_interval, o.scrub_rate
+        self.fs.fetcher.fetch_deadline_s = o.read_timeout
+        self.fs.verifier.interval_s, self.fs.verifier.rate = o.scrub_interval, o.scrub_rate
         # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
         # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
         self.fs.eviction.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
@@ -129,15 +129,15 @@ class Daemon:
         if sources:
             from mtcfs.tiers.peer.sources import TieredChunkSource
             from mtcfs.tiers.restore.from_backup import Prefetcher
-            self.fs.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
+            self.fs.fetcher.chunk_source = sources[0][1] if len(sources) == 1 and not o.multi_node \
                 else TieredChunkSource(sources)
-            self.prefetcher = Prefetcher(self.fs)
-        served = getattr(self.fs.chunk_source, "served", None)
+            self.prefetcher = Prefetcher(self.fs.tier_api)
+        served = getattr(self.fs.fetcher.chunk_source, "served", None)
 
         def peer_chunk() -> None:  # counted as the chunk sources count (status)
             if served is not None:
                 served["peers"] = served.get("peers", 0) + 1
-        self.restorer = Restorer(self.fs, rank=o.rank, nodes=o.nodes, restore=o.restore,
+        self.restorer = Restorer(self.fs.tier_api, rank=o.rank, nodes=o.nodes, restore=o.restore,
                                  backup_url=o.backup, backup_store=self.backup_store,
                                  peer=self.peer, prefetcher=self.prefetcher, ns=self.ns,
                                  mtc=o.mtc, on_peer_chunk=peer_chunk)
@@ -192,7 +192,7 @@ class Daemon:
             from mtcfs.tiers.coord.rounds import RestoreRounds
             rounds = RestoreRounds(self.etcd, self._coord_prefix(), o.rank, o.nodes)
         self.mtc = MtcReplicator(
-            self.fs, rank=o.rank, nodes=o.nodes, job=o.job,
+            self.fs.tier_api, rank=o.rank, nodes=o.nodes, job=o.job,
             jax_coordinator=o.jax_coordinator or self._jax_coordinator(o.peer_address(0)),
             peer=self.peer, backup_store=self.backup_store, backup_service=self.backup,
             fetch_step=self._mtc_fetch, kick_prefetch=self.restorer.kick_prefetch,
@@ -265,21 +265,21 @@ class Daemon:
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
                          huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls(),
                          replica_quota=o.replica_quota)
-        peer = self.peer = PeerTier(self.fs, cfg, self.store.path, etcd=self.etcd,
+        peer = self.peer = PeerTier(self.fs.tier_api, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         # The replicas share the RAM budget with this node's own files, and they count on
         # this node's copies of chunks it holds for others.
         replicas = peer.replica_store
-        self.fs.shared_used = lambda: replicas.used_estimate
+        self.fs.budget.shared_used = lambda: replicas.used_estimate
         self.fs.vstore.chunk_keeper = replicas
         if o.scope == "job":
             from mtcfs.tiers.namespace.etcd_log import EtcdNamespace
             from mtcfs.tiers.namespace.sources import JobChunkSource
             self.ns = self.fs.ns_log = EtcdNamespace(
-                self.fs, self.etcd, self._coord_prefix(), o.rank,
+                self.fs.tier_api, self.etcd, self._coord_prefix(), o.rank,
                 seed=self._seed_job_namespace,
                 timeout_s=o.coord_timeout, nodes=o.nodes)
-            return JobChunkSource(self.fs, peer)
+            return JobChunkSource(self.fs.tier_api, peer)
         return PeerChunkSource(lambda: peer.restore_holders or peer.peer_ranks(),
                                peer.fetch_client, peer.report_bad, others=peer.other_ranks)
 
@@ -312,7 +312,7 @@ class Daemon:
             twins = self.peer.twins
 
         iv = o.backup_interval
-        self.backup = BackupService(self.fs, self.backup_store, interval_s=iv.seconds,
+        self.backup = BackupService(self.fs.tier_api, self.backup_store, interval_s=iv.seconds,
                                     every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
                                     url=o.backup, interval_text=str(iv), share=share,
                                     twins=twins)
@@ -391,7 +391,7 @@ class Daemon:
                                 "(a test option; never use it in production)")
                 await n.start(control.serve, self.store.control_socket, self.handle)
                 n.start_soon(self._signals, n)
-                n.start_soon(self.fs.scrub_loop)
+                n.start_soon(self.fs.verifier.loop)
                 if self.backup is not None:
                     n.start_soon(self.backup.run)
                 if self.prefetcher is not None:
@@ -532,14 +532,14 @@ class Daemon:
             "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,
                     "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
-            "reads": {"deadline_s": fs.fetch_deadline_s, "failed": fs.counters.fault_errors,
-                      "last_failure": fs.last_fault_error,
+            "reads": {"deadline_s": fs.fetcher.fetch_deadline_s, "failed": fs.counters.fault_errors,
+                      "last_failure": fs.fetcher.last_fault_error,
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",
                                                     list)())},
             "backup": None, "restore": None, "store_fs": self.store_fs,
-            "scrub": {**fs.scrub_state, "interval_s": fs.scrub_interval_s,
-                      "rate": fs.scrub_rate, "corrupt_chunks": fs.counters.corrupt_chunks,
-                      "unverified_chunks": fs.unverified_chunks()},
+            "scrub": {**fs.verifier.state, "interval_s": fs.verifier.interval_s,
+                      "rate": fs.verifier.rate, "corrupt_chunks": fs.counters.corrupt_chunks,
+                      "unverified_chunks": fs.verifier.unverified_chunks()},
         }
         if self.backup is not None:
             b = self.backup.status.to_json()
@@ -551,10 +551,10 @@ class Daemon:
             info = self.restorer.info if self.restorer is not None else {}
             out["restore"] = {**info, "pending_chunks": chunks,
                               "pending_bytes": nbytes,
-                              "pending_files": len({v.vid for v, _ in fs.pending_fault_in()}),
+                              "pending_files": len({v.vid for v, _ in fs.chunks.pending()}),
                               "files": self._files_of_step(info.get("step")),
-                              "corrupt_chunks": getattr(fs.chunk_source, "corrupt", 0),
-                              "chunks_from": dict(getattr(fs.chunk_source, "served", {}))}
+                              "corrupt_chunks": getattr(fs.fetcher.chunk_source, "corrupt", 0),
+                              "chunks_from": dict(getattr(fs.fetcher.chunk_source, "served", {}))}
         out["peers"] = self.peer.status() if self.peer is not None else None
         out["scope"] = self.opts.scope
         if self.ns is not None:
@@ -573,7 +573,7 @@ class Daemon:
 
     def _peer_source(self) -> Any:
         """The chunk source that asks peers (for its suspects), or None."""
-        src = self.fs.chunk_source if self.fs is not None else None
+        src = self.fs.fetcher.chunk_source if self.fs is not None else None
         for _name, s in getattr(src, "sources", [("", src)]):
             if hasattr(s, "suspects"):
                 return s

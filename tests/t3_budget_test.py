@@ -141,7 +141,7 @@ def check_budget(fs) -> None:
     on_disk = sum(os.stat(os.path.join(data, n)).st_blocks * 512 for n in os.listdir(data))
     assert fs.used == on_disk
     s = fs.statfs()
-    assert s["used"] == fs.used + fs.shared_used() and s["files"] == len(fs.inodes)
+    assert s["used"] == fs.used + fs.budget.shared_used() and s["files"] == len(fs.inodes)
 
 
 def test_writes_rewrites_and_unlinks_keep_the_budget_exact(tmp_path):
@@ -166,13 +166,13 @@ def test_writes_rewrites_and_unlinks_keep_the_budget_exact(tmp_path):
 def test_a_full_tier_refuses_writes_counting_the_replicas(tmp_path):
     async def body(fs) -> None:
         await write_file(fs, ROOT_INO, b"a", os.urandom(4 * CS))
-        fs.shared_used = lambda: 3 * CS  # the peer tier's replicas share the budget
+        fs.budget.shared_used = lambda: 3 * CS  # the peer tier's replicas share the budget
         assert fs.budget.shared_used() == 3 * CS
         with pytest.raises(FsError) as e:
             await write_file(fs, ROOT_INO, b"b", os.urandom(2 * CS))
         assert e.value.errno == errno.ENOSPC and fs.counters.enospc >= 1
         check_budget(fs)
-        fs.shared_used = lambda: 0
+        fs.budget.shared_used = lambda: 0
         await write_file(fs, ROOT_INO, b"c", os.urandom(2 * CS))
         assert fs.statfs()["free"] == fs.capacity - fs.used
         check_budget(fs)

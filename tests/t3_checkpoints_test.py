@@ -30,13 +30,13 @@ def consistent(fs: Filesystem) -> None:
         if v.sealed:
             for i, d in enumerate(v.chunks):
                 if i not in v.missing:
-                    assert fs.has_local_chunk(d), (v.vid, i)
+                    assert fs.tier_api.has_local_chunk(d), (v.vid, i)
     held = {d for v in fs.versions.values() if v.sealed
             for i, d in enumerate(v.chunks) if i not in v.missing}
     for v in fs.versions.values():
         for i in v.missing:
             if v.chunks[i] not in held:
-                assert not fs.has_local_chunk(v.chunks[i])
+                assert not fs.tier_api.has_local_chunk(v.chunks[i])
     in_memory = {(ino.ino, name, child) for ino in fs.inodes.values() if ino.children
                  for name, child in ino.children.items()}
     rows = {(p, bytes(n), c) for p, n, c in fs.db.execute(
@@ -73,9 +73,9 @@ def test_a_pinned_chunk_is_read_bit_exact_after_its_file_is_deleted_then_freed(t
         pv, off, length = pinned
         assert (pv, off, length) == (v, 3 * CS, 4) and v.pins == 1
         await fs.unlink(ROOT_INO, b"f")
-        assert fs.read_chunk_at(pv, off, length, v.chunks[3]) == b"tail"
+        assert fs.tier_api.read_chunk_at(pv, off, length, v.chunks[3]) == b"tail"
         cp.unpin([pv])  # the last pin of a version no name holds: freed with it
-        assert v.vid not in fs.versions and not fs.has_local_chunk(v.chunks[0])
+        assert v.vid not in fs.versions and not fs.tier_api.has_local_chunk(v.chunks[0])
         consistent(fs)
     run(body, tmp_path)
 
@@ -112,7 +112,7 @@ def test_drop_step_data_keeps_a_pinned_version_and_only_other_ranks_files(tmp_pa
         fs.reclaim.drop_step_data(rec)
         assert not a.missing and b.missing == {0, 1} and b.alloc == 0
         assert fs.steps["step_2"] is rec and not fs.step_registry.in_ram(rec)
-        fs.unpin([a])
+        fs.tier_api.unpin([a])
         consistent(fs)
     run(body, tmp_path)
 
@@ -164,8 +164,8 @@ def test_verify_finds_a_flipped_byte_and_the_chunk_is_never_served_again(tmp_pat
         assert 1 in v.missing  # known bad: a hole now, faulted in again if read
         _m, pinned = fs.step_registry.snapshot("step_4")
         with pytest.raises(FsError) as e:
-            fs.chunk_reader(pinned)(v.chunks[1])
+            fs.tier_api.chunk_reader(pinned)(v.chunks[1])
         assert e.value.errno == errno.EIO
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         consistent(fs)
     run(body, tmp_path)

@@ -70,13 +70,13 @@ def test_the_core_keeps_its_index_exact(tmp_path):
                 await fs.open_files.wait_sealed(fs.inodes[ino])
         consistent(fs.chunk_index, fs.versions)
         v = fs.versions[fs.inodes[inos[0]].vid]
-        assert all(fs.has_local_chunk(d) for d in v.chunks)
+        assert all(fs.tier_api.has_local_chunk(d) for d in v.chunks)
         await fs.unlink(ROOT_INO, b"a")
-        assert all(fs.has_local_chunk(d) for d in v.chunks)  # b's copies took over
+        assert all(fs.tier_api.has_local_chunk(d) for d in v.chunks)  # b's copies took over
         consistent(fs.chunk_index, fs.versions)
-        pinned = fs.pin_chunk(v.chunks[1])
+        pinned = fs.tier_api.pin_chunk(v.chunks[1])
         assert pinned is not None and pinned[1] == CS and pinned[0].pins == 1
-        fs.unpin([pinned[0]])
+        fs.tier_api.unpin([pinned[0]])
         await fs.unlink(ROOT_INO, b"b")
         assert len(fs.chunk_index) == 0
         consistent(fs.chunk_index, fs.versions)

@@ -33,14 +33,14 @@ def test_rewrite_makes_new_version_and_pinned_old_stays(tmp_path):
         f = await write_file(fs, d.ino, b"x", old)
         v1 = await sealed(fs, f)
         fs.step_registry.seal("step_1")
-        _m, pinned = fs.snapshot_step("step_1")
-        read = fs.chunk_reader(pinned)
+        _m, pinned = fs.tier_api.snapshot_step("step_1")
+        read = fs.tier_api.chunk_reader(pinned)
         await write_file(fs, d.ino, b"x", new)          # O_TRUNC rewrite: new version
         v2 = await sealed(fs, f)
         assert v2.vid != v1.vid and v2.blake3 == blake3.blake3(new).hexdigest()
         # The pinned old version is still readable for a backup upload in flight...
         assert read(v1.chunks[2]) == old[2 * CS:]
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         # ...and freed once unpinned.
         assert v1.vid not in fs.versions
         assert not os.path.exists(fs.store.data_path(v1.vid))
@@ -134,16 +134,16 @@ def test_a_chunk_in_two_files_stays_local_when_one_goes(tmp_path):
         await sealed(fs, a)
         await sealed(fs, b)
         digests = [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
-        assert all(fs.has_local_chunk(d) for d in digests)
+        assert all(fs.tier_api.has_local_chunk(d) for d in digests)
         await fs.unlink(ROOT_INO, b"a")
         fs.forget([(a, 1)])
         assert a not in fs.inodes
-        assert all(fs.has_local_chunk(d) for d in digests)
-        reader = fs.chunk_reader([fs.versions[fs.inodes[b].vid]])
+        assert all(fs.tier_api.has_local_chunk(d) for d in digests)
+        reader = fs.tier_api.chunk_reader([fs.versions[fs.inodes[b].vid]])
         assert b"".join(reader(d) for d in digests) == data
         await fs.unlink(ROOT_INO, b"b")
         fs.forget([(b, 1)])
-        assert not any(fs.has_local_chunk(d) for d in digests)
+        assert not any(fs.tier_api.has_local_chunk(d) for d in digests)
     run(body, tmp_path)
 
 
@@ -252,14 +252,14 @@ def test_a_corrupt_chunk_of_a_replaced_version_still_open_is_never_served(tmp_pa
 
     async def read(fs):
         v = fs.versions[vid]
-        assert fs.needs_verify(v)
+        assert fs.verifier.needs(v)
         fs.fds.keep(v)  # what an install does for a version a handle still reads
         v.handles += 1
         del fs.versions[vid]  # ... and the install replaced it
-        fs.fetch_deadline_s = 1
-        await fs.fault_in(v, 0, CS)  # chunk 0 is good
+        fs.fetcher.fetch_deadline_s = 1
+        await fs.tier_api.fault_in(v, 0, CS)  # chunk 0 is good
         with pytest.raises(FsError) as exc:
-            await fs.fault_in(v, CS, CS)
+            await fs.tier_api.fault_in(v, CS, CS)
         assert exc.value.errno == errno.EIO
         assert 1 in v.missing and fs.counters.corrupt_chunks == 1
     run(read, tmp_path)

@@ -55,8 +55,8 @@ def snapshot_with(data: bytes, writer: int, seq: int) -> dict:
 async def open_remote(fs: Filesystem, data: bytes, source) -> int:
     """Install a snapshot where ``step_5/f`` (inode 3) holds ``data``, written by rank 2
     (every chunk missing here), set ``source`` as the chunk source; open it for reading."""
-    fs.ns_install(snapshot_with(data, writer=2, seq=5))
-    fs.chunk_source = source
+    fs.tier_api.ns_install(snapshot_with(data, writer=2, seq=5))
+    fs.fetcher.chunk_source = source
     fh, _keep = await fs.open(3, os.O_RDONLY)
     return fh
 
@@ -80,7 +80,7 @@ def test_a_snapshot_install_during_a_fetch_does_not_make_the_read_fetch_forever(
         async with trio.open_nursery() as n:
             n.start_soon(reader)
             await src.asked.wait()
-            fs.ns_install(snapshot_with(data, writer=2, seq=9))  # the same file, new objects
+            fs.tier_api.ns_install(snapshot_with(data, writer=2, seq=9))  # the same file, new objects
             src.release.set()
             with trio.fail_after(10):
                 while not got:
@@ -102,7 +102,7 @@ def test_a_fetch_that_never_answers_fails_the_read_with_eio_within_the_deadline(
     data = os.urandom(CS)
 
     async def body(fs: Filesystem) -> None:
-        fs.fetch_deadline_s = 0.5
+        fs.fetcher.fetch_deadline_s = 0.5
         fh = await open_remote(fs, data, HeldSource({}))  # never released
         with trio.fail_after(10):
             with pytest.raises(FsError) as exc:
@@ -131,7 +131,7 @@ def test_a_failed_read_is_tried_again_by_the_next_read(tmp_path):
             await fs.read(fh, 0, len(data))
         assert src.fetches == 1
         # ...and a read after refetch_after_s asks again.
-        fs.refetch_after_s = 0.2
+        fs.fetcher.refetch_after_s = 0.2
         await trio.sleep(0.3)
         assert await fs.read(fh, 0, len(data)) == data
         await fs.release(fh)
@@ -173,13 +173,13 @@ def test_unreachable_sources_until_the_deadline_are_eio_naming_them(tmp_path):
     data = os.urandom(CS)
 
     async def body(fs: Filesystem) -> None:
-        fs.fetch_deadline_s = 2.0
+        fs.fetcher.fetch_deadline_s = 2.0
         fh = await open_remote(fs, data, src := FlakySource({}, down=10 ** 6))
         with trio.fail_after(10):
             with pytest.raises(FsError) as exc:
                 await fs.read(fh, 0, len(data))
         assert exc.value.errno == errno.EIO
         assert 2 < src.fetches < 10  # passes repeat, with pauses between them
-        assert "rank 2: unreachable" in fs.last_fault_error and "step_5/f" in fs.last_fault_error
+        assert "rank 2: unreachable" in fs.fetcher.last_fault_error and "step_5/f" in fs.fetcher.last_fault_error
         await fs.release(fh)
     run(body, tmp_path, rank=1)

@@ -60,13 +60,13 @@ class Host:
         data = os.pread(os.open(str(self.dir / f"v{v.vid}"), os.O_RDONLY), length, off)
         return data if digest is None or chunk_hash(data) == digest else None
 
-    def _mark_corrupt(self, v, idx, found_by) -> None:
+    def mark_corrupt(self, v, idx, found_by) -> None:
         self.errors.append(f"corrupt {v.vid}/{idx}")
 
     def release(self, v) -> None:
         self.released.append(v.vid)
 
-    def _chunk_arrived(self, v, idx) -> None:
+    def chunk_arrived(self, v, idx) -> None:
         self.arrived.append((v.vid, idx))
 
     def report_error(self, msg: str) -> None:

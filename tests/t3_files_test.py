@@ -91,10 +91,10 @@ def test_a_writer_of_a_sealed_file_writes_a_new_version_and_the_seal_follows_its
         w, _k = await fs.open(ino, os.O_WRONLY)
         v2 = fs.versions[fs.inodes[ino].vid]
         assert v2 is not v1 and not v2.sealed and v2.size == len(old)  # copy-on-write
-        before = fs.last_write
+        before = fs.tier_api.last_write
         await trio.sleep(0.01)
         assert await fs.write(w, CS, b"N" * 10) == 10
-        assert fs.last_write > before
+        assert fs.tier_api.last_write > before
         # one file has one content: the reader opened before sees the write too
         assert await fs.read(reader, CS, 10) == b"N" * 10
         consistent(fs)

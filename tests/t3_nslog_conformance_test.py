@@ -147,7 +147,7 @@ def _run(kind, tmp_path, request, body, rank=0):
                     server = request.getfixturevalue("etcd_server")
                     prefix = request.getfixturevalue("etcd_prefix")
                     etcd = Etcd(server.endpoints, timeout_s=5.0)
-                    fs.ns_log = EtcdNamespace(fs, etcd, prefix, rank, timeout_s=10.0, nodes=1)
+                    fs.ns_log = EtcdNamespace(fs.tier_api, etcd, prefix, rank, timeout_s=10.0, nodes=1)
                     with trio.fail_after(30):
                         await fs.ns_log.join(timeout=20.0)
                     n.start_soon(fs.ns_log.run)
@@ -418,9 +418,9 @@ class _JobLog:
         out: dict = {}
         for fs in self.members:
             try:
-                out[fs.rank], _keep = fs.ns_apply(op.to_wire(), self.seq, self.epoch)
+                out[fs.rank], _keep = fs.tier_api.ns_apply(op.to_wire(), self.seq, self.epoch)
             except FsError as exc:
-                fs.ns_set_position(self.epoch, self.seq)
+                fs.tier_api.ns_set_position(self.epoch, self.seq)
                 out[fs.rank] = exc.errno
         return out
 
@@ -512,7 +512,7 @@ def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
         assert await _read(b, f_small) == small  # came inside the publish op
         v = b.versions[b.inodes[f_large].vid]
         assert v.origin == 0 and v.missing and v.size == len(large)
-        assert {b.chunk_origin(c) for c in v.chunks} == {0}
+        assert {b.tier_api.chunk_origin(c) for c in v.chunks} == {0}
         assert await _read(a, f_large) == large  # the writer reads its own
         # rank 1 changes the namespace too; rank 0 applies it
         await b.rename(d, b"small.bin", d, b"renamed.bin")
@@ -525,7 +525,7 @@ def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
         assert e not in a.inodes or not a.inodes[e].parent
         assert sorted(a.inodes[d].children) == [b"latest", b"renamed.bin"]
         assert _tree(a) == _tree(b)
-        assert a.ns_position() == b.ns_position() == (1, job.seq)
+        assert a.tier_api.ns_position() == b.tier_api.ns_position() == (1, job.seq)
         assert await _read(a, f_small) == await _read(b, f_small) == small
 
     _run_job(tmp_path, body)
@@ -539,19 +539,19 @@ def test_a_refused_op_moves_the_position_and_it_survives_a_restart(tmp_path):
     async def body(cores, job):
         a, _b = cores
         await a.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
-        assert a.ns_position() == (1, 1)
+        assert a.tier_api.ns_position() == (1, 1)
         assert await _errno(a.mkdir(ROOT_INO, b"d", 0o755, 0, 0)) == errno.EEXIST
-        assert [fs.ns_position() for fs in cores] == [(1, 2), (1, 2)]
+        assert [fs.tier_api.ns_position() for fs in cores] == [(1, 2), (1, 2)]
         job.epoch = 4  # a new incarnation of the job's log
         await a.mkdir(ROOT_INO, b"e", 0o755, 0, 0)
-        got.update({fs.rank: fs.ns_position() for fs in cores})
+        got.update({fs.rank: fs.tier_api.ns_position() for fs in cores})
 
     _run_job(tmp_path, body)
     assert got == {0: (4, 3), 1: (4, 3)}
     for r in (0, 1):
         fs = open_fs(tmp_path / f"store{r}", rank=r)
         try:
-            assert fs.ns_position() == (4, 3)
+            assert fs.tier_api.ns_position() == (4, 3)
             assert sorted(fs.inodes[ROOT_INO].children) == [b"d", b"e"]
             check_consistent(fs)
         finally:
@@ -576,24 +576,24 @@ def test_snapshot_installs_the_same_namespace_on_a_joining_node(tmp_path):
         await a.symlink(d, b"s", b"w.bin", 0, 0)
         await _published_on(b, f, len(data))
         assert sorted(b.steps) == sorted(a.steps) == ["step_2"]
-        snap = b.ns_snapshot()
-        assert (snap["epoch"], snap["seq"]) == b.ns_position() == a.ns_position()
-        c.ns_install(json.loads(json.dumps(snap)))  # as it travels: JSON
+        snap = b.tier_api.ns_snapshot()
+        assert (snap["epoch"], snap["seq"]) == b.tier_api.ns_position() == a.tier_api.ns_position()
+        c.tier_api.ns_install(json.loads(json.dumps(snap)))  # as it travels: JSON
         assert _tree(c) == _tree(a) == _tree(b)
-        assert c.ns_position() == a.ns_position()
+        assert c.tier_api.ns_position() == a.tier_api.ns_position()
         assert sorted(c.steps) == sorted(a.steps)
         v = c.versions[c.inodes[f].vid]
         assert v.missing and v.origin == 0
-        assert {c.chunk_origin(x) for x in v.chunks} == {0}
+        assert {c.tier_api.chunk_origin(x) for x in v.chunks} == {0}
         check_consistent(c)
         # ops after the snapshot apply on the joined node as on the others
         job.members.append(c)
         await b.unlink(ROOT_INO, b"hard")
         await c.rename(d, b"s", ROOT_INO, b"latest")
         assert _tree(a) == _tree(b) == _tree(c)
-        assert a.ns_position() == b.ns_position() == c.ns_position() == (1, job.seq)
+        assert a.tier_api.ns_position() == b.tier_api.ns_position() == c.tier_api.ns_position() == (1, job.seq)
         # the writer rejoins with its store: its own data stays, read without a fetch
-        a.ns_install(a.ns_snapshot())
+        a.tier_api.ns_install(a.tier_api.ns_snapshot())
         assert not a.versions[a.inodes[f].vid].missing
         assert await _read(a, f) == data
         assert _tree(a) == _tree(c)

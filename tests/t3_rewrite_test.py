@@ -189,15 +189,15 @@ def test_rewrite_while_a_backup_pins_the_old_version_copies_and_the_pin_reads_ol
         ino = await write_file(fs, d.ino, b"x", bytes(data))
         v1 = await sealed(fs, ino)
         fs.step_registry.seal("step_1")
-        _m, pinned = fs.snapshot_step("step_1")  # a backup upload in flight
-        read = fs.chunk_reader(pinned)
+        _m, pinned = fs.tier_api.snapshot_step("step_1")  # a backup upload in flight
+        read = fs.tier_api.chunk_reader(pinned)
         await _rewrite(fs, ino, [(2 * CS, b"p")])
         old = bytes(data)
         data[2 * CS] = ord("p")
         v2 = await sealed(fs, ino)
         _check(fs, v2, bytes(data))
         assert read(v1.chunks[2]) == old[2 * CS:3 * CS]  # the pinned old bytes, intact
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         assert v1.vid not in fs.versions
         assert await _read_all(fs, ino, len(data)) == data
     run(body, tmp_path)
@@ -283,11 +283,11 @@ def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
         ino = await write_file(fs, d.ino, b"x", data)
         await sealed(fs, ino)
         fs.step_registry.seal("step_1")
-        _m, pinned = fs.snapshot_step("step_1")  # pinned: a rewrite must copy, 40 > 30
+        _m, pinned = fs.tier_api.snapshot_step("step_1")  # pinned: a rewrite must copy, 40 > 30
         with pytest.raises(FsError) as e:
             await fs.open(ino, os.O_RDWR)
         assert e.value.errno == errno.ENOSPC
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         rfh, _ = await fs.open(ino, os.O_RDONLY)  # a reader only: taken over, it fits
         await _rewrite(fs, ino, [(0, b"X")])
         await sealed(fs, ino)

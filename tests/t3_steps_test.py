@@ -141,7 +141,7 @@ def test_backup_state_follows_marks_changes_and_retirement(tmp_path):
         for name in ("step_1", "step_2"):
             _m, pinned = reg.snapshot(name)
             reg.mark_backed_up(name, pinned)
-            fs.unpin(pinned)
+            fs.tier_api.unpin(pinned)
         r1 = fs.steps["step_1"]
         assert r1.backed_up_ns is not None
         assert all(v.backed_up for v in reg.versions_of(r1))
@@ -156,7 +156,7 @@ def test_backup_state_follows_marks_changes_and_retirement(tmp_path):
         consistent(fs)
         _m, pinned = reg.snapshot("step_1")
         reg.mark_backed_up("step_1", pinned)
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         # The backup tier keeps only step_2: step_1 (in RAM) stays, no longer backed up.
         assert reg.retired({"step_2"}) == []
         assert r1.backed_up_ns is None
@@ -193,7 +193,7 @@ def test_snapshot_refuses_an_unknown_or_unsealed_step_and_pins_the_rest(tmp_path
         assert sorted(e.path for e in m.entries) == \
             ["step_3", "step_3/.metadata", "step_3/__0_0.distcp", "step_3/late"]
         assert all(v.pins == 1 for v in pinned) and len(pinned) == 3
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         assert all(v.pins == 0 for v in pinned)
         consistent(fs)
     run(body, tmp_path)
@@ -204,15 +204,15 @@ def test_an_imported_step_is_recorded_backed_up_with_its_data_missing(tmp_path):
         reg = fs.step_registry
         await dcp_step(fs, b"step_4")
         m, pinned = reg.snapshot("step_4")
-        fs.unpin(pinned)
+        fs.tier_api.unpin(pinned)
         fs.reclaim.delete_step(fs.steps["step_4"])
-        rec = fs.import_step(m)
+        rec = fs.tier_api.import_step(m)
         assert fs.steps["step_4"] is rec
         assert (rec.number, rec.source) == (4, "restore") and rec.backed_up_ns is not None
         assert not reg.in_ram(rec) and reg.sealed(rec)
         assert [v.size for v in reg.versions_of(rec)] == [100, 2 * CS + 5]
         with pytest.raises(FsError) as e:
-            fs.import_step(m)
+            fs.tier_api.import_step(m)
         assert e.value.errno == errno.EEXIST
         consistent(fs)
     run(body, tmp_path)
@@ -244,7 +244,7 @@ def test_records_pending_backups_and_lost_rows_after_a_restart(tmp_path):
     run(second, tmp_path)
     fs = open_fs(Path(tmp_path) / "store")
     try:
-        assert fs.backup_pending() is None and set(fs.steps) == {"step_7", "step_8"}
+        assert fs.tier_api.backup_pending() is None and set(fs.steps) == {"step_7", "step_8"}
         consistent(fs)
     finally:
         fs.close()

@@ -47,12 +47,12 @@ def test_ops_of_other_nodes_cannot_make_one(tmp_path):
         op = {"op": "symlink", "parent": ROOT_INO, "name": "step_30", "uid": 0, "gid": 0,
               "rank": 1}
         for target in ("/dev/shm/outside", "..", "../../x", "sub/.."):
-            assert _err(fs.ns_apply, dict(op, target=target), 1, 1) == errno.EPERM
-        assert _err(fs.ns_apply, dict(op, target="x" * (MAX_TARGET + 1)), 1, 1) \
+            assert _err(fs.tier_api.ns_apply, dict(op, target=target), 1, 1) == errno.EPERM
+        assert _err(fs.tier_api.ns_apply, dict(op, target="x" * (MAX_TARGET + 1)), 1, 1) \
             == errno.ENAMETOOLONG
-        assert _err(fs.ns_apply, dict(op, target="a\0b"), 1, 1) == errno.EINVAL
+        assert _err(fs.tier_api.ns_apply, dict(op, target="a\0b"), 1, 1) == errno.EINVAL
         assert fs.inodes[ROOT_INO].children == {}
-        res, _keep = fs.ns_apply(dict(op, target="step_29/x"), 2, 1)
+        res, _keep = fs.tier_api.ns_apply(dict(op, target="step_29/x"), 2, 1)
         assert await fs.readlink(res["ino"]) == b"step_29/x"
     run(body, tmp_path)
 
@@ -62,7 +62,7 @@ def test_a_snapshot_cannot_install_one(tmp_path):
     naming a symlink that leaves the mount: that link is not installed, the rest is."""
     async def body(fs):
         e = {"mode": 0o120777, "uid": 0, "gid": 0, "mtime_ns": 1, "kind": "symlink"}
-        fs.ns_install({"epoch": 1, "seq": 3, "next_ino": 10, "steps": [], "entries": [
+        fs.tier_api.ns_install({"epoch": 1, "seq": 3, "next_ino": 10, "steps": [], "entries": [
             dict(e, ino=2, parent=ROOT_INO, name="step_30", target="/dev/shm/outside"),
             dict(e, ino=3, parent=ROOT_INO, name="d", kind="dir", mode=0o40755, target=""),
             dict(e, ino=4, parent=3, name="up", target="../../x"),
@@ -84,7 +84,7 @@ def test_a_manifest_cannot_restore_one(tmp_path):
             Entry("step_30/up", "symlink", 0o777, 1, target="../../x"),
             Entry("step_30/sub", "dir", 0o755, 1),
             Entry("step_30/sub/ok", "symlink", 0o777, 1, target="../../step_29/f")])
-        fs.import_step(m, backed_up=False)
+        fs.tier_api.import_step(m, backed_up=False)
         top = fs.tree.resolve("step_30")
         assert sorted(top.children) == [b"sub"]
         assert await fs.readlink(fs.tree.resolve("step_30/sub/ok").ino) == b"../../step_29/f"

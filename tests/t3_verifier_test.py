@@ -1,6 +1,6 @@
 """First-read verification and the scrub (core/verifier.py) alone: a Verifier over a fake
 host and real data files, no Filesystem. What the core does with a corrupt chunk
-(``_mark_corrupt``: a hole, the budget, a repair) is in t3_core_test.py and t6_corrupt.
+(``LocalChunks.mark_corrupt``: a hole, the budget, a repair) is in t3_core_test.py and t6_corrupt.
 
 Each test ends with the consistency check: no verification in flight, nothing pinned, and
 every chunk still unverified is held (not missing) by a registered version.
@@ -34,7 +34,7 @@ class Host:
     def open_data(self, vid: int) -> int:
         return os.open(str(self.dir / f"v{vid}"), os.O_RDWR | os.O_CREAT, 0o600)
 
-    def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
+    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
         v.missing.add(idx)  # as the core does, so that a verdict is acted on once
         self.corrupt.append((v.vid, idx, found_by))
 

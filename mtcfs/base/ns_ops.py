@@ -2,7 +2,7 @@
 
 The FUSE-facing methods of the core (mkdir, create, rename, ...) build one op and hand it
 to the mount's namespace log (:mod:`mtcfs.core.ns_log`); applying the op
-(``Filesystem.apply_op``) is the only way the namespace changes, in both scopes.
+(``JobNamespace.apply_op``, core/jobns.py) is the only way the namespace changes, in both scopes.
 
 In scope=job the ops travel through etcd as small JSON objects (the *wire* form):
 :meth:`NsOp.to_wire` gives exactly the dict nodes have always stored there, and

@@ -16,7 +16,6 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import trio
 
@@ -34,23 +33,15 @@ from mtcfs.core.store.meta import MetaDB
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore
 
-__all__ = ["Checkpoints", "Host"]
+__all__ = ["Checkpoints"]
 
 log = logging.getLogger("mtcfs.core.core")
-
-
-class Host(Protocol):
-    """What :class:`Checkpoints` may use of the core (the ``Filesystem`` facade)."""
-
-    def read_chunk_at(self, v: Version, off: int, length: int,
-                      digest: str | None) -> bytes | None: ...
 
 
 class Checkpoints:
     """Pins, chunk reads over pinned versions, step imports and ``mtcfs verify``.
 
     Args:
-        host: the core (see :class:`Host`).
         db: the store's metadata database (an import is one transaction).
         tree: the core's inode table.
         vstore: the core's version store (its versions, descriptors and releases).
@@ -61,10 +52,9 @@ class Checkpoints:
         chunk_size: bytes, the chunk size of an imported file whose manifest gives none.
     """
 
-    def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+    def __init__(self, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
                  step_registry: StepRegistry, chunk_index: ChunkIndex, verifier: Verifier,
                  cpu_limiter: trio.CapacityLimiter, chunk_size: int) -> None:
-        self._host = host
         self._db = db
         self._tree = tree
         self._vstore = vstore
@@ -109,7 +99,7 @@ class Checkpoints:
                               " restored, or evicted)")
             v, i = loc
             off, length = chunk_span(i, v.size, v.chunk_size)
-            data = self._host.read_chunk_at(v, off, length, digest if verify else None)
+            data = self._vstore.read_verified(v, off, length, digest if verify else None)
             if data is None:
                 raise FsError(errno.EIO, f"local chunk {digest[:16]} is corrupt")
             return data

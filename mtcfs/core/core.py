@@ -47,36 +47,33 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from mtcfs.base import pools
-from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import Reclaim
 from mtcfs.core.checkpoints import Checkpoints
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.entries import Entries
 from mtcfs.core.eviction import Eviction
-from mtcfs.core.faultin import FaultInOps
+from mtcfs.core.faultin import LocalChunks
 from mtcfs.core.fetcher import FaultIn
 from mtcfs.core.files import OpenFiles
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.jobns import JobNamespace
-from mtcfs.base.manifest import StepManifest
 from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
-from mtcfs.core.own_files import OwnFileOps
+from mtcfs.core.own_files import OwnFiles
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
-from mtcfs.core.scrub import ScrubOps
 from mtcfs.core.step_registry import StepRegistry
-from mtcfs.core.tier_api import TierApiOps
+from mtcfs.core.tier_api import TierApi
 from mtcfs.core.verifier import Verifier
-from mtcfs.core.xattrs import XattrOps
+from mtcfs.core.xattrs import Xattrs
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
 from mtcfs.core.versions import VersionStore
@@ -90,7 +87,7 @@ log = logging.getLogger(__name__)
 CLEAN_SHUTDOWN_KEY = "clean_shutdown"
 
 
-class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierApiOps):
+class Filesystem(NamespaceOps):
     """The core of one mount.
 
     Args:
@@ -145,37 +142,39 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
                                 settle=lambda: self.open_files.settle_releases(),
                                 make_room=self.eviction.make_room)
         self.errors: list[str] = []
-        self.errors_total = 0  # errors ever logged (``errors`` keeps the last 50)
+        self.errors_total: int = 0  # errors ever logged (``errors`` keeps the last 50)
         self.cpu_limiter = pools.limiter("cpu")
-        #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk source,
-        #: the deadline and the failed fetches; ``chunk_source``, ``fetch_deadline_s``,
-        #: ``refetch_after_s`` and ``last_fault_error`` here are its (core/faultin.py).
-        self.fetcher = FaultIn(self, self.budget, self.fds, self.counters, self.cpu_limiter)
-        #: First-read verification and the scrub (core/verifier.py); ``scrub_*`` here are its.
-        self.verifier = Verifier(self, self.fds, self.counters, self.cpu_limiter)
         self._observers: list[Callable[[str, Any], None]] = []
-        self._nursery: trio.Nursery | None = None
         #: The local chunk index (core/chunkmap.py): where each chunk held here is read.
         self.chunk_index = ChunkIndex(self.versions)
+        #: Local chunks as reads see them (core/faultin.py): fault-in, first-read
+        #: verification, corrupt chunks dropped and repaired. Its ``fetcher``
+        #: (core/fetcher.py: the fetches, the chunk source, the deadline) and ``verifier``
+        #: (core/verifier.py: the first-read hashes and the scrub) are also here.
+        self.chunks = LocalChunks(db=self.db, tree=self.tree, vstore=self.vstore,
+                                  budget=self.budget, chunk_index=self.chunk_index,
+                                  fds=self.fds, counters=self.counters,
+                                  cpu_limiter=self.cpu_limiter, report_error=self.report_error,
+                                  pin_chunk=lambda d: self.checkpoints.pin_chunk(d),
+                                  unpin=lambda vs: self.checkpoints.unpin(vs))
+        self.fetcher: FaultIn = self.chunks.fetcher
+        self.verifier: Verifier = self.chunks.verifier
         #: Open files (core/files.py): the handle table, writers' versions, the seal on
         #: last close, ``last_write``. ``handles`` here is its dict (read it).
         self.open_files = OpenFiles(self, db=self.db, tree=self.tree, vstore=self.vstore,
                                     budget=self.budget, verifier=self.verifier,
                                     chunk_index=self.chunk_index,
                                     step_registry=self.step_registry, entries=self.entries,
-                                    counters=self.counters,
+                                    chunks=self.chunks, counters=self.counters,
                                     cpu_limiter=self.cpu_limiter)
         self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
         #: Pins, chunk readers, step imports and ``mtcfs verify`` (core/checkpoints.py).
-        self.checkpoints = Checkpoints(self, db=self.db, tree=self.tree, vstore=self.vstore,
+        self.checkpoints = Checkpoints(db=self.db, tree=self.tree, vstore=self.vstore,
                                        step_registry=self.step_registry,
                                        chunk_index=self.chunk_index, verifier=self.verifier,
                                        cpu_limiter=self.cpu_limiter,
                                        chunk_size=self.chunk_size)
         self._unsealed_at_load: list[Version] = []
-        #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
-        #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
-        self.ns_log: NamespaceLog = LocalLog(self)
         #: scope=job: kernel inode number -> core inode number, for files renumbered for
         #: the kernel (Inode.kid); the inode table's.
         self.aliases: dict[int, int] = self.tree.aliases
@@ -186,6 +185,23 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
                                   chunk_index=self.chunk_index, budget=self.budget,
                                   verifier=self.verifier, entries=self.entries,
                                   checkpoints=self.checkpoints)
+        #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
+        #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
+        self.ns_log: NamespaceLog = LocalLog(self.jobns)
+        #: Extended attributes, stored and virtual (core/xattrs.py).
+        self.xattrs = Xattrs(db=self.db, tree=self.tree, vstore=self.vstore,
+                             step_registry=self.step_registry, open_files=self.open_files,
+                             control_socket=store.control_socket)
+        #: The daemon's own files, written through this facade (core/own_files.py).
+        self.own_files = OwnFiles(self)
+        #: What the other tiers see of the core: the one object every port is
+        #: (core/tier_api.py, core/ports.py); the daemon hands them this, not the facade.
+        self.tier_api = TierApi(self, step_registry=self.step_registry,
+                                checkpoints=self.checkpoints, chunks=self.chunks,
+                                jobns=self.jobns, tree=self.tree, vstore=self.vstore,
+                                budget=self.budget, eviction=self.eviction,
+                                chunk_index=self.chunk_index, open_files=self.open_files,
+                                own_files=self.own_files, db=self.db)
         #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first); the
         #: namespace component's dict (read it; only it changes it).
         self.chunk_origins: dict[str, int] = self.jobns.chunk_origins
@@ -206,26 +222,6 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         """Bytes the store's data files hold (read-only; :class:`RamBudget` changes it)."""
         return self.budget.used
 
-    @property
-    def in_flight(self) -> int:
-        """Bytes set aside for chunks fault-in threads are writing (read-only)."""
-        return self.budget.in_flight
-
-    @property
-    def shared_used(self) -> Callable[[], int]:
-        """Hook: bytes of the same budget used outside the core (replicas held for peers),
-        read on every reservation; the peer tier sets it."""
-        return self.budget.shared_used
-
-    @shared_used.setter
-    def shared_used(self, fn: Callable[[], int]) -> None:
-        self.budget.shared_used = fn
-
-    @property
-    def last_write(self) -> float:
-        """time.monotonic() of the application's last write (the open files')."""
-        return self.open_files.last_write
-
     def statfs(self) -> dict[str, int]:
         """Capacity figures in bytes (the RAM tier's ``size=``, not the tmpfs's): ``capacity``,
         ``used`` (what the store's data files really hold, holes cost nothing, plus the
@@ -237,33 +233,6 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         the names of the evicted steps (:meth:`Eviction.evict`)."""
         return self.eviction.evict(need)
 
-    # ------------------------------------------------------------------ pins, chunk reads,
-    # imports: the ports' names (core/checkpoints.py does the work)
-
-    def unpin(self, versions: Iterable[Version]) -> None:
-        """Release pins taken by a snapshot or :meth:`pin_chunk` (:meth:`Checkpoints.unpin`)."""
-        self.checkpoints.unpin(versions)
-
-    def chunk_reader(self, versions: list[Version], *,
-                     verify: bool = True) -> Callable[[str], bytes]:
-        """A thread-safe ``read_chunk(digest) -> bytes`` over pinned versions; it raises
-        FsError(EIO) for a chunk not in RAM or corrupt (:meth:`Checkpoints.chunk_reader`)."""
-        return self.checkpoints.chunk_reader(versions, verify=verify)
-
-    def has_local_chunk(self, digest: str) -> bool:
-        """Whether this node's own files hold chunk ``digest`` in RAM now (any thread; the
-        answer may be stale when used): :meth:`ChunkIndex.holds`."""
-        return self.chunk_index.holds(digest)
-
-    def pin_chunk(self, digest: str) -> tuple[Version, int, int] | None:
-        """Pin a version holding chunk ``digest``: (version, offset, length), or None
-        (:meth:`Checkpoints.pin_chunk`)."""
-        return self.checkpoints.pin_chunk(digest)
-
-    def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
-        """Create the namespace of a restored step with no data yet; raises FsError(EEXIST)
-        if its directory exists (:meth:`Checkpoints.import_step`)."""
-        return self.checkpoints.import_step(m, backed_up=backed_up)
 
     # ------------------------------------------------------------------ FUSE operations on
     # open files: the adapter's entry points (core/files.py does the work)
@@ -301,36 +270,25 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
         """The inode numbers the kernel may know handle ``fh``'s file by."""
         return self.open_files.kernel_inos(fh)
 
-    # ------------------------------------------------------------------ namespace ops: the
-    # apply path, under the names the logs and the ports use (core/jobns.py does the work)
+    # ------------------------------------------------------------------ extended attributes
+    # (core/xattrs.py does the work)
 
-    def apply_op(self, op: NsOp) -> tuple[dict[str, Any], list[Version]]:
-        """Apply one namespace op, the only way the namespace changes
-        (:meth:`JobNamespace.apply_op`): ``(result, versions to fetch before
-        acknowledging)``. Raises FsError: the op is refused."""
-        return self.jobns.apply_op(op)
+    async def getxattr(self, num: int, name: bytes) -> bytes:
+        """The value of attribute ``name`` of inode ``num`` (:meth:`Xattrs.getxattr`)."""
+        return await self.xattrs.getxattr(num, name)
 
-    def ns_apply(self, op: NsOp | dict[str, Any], seq: int, epoch: int
-                 ) -> tuple[dict[str, Any], list[Version]]:
-        """scope=job: apply the op at ``(epoch, seq)`` of the job's log and record that
-        position (:meth:`JobNamespace.apply_at`). Raises FsError: the op is refused."""
-        return self.jobns.apply_at(op, seq, epoch)
+    async def setxattr(self, num: int, name: bytes, value: bytes) -> None:
+        """Set ``user.*`` attribute ``name`` (:meth:`Xattrs.setxattr`)."""
+        await self.xattrs.setxattr(num, name, value)
 
-    def ns_position(self) -> tuple[int, int]:
-        """(epoch, seq) of the last op applied here ((0, 0) when none)."""
-        return self.jobns.position()
+    async def listxattr(self, num: int) -> list[bytes]:
+        """The stored attributes' names (:meth:`Xattrs.listxattr`)."""
+        return await self.xattrs.listxattr(num)
 
-    def ns_set_position(self, epoch: int, seq: int) -> None:
-        """Record the log position without applying an op (:meth:`JobNamespace.set_position`)."""
-        self.jobns.set_position(epoch, seq)
+    async def removexattr(self, num: int, name: bytes) -> None:
+        """Remove attribute ``name`` (:meth:`Xattrs.removexattr`)."""
+        await self.xattrs.removexattr(num, name)
 
-    def ns_snapshot(self) -> dict[str, Any]:
-        """The whole namespace as a JSON-able dict (:meth:`JobNamespace.snapshot`)."""
-        return self.jobns.snapshot()
-
-    def ns_install(self, snap: dict[str, Any]) -> None:
-        """Replace this node's namespace with ``snap`` (:meth:`JobNamespace.install`)."""
-        self.jobns.install(snap)
 
     async def _ns_publish(self, ino: Inode, v: Version) -> None:
         """Publish sealed ``v`` of ``ino`` job-wide (the seal's; :meth:`JobNamespace.publish`)."""
@@ -382,8 +340,8 @@ class Filesystem(NamespaceOps, FaultInOps, XattrOps, OwnFileOps, ScrubOps, TierA
 
     def start(self, nursery: trio.Nursery) -> None:
         """Attach the core to a nursery for its background work; seals what a crash left open."""
-        self._nursery = nursery
         self.jobns.start(nursery)
+        self.chunks.start(nursery)
         # Serving from now on: until close(clean=True), a stop is a crash.
         self.db.set_kv(CLEAN_SHUTDOWN_KEY, "0")
         self.open_files.start(nursery, self._unsealed_at_load)

@@ -1,76 +1,123 @@
-"""Fault-in, the facade's part: what the rest of the core and the tiers call.
+"""Local chunks as reads see them: verified on first read, fetched when missing, repaired
+when corrupt.
 
-The fetches themselves, with their state, are :class:`mtcfs.core.fetcher.FaultIn`
-(``Filesystem.fetcher``); this mixin joins them to the scrub (a first read verifies before
-it fetches), the chunk index and the namespace. See docs/architecture.md, "The core".
+:class:`LocalChunks` joins the fetches (:class:`mtcfs.core.fetcher.FaultIn`, its
+``fetcher``) and the first-read verification and scrub
+(:class:`mtcfs.core.verifier.Verifier`, its ``verifier``) to the chunk index and the
+version store: it is what both call back when a chunk arrives or is found corrupt, and what
+a read, a copy-on-write and a bulk restore call to have bytes in RAM. Policy:
+docs/reliability.md; components: docs/architecture.md, "The core".
+
+A chunk that mismatches is treated as missing: marked missing (persisted), its bytes
+dropped from the data file, counted (``corrupt_chunks``), logged with its file and chunk,
+and faulted in like any missing chunk (another local copy, a peer, the backup tier). With
+no other source the read fails with EIO naming the file and chunk; the wrong bytes are
+never served.
+
+Every method runs on the trio thread (see core/core.py for the concurrency protocol).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
-import os
+from collections.abc import Callable, Iterable
 
-from mtcfs.base.chunking import chunk_hash
-from mtcfs.core.fetcher import FETCH_DEADLINE_S, REFETCH_AFTER_S
+import trio
+
+from mtcfs.base.chunking import chunk_span
+from mtcfs.core.budget import RamBudget
+from mtcfs.core.chunkmap import ChunkIndex
+from mtcfs.core.fetcher import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultIn
+from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode, Version
-from mtcfs.core.records import ChunkSource
+from mtcfs.core.records import Counters
+from mtcfs.core.store.fdcache import FdCache
+from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.verifier import Verifier
+from mtcfs.core.versions import VersionStore
 
-__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "FaultInOps"]
+__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "LocalChunks", "punch_hole"]
 
 log = logging.getLogger("mtcfs.core.core")
 
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = None
 
-class FaultInOps:
-    """Fault-in, the facade's part (the fetches: :class:`~mtcfs.core.fetcher.FaultIn`)."""
 
-    # ------------------------------------------------------------------ the fetcher's settings
+def punch_hole(fd: int, off: int, length: int) -> bool:
+    """Free ``[off, off+length)`` of ``fd`` (reads return zeros; tmpfs gives the RAM back).
+    Returns False where the filesystem cannot (the bytes then stay, marked missing)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                        ctypes.c_int64]
+        return bool(_libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off,
+                                    length) == 0)
+    except (OSError, AttributeError):
+        return False
 
-    @property
-    def chunk_source(self) -> ChunkSource | None:
-        """Where chunks this node does not hold come from; set by the daemon."""
-        return self.fetcher.chunk_source
 
-    @chunk_source.setter
-    def chunk_source(self, source: ChunkSource | None) -> None:
-        self.fetcher.chunk_source = source
+class LocalChunks:
+    """The chunks of this node's versions, as reads see them.
 
-    @property
-    def fetch_deadline_s(self) -> float:
-        """Seconds a read waits for a missing chunk before EIO (``read_timeout=``)."""
-        return self.fetcher.fetch_deadline_s
+    Args:
+        db: the store's metadata database (a chunk's arrival or loss is written through).
+        tree: the core's inode table (paths in messages, the walk of pending chunks).
+        vstore: the core's version store.
+        budget: the RAM budget (a fetched chunk's bytes are reserved first; a dropped one
+            no longer counts).
+        chunk_index: the core's chunk index (where each chunk held here is read).
+        fds: the core's descriptor cache.
+        counters: the core's counters.
+        cpu_limiter: the core's worker-thread limiter (hashing, chunk writes).
+        report_error: logs an error and shows it in ``mtcfs status``.
+        pin_chunk, unpin: the pins of :class:`~mtcfs.core.checkpoints.Checkpoints` (a
+            fetch reads another local copy of a chunk under a pin).
 
-    @fetch_deadline_s.setter
-    def fetch_deadline_s(self, seconds: float) -> None:
-        self.fetcher.fetch_deadline_s = seconds
+    Owns :attr:`fetcher` and :attr:`verifier`; the daemon sets their settings
+    (``fetcher.chunk_source``, ``fetcher.fetch_deadline_s``, ``verifier.interval_s``,
+    ``verifier.rate``).
+    """
 
-    @property
-    def refetch_after_s(self) -> float:
-        """Seconds a failed fetch of a chunk is answered at once with its error."""
-        return self.fetcher.refetch_after_s
+    def __init__(self, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+                 budget: RamBudget, chunk_index: ChunkIndex, fds: FdCache, counters: Counters,
+                 cpu_limiter: trio.CapacityLimiter, report_error: Callable[[str], None],
+                 pin_chunk: Callable[[str], tuple[Version, int, int] | None],
+                 unpin: Callable[[Iterable[Version]], None]) -> None:
+        self._db = db
+        self.tree = tree
+        self.vstore = vstore
+        self.versions: dict[int, Version] = vstore.versions
+        self._budget = budget
+        self._chunk_index = chunk_index
+        self._fds = fds
+        self._counters = counters
+        self.report_error = report_error
+        self.pin_chunk = pin_chunk
+        self.unpin = unpin
+        self.read_chunk_at = vstore.read_verified
+        self._nursery: trio.Nursery | None = None
+        #: Fault-in (core/fetcher.py): the fetches in flight, the limiter, the chunk
+        #: source, the deadline and the failed fetches.
+        self.fetcher = FaultIn(self, budget, fds, counters, cpu_limiter)
+        #: First-read verification and the scrub (core/verifier.py).
+        self.verifier = Verifier(self, fds, counters, cpu_limiter)
 
-    @refetch_after_s.setter
-    def refetch_after_s(self, seconds: float) -> None:
-        self.fetcher.refetch_after_s = seconds
-
-    @property
-    def last_fault_error(self) -> str:
-        """The last fault-in that failed: what it read, why, the sources tried (status)."""
-        return self.fetcher.last_fault_error
-
-    # ------------------------------------------------------------------ fault-in
-
-    async def _fault_in_all(self, ino: Inode) -> None:
-        """Bring every chunk of the current version here (before a copy-on-write)."""
-        v = self.versions.get(ino.vid) if ino.vid is not None else None
-        if v is not None and (v.missing or self.needs_verify(v)):
-            await self.fault_in(v, 0, v.size)
+    def start(self, nursery: trio.Nursery) -> None:
+        """Repairs of corrupt chunks run in ``nursery`` from now on (before: on next read)."""
+        self._nursery = nursery
 
     async def fault_in(self, v: Version, off: int, size: int) -> None:
         """Wait until bytes ``[off, off+size)`` of ``v`` are in the data file.
 
         Chunks read for the first time since start are hashed first (core/verifier.py); each
         missing chunk is then fetched at most once at a time (other readers of it wait for
-        that fetch) and within :attr:`fetch_deadline_s` seconds of the first ask, every
+        that fetch) and within ``fetcher.fetch_deadline_s`` seconds of the first ask, every
         source included (core/fetcher.py).
 
         Raises:
@@ -78,12 +125,17 @@ class FaultInOps:
                 verification; the message names the file and the sources tried, and the
                 error is counted (``fault_errors``) and listed by ``mtcfs status``.
         """
-        if self.needs_verify(v):  # first read since start: hash before serving (core/verifier.py)
+        if self.verifier.needs(v):  # first read since start: hash before serving
             await self.verifier.verify_range(v, off, size)
         await self.fetcher.fill(v, off, size)
 
-    async def deliver_chunk(self, digest: str, data: bytes,
-                            where: list[tuple[Version, int]]) -> int:
+    async def fault_in_all(self, ino: Inode) -> None:
+        """Bring every chunk of ``ino``'s current version here (before a copy-on-write)."""
+        v = self.versions.get(ino.vid) if ino.vid is not None else None
+        if v is not None and (v.missing or self.verifier.needs(v)):
+            await self.fault_in(v, 0, v.size)
+
+    async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
 
         Args:
@@ -95,37 +147,69 @@ class FaultInOps:
         """
         return await self.fetcher.deliver(digest, data, where)
 
-    def _chunk_arrived(self, v: Version, idx: int) -> None:
-        """The fetcher wrote chunk ``idx`` of the registered version ``v`` (and counted it):
-        index it as a local copy and record that it is no longer missing."""
-        self.chunk_index.note(v.chunks[idx], v.vid, idx)
-        with self.db.transaction():
-            self.vstore.write(v)
-
-    def read_chunk_at(self, v: Version, off: int, length: int, digest: str | None) -> bytes | None:
-        """Read ``length`` bytes at ``off`` of ``v`` and verify them against ``digest``.
-
-        Thread-safe: the caller pins ``v`` on the loop so that its data file stays; the
-        descriptor is leased for the read (fdcache.py). Returns None on a mismatch: a chunk
-        whose hash does not match is never served.
-        """
-        fd = self.fds.lease(v)
-        try:
-            data = os.pread(fd, length, off)
-        finally:
-            self.fds.unlease(v, fd)
-        if digest is not None and chunk_hash(data) != digest:
-            log.error("local chunk %s of version %d does not match its hash", digest[:16], v.vid)
-            return None
-        return data
-
-    def pending_fault_in(self) -> list[tuple[Version, int]]:
-        """(version, chunk index) pairs still missing in current versions, in path order."""
-        out = []
-        for _path, ino in self.tree.walk(self.inodes[ROOT_INO]):
+    def pending(self) -> list[tuple[Version, int]]:
+        """(version, chunk index) pairs still missing in current versions, in path order
+        (other ranks' files in scope=job are faulted in when read, and not listed)."""
+        out: list[tuple[Version, int]] = []
+        for _path, ino in self.tree.walk(self.tree.inodes[ROOT_INO]):
             if ino.is_file and ino.vid is not None:
                 v = self.versions[ino.vid]
                 if v.origin >= 0:
-                    continue  # scope=job: another rank's file, faulted in when read
+                    continue
                 out.extend((v, i) for i in sorted(v.missing))
         return out
+
+    # ------------------------------------------------------------------ the fetcher's and
+    # the verifier's callbacks
+
+    def chunk_arrived(self, v: Version, idx: int) -> None:
+        """The fetcher wrote chunk ``idx`` of the registered version ``v`` (and counted it):
+        index it as a local copy and record that it is no longer missing."""
+        self._chunk_index.note(v.chunks[idx], v.vid, idx)
+        with self._db.transaction():
+            self.vstore.write(v)
+
+    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
+        """Chunk ``idx`` of ``v`` does not match its hash: make it missing (fault-in then
+        fetches it from another tier), drop its bytes, count it and log it."""
+        if idx in v.missing:
+            return
+        off, length = chunk_span(idx, v.size, v.chunk_size)
+        registered = self.versions.get(v.vid) is v
+        v.missing.add(idx)
+        self.verifier.verified(v.vid, idx)
+        if registered or v.fd >= 0:  # (a replaced version's path may name other data)
+            fd = self._fds.lease(v)
+            try:
+                punch_hole(fd, off, length)
+            finally:
+                self._fds.unlease(v, fd)
+        self._counters.corrupt_chunks += 1
+        ino = self.tree.inodes.get(v.ino)
+        path = self.tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
+        self.report_error(f"corrupt chunk in the RAM tier ({found_by}): "
+                          f"{path if path is not None else f'version {v.vid}'}, chunk {idx} "
+                          f"(bytes {off}..{off + length}) does not match {v.chunks[idx][:16]}; "
+                          "dropped, to be fetched from another tier")
+        if registered:
+            self._budget.account(v)  # the punched hole no longer counts against size=
+            self._chunk_index.forget(v.chunks[idx], v.vid)
+            with self._db.transaction():
+                self.vstore.write(v)
+            if self.fetcher.chunk_source is not None and self._nursery is not None:
+                self._nursery.start_soon(self._repair, v, idx)  # repair now, unread
+
+    async def _repair(self, v: Version, idx: int) -> None:
+        """Fetch a chunk found corrupt, as a read would (bounded by the fault-in
+        deadline; a failure is logged and counted there, and a read asks again)."""
+        if self.versions.get(v.vid) is not v:
+            return
+        off, length = chunk_span(idx, v.size, v.chunk_size)
+        v.pins += 1
+        try:
+            await self.fault_in(v, off, length)
+        except Exception as exc:  # noqa: BLE001 (logged by fault-in; a read asks again)
+            log.info("scrub could not repair chunk %d of version %d: %s", idx, v.vid, exc)
+        finally:
+            v.pins -= 1
+            self.vstore.release(v)

@@ -3,11 +3,12 @@
 :class:`FaultIn` owns the fetches: the one fetch in flight per ``(version, chunk)`` that
 other readers join, the fetch limiter, the chunk source, the failed fetches and their
 refetch window, the deadline, and the last error (``mtcfs status``). It reaches the rest of
-the core only through :class:`Host` (a handful of calls on the ``Filesystem`` facade), the
-:class:`~mtcfs.core.budget.RamBudget` (room for the bytes it writes) and the descriptor cache.
+the core only through :class:`Host` (its owner, :class:`mtcfs.core.faultin.LocalChunks`),
+the :class:`~mtcfs.core.budget.RamBudget` (room for the bytes it writes) and the descriptor
+cache.
 
-Verification of chunks already here (the first read since start) is the scrub's
-(core/scrub.py); ``Filesystem.fault_in`` runs it before :meth:`FaultIn.fill`.
+Verification of chunks already here (the first read since start) is the verifier's
+(core/verifier.py); ``LocalChunks.fault_in`` runs it before :meth:`FaultIn.fill`.
 
 Concurrency (docs/architecture.md): every method runs on the trio thread; the chunk write
 runs in a worker thread under the core's ``cpu_limiter`` with a leased descriptor and its
@@ -62,11 +63,12 @@ class Paths(Protocol):
 
 
 class Host(Protocol):
-    """What :class:`FaultIn` may use of the core (the ``Filesystem`` facade)."""
+    """What :class:`FaultIn` may use of its owner (:class:`mtcfs.core.faultin.LocalChunks`)."""
 
     versions: dict[int, Version]
-    tree: Paths
 
+    @property
+    def tree(self) -> Paths: ...
     @property
     def vstore(self) -> Releaser: ...  # core/versions.py: ``release(v)``
 
@@ -74,8 +76,8 @@ class Host(Protocol):
     def unpin(self, versions: Any) -> None: ...
     def read_chunk_at(self, v: Version, off: int, length: int,
                       digest: str | None) -> bytes | None: ...
-    def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
-    def _chunk_arrived(self, v: Version, idx: int) -> None: ...
+    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
+    def chunk_arrived(self, v: Version, idx: int) -> None: ...
     def report_error(self, msg: str) -> None: ...
 
 
@@ -83,7 +85,7 @@ class FaultIn:
     """The fetches of one core.
 
     Args:
-        host: the core (see :class:`Host`).
+        host: its owner (see :class:`Host`).
         budget: the RAM budget; a chunk's bytes are reserved before they are written.
         fds: the core's descriptor cache (chunk writes lease a descriptor).
         counters: the core's counters (``fault_errors``, ``chunks_faulted``,
@@ -303,7 +305,7 @@ class FaultIn:
             self._counters.bytes_faulted += length
             if versions.get(v.vid) is v:
                 self._budget.account(v)
-                self._host._chunk_arrived(v, idx)
+                self._host.chunk_arrived(v, idx)
 
     async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
@@ -354,7 +356,7 @@ class FaultIn:
             if data is not None:
                 return data
             tried.append("local store: corrupt")
-            host._mark_corrupt(src, off // src.chunk_size, "a local copy read for fault-in")
+            host.mark_corrupt(src, off // src.chunk_size, "a local copy read for fault-in")
         if self.chunk_source is None:
             raise FsError(errno.EIO, "in no tier this node can reach")
         data = await self.chunk_source.fetch(digest, tried)

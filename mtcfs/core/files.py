@@ -49,6 +49,7 @@ from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import MAX_FILE_SIZE
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.entries import Entries
+from mtcfs.core.faultin import LocalChunks
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.ns_log import NamespaceLog
@@ -82,8 +83,6 @@ class Host(Protocol):
     def ns_log(self) -> NamespaceLog: ...
     @property
     def job_scope(self) -> bool: ...
-    async def fault_in(self, v: Version, off: int, size: int) -> None: ...
-    async def _fault_in_all(self, ino: Inode) -> None: ...
     async def _ns_publish(self, ino: Inode, v: Version) -> None: ...
     def _emit(self, event: str, obj: Any) -> None: ...
     def report_error(self, msg: str) -> None: ...
@@ -97,6 +96,7 @@ class OpenFiles:
         db: the store's metadata database.
         tree, vstore, budget, verifier, chunk_index, step_registry, entries: the core's
             components.
+        chunks: the core's local chunks (fault-in before a read or a copy-on-write).
         counters: the core's counters (``bytes_written``, ``bytes_read``, ``seals``,
             ``enospc``).
         cpu_limiter: the limiter of the CPU pool (hashing at seal).
@@ -104,10 +104,11 @@ class OpenFiles:
 
     def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
                  budget: RamBudget, verifier: Verifier, chunk_index: ChunkIndex,
-                 step_registry: StepRegistry, entries: Entries, counters: Counters,
-                 cpu_limiter: trio.CapacityLimiter) -> None:
+                 step_registry: StepRegistry, entries: Entries, chunks: LocalChunks,
+                 counters: Counters, cpu_limiter: trio.CapacityLimiter) -> None:
         self._host = host
         self.entries = entries
+        self.chunks = chunks
         self.db = db
         self.tree = tree
         self.vstore = vstore
@@ -253,7 +254,7 @@ class OpenFiles:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         if writable and not trunc:
-            await self._host._fault_in_all(ino)
+            await self.chunks.fault_in_all(ino)
         if writable:
             v = await self.writable_version(ino, trunc=trunc)
             v.writers += 1
@@ -321,7 +322,7 @@ class OpenFiles:
         if v.missing or self.verifier.needs(v):  # fault-in, or verify first (core/verifier.py)
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
-                await self._host.fault_in(v, off, size)
+                await self.chunks.fault_in(v, off, size)
                 data = os.pread(self.vstore.fd(v), size, off)
             finally:
                 v.pins -= 1
@@ -428,7 +429,7 @@ class OpenFiles:
         else:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
-                await self._host._fault_in_all(ino)
+                await self.chunks.fault_in_all(ino)
             v = await self.writable_version(ino, trunc=(size == 0))
             v.writers += 1
             try:
@@ -442,7 +443,7 @@ class OpenFiles:
     async def _resize(self, v: Version, size: int) -> None:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
-            await self._host.fault_in(v, 0, v.size)
+            await self.chunks.fault_in(v, 0, v.size)
         v.changed(v.size, size)
         os.ftruncate(self.vstore.fd(v), size)
         v.size = size
@@ -604,7 +605,7 @@ class OpenFiles:
             return v.blake3
         v.pins += 1  # stays while hashed, even if replaced meanwhile
         try:
-            await self._host.fault_in(v, 0, v.size)
+            await self.chunks.fault_in(v, 0, v.size)
             chunks = v.chunks
             fd = self.fds.lease(v)
             try:

@@ -2,7 +2,7 @@
 
 Every namespace change of the core is a typed op (:mod:`mtcfs.base.ns_ops`) submitted to
 the mount's :class:`NamespaceLog`; the log decides the op's place in the order and has the
-core apply it (``Filesystem.apply_op``, the one apply path), then answers the submitter
+core apply it (``JobNamespace.apply_op``, the one apply path), then answers the submitter
 with the op's result or the errno that refused it.
 
 * scope=node: :class:`LocalLog`, this module. Only this mount changes the namespace, so an

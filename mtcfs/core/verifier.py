@@ -10,7 +10,7 @@ verdict), and the scrub's settings and status. The policy (docs/reliability.md):
   before any of its bytes are served;
 - the scrub re-hashes every chunk held in RAM every ``interval_s`` seconds, reading at most
   ``rate`` bytes per second;
-- a chunk that mismatches is handed to the core (``Host._mark_corrupt``, core/scrub.py):
+- a chunk that mismatches is handed to the core (``Host.mark_corrupt``, core/faultin.py):
   marked missing, its bytes dropped, counted, logged, and faulted in again.
 
 Every verification of a chunk goes through :meth:`Verifier.verify_chunk`, one at a time per
@@ -55,14 +55,14 @@ def _hash_matches(fd: int, off: int, length: int, digest: str) -> bool:
 
 
 class Host(Protocol):
-    """What :class:`Verifier` may use of the core (the ``Filesystem`` facade)."""
+    """What :class:`Verifier` may use of its owner (:class:`mtcfs.core.faultin.LocalChunks`)."""
 
     versions: dict[int, Version]
 
     @property
     def vstore(self) -> Releaser: ...  # core/versions.py: ``release(v)``
 
-    def _mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
+    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
     def report_error(self, msg: str) -> None: ...
 
 
@@ -70,7 +70,7 @@ class Verifier:
     """First-read verification and the scrub of one core.
 
     Args:
-        host: the core (see :class:`Host`).
+        host: its owner (see :class:`Host`).
         fds: the core's descriptor cache.
         counters: the core's counters (``corrupt_chunks`` of replaced versions).
         cpu_limiter: the core's worker-thread limiter.
@@ -135,7 +135,7 @@ class Verifier:
     async def verify_chunk(self, v: Version, idx: int, *, scrub: bool = False) -> bool:
         """Hash chunk ``idx`` of ``v`` (held in RAM) in a worker thread; True if it matches.
 
-        A mismatch marks it corrupt (the host's ``_mark_corrupt``). One verification per chunk at
+        A mismatch marks it corrupt (the host's ``mark_corrupt``). One verification per chunk at
         a time; a caller that finds one under way waits for its verdict.
         """
         key = (v.vid, idx)
@@ -185,7 +185,7 @@ class Verifier:
                 return ok
             self.verified(v.vid, idx)
             if not ok:
-                self._host._mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
+                self._host.mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
             return ok
         finally:
             del self._verifying[key]

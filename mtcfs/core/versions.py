@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import blake3
 
-from mtcfs.base.chunking import chunk_count, chunk_span
+from mtcfs.base.chunking import chunk_count, chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.chunkmap import ChunkIndex
@@ -342,6 +342,25 @@ class VersionStore:
                 self.fds.unkeep(v)
 
     # ------------------------------------------------------------------ data
+
+    def read_verified(self, v: Version, off: int, length: int,
+                      digest: str | None) -> bytes | None:
+        """Read ``length`` bytes at ``off`` of ``v`` and verify them against ``digest``
+        (None: unverified).
+
+        Thread-safe: the caller pins ``v`` on the loop so that its data file stays; the
+        descriptor is leased for the read (fdcache.py). Returns None on a mismatch: a chunk
+        whose hash does not match is never served.
+        """
+        fd = self.fds.lease(v)
+        try:
+            data = os.pread(fd, length, off)
+        finally:
+            self.fds.unlease(v, fd)
+        if digest is not None and chunk_hash(data) != digest:
+            log.error("local chunk %s of version %d does not match its hash", digest[:16], v.vid)
+            return None
+        return data
 
     def fd(self, v: Version) -> int:
         """``v``'s data file descriptor, for use on the loop before the next ``await``

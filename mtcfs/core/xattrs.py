@@ -1,7 +1,7 @@
 """Extended attributes: stored user.* ones and the virtual user.mtcfs.* ones.
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
-concurrency protocol every method follows.
+:class:`Xattrs` answers the facade's getxattr, setxattr, listxattr and removexattr; see
+core/core.py for the concurrency protocol every method follows.
 """
 
 from __future__ import annotations
@@ -12,8 +12,15 @@ import logging
 from mtcfs.base.chunking import chunk_count
 from mtcfs.base.errors import ENOATTR, FsError
 from mtcfs.base import steps as stepnames
+from mtcfs.core.files import OpenFiles
+from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode
 from mtcfs.core.records import StepRecord
+from mtcfs.core.step_registry import StepRegistry
+from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.versions import VersionStore
+
+__all__ = ["XATTR_PREFIX", "Xattrs"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -21,12 +28,32 @@ log = logging.getLogger("mtcfs.core.core")
 XATTR_PREFIX = b"user.mtcfs."
 
 
-class XattrOps:
-    """Extended attributes: stored user.* ones and the virtual user.mtcfs.* ones."""
+class Xattrs:
+    """Extended attributes: stored ``user.*`` ones (rows of the ``xattrs`` table, each set
+    or removal one transaction) and the virtual, read-only ``user.mtcfs.*`` ones
+    (``state``, ``blake3``, ``control``: docs/usage.md).
 
-    # ------------------------------------------------------------------ xattrs
+    Args:
+        db: the store's metadata database.
+        tree, vstore, step_registry, open_files: the core's components.
+        control_socket: the path of the mount's control socket (``user.mtcfs.control``).
+
+    Raises (each operation): FsError ENOATTR (no such attribute), EPERM (a
+    ``user.mtcfs.*`` one set), ENOTSUP (a namespace other than ``user.``).
+    """
+
+    def __init__(self, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
+                 step_registry: StepRegistry, open_files: OpenFiles,
+                 control_socket: str) -> None:
+        self.db = db
+        self.tree = tree
+        self.versions = vstore.versions
+        self.step_registry = step_registry
+        self.open_files = open_files
+        self.control_socket = control_socket
 
     async def getxattr(self, num: int, name: bytes) -> bytes:
+        """The value of attribute ``name`` of inode ``num``."""
         ino = self.tree.get(num)
         if name.startswith(XATTR_PREFIX):
             return await self._mtcfs_xattr(ino, name[len(XATTR_PREFIX):])
@@ -36,6 +63,7 @@ class XattrOps:
             raise FsError(ENOATTR) from None
 
     async def setxattr(self, num: int, name: bytes, value: bytes) -> None:
+        """Set ``user.*`` attribute ``name`` of inode ``num``."""
         ino = self.tree.get(num)
         if name.startswith(XATTR_PREFIX):
             raise FsError(errno.EPERM, "user.mtcfs.* attributes are read-only")
@@ -47,12 +75,14 @@ class XattrOps:
                             (num, name, value))
 
     async def listxattr(self, num: int) -> list[bytes]:
+        """The stored attributes' names (the virtual ones are read by name only)."""
         # The virtual user.mtcfs.* attributes are read by name only, not listed: copy tools
         # (cp -a --preserve=xattr, tar --xattrs, rsync -X) set every listed name on the copy
         # and fail on read-only ones, and would carry stale hashes to other filesystems.
         return list(self.tree.get(num).xattrs)
 
     async def removexattr(self, num: int, name: bytes) -> None:
+        """Remove attribute ``name`` of inode ``num``."""
         ino = self.tree.get(num)
         if name not in ino.xattrs:
             raise FsError(ENOATTR)
@@ -69,7 +99,7 @@ class XattrOps:
                 raise FsError(ENOATTR)
             return (await self.open_files.file_hash(v)).encode()
         if key == b"control" and ino.ino == ROOT_INO:
-            return self.store.control_socket.encode()
+            return self.control_socket.encode()
         raise FsError(ENOATTR)
 
     def state_of(self, ino: Inode) -> str:
@@ -96,7 +126,7 @@ class XattrOps:
             rec = self.step_registry.of(ino)
             return self._replicated(rec) if rec is not None else "local"
         if ino.is_dir and ino.parent == ROOT_INO:
-            rec = self.steps.get(ino.name.decode(errors="surrogateescape"))
+            rec = self.step_registry.records.get(ino.name.decode(errors="surrogateescape"))
             if rec is None:
                 return "incomplete" if stepnames.step_number(ino.name) is not None or \
                     stepnames.is_orbax_tmp(ino.name) else "local"
