@@ -292,7 +292,9 @@ class BackupService:
             self.status.pending = [rec.name]
             return None
         manifest, pinned = self.fs.snapshot_step(rec.name)
-        self._last_start = time.monotonic()
+        # A time-based interval counts from this start; a failed upload gives it back (as
+        # ``taken`` below), so the step is due again after the backoff, not an interval later.
+        prev_start, self._last_start = self._last_start, time.monotonic()
         taken = min(counted, self._commits_since)  # given back if the upload fails
         self._commits_since -= taken
         rec.backing_up = True
@@ -311,6 +313,7 @@ class BackupService:
             self.status.last_error = f"backup of {rec.name}: {exc}"
             self.fs.unpin(pinned)
             self._commits_since += taken  # still due: retried after the backoff
+            self._last_start = prev_start
             return False
         except Exception as exc:  # a bug in a reader must not take the mount down
             log.exception("backup of %s failed unexpectedly", rec.name)
@@ -318,6 +321,7 @@ class BackupService:
             self.status.last_error = f"backup of {rec.name}: {type(exc).__name__}: {exc}"
             self.fs.unpin(pinned)
             self._commits_since += taken  # still due: retried after the backoff
+            self._last_start = prev_start
             return False
         finally:
             rec.backing_up = False
