@@ -511,7 +511,7 @@ def cmd_metrics(a: argparse.Namespace) -> None:
 
 
 def format_scrub_status(sc: dict) -> str:
-    """The ``scrub:`` line of ``mtcfs status`` (core/scrub.py)."""
+    """The ``scrub:`` line of ``mtcfs status`` (core/verifier.py)."""
     if not sc.get("interval_s"):
         when = "off (scrub_interval=0)"
     else:

@@ -268,7 +268,7 @@ class MountOptions:
     #: backup tier, every source included) before it fails with EIO (docs/reliability.md).
     read_timeout: float = 60.0
     #: Seconds between background scrub passes over the RAM tier (0: no scrub) and the
-    #: bytes per second a pass may read (docs/reliability.md, mtcfs/core/scrub.py).
+    #: bytes per second a pass may read (docs/reliability.md, mtcfs/core/verifier.py).
     scrub_interval: float = 24 * 3600.0
     scrub_rate: int = 100 * 1024 * 1024
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).

@@ -743,3 +743,46 @@ def test_backup_interval_in_training_steps(tmp_path) -> None:
     assert svc._last_number == 30 and not svc._due()
     fs.steps["80"] = step(80)
     assert svc._due()
+
+
+def test_a_failed_time_based_backup_is_tried_again_after_the_backoff(tmp_path) -> None:
+    """backup_interval=1h: the first upload fails (the bucket is away once); the step is
+    backed up after the failure's short backoff, not an hour later. Before the fix the
+    failed attempt kept its start of the interval, so the step waited the whole hour."""
+    chunks: dict[str, bytes] = {}
+    m = make_step(20, {"w.bin": blob(7, 3 * CHUNK)}, chunks=chunks)
+
+    class FailsOnce(FileBackend):
+        failed = False
+
+        def put(self, key: str, data: bytes) -> None:
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise OSError("the bucket is away")
+            super().put(key, data)
+
+    store = BackupStore(FailsOnce(tmp_path), rank=0)
+    rec = SimpleNamespace(name=m.step, number=20, committed_ns=1, backed_up_ns=None,
+                          backing_up=False)
+    calls: list[str] = []
+    fs = SimpleNamespace(
+        steps={m.step: rec}, subscribe=lambda cb: None, backup_pending=lambda: None,
+        set_backup_pending=lambda name: None, step_sealed=lambda r: True,
+        step_in_ram=lambda r: True, snapshot_step=lambda name: (m, []),
+        chunk_reader=lambda pinned: chunks.__getitem__, unpin=lambda pinned: None, evict=list,
+        mark_backed_up=lambda name, pinned: calls.append(name), backup_retired=lambda kept: [])
+    svc = BackupService(fs, store, interval_s=3600.0, every_ckpts=None, keep_backups=2,
+                        url="u", interval_text="1h")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run)
+            with trio.fail_after(30):  # the first backoff is at most 4 s
+                while not calls:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert FailsOnce.failed and svc.status.failures == 1
+    assert calls == [m.step] and svc.status.backups == 1
+    assert restore_files(store, m.step) == {"w.bin": blob(7, 3 * CHUNK)}

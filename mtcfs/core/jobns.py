@@ -584,7 +584,7 @@ class JobNamespace:
                         v.missing.clear()
                         self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new
-                        # version: a rejoin after a restart takes this path (core/scrub.py).
+                        # version: a rejoin after a restart takes this path (core/verifier.py).
                         self.verifier.carry(old, v)
                     self.vstore.write(v)
                     self.chunk_index.add_version(v)

@@ -63,7 +63,7 @@ class Counters:
     evicted_steps: int = 0
     #: chunks a read brought into a full RAM tier that nothing could make room for
     fault_in_over_size: int = 0
-    #: chunks in RAM found not to match their hash (first read, scrub, verify; core/scrub.py)
+    #: chunks in RAM found not to match their hash (first read, scrub, verify; core/faultin.py)
     corrupt_chunks: int = 0
     #: Committed steps deleted from RAM under memory pressure while no other tier held them.
     deleted_unsaved_steps: int = 0
