@@ -263,3 +263,27 @@ def test_a_corrupt_chunk_of_a_replaced_version_still_open_is_never_served(tmp_pa
         assert exc.value.errno == errno.EIO
         assert 1 in v.missing and fs.counters.corrupt_chunks == 1
     run(read, tmp_path)
+
+
+def test_the_times_the_kernel_sends_for_an_unlinked_file_write_no_row(tmp_path):
+    """With the writeback cache the kernel sends an unlinked file's times (a SETATTR) as it
+    evicts the inode, before FORGET. The inode's rows went with its last name; writing them
+    again (and deleting them once more at FORGET) cost two transactions per unlink. The
+    times still apply in memory; nothing of the file is left in the store after FORGET."""
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", b"x" * 5000)
+        vid = (await sealed(fs, ino)).vid
+        await fs.unlink(ROOT_INO, b"f")
+        node = fs.inodes[ino]
+        assert not fs.tree.has_row(node)
+        a = await fs.setattr(ino, mtime_ns=1_000_000_000, atime_ns=2_000_000_000)
+        assert (a.mtime_ns, a.atime_ns) == (1_000_000_000, 2_000_000_000)
+        assert not fs.tree.has_row(node)  # no row written again
+        fs.forget([(ino, 1)])
+        assert ino not in fs.inodes
+        for table, col, key in (("inodes", "ino", ino), ("dentries", "ino", ino),
+                                ("versions", "vid", vid)):
+            assert fs.db.execute(f"SELECT count(*) FROM {table} WHERE {col}=?",
+                                 (key,)).fetchone()[0] == 0, table
+        assert not os.path.exists(fs.store.data_path(vid))  # its data file went too
+    run(body, tmp_path)

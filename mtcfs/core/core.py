@@ -1,32 +1,32 @@
 """The filesystem core: namespace, handles, versions, seal, steps, capacity.
 
-:class:`Filesystem` is the facade the FUSE adapter, the daemon and (through
-:mod:`mtcfs.core.ports`) the tiers call. Operations not yet split out are grouped by
-concern in mixins, one module each: :mod:`~mtcfs.core.namespace`,
-:mod:`~mtcfs.core.faultin`, :mod:`~mtcfs.core.scrub`, :mod:`~mtcfs.core.xattrs`,
-:mod:`~mtcfs.core.own_files` and :mod:`~mtcfs.core.tier_api`.
-Components that own their state: :class:`~mtcfs.core.inodes.InodeTable` (``tree``: the
-inodes, directory entries and kernel aliases, and their rows; ``inodes`` and ``aliases``
-here are its dicts: only it adds or removes entries),
+:class:`Filesystem` is the facade the FUSE adapter and the daemon call: one method per FUSE
+operation (the namespace ones in :mod:`~mtcfs.core.namespace`, its one base class), the
+lifecycle, events, errors. The other tiers never get it: they get ``tier_api``
+(:class:`~mtcfs.core.tier_api.TierApi`, the one object every port of
+:mod:`mtcfs.core.ports` is). Behind both, components that own their state, built and
+joined here (the core's own composition): :class:`~mtcfs.core.inodes.InodeTable`
+(``tree``: the inodes, directory entries and kernel aliases, and their rows; ``inodes``
+and ``aliases`` here are its dicts: only it adds or removes entries),
 :class:`~mtcfs.core.versions.VersionStore` (``vstore``: the versions, their rows, data
 files and descriptors; ``versions`` and ``fds`` here are its),
 :class:`~mtcfs.core.step_registry.StepRegistry` (``step_registry``: the committed steps
-and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.files.OpenFiles`
-(``open_files``: the handle table, writers' versions and the seal; ``handles`` here is its
-dict), :class:`~mtcfs.core.budget.RamBudget` (``budget``),
-:class:`~mtcfs.core.fetcher.FaultIn` (``fetcher``),
+and their rows; ``steps`` here is its dict), :class:`~mtcfs.core.entries.Entries`
+(``entries``: the change of one directory entry each op makes),
+:class:`~mtcfs.core.files.OpenFiles` (``open_files``: the handle table, writers' versions
+and the seal; ``handles`` here is its dict), :class:`~mtcfs.core.budget.RamBudget`
+(``budget``), :class:`~mtcfs.core.faultin.LocalChunks` (``chunks``: fault-in, with its
+``fetcher`` and ``verifier``, and corrupt chunks' repair),
 :class:`~mtcfs.core.chunkmap.ChunkIndex` (``chunk_index``),
-:class:`~mtcfs.core.verifier.Verifier` (``verifier``),
-:class:`~mtcfs.core.eviction.Eviction` (``eviction``: the policy; ``evict`` here forwards to
-it), :class:`~mtcfs.core.capacity.Reclaim` (``reclaim``: what eviction does to the
-namespace, a step's data dropped or a tree deleted),
+:class:`~mtcfs.core.eviction.Eviction` (``eviction``: the policy),
+:class:`~mtcfs.core.capacity.Reclaim` (``reclaim``: what eviction does to the namespace),
 :class:`~mtcfs.core.checkpoints.Checkpoints` (``checkpoints``: pins, chunk readers,
-imports, ``mtcfs verify``; ``unpin``, ``chunk_reader``, ``pin_chunk`` and ``import_step``
-here forward to it) and
-:class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one apply path of namespace ops, the
-log position, publishing in scope=job, the namespace's snapshot and install;
-``chunk_origins`` here is its dict; ``apply_op`` and the ``ns_*`` methods here forward to
-it); see docs/architecture.md, "The core".
+imports, ``mtcfs verify``), :class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one
+apply path of namespace ops, the log position, publishing in scope=job, the namespace's
+snapshot and install; ``chunk_origins`` here is its dict),
+:class:`~mtcfs.core.xattrs.Xattrs` (``xattrs``) and
+:class:`~mtcfs.core.own_files.OwnFiles` (``own_files``); see docs/architecture.md,
+"The core".
 
 It knows nothing of FUSE: :mod:`mtcfs.fuse_ops` adapts pyfuse3 calls onto the coroutine
 methods here. Every method runs on the trio thread (the FUSE loop); nothing here blocks it
@@ -124,13 +124,13 @@ class Filesystem(NamespaceOps):
                                           job=job, rank=rank,
                                           delete_step=lambda rec: self.reclaim.delete_step(rec))
         self.steps: dict[str, StepRecord] = self.step_registry.records
-        #: What eviction does to the namespace (core/capacity.py): drop a step's data,
-        #: delete a directory tree.
         #: The changes of one directory entry each (core/entries.py): what applying a
         #: namespace op does, and how eviction and the open files free a name.
         self.entries = Entries(db=self.db, tree=self.tree, vstore=self.vstore,
                                step_registry=self.step_registry,
                                job_scope=lambda: self.job_scope)
+        #: What eviction does to the namespace (core/capacity.py): drop a step's data,
+        #: delete a directory tree.
         self.reclaim = Reclaim(self, db=self.db, tree=self.tree, vstore=self.vstore,
                                step_registry=self.step_registry, entries=self.entries)
         self.counters = Counters()

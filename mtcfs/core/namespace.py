@@ -1,11 +1,16 @@
 """Namespace operations: lookup, attributes, mkdir, links, unlink, rmdir, rename, directory listing.
 
-A part of :class:`mtcfs.core.core.Filesystem` (mixed in); see that module for the
-concurrency protocol every method follows.
+The FUSE operations of :class:`mtcfs.core.core.Filesystem` on names and attributes (its one
+base class, kept in its own file for length): each one reads the inode table, or checks
+what it can before anything is logged and submits a typed op (mtcfs/base/ns_ops.py) to the
+namespace log; applying the op (core/jobns.py, core/entries.py) is what changes the
+namespace, in both scopes. See core/core.py for the concurrency protocol every method
+follows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import stat
@@ -111,17 +116,17 @@ class NamespaceOps:
         if size is not None:
             await self.open_files.truncate(ino, size, fh)
             ino.mtime_ns = now
-        if writing and size is None and mode is None and uid is None and gid is None:
-            # Times of a file being written here (the writeback cache sends them at every
-            # close): its row is written by the seal at the last writer's close (files.py),
-            # as its size is; a crash before that loses them with the size (docs/benchmarks.md).
-            if atime_ns is not None:
-                ino.atime_ns = atime_ns
-            if mtime_ns is not None:
-                ino.mtime_ns = mtime_ns
-            ino.ctime_ns = now
-            return self.tree.attr(ino)
-        with self.db.transaction():
+        # Kept in memory, with no row written: the times of a file being written here (the
+        # writeback cache sends them at every close: its row is written by the seal at the
+        # last writer's close (files.py), as its size is; a crash before that loses them with
+        # the size, docs/benchmarks.md), and anything sent for an inode with neither name
+        # nor handle (the writeback cache sends an unlinked file's times as the kernel
+        # evicts it, before FORGET): its rows are gone and FORGET drops it; writing them
+        # again cost two transactions per unlink (docs/benchmarks.md, issue 18).
+        in_memory = (writing and size is None and mode is None and uid is None
+                     and gid is None) or (not named and ino.opens == 0
+                                          and not self.tree.has_row(ino))
+        with contextlib.nullcontext() if in_memory else self.db.transaction():
             if mode is not None:
                 ino.mode = stat.S_IFMT(ino.mode) | (mode & 0o7777)
             if uid is not None:
@@ -133,7 +138,8 @@ class NamespaceOps:
             if mtime_ns is not None:
                 ino.mtime_ns = mtime_ns
             ino.ctime_ns = now
-            self.tree.write(ino)
+            if not in_memory:
+                self.tree.write(ino)
         return self.tree.attr(ino)
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
