@@ -72,7 +72,7 @@ class LocalLog:
     for). The op's envelope stays empty (no apply function reads it in scope=node).
 
     Args:
-        fs: the filesystem core (``apply_op``: core/jobns.py, through the facade).
+        fs: the apply path (``apply_op``: :class:`~mtcfs.core.jobns.JobNamespace`).
     """
 
     replicated = False
