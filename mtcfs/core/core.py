@@ -23,7 +23,7 @@ and the seal; ``handles`` here is its dict), :class:`~mtcfs.core.budget.RamBudge
 :class:`~mtcfs.core.checkpoints.Checkpoints` (``checkpoints``: pins, chunk readers,
 imports, ``mtcfs verify``), :class:`~mtcfs.core.jobns.JobNamespace` (``jobns``: the one
 apply path of namespace ops, the log position, publishing in scope=job, the namespace's
-snapshot and install; ``chunk_origins`` here is its dict),
+snapshot and install, and where other ranks' chunks come from),
 :class:`~mtcfs.core.xattrs.Xattrs` (``xattrs``) and
 :class:`~mtcfs.core.own_files.OwnFiles` (``own_files``); see docs/architecture.md,
 "The core".
@@ -202,9 +202,6 @@ class Filesystem(NamespaceOps):
                                 budget=self.budget, eviction=self.eviction,
                                 chunk_index=self.chunk_index, open_files=self.open_files,
                                 own_files=self.own_files, db=self.db)
-        #: scope=job: chunk digest -> rank that wrote it (where fault-in looks first); the
-        #: namespace component's dict (read it; only it changes it).
-        self.chunk_origins: dict[str, int] = self.jobns.chunk_origins
         #: The daemon before this one did not stop cleanly (set by _load).
         self.previous_crash = False
         self._load()

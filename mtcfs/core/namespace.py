@@ -10,7 +10,6 @@ follows.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import stat
@@ -126,19 +125,19 @@ class NamespaceOps:
         in_memory = (writing and size is None and mode is None and uid is None
                      and gid is None) or (not named and ino.opens == 0
                                           and not self.tree.has_row(ino))
-        with contextlib.nullcontext() if in_memory else self.db.transaction():
-            if mode is not None:
-                ino.mode = stat.S_IFMT(ino.mode) | (mode & 0o7777)
-            if uid is not None:
-                ino.uid = uid
-            if gid is not None:
-                ino.gid = gid
-            if atime_ns is not None:
-                ino.atime_ns = atime_ns
-            if mtime_ns is not None:
-                ino.mtime_ns = mtime_ns
-            ino.ctime_ns = now
-            if not in_memory:
+        if mode is not None:
+            ino.mode = stat.S_IFMT(ino.mode) | (mode & 0o7777)
+        if uid is not None:
+            ino.uid = uid
+        if gid is not None:
+            ino.gid = gid
+        if atime_ns is not None:
+            ino.atime_ns = atime_ns
+        if mtime_ns is not None:
+            ino.mtime_ns = mtime_ns
+        ino.ctime_ns = now
+        if not in_memory:
+            with self.db.transaction():
                 self.tree.write(ino)
         return self.tree.attr(ino)
 
