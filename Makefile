@@ -93,3 +93,9 @@ bench-random:
 .PHONY: bench-rewrite
 bench-rewrite:
 	$(PYTHON) -m benchmarks.bench_rewrite $(ARGS)
+
+# Cold reads of several code trees in one run (benchmarks/bench_ab.py), for before/after:
+# git worktree add /tmp/before <rev>; make bench-ab ARGS="--tree before=/tmp/before --tree after=."
+.PHONY: bench-ab
+bench-ab:
+	$(PYTHON) -m benchmarks.bench_ab $(ARGS)
