@@ -99,3 +99,9 @@ bench-rewrite:
 .PHONY: bench-ab
 bench-ab:
 	$(PYTHON) -m benchmarks.bench_ab $(ARGS)
+
+# How long the FUSE loop stops while a large file's data is freed (benchmarks/bench_free.py):
+# make bench-free ARGS="--tree before=/tmp/before --tree after=."
+.PHONY: bench-free
+bench-free:
+	$(PYTHON) -m benchmarks.bench_free $(ARGS)

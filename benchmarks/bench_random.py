@@ -1,12 +1,15 @@
 """Random writes and library saves (issue 18): tmpfs vs the no-op FUSE ceiling vs mtcfs.
 
 Run ``python -m benchmarks.bench_random [--size 512M] [--files 2] [--reps 3]`` as root
-(``make bench-random``). Three targets, the order rotating each repeat:
+(``make bench-random``). Four targets, the order rotating each repeat:
 
 - ``tmpfs``: a directory under /dev/shm;
 - ``noop``: :mod:`benchmarks.noop_fs` (writes discarded, any file, any offset): the FUSE
   ceiling with the same kernel settings as mtcfs (writeback cache, keep_cache);
-- ``mtcfs``: one node, ``scope=node``, store on /dev/shm.
+- ``mtcfs``: one node, ``scope=node``, store on /dev/shm;
+- ``mtcfs-huge`` (with ``--huge``): the same, its store on a tmpfs the benchmark mounts
+  with ``huge=within_size`` (large folios for the data files; docs/benchmarks.md, "Huge
+  pages for the store"); skipped with a note where that mount fails.
 
 Three measurements each:
 
@@ -37,6 +40,7 @@ To profile the daemon under this load: ``py-spy record --pid PID`` (the pid is l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import json
@@ -55,7 +59,7 @@ from benchmarks.common import (MiB, REPO, BenchResult, Check, drop_caches, log, 
                                median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
                                served_mount, wait_until, write_json)
 
-TARGETS = ("tmpfs", "noop", "mtcfs")
+TARGETS = ("tmpfs", "noop", "mtcfs", "mtcfs-huge")
 PAGE = 4096
 BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
 
@@ -212,7 +216,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
-        only: tuple[str, ...], touch: bool) -> BenchResult:
+        only: tuple[str, ...], touch: bool, huge: bool = False) -> BenchResult:
     res = BenchResult("random", f"Random writes ({nfiles} x {size // MiB} MiB, 4 KiB-1 MiB "
                       f"blocks, verified) and library saves, median of {reps}",
                       ["target", "rand MiB/s", "rand cpu ms/MiB",
@@ -226,92 +230,104 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
     sd_st = state_dict(st_size) if "st" in only else {}
     torch_mib = sum(t.numel() * 4 for t in sd_torch.values()) / MiB
     st_mib = sum(t.numel() * 4 for t in sd_st.values()) / MiB
-    with scratch_dir("/dev/shm", "random") as root:
+    with scratch_dir("/dev/shm", "random") as root, contextlib.ExitStack() as stack:
         (root / "tmpfs").mkdir()
         (root / "noop").mkdir()
-        with mtcfs_mount(root / "mtcfs", {"size": "12G"}) as m, \
-                served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop")],
-                             root / "noop", "noop_fs",
-                             ["fusermount3", "-u", str(root / "noop")]) as noop:
-            dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "mtcfs": m.mnt}
-            pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid,
-                                           "mtcfs": int(m.status()["pid"])}
-            log(f"daemon pids: mtcfs {pids['mtcfs']}, noop {pids['noop']}")
-            for rep in range(reps):
-                order = TARGETS[rep % 3:] + TARGETS[:rep % 3]
-                for t in order:
-                    d, pid, st = dirs[t], pids[t], s[t]
-                    if "rand" in only:
-                        paths = [d / f"rand{i}.bin" for i in range(nfiles)]
-                        if touch:
-                            prefault(2 * nfiles * size + (1 << 30))
-                        c0 = cpu_seconds(pid)
-                        dt = random_write(paths, size, 1000 * rep + 1)
-                        st["rand_cpu"].append((cpu_seconds(pid) - c0) * 1e3
-                                              / (nfiles * size / MiB))
-                        st["rand"].append(nfiles * size / MiB / dt)
-                        if t == "mtcfs":  # the seal (hashing) must not overlap what follows
-                            st["seal"].append(wait_until(
-                                lambda: all(mtcfs_state(p) in ("local", "backed-up")
-                                            for p in paths), 300, "the files to be sealed"))
-                        if t != "noop":  # it keeps no bytes: nothing to compare
-                            st["read"].append(verify(paths, size, 1000 * rep + 1))
-                        if t == "mtcfs" and can_drop:
-                            drop_caches()
-                            st["cold"].append(verify(paths, size, 1000 * rep + 1))
-                        log(f"rep {rep + 1} {t:5s} random write {st['rand'][-1]:7.0f} MiB/s, "
-                            f"cpu {st['rand_cpu'][-1]:.2f} ms/MiB"
-                            + (", verified" if t != "noop" else ""))
-                        for p in paths:
-                            os.unlink(p)
-                    if "fio" in only and shutil.which("fio"):
-                        if touch:
-                            prefault(3 * nfiles * size + (1 << 30))
-                        c0 = cpu_seconds(pid)
-                        st["fio"].append(run_fio(d, size, nfiles, verify=t != "noop"))
-                        st["fio_cpu"].append((cpu_seconds(pid) - c0) * 1e3
-                                             / (2 * nfiles * size / MiB))
-                        log(f"rep {rep + 1} {t:5s} fio random write {st['fio'][-1]:7.0f} MiB/s, "
-                            f"cpu {st['fio_cpu'][-1]:.2f} ms/MiB (layout + write + verify)")
-                    for key, sd, mib, fn in (("torch", sd_torch, torch_mib, torch_save),
-                                             ("st", sd_st, st_mib, st_save)):
-                        if key not in only:
-                            continue
-                        p = d / f"model.{key}"
-                        if touch:
-                            prefault(2 * int(mib) * MiB + (1 << 30))
-                        c0 = cpu_seconds(pid)
-                        st[key].append(fn(p, sd))
-                        st[f"{key}_cpu"].append((cpu_seconds(pid) - c0) * 1e3 / mib)
-                        log(f"rep {rep + 1} {t:5s} {key} {st[key][-1]:.3f} s, "
-                            f"cpu {st[f'{key}_cpu'][-1]:.2f} ms/MiB")
-                        if t == "mtcfs":
-                            wait_until(lambda: mtcfs_state(p) in ("local", "backed-up"), 300,
-                                       f"{p} to be sealed")
+        m = stack.enter_context(mtcfs_mount(root / "mtcfs", {"size": "12G"}))
+        noop = stack.enter_context(served_mount(
+            [sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop")], root / "noop",
+            "noop_fs", ["fusermount3", "-u", str(root / "noop")]))
+        dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "mtcfs": m.mnt}
+        pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid,
+                                       "mtcfs": int(m.status()["pid"])}
+        huge_store = stack.enter_context(huge_tmpfs(root / "huge-tmpfs", "16G")) if huge \
+            else None
+        if huge and huge_store is None:
+            res.notes.append("mtcfs-huge skipped: could not mount a tmpfs with "
+                             "huge=within_size (needs root and a kernel with shmem THP)")
+        elif huge_store is not None:
+            mh = stack.enter_context(mtcfs_mount(root / "mtcfs-huge",
+                                                 {"size": "12G", "store": str(huge_store)}))
+            dirs["mtcfs-huge"] = mh.mnt
+            pids["mtcfs-huge"] = int(mh.status()["pid"])
+        targets = [t for t in TARGETS if t in dirs]
+        log(f"daemon pids: {pids}")
+        for rep in range(reps):
+            order = targets[rep % len(targets):] + targets[:rep % len(targets)]
+            for t in order:
+                d, pid, st = dirs[t], pids[t], s[t]
+                if "rand" in only:
+                    paths = [d / f"rand{i}.bin" for i in range(nfiles)]
+                    if touch:
+                        prefault(2 * nfiles * size + (1 << 30))
+                    c0 = cpu_seconds(pid)
+                    dt = random_write(paths, size, 1000 * rep + 1)
+                    st["rand_cpu"].append((cpu_seconds(pid) - c0) * 1e3
+                                          / (nfiles * size / MiB))
+                    st["rand"].append(nfiles * size / MiB / dt)
+                    if t.startswith("mtcfs"):  # the seal must not overlap what follows
+                        st["seal"].append(wait_until(
+                            lambda: all(mtcfs_state(p) in ("local", "backed-up")
+                                        for p in paths), 300, "the files to be sealed"))
+                    if t != "noop":  # it keeps no bytes: nothing to compare
+                        st["read"].append(verify(paths, size, 1000 * rep + 1))
+                    if t.startswith("mtcfs") and can_drop:
+                        drop_caches()
+                        st["cold"].append(verify(paths, size, 1000 * rep + 1))
+                    log(f"rep {rep + 1} {t:5s} random write {st['rand'][-1]:7.0f} MiB/s, "
+                        f"cpu {st['rand_cpu'][-1]:.2f} ms/MiB"
+                        + (", verified" if t != "noop" else ""))
+                    for p in paths:
                         os.unlink(p)
-                    time.sleep(0.3)
-            res.samples["mtcfs_counters"] = m.status().get("counters")
-    med = {t: {k: median(v) for k, v in s[t].items()} for t in TARGETS}
+                if "fio" in only and shutil.which("fio"):
+                    if touch:
+                        prefault(3 * nfiles * size + (1 << 30))
+                    c0 = cpu_seconds(pid)
+                    st["fio"].append(run_fio(d, size, nfiles, verify=t != "noop"))
+                    st["fio_cpu"].append((cpu_seconds(pid) - c0) * 1e3
+                                         / (2 * nfiles * size / MiB))
+                    log(f"rep {rep + 1} {t:5s} fio random write {st['fio'][-1]:7.0f} MiB/s, "
+                        f"cpu {st['fio_cpu'][-1]:.2f} ms/MiB (layout + write + verify)")
+                for key, sd, mib, fn in (("torch", sd_torch, torch_mib, torch_save),
+                                         ("st", sd_st, st_mib, st_save)):
+                    if key not in only:
+                        continue
+                    p = d / f"model.{key}"
+                    if touch:
+                        prefault(2 * int(mib) * MiB + (1 << 30))
+                    c0 = cpu_seconds(pid)
+                    st[key].append(fn(p, sd))
+                    st[f"{key}_cpu"].append((cpu_seconds(pid) - c0) * 1e3 / mib)
+                    log(f"rep {rep + 1} {t:5s} {key} {st[key][-1]:.3f} s, "
+                        f"cpu {st[f'{key}_cpu'][-1]:.2f} ms/MiB")
+                    if t.startswith("mtcfs"):
+                        wait_until(lambda: mtcfs_state(p) in ("local", "backed-up"), 300,
+                                   f"{p} to be sealed")
+                    os.unlink(p)
+                time.sleep(0.3)
+        res.samples["mtcfs_counters"] = m.status().get("counters")
+    med = {t: {k: median(v) for k, v in s[t].items()} for t in targets}
 
     def f(x: float | None, d: int = 2) -> str:
         return "-" if x is None else f"{x:.{d}f}"
 
-    for t in TARGETS:
+    for t in targets:
         mt = med[t]
         res.rows.append([t, f(mt["rand"], 0), f(mt["rand_cpu"]) if t != "tmpfs" else "-",
                          f(mt["fio"], 0), f(mt["fio_cpu"]) if t != "tmpfs" else "-",
                          f(mt["torch"], 3), f(mt["torch_cpu"]) if t != "tmpfs" else "-",
                          f(mt["st"], 3), f(mt["st_cpu"]) if t != "tmpfs" else "-"])
-    res.checks = [
-        Check("mtcfs random write MiB/s / no-op", _ratio(med["mtcfs"]["rand"],
-                                                         med["noop"]["rand"]), 0.7),
-        Check("mtcfs fio random write MiB/s / no-op", _ratio(med["mtcfs"]["fio"],
-                                                             med["noop"]["fio"]), 0.7),
-        Check("mtcfs torch.save s / no-op", _ratio(med["mtcfs"]["torch"],
-                                                   med["noop"]["torch"]), 1.2, op="<="),
-        Check("mtcfs save_file s / no-op", _ratio(med["mtcfs"]["st"], med["noop"]["st"]),
-              1.2, op="<="),
-    ]
+    for t in (x for x in targets if x.startswith("mtcfs")):
+        res.checks += [
+            Check(f"{t} random write MiB/s / no-op", _ratio(med[t]["rand"],
+                                                            med["noop"]["rand"]), 0.7),
+            Check(f"{t} fio random write MiB/s / no-op", _ratio(med[t]["fio"],
+                                                                med["noop"]["fio"]), 0.7),
+            Check(f"{t} torch.save s / no-op", _ratio(med[t]["torch"],
+                                                      med["noop"]["torch"]), 1.2, op="<="),
+            Check(f"{t} save_file s / no-op", _ratio(med[t]["st"], med["noop"]["st"]),
+                  1.2, op="<="),
+        ]
     res.notes.append(f"torch.save {torch_mib:.0f} MiB, save_file {st_mib:.0f} MiB; "
                      f"load average {os.getloadavg()}")
     if med["mtcfs"]["cold"] is not None:
@@ -319,6 +335,24 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
                          f"{nfiles * size / MiB / med['mtcfs']['cold']:.0f} MiB/s")
     res.samples.update({"size": size, "files": nfiles, "reps": reps, "raw": s, "median": med})
     return res
+
+
+@contextlib.contextmanager
+def huge_tmpfs(path: Path, size: str) -> Any:
+    """Mount a tmpfs of ``size`` with ``huge=within_size`` at ``path``; yield ``path``, or
+    None where the mount fails (not root, or a kernel without shmem THP). Unmounted on
+    exit."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},huge=within_size,mode=0700",
+                        "mtcfs-bench", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        log(f"huge tmpfs not mounted: {r.stderr.strip()}")
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def _size(text: str) -> int:
@@ -339,12 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="rand,fio,torch,st",
                    help="comma-separated: rand,fio,torch,st")
     p.add_argument("--no-prefault", action="store_true")
+    p.add_argument("--huge", action="store_true",
+                   help="add mtcfs-huge: mtcfs with its store on a huge=within_size tmpfs")
     p.add_argument("--json", help="output file (default bench-results/random-<time>.json)")
     a = p.parse_args(argv)
     print(f"load average {os.getloadavg()}", flush=True)
     t0 = time.monotonic()
     res = run(a.size, a.files, a.reps, a.torch_size, a.st_size, tuple(a.only.split(",")),
-              not a.no_prefault)
+              not a.no_prefault, a.huge)
     res.seconds = time.monotonic() - t0
     print(render(res))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

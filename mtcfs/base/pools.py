@@ -1,8 +1,8 @@
 """The named, bounded thread pools and trio thread limiters of a daemon, in one place.
 
 Every thread mtcfs runs work on comes from one of these (or is a long-lived thread of its
-own: membership keepalive and watch, lock renewals, stream pumps; docs/architecture.md, "Concurrency protocol"
-lists those). Each entry of :data:`POOLS` names a pool, its size and what it is for:
+own: membership keepalive and watch, lock renewals, stream pumps, the store's reaper;
+docs/architecture.md, "Concurrency protocol" lists those). Each entry of :data:`POOLS` names a pool, its size and what it is for:
 
 * **Executor pools** (``kind="executor"``) are :class:`concurrent.futures.ThreadPoolExecutor`\\ s
   for synchronous code that fans out (the backup tier's uploads, marker reads, deletes).

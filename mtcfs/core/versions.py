@@ -271,8 +271,8 @@ class VersionStore:
         if self.versions.get(old.vid) is not old:
             return
         self.fds.drop(old)
-        self._store.remove_data(old.vid)
-        fd = self._store.open_data(old.vid, create=True)
+        self._store.remove_data(old.vid, old.alloc)  # the name is free at once, even if
+        fd = self._store.open_data(old.vid, create=True)  # the reaper frees the pages later
         self.fds.adopt(old, fd)
         os.ftruncate(fd, old.size)
         self._host.budget.account(old)
@@ -418,10 +418,12 @@ class VersionStore:
         host.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
         self._hand_over_last_copies(v)
         self.fds.drop(v)
+        allocated = v.alloc
         host.budget.remove(v)
         host.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
-        # The data file goes once the deletion of its row is committed (store/meta.py).
-        host.db.after_commit(functools.partial(self._store.remove_data, v.vid))
+        # The data file goes once the deletion of its row is committed (store/meta.py); a
+        # large one is freed by the store's reaper thread (core/store/reaper.py).
+        host.db.after_commit(functools.partial(self._store.remove_data, v.vid, allocated))
         failpoint("core.release_in_transaction")  # tests: a crash before that commit
         host.chunk_index.forget_version(v)
 

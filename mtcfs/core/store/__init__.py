@@ -5,6 +5,7 @@ Layout (documented in docs/architecture.md, "On-disk format of the store")::
     <store>/STORE            JSON marker: format, job, chunk_size, created
     <store>/meta.sqlite3     namespace, versions, steps (see mtcfs.core.store.meta.SCHEMA)
     <store>/data/<vid>       bytes of file version <vid> (sparse while being restored)
+    <store>/reap/            data files of removed versions, being freed (store/reaper.py)
     <store>/lock             flock()ed by the daemon that serves this store
     <store>/control.sock     the running daemon's control socket
     <store>/mtcfs.log        the daemon's log when it runs in the background
@@ -24,7 +25,9 @@ import stat
 import time
 
 from mtcfs.base import mountinfo
+from mtcfs.base.failpoints import failpoint
 from mtcfs.core.store.meta import MetaDB, NewerSchemaError
+from mtcfs.core.store.reaper import REAP_MIN_BYTES, Reaper
 
 STORE_FORMAT = 1
 log = logging.getLogger("mtcfs.core.store")
@@ -151,6 +154,8 @@ class Store:
             os.replace(tmp, marker)
             self.created = True
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.reaper = Reaper(os.path.join(self.path, "reap"))
+        self.reaper.sweep()  # what a crash left to free
         self._strays_logged: set[str] = set()
         self.job = job
         self.chunk_size = chunk_size
@@ -176,9 +181,17 @@ class Store:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         return os.open(self.data_path(vid), flags, 0o600)
 
-    def remove_data(self, vid: int) -> None:
+    def remove_data(self, vid: int, allocated: int = 0) -> None:
+        """Delete the data file of ``vid`` (nothing if it has none). ``allocated``: its
+        bytes in RAM, if known; from :data:`~mtcfs.core.store.reaper.REAP_MIN_BYTES` on the
+        pages are freed by the reaper thread, off the caller's (the FUSE loop's) time."""
+        path = self.data_path(vid)
+        if allocated >= REAP_MIN_BYTES:
+            self.reaper.take(path)
+            return
+        failpoint("store.free_data")
         try:
-            os.unlink(self.data_path(vid))
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -205,6 +218,9 @@ class Store:
         return os.statvfs(self.data_dir)
 
     def close(self) -> None:
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None:
+            reaper.close()
         db = getattr(self, "db", None)
         if db is not None:
             db.close()

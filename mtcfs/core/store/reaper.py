@@ -1,0 +1,107 @@
+"""Freeing the data files of removed versions off the FUSE loop.
+
+Unlinking a tmpfs file frees its pages inside the ``unlink`` syscall: about 140 ms per GiB
+on the reference machine (docs/benchmarks.md, "Freeing data off the loop"). On the trio
+loop that held up every FUSE request for that long. A data file of at least
+:data:`REAP_MIN_BYTES` is therefore renamed into ``<store>/reap/`` (a rename costs
+microseconds, whatever the size) and unlinked there by one long-lived thread; a smaller one
+is unlinked at once, which costs no more than the rename would.
+
+The rename keeps ``data/<vid>`` free at once, so a version that reuses the name (a detached
+version's fresh file, core/versions.py) never meets a file being freed. A crash leaves
+what was still to be freed in ``reap/``; the next :class:`~mtcfs.core.store.Store` empties
+it before anything else (:meth:`Reaper.sweep`). Nothing reads ``reap/``: what is there is
+already deleted for the namespace, the versions and the RAM budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+
+from mtcfs.base.failpoints import failpoint
+
+log = logging.getLogger("mtcfs.core.store")
+
+#: Data files from this size (bytes allocated) on are freed by the reaper thread.
+REAP_MIN_BYTES = 8 << 20
+
+
+class Reaper:
+    """Unlinks files moved into ``path`` from one daemon thread, ``mtcfs-reaper``.
+
+    Args:
+        path: the reap directory (created, mode 0700; must be on the data directory's
+            filesystem, so that :meth:`take` is a rename).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self._seq = itertools.count()
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
+
+    def sweep(self) -> int:
+        """Unlink everything in the reap directory now (what a crash left); returns how many."""
+        n = 0
+        for name in os.listdir(self.path):
+            try:
+                os.unlink(os.path.join(self.path, name))
+                n += 1
+            except FileNotFoundError:
+                pass
+        if n:
+            log.info("freed %d data file(s) a previous daemon left to free", n)
+        return n
+
+    def take(self, src: str) -> None:
+        """Move file ``src`` into the reap directory and have the thread unlink it.
+
+        Nothing if ``src`` does not exist. Raises OSError from the rename otherwise."""
+        dst = os.path.join(self.path, f"{os.path.basename(src)}.{next(self._seq)}")
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mtcfs-reaper", daemon=True)
+            self._thread.start()
+        self._queue.put(dst)
+
+    def _run(self) -> None:
+        while True:
+            path = self._queue.get()
+            if path is None:
+                return
+            failpoint("store.free_data")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # left for the next start's sweep
+                log.warning("could not free %s: %s", path, exc)
+            with self._idle:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until nothing is left to free; True if so."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Free what is queued (at most ``timeout`` seconds; the rest stays for the next
+        start's sweep) and end the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
