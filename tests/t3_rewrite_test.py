@@ -227,7 +227,7 @@ def test_two_rewrites_in_a_row_and_an_o_trunc_rewrite(tmp_path):
     run(body, tmp_path)
 
 
-def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
+def test_crash_in_the_middle_of_a_rewrite_after_fsync_reseals_the_chunk_written(tmp_path):
     data = bytearray(os.urandom(12 * CS))
     ino_box: list[int] = []
 
@@ -242,9 +242,11 @@ def test_crash_in_the_middle_of_a_rewrite_reseals_the_whole_file(tmp_path):
     data[3 * CS + 2:3 * CS + 7] = b"crash"
 
     async def second(fs):
-        v = await sealed(fs, ino_box[0])  # sealed again at start, every chunk hashed
+        v = await sealed(fs, ino_box[0])  # sealed again at start: the chunk written only
+        assert fs.counters.seal_bytes_hashed == CS
         _check(fs, v, bytes(data))
-        assert v.blake3 == blake3.blake3(data).hexdigest()
+        assert (await fs.getxattr(ino_box[0], b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
         assert await _read_all(fs, ino_box[0], len(data)) == data
         assert await fs.checkpoints.verify() == []
     run(second, tmp_path)
@@ -296,3 +298,194 @@ def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
         await fs.release(rfh)
         assert fs.used == _on_disk(fs) <= 21 * CS
     run(body, tmp_path, capacity=30 * CS)
+
+
+# ---------------------------------------------------------------------------------------
+# A crash during a rewrite (issue 18, crash case): the version's row holds the base chunk
+# digests and the chunks dirtied, each made durable before any byte of it changes, so the
+# seal at the next start hashes only those; never a stale base digest.
+
+def _crash_rewrite(tmp_path, data: bytes, during, expect: bytes, max_hashed: int,
+                   exact: bool = False) -> None:
+    """Write ``data`` as a sealed file, reopen it O_RDWR, run ``during(fs, ino, fh)``,
+    crash; at the restart the file is sealed again with exactly the chunks of ``expect``
+    (read back, per-chunk digests, whole-file hash), hashing at most ``max_hashed`` bytes
+    (``exact``: that many)."""
+    box: list[int] = []
+
+    async def first(fs):
+        ino = await write_file(fs, ROOT_INO, b"c", data)
+        await sealed(fs, ino)
+        box.append(ino)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        await during(fs, ino, fh)
+    run_to_crash(first, tmp_path)
+
+    async def second(fs):
+        v = await sealed(fs, box[0])  # sealed again at start (OpenFiles.start)
+        assert fs.counters.seal_bytes_hashed <= max_hashed
+        if exact:
+            assert fs.counters.seal_bytes_hashed == max_hashed
+        _check(fs, v, expect)
+        assert await _read_all(fs, box[0], len(expect)) == expect
+        assert (await fs.getxattr(box[0], b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(expect).hexdigest()
+        assert await fs.checkpoints.verify() == []
+    run(second, tmp_path)
+
+
+def test_crash_after_a_one_byte_rewrite_reseals_one_chunk(tmp_path):
+    data = bytearray(os.urandom(12 * CS + 100))
+    off = 5 * CS + 7
+
+    async def during(fs, ino, fh):
+        await fs.write(fh, off, b"\x00" if data[off] else b"\x01")  # no fsync, no close
+    expect = bytearray(data)
+    expect[off] = 0 if data[off] else 1
+    _crash_rewrite(tmp_path, bytes(data), during, bytes(expect), max_hashed=CS, exact=True)
+
+
+def test_crash_after_writes_that_dirtied_new_chunks_since_the_last_fsync(tmp_path):
+    data = bytes(os.urandom(12 * CS))
+    expect = bytearray(data)
+
+    async def during(fs, ino, fh):
+        await fs.write(fh, 2 * CS + 1, b"one")
+        await fs.fsync(fh, False)
+        await fs.write(fh, 2 * CS + 9, b"same chunk")  # no new chunk
+        await fs.write(fh, 7 * CS - 2, b"new chunks")  # dirties 6 and 7: never stale
+        await fs.write(fh, 11 * CS, b"last")
+    for off, b in [(2 * CS + 1, b"one"), (2 * CS + 9, b"same chunk"),
+                   (7 * CS - 2, b"new chunks"), (11 * CS, b"last")]:
+        expect[off:off + len(b)] = b
+    _crash_rewrite(tmp_path, data, during, bytes(expect), max_hashed=4 * CS)
+
+
+def test_crash_after_a_shrink_and_an_extend_in_a_rewrite(tmp_path):
+    data = bytes(os.urandom(10 * CS + 100))
+
+    async def during(fs, ino, fh):
+        await fs.write(fh, CS, b"w")
+        await fs.setattr(ino, size=4 * CS + 9, fh=fh)  # shrink mid-chunk
+        await fs.setattr(ino, size=8 * CS + 3, fh=fh)  # extend: a hole
+        await fs.write(fh, 6 * CS + 5, b"in the hole")
+    expect = bytearray(data[:4 * CS + 9] + bytes(4 * CS - 6))
+    expect[CS:CS + 1] = b"w"
+    expect[6 * CS + 5:6 * CS + 16] = b"in the hole"
+    # chunks 1, 4 (cut), 5..8 (the extension; 5 and 7 are holes, not read)
+    _crash_rewrite(tmp_path, data, during, bytes(expect), max_hashed=4 * CS)
+
+
+def test_crash_after_a_shrink_to_nothing_and_a_regrow(tmp_path):
+    data = bytes(os.urandom(6 * CS))
+    new = os.urandom(2 * CS + 3)
+
+    async def during(fs, ino, fh):
+        await fs.setattr(ino, size=0, fh=fh)
+        await fs.write(fh, 0, new)
+    _crash_rewrite(tmp_path, data, during, new, max_hashed=len(new))
+
+
+def test_crash_after_an_o_trunc_open_of_a_version_being_rewritten(tmp_path):
+    data = bytes(os.urandom(6 * CS))
+    new = os.urandom(3 * CS)
+
+    async def during(fs, ino, fh):
+        await fs.write(fh, CS, b"x")
+        # a second writer with O_TRUNC: the open version is emptied, its base dropped
+        fh2, _ = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+        await fs.write(fh2, 0, new)
+    _crash_rewrite(tmp_path, data, during, new, max_hashed=len(new))
+
+
+def test_a_dirty_chunk_is_committed_before_its_bytes_change(tmp_path, monkeypatch):
+    """The invariant itself: when a rewrite's data file is written or resized, another
+    connection to the database already sees every chunk that call changes as dirty."""
+    import sqlite3
+
+    data = bytes(os.urandom(8 * CS))
+    seen: list[tuple[str, set[int], set[int]]] = []
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"i", data)
+        await sealed(fs, ino)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        vid = fs.inodes[ino].vid
+        v = fs.versions[vid]
+        path = fs.store.db.path
+        real_pwrite, real_ftruncate = os.pwrite, os.ftruncate
+
+        def committed() -> set[int]:
+            c = sqlite3.connect(path)
+            try:
+                return {r[0] for r in c.execute(
+                    "SELECT idx FROM rewrite_dirty WHERE vid=?", (vid,))}
+            finally:
+                c.close()
+
+        def pwrite(fd, buf, off):
+            if fd == v.fd:
+                # (chunks past the base's 8 are always hashed: none recorded)
+                seen.append(("w", set(range(off // CS, min(8, (off + len(buf) - 1) // CS + 1))),
+                             committed()))
+            return real_pwrite(fd, buf, off)
+
+        def ftruncate(fd, size):
+            if fd == v.fd:
+                lo, hi = sorted((size, v.size))
+                seen.append(("t", set(range(lo // CS, min(8, (hi - 1) // CS + 1))),
+                             committed()))
+            return real_ftruncate(fd, size)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "ftruncate", ftruncate)
+        begins = []
+        real_begin = fs.db._begin
+        monkeypatch.setattr(fs.db, "_begin", lambda: (begins.append(1), real_begin()))
+        await fs.write(fh, 3 * CS + 1, b"a")
+        assert len(begins) == 1  # one transaction for the new chunk
+        await fs.write(fh, 3 * CS + 100, b"b" * 1000)
+        assert len(begins) == 1  # a chunk already recorded: none
+        await fs.write(fh, 5 * CS - 10, b"c" * (2 * CS))  # chunks 4, 5, 6: one transaction
+        assert len(begins) == 2
+        await fs.write(fh, 9 * CS, b"past the base")  # chunks 8, 9: past the base
+        assert len(begins) == 2
+        await fs.setattr(ino, size=2 * CS + 1, fh=fh)
+        monkeypatch.undo()
+        await fs.release(fh)
+        await sealed(fs, ino)
+    run(body, tmp_path)
+    assert [k for k, _t, _c in seen] == ["w", "w", "w", "w", "t"]
+    for _k, touched, committed in seen:
+        assert touched <= committed, (touched, committed)
+
+
+def test_crash_during_a_rewrite_of_a_store_without_the_base_columns(tmp_path):
+    """A row from before the base was recorded (an older mtcfs: no column, no table; or
+    NULL): sealed at the restart by hashing every chunk, as before."""
+    import sqlite3
+
+    data = bytearray(os.urandom(6 * CS))
+    box: list[int] = []
+
+    async def first(fs):
+        ino = await write_file(fs, ROOT_INO, b"o", bytes(data))
+        await sealed(fs, ino)
+        box.append(ino)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        await fs.write(fh, 4 * CS, b"old")
+    run_to_crash(first, tmp_path)
+    data[4 * CS:4 * CS + 3] = b"old"
+    c = sqlite3.connect(tmp_path / "store" / "meta.sqlite3")
+    cols = {r[1] for r in c.execute("PRAGMA table_info(versions)")}
+    if "base_chunks" in cols:
+        c.execute("ALTER TABLE versions DROP COLUMN base_chunks")
+    c.execute("DROP TABLE IF EXISTS rewrite_dirty")
+    c.commit()
+    c.close()
+
+    async def second(fs):
+        v = await sealed(fs, box[0])
+        assert fs.counters.seal_bytes_hashed == len(data)  # every chunk
+        _check(fs, v, bytes(data))
+        assert await _read_all(fs, box[0], len(data)) == data
+    run(second, tmp_path)

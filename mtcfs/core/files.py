@@ -206,9 +206,8 @@ class OpenFiles:
                 cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
+                    self.vstore.drop_base(cur)  # committed before the bytes go
                     os.ftruncate(self.vstore.fd(cur), 0)
-                    cur.base_chunks = None
-                    cur.dirty.clear()
                     cur.size = 0
                     cur.missing.clear()
                     cur.gen += 1
@@ -232,7 +231,8 @@ class OpenFiles:
                 continue  # the state may have moved during the wait: look again
             with self.db.transaction():
                 v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
-                                      take_over=cur if take else None)
+                                      take_over=cur if take else None,
+                                      log_base=not self.job_scope)
                 self.vstore.set_current(ino, v)
                 self.tree.write(ino)
             return v
@@ -347,7 +347,7 @@ class OpenFiles:
         need = self.budget.new_bytes(v, off, end)
         if need:
             await self.budget.reserve(need)
-        v.changed(off, end)
+        self.vstore.note_dirty(v, off, end)  # committed before the bytes change
         try:
             n = os.pwrite(self.vstore.fd(v), buf, off)
         except OSError as exc:
@@ -444,7 +444,7 @@ class OpenFiles:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.chunks.fault_in(v, 0, v.size)
-        v.changed(v.size, size)
+        self.vstore.note_dirty(v, v.size, size)  # committed before the bytes change
         os.ftruncate(self.vstore.fd(v), size)
         v.size = size
         v.gen += 1
@@ -574,12 +574,11 @@ class OpenFiles:
         v.sealed = True
         v.chunks = res.chunks
         v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
-        v.base_chunks = None
-        v.dirty.clear()
         v.backed_up = False
         self.counters.seal_bytes_hashed += res.hashed
         ino = self.inodes.get(v.ino)
         with self.db.transaction():
+            self.vstore.drop_base(v)  # its rewrite_dirty rows too
             self.vstore.write(v)
             if ino is not None:
                 self.tree.write(ino)

@@ -64,24 +64,30 @@ class Version:
     #: Freed while its seal was hashing (its pages given back at once); the seal drops its
     #: result.
     dropped: bool = False
-    #: Runtime, open versions: the chunk digests of the sealed version whose data this one
-    #: started with (same ``chunk_size``); None when unknown (a new or truncated file, or
-    #: one reloaded after a crash): then its seal hashes every chunk.
+    #: Open versions: the chunk digests of the sealed version whose data this one started
+    #: with (same ``chunk_size``); None when unknown (a new or truncated file, or a row
+    #: from before they were recorded): then its seal hashes every chunk.
     base_chunks: tuple[str, ...] | None = None
-    #: Runtime, with ``base_chunks``: indices of the chunks written or resized since; only
-    #: these are hashed again at the seal (core/files.py, base/chunking.py: rehash_fd).
+    #: With ``base_chunks``: indices of the chunks written or resized since; only these
+    #: (and those past the end of ``base_chunks``) are hashed again at the seal
+    #: (core/files.py, base/chunking.py: rehash_fd).
     dirty: set[int] = field(default_factory=set)
+    #: The row holds ``base_chunks`` and table ``rewrite_dirty`` every index of ``dirty``
+    #: below ``len(base_chunks)``, each committed before its bytes changed
+    #: (core/versions.py: ``note_dirty``): a crash's reseal hashes only those. False in
+    #: scope=job (whose seal hashes every chunk) and once the base is dropped.
+    base_logged: bool = False
 
-    def changed(self, off: int, end: int) -> None:
-        """Bytes ``[off, end)`` are about to change (a write, or a resize from ``off`` to
-        ``end`` or back), ``size`` not yet updated: record the chunks this touches, the
-        gap between the old end and ``off`` included (no-op without ``base_chunks``)."""
+    def touched(self, off: int, end: int) -> range:
+        """The chunks that bytes ``[off, end)`` about to change (a write, or a resize from
+        ``off`` to ``end`` or back; ``size`` not yet updated) touch, the gap between the
+        old end and ``off`` included; empty without ``base_chunks``."""
         if self.base_chunks is None or off == end:
-            return
+            return range(0)
         lo, hi = min(off, end), max(off, end)
         lo = min(lo, self.size) if hi > self.size else lo
         cs = self.chunk_size
-        self.dirty.update(range(lo // cs, (hi - 1) // cs + 1))
+        return range(lo // cs, (hi - 1) // cs + 1)
 
     def missing_bytes(self) -> int:
         cs = self.chunk_size

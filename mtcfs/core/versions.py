@@ -7,7 +7,9 @@
   pins). Others read this dict (``Filesystem.versions`` is the same object, for the
   component's lifetime); only this class adds or removes entries;
 - the ``versions`` table of the store's SQLite database (one row per registered version,
-  written by :meth:`write`) and the kv key ``next_vid`` (a lower bound; :meth:`alloc_vid`, :meth:`load`);
+  written by :meth:`write`), the ``rewrite_dirty`` table (the chunks a rewrite changed,
+  committed before their bytes change: :meth:`note_dirty`, :meth:`drop_base`) and the kv
+  key ``next_vid`` (a lower bound; :meth:`alloc_vid`, :meth:`load`);
 - the data files ``<store>/data/<vid>`` (created by :meth:`new`/:meth:`new_sealed`,
   removed by :meth:`release` once the deletion of the row commits);
 - ``fds``: the :class:`~mtcfs.core.store.fdcache.FdCache` of data file descriptors
@@ -152,12 +154,20 @@ class VersionStore:
                              1 + max((int(n) for n in os.listdir(self._store.data_dir)
                                       if n.isascii() and n.isdigit()), default=0))
         for row in db.execute("SELECT vid, ino, size, chunk_size, sealed, chunks, blake3, missing,"
-                              " backed_up, origin FROM versions"):
+                              " backed_up, origin, base_chunks FROM versions"):
             v = Version(vid=row[0], ino=row[1], size=row[2], chunk_size=row[3],
                         sealed=bool(row[4]), chunks=tuple(row[5].split()) if row[5] else (),
                         blake3=row[6], missing={int(i) for i in row[7].split()},
                         backed_up=bool(row[8]), origin=row[9])
+            if not v.sealed and row[10] is not None:
+                # a rewrite at the crash: its base and (below) the chunks it changed
+                v.base_chunks = tuple(row[10].split())
+                v.base_logged = True
             self.versions[v.vid] = v
+        for vid, idx in db.execute("SELECT vid, idx FROM rewrite_dirty"):
+            v = self.versions.get(vid)
+            if v is not None and v.base_logged:
+                v.dirty.add(idx)
 
     def repair(self, current: set[int]) -> list[Version]:
         """Crash recovery, in the caller's transaction: forget the versions no inode has as
@@ -173,6 +183,9 @@ class VersionStore:
         on_disk = store.data_vids()
         for vid in on_disk - set(self.versions):
             store.remove_data(vid)
+        # rewrite_dirty rows of versions that are gone, sealed or have no base: leftovers
+        db.execute("DELETE FROM rewrite_dirty WHERE vid NOT IN (SELECT vid FROM versions"
+                   " WHERE sealed=0 AND base_chunks IS NOT NULL)")
         unsealed: list[Version] = []
         for v in self.versions.values():
             if v.vid not in on_disk:
@@ -182,7 +195,11 @@ class VersionStore:
                 if v.sealed:
                     v.missing = set(range(chunk_count(v.size, v.chunk_size)))
                     self.write(v)
+                else:
+                    self.drop_base(v)  # its data is zeros now, not the base's bytes
             if not v.sealed:
+                if v.missing:
+                    self.drop_base(v)  # (never with a base: new() records none then)
                 v.size = os.stat(store.data_path(v.vid)).st_size
                 self.write(v)
                 unsealed.append(v)
@@ -190,11 +207,64 @@ class VersionStore:
 
     def write(self, v: Version) -> None:
         """Write ``v``'s row (its persistent fields) in the caller's transaction."""
+        base = (" ".join(v.base_chunks) if v.base_logged and v.base_chunks is not None
+                and not v.sealed else None)
         self._host.db.execute(
             "INSERT OR REPLACE INTO versions(vid, ino, size, chunk_size, sealed, chunks, blake3,"
-            " missing, backed_up, origin) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            " missing, backed_up, origin, base_chunks) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (v.vid, v.ino, v.size, v.chunk_size, int(v.sealed), " ".join(v.chunks), v.blake3,
-             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin))
+             " ".join(str(i) for i in sorted(v.missing)), int(v.backed_up), v.origin, base))
+
+    # ------------------------------------------------------------------ rewrites
+
+    def note_dirty(self, v: Version, off: int, end: int) -> None:
+        """Bytes ``[off, end)`` of open ``v`` are about to change (a write, or a resize
+        from ``off`` to ``end`` or back; ``v.size`` not yet updated): add the chunks this
+        touches to ``v.dirty`` (``Version.touched``).
+
+        When ``v``'s row holds its base (``base_logged``), the chunks among them that the
+        base has and ``rewrite_dirty`` does not yet list are committed there first, in one
+        transaction of their own, before this returns and so before the caller changes a
+        byte: a crash then never leaves a changed chunk whose stale base digest the reseal
+        would keep. A change of chunks already listed, or only past the base, costs no
+        transaction. Must not be called inside a transaction (its commit would come after
+        the change).
+
+        Raises:
+            RuntimeError: called inside a transaction.
+            sqlite3.Error: the rows could not be written (nothing is recorded; the caller
+                must not change the bytes).
+        """
+        t = v.touched(off, end)
+        if not t:
+            return
+        if v.base_logged and v.base_chunks is not None:
+            new = [i for i in range(t.start, min(t.stop, len(v.base_chunks)))
+                   if i not in v.dirty]
+            if new:
+                db = self._host.db
+                if db.in_transaction:
+                    raise RuntimeError("note_dirty inside a transaction: the dirty chunks "
+                                       "would commit after the bytes change")
+                with db.transaction():
+                    for i in new:
+                        db.execute("INSERT OR IGNORE INTO rewrite_dirty(vid, idx) VALUES (?,?)",
+                                   (v.vid, i))
+        v.dirty.update(t)
+
+    def drop_base(self, v: Version) -> None:
+        """Forget ``v``'s base (its seal then hashes every chunk, or it is sealed now):
+        ``base_chunks``, ``dirty``, and if its row holds them, the row's base and its
+        ``rewrite_dirty`` rows, in the caller's transaction or, outside one, in one of its
+        own committed before this returns (so before the caller changes its bytes)."""
+        if v.base_logged:
+            db = self._host.db
+            with db.transaction():
+                db.execute("UPDATE versions SET base_chunks=NULL WHERE vid=?", (v.vid,))
+                db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
+        v.base_chunks = None
+        v.base_logged = False
+        v.dirty.clear()
 
     def alloc_vid(self) -> int:
         """A new version id: past every vid a row or a data file has (kv ``next_vid`` is
@@ -206,13 +276,17 @@ class VersionStore:
     # ------------------------------------------------------------------ new versions
 
     def new(self, ino: Inode, copy_from: Version | None = None,
-            take_over: Version | None = None) -> Version:
+            take_over: Version | None = None, log_base: bool = False) -> Version:
         """A new version of ``ino``, registered and accounted: empty, a copy of
         ``copy_from`` (its data extents only: holes stay holes), or ``take_over``'s data
         file itself (a second name for it; the caller makes sure that nothing but read-only
         handles uses that version, which goes at :meth:`set_current` or, with handles, is
         left with no data: :meth:`_detach`). Not current yet: the caller makes it
-        so with :meth:`set_current`."""
+        so with :meth:`set_current`.
+
+        ``log_base``: a version that starts from a sealed one's chunks (``base_chunks``)
+        records them in its row, and :meth:`note_dirty` the chunks it changes, so that a
+        crash's reseal hashes only those (scope=node; scope=job hashes every chunk)."""
         store, fds = self._store, self.fds
         v = Version(vid=self.alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
         src = take_over or copy_from
@@ -239,6 +313,7 @@ class VersionStore:
                 # its data file holds exactly those chunks: the seal hashes only the
                 # chunks written since (Version.dirty)
                 v.base_chunks = src.chunks
+                v.base_logged = log_base
         self._host.budget.account(v)
         self.versions[v.vid] = v
         self.write(v)
@@ -421,6 +496,8 @@ class VersionStore:
         allocated = v.alloc
         host.budget.remove(v)
         host.db.execute("DELETE FROM versions WHERE vid=?", (v.vid,))
+        if v.base_logged:
+            host.db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
         # The data file goes once the deletion of its row is committed (store/meta.py); a
         # large one is freed by the store's reaper thread (core/store/reaper.py).
         host.db.after_commit(functools.partial(self._store.remove_data, v.vid, allocated))

@@ -7,7 +7,9 @@ written are recorded only on seal and fsync; recovery takes the data file's leng
 (see :meth:`mtcfs.core.store.Store.recover`). So are the times the kernel's writeback cache
 sends for a file being written (a SETATTR of times only, at every close): the seal's
 transaction writes them with the inode's row; a crash before it keeps the times of the
-inode's last committed row. A row written several times in one transaction is written once,
+inode's last committed row. Which chunks a rewrite of a sealed file changed is the exception:
+each is committed (table ``rewrite_dirty``) before its bytes change, so that a crash's reseal
+hashes only those. A row written several times in one transaction is written once,
 at its commit (:meth:`MetaDB.defer`).
 
 The schema below is the canonical description of the on-disk metadata; every column's
@@ -60,6 +62,14 @@ CREATE INDEX IF NOT EXISTS dentries_ino ON dentries(ino);
 -- missing: space-separated chunk indices whose bytes are not in the data file yet
 --   (a restored or evicted version); '' when the data file is complete.
 -- backed_up: 1 once a backup containing this version completed.
+-- origin: scope=job, the rank that wrote it (-1: this node; added in place).
+-- base_chunks: an open version rewriting a sealed one (no O_TRUNC, scope=node): the
+--   space-separated chunk digests of the sealed content its data file started with (same
+--   chunk_size); NULL otherwise (a new, truncated or sealed version, or a row from before
+--   the column). With rewrite_dirty it lets a crash's reseal hash only the chunks changed
+--   (core/versions.py: VersionStore.note_dirty; docs/architecture.md, issue 18). Added
+--   in place, NULL in rows from before; an older mtcfs ignores it and its first write of
+--   the row (at its load) sets it back to NULL.
 CREATE TABLE IF NOT EXISTS versions (
     vid        INTEGER PRIMARY KEY,
     ino        INTEGER NOT NULL,
@@ -71,6 +81,17 @@ CREATE TABLE IF NOT EXISTS versions (
     missing    TEXT NOT NULL DEFAULT '',
     backed_up  INTEGER NOT NULL DEFAULT 0
 );
+-- Chunks a rewrite changed: (vid, idx) for every chunk idx < the number of base_chunks
+--   of open version vid that a write or resize touched, committed BEFORE any byte of that
+--   chunk in the data file changes (so a crash never leaves a changed chunk that is not
+--   listed: its base digest would be stale). Read at load only for a row whose
+--   base_chunks is not NULL; rows of any other vid are leftovers (removed at load): an
+--   extra row only makes a chunk hashed again. Deleted when the version is sealed.
+CREATE TABLE IF NOT EXISTS rewrite_dirty (
+    vid INTEGER NOT NULL,
+    idx INTEGER NOT NULL,
+    PRIMARY KEY (vid, idx)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS xattrs (
     ino   INTEGER NOT NULL,
     name  BLOB NOT NULL,
@@ -136,6 +157,8 @@ class MetaDB:
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(versions)")}
         if "origin" not in cols:  # scope=job: the rank that wrote a version (-1: this node)
             self.conn.execute("ALTER TABLE versions ADD COLUMN origin INTEGER NOT NULL DEFAULT -1")
+        if "base_chunks" not in cols:  # rewrites: the base a crash's reseal starts from
+            self.conn.execute("ALTER TABLE versions ADD COLUMN base_chunks TEXT")
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(inodes)")}
         if "rdev" not in cols:  # schema 1 -> 2: special files
             self.conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
@@ -181,6 +204,12 @@ class MetaDB:
             todo, self._after_commit = self._after_commit, []
             for fn in todo:
                 fn()
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a :meth:`transaction` is in progress (what is written now commits at
+        its end, not before)."""
+        return self._depth > 0
 
     def _begin(self) -> None:
         self.conn.execute("BEGIN IMMEDIATE")
