@@ -44,8 +44,6 @@ class Reaper:
         self._seq = itertools.count()
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._pending = 0
-        self._idle = threading.Condition()
 
     def sweep(self) -> int:
         """Unlink everything in the reap directory now (what a crash left); returns how many."""
@@ -69,8 +67,6 @@ class Reaper:
             os.rename(src, dst)
         except FileNotFoundError:
             return
-        with self._idle:
-            self._pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mtcfs-reaper", daemon=True)
             self._thread.start()
@@ -88,15 +84,6 @@ class Reaper:
                 pass
             except OSError as exc:  # left for the next start's sweep
                 log.warning("could not free %s: %s", path, exc)
-            with self._idle:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.notify_all()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds until nothing is left to free; True if so."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Free what is queued (at most ``timeout`` seconds; the rest stays for the next
