@@ -34,6 +34,7 @@ from benchmarks.common import (
     REPO,
     SCRATCH_SHM,
     UniqueData,
+    cpu_seconds,
     daemon_pid,
     drop_caches,
     gbps,
@@ -49,13 +50,6 @@ from benchmarks.common import (
 )
 
 MiB = 1 << 20
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid``, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import cpu_seconds
+
 PY = sys.executable
 
 
@@ -39,12 +41,6 @@ def _dd(src: str, dst: str) -> float:
     m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", r.stderr)
     assert m, r.stderr
     return int(m.group(1)) / float(m.group(2))
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one(tree: str, src: str, root: Path) -> tuple[float, float]:
@@ -64,9 +60,9 @@ def one(tree: str, src: str, root: Path) -> tuple[float, float]:
         _mtcfs(tree, "umount", str(mnt))
         _mtcfs(tree, "bench", str(mnt), "-o", opts)  # the restart
         pid = json.loads(_mtcfs(tree, "status", str(mnt), "--json").stdout)["pid"]
-        cpu0 = _cpu_s(pid)
+        cpu0 = cpu_seconds(pid)
         rate = _dd(str(mnt / "f"), "/dev/null")
-        return rate, _cpu_s(pid) - cpu0
+        return rate, cpu_seconds(pid) - cpu0
     finally:
         subprocess.run([PY, "-m", "mtcfs", "umount", str(mnt)], capture_output=True,
                        env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)), timeout=120)

@@ -66,6 +66,7 @@ from benchmarks.common import (
     SCRATCH_SHM,
     BenchResult,
     KiB,
+    cpu_seconds,
     fmt,
     fmt_noise,
     git_state,
@@ -190,13 +191,6 @@ def run_phases(w: Work, sync: Callable[[], None]) -> Spans:
 
 
 # ---------------------------------------------------------------------- observing the daemons
-
-def cpu_seconds(pid: int) -> float:
-    """``utime + stime`` of process ``pid`` (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
 
 @dataclass
 class Meter:

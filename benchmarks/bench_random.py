@@ -55,22 +55,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (MiB, REPO, BenchResult, Check, drop_caches, log, machine_info,
+from benchmarks.common import (MiB, REPO, BenchResult, Check, cpu_seconds, drop_caches, log,
+                               machine_info,
                                median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
                                served_mount, wait_until, write_json)
 
 TARGETS = ("tmpfs", "noop", "mtcfs", "mtcfs-huge")
 PAGE = 4096
 BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """``utime + stime`` of process ``pid`` (all its threads), seconds; 0 without a pid."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def content(seed: int, off: int, n: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from typing import Any
 from benchmarks.common import (
     REPO,
     SCRATCH_SHM,
+    cpu_seconds,
     git_state,
     machine_info,
     mtcfs_mount,
@@ -39,14 +40,6 @@ from benchmarks.common import (
 
 MiB = 1 << 20
 HEAD = 8 * MiB
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def make_file(p: Path, size: int, kind: str) -> None:
@@ -90,14 +83,14 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
     for i in range(reps):
         off = (size // (reps + 1)) * (i + 1) + 12345  # a different chunk each time
         st0 = mount.status() if mount is not None else None
-        c0 = cpu_s(pid) if pid else 0.0
+        c0 = cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
         rewrite_once(p, off)
         wait_sealed(p)
         wall = time.perf_counter() - t0
         run: dict[str, Any] = {"wall_s": round(wall, 4)}
         if mount is not None and st0 is not None and pid is not None:
-            run["daemon_cpu_s"] = round(cpu_s(pid) - c0, 3)
+            run["daemon_cpu_s"] = round(cpu_seconds(pid) - c0, 3)
             st1 = mount.status()
             h0 = st0["counters"].get("seal_bytes_hashed")
             h1 = st1["counters"].get("seal_bytes_hashed")
@@ -109,11 +102,11 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
         os.close(reader)
         wait_sealed(p)
     if mount is not None and pid is not None:
-        c0 = cpu_s(pid)
+        c0 = cpu_seconds(pid)
         t0 = time.perf_counter()
         os.getxattr(p, "user.mtcfs.blake3")
         out["blake3_xattr"] = {"wall_s": round(time.perf_counter() - t0, 4),
-                               "daemon_cpu_s": round(cpu_s(pid) - c0, 3)}
+                               "daemon_cpu_s": round(cpu_seconds(pid) - c0, 3)}
         print(f"  {name:6s} {kind:12s} first blake3 xattr: {out['blake3_xattr']}", flush=True)
     p.unlink()
     return out

@@ -353,6 +353,16 @@ def read_ahead_kb(mountpoint: Path) -> int | None:
         return None
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """``utime + stime`` of process ``pid`` (all its threads), in seconds (clock-tick
+    resolution); 0.0 for ``None`` (a target with no daemon, e.g. tmpfs)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def daemon_pid(m: Mount) -> int:
     return int(m.status()["pid"])
 
