@@ -346,8 +346,10 @@ class VersionStore:
         if self.versions.get(old.vid) is not old:
             return
         self.fds.drop(old)
-        self._store.remove_data(old.vid, old.alloc)  # the name is free at once, even if
-        fd = self._store.open_data(old.vid, create=True)  # the reaper frees the pages later
+        # Mostly a second link to the new version's file (nothing freed); the only one if
+        # that version went meanwhile, and then a large one is freed off the loop.
+        self._store.remove_data(old.vid, old.alloc)
+        fd = self._store.open_data(old.vid, create=True)
         self.fds.adopt(old, fd)
         os.ftruncate(fd, old.size)
         self._host.budget.account(old)

@@ -7,11 +7,12 @@ loop that held up every FUSE request for that long. A data file of at least
 microseconds, whatever the size) and unlinked there by one long-lived thread; a smaller one
 is unlinked at once, which costs no more than the rename would.
 
-The rename keeps ``data/<vid>`` free at once, so a version that reuses the name (a detached
-version's fresh file, core/versions.py) never meets a file being freed. A crash leaves
-what was still to be freed in ``reap/``; the next :class:`~mtcfs.core.store.Store` empties
-it before anything else (:meth:`Reaper.sweep`). Nothing reads ``reap/``: what is there is
-already deleted for the namespace, the versions and the RAM budget.
+The rename frees the name ``data/<vid>`` at once, so a new file under it (a detached
+version's fresh file, core/versions.py: ``_fresh_data``) never meets one being freed. A
+crash leaves what was still to be freed in ``reap/``; the next
+:class:`~mtcfs.core.store.Store` empties it before anything else (:meth:`Reaper.sweep`).
+Nothing reads ``reap/``: what is there is already deleted for the namespace, the versions
+and the RAM budget.
 """
 
 from __future__ import annotations
