@@ -10,6 +10,11 @@ rotates each repeat, the page cache is dropped and each file read once (16 MiB
 ``readinto``). Reported per tree: cold read GB/s (median, min, max) and the daemon's CPU
 time per MiB read (utime + stime from /proc/PID/stat).
 
+``--write`` adds the large sequential write to each repeat, in the same rotating order: a
+new file of ``--size`` MiB written in 16 MiB ``os.write`` calls, fsync and close, timed
+together (as ``make bench``'s write), with the daemon's CPU per MiB over the same window;
+the file is removed once sealed, before the next tree's turn.
+
 Why one run: on this 2-core VM, cold reads of the same tree in separate runs spread by
 10-25 %, and a before/after pair taken in separate runs can differ by more than the code
 does (issue 15's "cold read 15 % lower" was that). One mount per tree, interleaved reads,
@@ -59,6 +64,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--size", type=int, default=256, help="file size, MiB")
     ap.add_argument("--no-warm-mount", action="store_true")
+    ap.add_argument("--write", action="store_true",
+                    help="also time a large sequential write in each repeat")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     trees: dict[str, Path] = {}
@@ -71,8 +78,9 @@ def main() -> int:
         ap.error("cannot write /proc/sys/vm/drop_caches: run as root")
     size = args.size * MiB
     labels = list(trees)
-    samples: dict[str, dict[str, list[float]]] = {t: {"gbps": [], "cpu_ms_per_mib": []}
-                                                  for t in labels}
+    samples: dict[str, dict[str, list[float]]] = {
+        t: {"gbps": [], "cpu_ms_per_mib": [], "write_gbps": [], "write_cpu_ms_per_mib": []}
+        for t in labels}
     os.chdir("/")  # `python -m mtcfs` puts the cwd first on sys.path; PYTHONPATH must win
     with scratch_dir(SCRATCH_SHM, "ab") as root, contextlib.ExitStack() as stack:
         mounts = {t: stack.enter_context(mtcfs_mount(root / f"m{i}", {"size": "4G"},
@@ -94,12 +102,30 @@ def main() -> int:
                 assert n == size, (t, n, size)
                 samples[t]["gbps"].append(gbps(size, secs) or 0.0)
                 samples[t]["cpu_ms_per_mib"].append((c1 - c0) * 1000 / args.size)
+                if args.write:
+                    w = mounts[t].mnt / "w.bin"
+                    c0 = cpu_seconds(pids[t])
+                    secs = write_file(w, size, UniqueData(seed=100 + rep))
+                    c1 = cpu_seconds(pids[t])
+                    samples[t]["write_gbps"].append(gbps(size, secs) or 0.0)
+                    samples[t]["write_cpu_ms_per_mib"].append((c1 - c0) * 1000 / args.size)
+                    wait_until(lambda w=w: mtcfs_state(w) in ("local", "backed-up"), 300,
+                               f"{w} sealed")
+                    w.unlink()
     print(f"cold read of {args.size} MiB, {args.reps} repeats, interleaved")
     print(f"{'tree':<12} {'GB/s median':>12} {'min':>6} {'max':>6} {'CPU ms/MiB':>11}")
     for t in labels:
         g, c = samples[t]["gbps"], samples[t]["cpu_ms_per_mib"]
         print(f"{t:<12} {statistics.median(g):>12.2f} {min(g):>6.2f} {max(g):>6.2f} "
               f"{statistics.median(c):>11.3f}")
+    if args.write:
+        print(f"sequential write of {args.size} MiB (+ fsync, close), {args.reps} repeats,"
+              " interleaved")
+        print(f"{'tree':<12} {'GB/s median':>12} {'min':>6} {'max':>6} {'CPU ms/MiB':>11}")
+        for t in labels:
+            g, c = samples[t]["write_gbps"], samples[t]["write_cpu_ms_per_mib"]
+            print(f"{t:<12} {statistics.median(g):>12.2f} {min(g):>6.2f} {max(g):>6.2f} "
+                  f"{statistics.median(c):>11.3f}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.json or REPO / "bench-results" / f"ab-{stamp}.json"
     write_json(out, {"machine": machine_info(), "git": git_state(), "size_mib": args.size,
