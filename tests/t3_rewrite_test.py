@@ -10,7 +10,9 @@ import os
 
 import blake3
 import pytest
+import trio
 
+from mtcfs.base import failpoints
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
@@ -488,4 +490,98 @@ def test_crash_during_a_rewrite_of_a_store_without_the_base_columns(tmp_path):
         assert fs.counters.seal_bytes_hashed == len(data)  # every chunk
         _check(fs, v, bytes(data))
         assert await _read_all(fs, box[0], len(data)) == data
+    run(second, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# A reopen for writing while the last close is still being hashed (fio lays a file out,
+# closes it and reopens it at once): the hash stops at its next chunk and what it hashed
+# becomes the base of the rewrite. The reopen used to wait for the whole hash, and the
+# chunks written after it were hashed a second time at the next seal.
+
+SEAL_PAUSE = 0.02  # failpoint seal.chunk: the seal's thread waits this long before each chunk
+
+
+def test_a_reopen_while_the_close_is_hashed_stops_the_hash_and_keeps_what_it_hashed(
+        tmp_path, monkeypatch):
+    monkeypatch.setitem(failpoints._ACTIVE, "seal.chunk", SEAL_PAUSE)
+    data = os.urandom(24 * CS)
+    new = os.urandom(len(data))
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", data)
+        v1 = fs.versions[fs.inodes[ino].vid]
+        assert v1.sealing is not None
+        await trio.sleep(5 * SEAL_PAUSE)  # a few chunks hashed, most not
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        # the open did not wait for the whole file's hash (it used to: 24 chunks)
+        hashed = fs.counters.seal_bytes_hashed
+        assert hashed < len(data)
+        v = fs.versions[fs.inodes[ino].vid]
+        assert v is v1 and not v.sealed and v.sealing is None
+        k = len(v.base_chunks)
+        assert hashed == k * CS and list(v.base_chunks) == _chunks(data)[:k]
+        assert fs.budget.used == _data_blocks(fs, v.vid) <= len(data)  # no copy
+        # fio's random writes reach every chunk: each is hashed once more, not twice
+        for off in range(0, len(new), 5 * CS):
+            assert await fs.write(fh, off, new[off:off + 5 * CS]) == len(new[off:off + 5 * CS])
+        await fs.release(fh)
+        v = await sealed(fs, ino)
+        _check(fs, v, new)
+        assert fs.counters.seal_bytes_hashed == k * CS + len(new)
+        assert await _read_all(fs, ino, len(new)) == new
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(new).hexdigest()
+        assert await fs.checkpoints.verify() == []
+    run(body, tmp_path)
+
+
+def test_a_reopen_that_stopped_the_hash_and_is_closed_unchanged_seals_the_rest(
+        tmp_path, monkeypatch):
+    monkeypatch.setitem(failpoints._ACTIVE, "seal.chunk", SEAL_PAUSE)
+    data = os.urandom(16 * CS + 5)
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", data)
+        await trio.sleep(3 * SEAL_PAUSE)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        k = len(fs.versions[fs.inodes[ino].vid].base_chunks)
+        await fs.release(fh)
+        v = await sealed(fs, ino)
+        _check(fs, v, data)
+        assert fs.counters.seal_bytes_hashed == len(data)  # every byte hashed once
+        assert k < 17
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
+    run(body, tmp_path)
+
+
+def test_crash_after_a_reopen_that_stopped_the_hash(tmp_path, monkeypatch):
+    # The stopped hash's chunks are the base in the version's row, committed before the
+    # reopen's first write: the reseal at the next start hashes the chunks written inside
+    # the base and those past it, and keeps the right digests for the rest.
+    monkeypatch.setitem(failpoints._ACTIVE, "seal.chunk", SEAL_PAUSE)
+    data = bytearray(os.urandom(24 * CS))
+    box: list[int] = []
+
+    async def first(fs):
+        ino = await write_file(fs, ROOT_INO, b"c", bytes(data))
+        await trio.sleep(5 * SEAL_PAUSE)
+        fh, _ = await fs.open(ino, os.O_RDWR)
+        box.extend([ino, len(fs.versions[fs.inodes[ino].vid].base_chunks)])
+        await fs.write(fh, 7, b"x")  # chunk 0: inside the base unless nothing was hashed
+        await fs.write(fh, 20 * CS + 3, b"y")  # past the base
+    run_to_crash(first, tmp_path)
+    ino, k = box
+    assert k < 20
+    expect = bytearray(data)
+    expect[7:8] = b"x"
+    expect[20 * CS + 3:20 * CS + 4] = b"y"
+
+    async def second(fs):
+        v = await sealed(fs, ino)
+        assert fs.counters.seal_bytes_hashed == (CS if k else 0) + (24 - k) * CS
+        _check(fs, v, bytes(expect))
+        assert await _read_all(fs, ino, len(expect)) == expect
+        assert await fs.checkpoints.verify() == []
     run(second, tmp_path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -68,7 +68,23 @@ class HashResult:
     hashed: int = 0
 
 
-def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
+class HashStopped(Exception):
+    """:func:`hash_fd` was told to stop (its ``stop`` returned True) before the end.
+
+    Attributes:
+        chunks: hex digests of the chunks hashed before it stopped, in file order (each a
+            whole ``chunk_size`` chunk: it stops only before the last one).
+        hashed: bytes read and hashed.
+    """
+
+    def __init__(self, chunks: tuple[str, ...], hashed: int) -> None:
+        super().__init__(f"stopped after {len(chunks)} chunks")
+        self.chunks = chunks
+        self.hashed = hashed
+
+
+def hash_fd(fd: int, size: int, chunk_size: int,
+            stop: Callable[[], bool] | None = None) -> HashResult:
     """Hash the first ``size`` bytes of the open file ``fd`` chunk by chunk.
 
     Blocking and CPU-bound (about 2 GB/s on one core, since every byte is hashed twice:
@@ -77,14 +93,21 @@ def hash_fd(fd: int, size: int, chunk_size: int) -> HashResult:
     the size, and the store's pages are never mapped into the daemon (a mapping would
     count them in its RSS, which the OOM killer weighs).
 
+    ``stop``: asked before each chunk is hashed (from this thread); True ends the
+    hash there, with :class:`HashStopped` (a file reopened for writing while its close is
+    being sealed: core/files.py).
+
     Raises:
         OSError: if the file cannot be read or is shorter than ``size``.
+        HashStopped: ``stop`` returned True.
     """
     whole = blake3.blake3()
     digests: list[str] = []
     if size == 0:
         return HashResult(0, (), EMPTY_HASH)
     for piece in _pieces(fd, size, chunk_size):
+        if stop is not None and stop():
+            raise HashStopped(tuple(digests), len(digests) * chunk_size)
         digests.append(blake3.blake3(piece).hexdigest())
         whole.update(piece)
     return HashResult(size, tuple(digests), whole.hexdigest(), size)

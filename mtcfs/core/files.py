@@ -42,7 +42,8 @@ from typing import Any, Protocol
 
 import trio
 
-from mtcfs.base.chunking import HashResult, file_hash_fd, hash_fd, rehash_fd
+from mtcfs.base.chunking import HashResult, HashStopped, file_hash_fd, hash_fd, rehash_fd
+from mtcfs.base.failpoints import failpoint
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import Create
 from mtcfs.core.budget import RamBudget
@@ -200,9 +201,11 @@ class OpenFiles:
             while (cur is not None and cur.sealing is not None and not cur.sealed and not trunc
                    and not self.job_scope and not cur.writers):
                 # Reopened right after its last close (fio lays a file out, closes it and
-                # reopens it): the hash under way ends soon; then the sealed file is taken
-                # over below instead of copied.
-                await cur.sealing.wait()
+                # reopens it): the hash under way stops at its next chunk, and the chunks it
+                # finished become the version's base; the version is written on (below) and
+                # its next seal hashes only the other chunks and those written. A rewrite's
+                # reseal (rehash_fd) does not stop: it ends, and the file is taken over.
+                await self._stop_seal(cur)
                 cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
@@ -238,6 +241,20 @@ class OpenFiles:
             return v
         self.counters.enospc += 1
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
+
+    async def _stop_seal(self, v: Version) -> None:
+        """Ask the seal of closed ``v`` to stop (``Version.stop_seal``) and wait for it to
+        end. If the caller does not go on to write ``v`` (cancelled meanwhile), ``v`` is
+        sealed as its close asked."""
+        assert v.sealing is not None
+        v.stop_seal = True
+        try:
+            await v.sealing.wait()
+        except BaseException:
+            v.stop_seal = False  # a seal that stops from now on starts again (_seal)
+            self.after_write_close(v)  # or it stopped already: seal v again now
+            raise
+        v.stop_seal = False  # the caller writes v before its next await
 
     async def open(self, num: int, flags: int) -> tuple[int, bool]:
         """Open a file. Returns ``(fh, keep_cache)``.
@@ -507,7 +524,7 @@ class OpenFiles:
         if v.sealing is None:
             v.sealing = trio.Event()
         done = v.sealing
-        cancelled = False
+        cancelled = stopped = False
         try:
             while True:
                 gen, size = v.gen, v.size
@@ -515,7 +532,9 @@ class OpenFiles:
                 # version; scope=job hashes the whole file: its hash names the publication
                 # (jobns.py: Publish.expect). See docs/architecture.md, "Rewrites".
                 fn: Callable[..., HashResult] = hash_fd
-                args: tuple[Any, ...] = (size, v.chunk_size)
+                args: tuple[Any, ...] = (size, v.chunk_size,
+                                           self._seal_stopper(v) if size > INLINE_SEAL_BYTES
+                                           else None)
                 if v.base_chunks is not None and not self.job_scope:
                     fn, args = rehash_fd, (size, v.chunk_size, v.base_chunks, set(v.dirty))
                 try:
@@ -528,6 +547,14 @@ class OpenFiles:
                                 fn, fd, *args, limiter=self.cpu_limiter)
                     finally:
                         self.fds.unlease(v, fd)
+                except HashStopped as stop:
+                    # reopened for writing (writable_version): what was hashed is its base
+                    self.counters.seal_bytes_hashed += stop.hashed
+                    stopped = True
+                    if (v.vid in self.versions and not v.dropped and v.gen == gen
+                            and v.size == size and not v.writers):
+                        self.vstore.start_base(v, stop.chunks, log=not self.job_scope)
+                    return
                 except OSError as exc:
                     if v.dropped:
                         return  # freed while hashing (core/versions.py: VersionStore.release)
@@ -553,9 +580,18 @@ class OpenFiles:
             v.sealing = None
             done.set()
             if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
-                    and not allow_writers and not cancelled:
+                    and not allow_writers and not cancelled and not (stopped and v.stop_seal):
                 self.after_write_close(v)
             self.vstore.release(v)
+
+    @staticmethod
+    def _seal_stopper(v: Version) -> Callable[[], bool]:
+        """``hash_fd``'s ``stop`` for the seal of ``v`` (called in the hashing thread before
+        each chunk; failpoint ``seal.chunk`` pauses there)."""
+        def stop() -> bool:
+            failpoint("seal.chunk")
+            return v.stop_seal
+        return stop
 
     def _announce_seal(self, v: Version, ino: Inode | None) -> None:
         """Tell the observers that ``v`` is sealed and, in scope=node, commit the step whose

@@ -77,6 +77,10 @@ class Version:
     #: (core/versions.py: ``note_dirty``): a crash's reseal hashes only those. False in
     #: scope=job (whose seal hashes every chunk) and once the base is dropped.
     base_logged: bool = False
+    #: Set by a reopen for writing that waits for this closed version's seal: the hash
+    #: stops at its next chunk and the chunks it finished become ``base_chunks`` (core/files.py:
+    #: ``writable_version``); read by the hashing thread.
+    stop_seal: bool = False
 
     def touched(self, off: int, end: int) -> range:
         """The chunks that bytes ``[off, end)`` about to change (a write, or a resize from

@@ -252,6 +252,24 @@ class VersionStore:
                                    (v.vid, i))
         v.dirty.update(t)
 
+    def start_base(self, v: Version, chunks: tuple[str, ...], log: bool) -> None:
+        """Open, unsealed ``v`` holds exactly the bytes whose first chunks' digests are
+        ``chunks`` (a seal stopped part way: core/files.py): make them its base, so that
+        its next seal hashes only the chunks past them and those written since.
+        ``log``: record the base in its row (scope=node; :meth:`note_dirty`), committed
+        before this returns, so before any byte changes. Must not be called inside a
+        transaction (its commit would come later)."""
+        v.base_chunks = chunks
+        v.base_logged = log
+        v.dirty.clear()
+        if log:
+            db = self._host.db
+            if db.in_transaction:
+                raise RuntimeError("start_base inside a transaction")
+            with db.transaction():
+                db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
+                self.write(v)
+
     def drop_base(self, v: Version) -> None:
         """Forget ``v``'s base (its seal then hashes every chunk, or it is sealed now):
         ``base_chunks``, ``dirty``, and if its row holds them, the row's base and its
