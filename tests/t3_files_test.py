@@ -242,3 +242,24 @@ def test_a_large_write_past_size_is_refused_and_leaves_the_file_as_it_was(tmp_pa
         await fs.release(fh)
         consistent(fs)
     run(body, tmp_path, capacity=2 << 20)
+
+
+def test_a_seal_that_fails_is_reported_once_and_not_tried_again_in_a_loop(tmp_path):
+    # A data file that became shorter than its version behind the daemon's back (an
+    # operator, a damaged store): the seal's read fails. It used to start itself again
+    # from its own cleanup, at once and without end (one error logged per try: a helper
+    # saw 11 GB of RSS). Now the failure is reported once and the version stays unsealed
+    # with its error until the next writer's close.
+    data = os.urandom(3 << 20)
+
+    async def body(fs: Filesystem) -> None:
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        assert await fs.write(fh, 0, data) == len(data)
+        v = fs.versions[fs.inodes[attr.ino].vid]
+        os.truncate(fs.store.data_path(v.vid), 1 << 20)
+        await fs.release(fh)
+        await trio.sleep(0.5)
+        assert not v.sealed and v.sealing is None
+        assert "shorter" in v.seal_error
+        assert fs.errors_total == 1, fs.errors[-3:]
+    run(body, tmp_path)

@@ -524,7 +524,7 @@ class OpenFiles:
         if v.sealing is None:
             v.sealing = trio.Event()
         done = v.sealing
-        cancelled = stopped = False
+        cancelled = stopped = failed = False
         try:
             while True:
                 gen, size = v.gen, v.size
@@ -560,6 +560,7 @@ class OpenFiles:
                         return  # freed while hashing (core/versions.py: VersionStore.release)
                     v.seal_error = str(exc)
                     self._host.report_error(f"seal of version {v.vid} failed: {exc}")
+                    failed = True  # not tried again at once (it would fail the same way)
                     return
                 if v.vid not in self.versions or v.dropped:
                     return
@@ -580,7 +581,8 @@ class OpenFiles:
             v.sealing = None
             done.set()
             if v.writers == 0 and not v.sealed and v.vid in self.versions and v.current \
-                    and not allow_writers and not cancelled and not (stopped and v.stop_seal):
+                    and not allow_writers and not cancelled and not failed \
+                    and not (stopped and v.stop_seal):
                 self.after_write_close(v)
             self.vstore.release(v)
 
