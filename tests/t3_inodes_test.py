@@ -358,6 +358,35 @@ def test_metadb_transaction_defers_row_writes_and_begins_only_when_written(store
         db.conn.set_trace_callback(None)
 
 
+def test_metadb_transaction_rolls_back_a_failed_deferred_write_and_inner_errors(store):
+    """A deferred write that fails at the commit rolls the whole transaction back, as an
+    error in an inner transaction does; after either the connection is out of any
+    transaction (the next one commits on its own)."""
+    db = store.db
+
+    def fail() -> None:
+        raise OSError("disk")
+    with pytest.raises(OSError):
+        with db.transaction():
+            db.set_kv("a", "1")
+            db.defer("k", fail)
+    assert not db.in_transaction and db.get_kv("a") is None
+    with pytest.raises(KeyError):
+        with db.transaction():
+            db.set_kv("b", "1")
+            with db.transaction():
+                db.set_kv("c", "1")
+                raise KeyError("inner")
+    assert not db.in_transaction and db.get_kv("b") is None and db.get_kv("c") is None
+    done: list[int] = []
+    with db.transaction():
+        with db.transaction():
+            db.set_kv("d", "1")
+            db.after_commit(lambda: done.append(1))
+        assert done == [] and db.in_transaction
+    assert done == [1] and db.get_kv("d") == "1" and not db.in_transaction
+
+
 def test_clear_drops_row_writes_still_deferred(store):
     """A snapshot install deletes every row, then clears the table, in one transaction: a
     row write deferred earlier in it must not bring a dropped inode's row back."""

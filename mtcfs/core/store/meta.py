@@ -19,8 +19,7 @@ meaning and sentinel values are commented there.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from typing import Any
 
 #: 2: inodes.rdev and kind 'special' (FIFOs, sockets, device nodes); a version-1 store
@@ -133,6 +132,23 @@ def _stored_schema_version(conn: sqlite3.Connection) -> int | None:
     return int(row[0]) if row else None
 
 
+class _Transaction:
+    """:meth:`MetaDB.transaction`'s context manager (one per connection, reentrant)."""
+
+    __slots__ = ("_db",)
+
+    def __init__(self, db: MetaDB) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db._enter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: Any) -> bool:
+        self._db._exit(exc_type is not None)
+        return False
+
+
 class MetaDB:
     """Thin wrapper around the SQLite connection; used only from the FUSE loop's thread.
 
@@ -166,6 +182,7 @@ class MetaDB:
         self._begun = False  # BEGIN sent in the transaction in progress
         self._deferred: dict[Hashable, Callable[[], None]] = {}
         self._after_commit: list[Callable[[], None]] = []
+        self._txn = _Transaction(self)
         version = self.get_kv("schema_version")
         if version is None or int(version) < SCHEMA_VERSION:
             self.set_kv("schema_version", str(SCHEMA_VERSION))
@@ -173,29 +190,33 @@ class MetaDB:
     def close(self) -> None:
         self.conn.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self) -> _Transaction:
         """Group statements into one atomic transaction (nests: only the outer one commits).
 
         ``BEGIN`` is sent with the first statement, so a transaction in which nothing is
         written costs no round of SQLite (one connection, used from one thread: a read
         before that statement sees the same rows it would inside). Writes given to
         :meth:`defer` run at the outer commit, before ``COMMIT``.
+
+        A context manager object of this connection's (reused, no state of its own: the
+        depth is the connection's), not a generator: every namespace op enters two or three
+        of them, nested (docs/benchmarks.md, issue 18).
         """
+        return self._txn
+
+    def _enter(self) -> None:
         self._depth += 1
-        try:
-            yield
-            if self._depth == 1 and self._deferred:
+
+    def _exit(self, failed: bool) -> None:
+        if not failed and self._depth == 1 and self._deferred:
+            try:
                 self._run_deferred()
-        except BaseException:
-            self._depth -= 1
-            if self._depth == 0:
-                self._deferred.clear()
-                if self._begun:
-                    self._begun = False
-                    self.conn.execute("ROLLBACK")
-                self._after_commit.clear()  # what the rows still name stays
-            raise
+            except BaseException:
+                self._abort()
+                raise
+        if failed:
+            self._abort()
+            return
         self._depth -= 1
         if self._depth == 0:
             if self._begun:
@@ -204,6 +225,15 @@ class MetaDB:
             todo, self._after_commit = self._after_commit, []
             for fn in todo:
                 fn()
+
+    def _abort(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._deferred.clear()
+            if self._begun:
+                self._begun = False
+                self.conn.execute("ROLLBACK")
+            self._after_commit.clear()  # what the rows still name stays
 
     @property
     def in_transaction(self) -> bool:
