@@ -262,7 +262,8 @@ class OpenFiles:
         Raises:
             FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
         """
-        await self._host.ns_log.fresh()
+        if self._host.ns_log.replicated:
+            await self._host.ns_log.fresh()
         ino = self.tree.get(num)
         if ino.is_dir:
             raise FsError(errno.EISDIR)

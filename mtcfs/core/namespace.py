@@ -40,7 +40,8 @@ class NamespaceOps:
     # ------------------------------------------------------------------ namespace
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        await self.ns_log.fresh()
+        if self.ns_log.replicated:  # scope=node: this copy is the namespace (ns_log.py)
+            await self.ns_log.fresh()
         d = self.tree.dir(parent)
         if name == b".":
             child = d
@@ -60,6 +61,8 @@ class NamespaceOps:
             self.entries.maybe_free_inode(ino)
 
     async def getattr(self, ino: int) -> Attr:
+        if not self.ns_log.replicated:  # scope=node: this copy is the namespace (ns_log.py)
+            return self.tree.attr(self.tree.get(ino))
         node = self.inodes.get(ino)
         if ino != ROOT_INO and (node is None or node.opens == 0):
             await self.ns_log.fresh()
@@ -224,7 +227,8 @@ class NamespaceOps:
     # ------------------------------------------------------------------ directories
 
     async def opendir(self, num: int) -> int:
-        await self.ns_log.fresh()
+        if self.ns_log.replicated:
+            await self.ns_log.fresh()
         d = self.tree.dir(num)
         entries = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
         entries.extend(sorted(d.children.items()))  # type: ignore[union-attr]

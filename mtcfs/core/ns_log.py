@@ -53,7 +53,8 @@ class NamespaceLog(Protocol):
 
     async def fresh(self) -> None:
         """A read barrier: return once this node applied every op the log ordered before
-        the call.
+        the call. The core awaits it only where :attr:`replicated` (a log that is not
+        replicated is this node's own: nothing is ever ahead of its copy).
 
         Raises:
             FsError: EIO when the log cannot say in time.
