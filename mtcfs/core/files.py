@@ -43,8 +43,8 @@ from typing import Any, Protocol
 import trio
 
 from mtcfs.base.chunking import HashResult, HashStopped, file_hash_fd, hash_fd, rehash_fd
-from mtcfs.base.failpoints import failpoint
 from mtcfs.base.errors import FsError
+from mtcfs.base.failpoints import failpoint
 from mtcfs.base.ns_ops import Create
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import MAX_FILE_SIZE

@@ -258,14 +258,19 @@ class VersionStore:
         its next seal hashes only the chunks past them and those written since.
         ``log``: record the base in its row (scope=node; :meth:`note_dirty`), committed
         before this returns, so before any byte changes. Must not be called inside a
-        transaction (its commit would come later)."""
+        transaction (its commit would come later).
+
+        Raises:
+            RuntimeError: called inside a transaction (nothing changed).
+            sqlite3.Error: the row could not be written.
+        """
+        db = self._host.db
+        if log and db.in_transaction:
+            raise RuntimeError("start_base inside a transaction")
         v.base_chunks = chunks
         v.base_logged = log
         v.dirty.clear()
         if log:
-            db = self._host.db
-            if db.in_transaction:
-                raise RuntimeError("start_base inside a transaction")
             with db.transaction():
                 db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
                 self.write(v)
