@@ -1639,6 +1639,40 @@ def test_mtcfs_zz_no_leaks(shared_mount):
 
 # ---------------------------------------------------------------------- rewrites (issue 18)
 
+def test_a_file_laid_out_closed_and_rewritten_at_once_is_hashed_about_once(make_mount,
+                                                                          monkeypatch):
+    """fio's pattern through the mount: a file written and closed, reopened for writing at
+    once while its seal hashes it (slowed by failpoint seal.chunk), rewritten whole in a
+    random order of 1 MiB blocks, closed. The bytes and user.mtcfs.blake3 are the new
+    ones, and the seals hashed less than the file twice: the reopen stops the first hash
+    and keeps what it hashed (before, it waited for the whole hash, and every chunk was
+    hashed again at the next seal: exactly twice the file)."""
+    import random
+
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "seal.chunk=sleep(0.05)")
+    m = make_mount("node")
+    chunk = m.status()["chunk_size"]
+    size = 8 * chunk
+    old, new = os.urandom(size), os.urandom(size)
+    p = m.path("laid-out")
+    h0 = m.status()["counters"]["seal_bytes_hashed"]
+    with open(p, "wb") as f:
+        f.write(old)
+    fd = os.open(p, os.O_RDWR)  # at once: the seal of that close is under way
+    try:
+        blocks = list(range(0, size, MiB))
+        random.Random(18).shuffle(blocks)
+        for off in blocks:
+            assert os.pwrite(fd, new[off:off + MiB], off) == MiB
+    finally:
+        os.close(fd)
+    wait_sealed(p)
+    hashed = m.status()["counters"]["seal_bytes_hashed"] - h0
+    assert size <= hashed <= 2 * size - chunk, hashed
+    assert uncached(p) == new
+    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(new).hexdigest()
+
+
 def test_rewrite_of_one_byte_of_a_sealed_file_costs_the_chunks_written(shared_mount):
     """Reopen a sealed 256 MiB file (a dense head, the rest a hole) for writing, change one
     byte in two chunks, close, a reader holding it open throughout: the bytes are the old ones with those bytes changed,
