@@ -262,4 +262,13 @@ def test_a_seal_that_fails_is_reported_once_and_not_tried_again_in_a_loop(tmp_pa
         assert not v.sealed and v.sealing is None
         assert "shorter" in v.seal_error
         assert fs.errors_total == 1, fs.errors[-3:]
+        # the next writer's close seals it, and the error is over
+        fh, _ = await fs.open(attr.ino, os.O_WRONLY | os.O_TRUNC)
+        assert await fs.write(fh, 0, data) == len(data)
+        await fs.release(fh)
+        v = await sealed(fs, attr.ino)
+        assert v.seal_error == "" and fs.errors_total == 1
+        r, _ = await fs.open(attr.ino, os.O_RDONLY)
+        assert await fs.read(r, 0, len(data)) == data
+        await fs.release(r)
     run(body, tmp_path)

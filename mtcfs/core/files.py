@@ -611,6 +611,7 @@ class OpenFiles:
         and its inode's (the times the writeback cache sent meanwhile), the chunk index,
         the counters, a changed step. Returns its inode, if it still has one."""
         v.sealed = True
+        v.seal_error = ""  # an earlier seal's failure is over
         v.chunks = res.chunks
         v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
         v.backed_up = False
