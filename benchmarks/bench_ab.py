@@ -57,6 +57,17 @@ from benchmarks.common import (
 MiB = 1 << 20
 
 
+def print_table(title: str, samples: dict[str, dict[str, list[float]]], key: str) -> None:
+    """Print ``title`` and one row per tree: GB/s (median, min, max) and CPU ms/MiB
+    (median) of the samples ``<key>gbps`` and ``<key>cpu_ms_per_mib``."""
+    print(title)
+    print(f"{'tree':<12} {'GB/s median':>12} {'min':>6} {'max':>6} {'CPU ms/MiB':>11}")
+    for t, s in samples.items():
+        g, c = s[f"{key}gbps"], s[f"{key}cpu_ms_per_mib"]
+        print(f"{t:<12} {statistics.median(g):>12.2f} {min(g):>6.2f} {max(g):>6.2f} "
+              f"{statistics.median(c):>11.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR",
@@ -112,20 +123,11 @@ def main() -> int:
                     wait_until(lambda w=w: mtcfs_state(w) in ("local", "backed-up"), 300,
                                f"{w} sealed")
                     w.unlink()
-    print(f"cold read of {args.size} MiB, {args.reps} repeats, interleaved")
-    print(f"{'tree':<12} {'GB/s median':>12} {'min':>6} {'max':>6} {'CPU ms/MiB':>11}")
-    for t in labels:
-        g, c = samples[t]["gbps"], samples[t]["cpu_ms_per_mib"]
-        print(f"{t:<12} {statistics.median(g):>12.2f} {min(g):>6.2f} {max(g):>6.2f} "
-              f"{statistics.median(c):>11.3f}")
+    print_table(f"cold read of {args.size} MiB, {args.reps} repeats, interleaved",
+                samples, "")
     if args.write:
-        print(f"sequential write of {args.size} MiB (+ fsync, close), {args.reps} repeats,"
-              " interleaved")
-        print(f"{'tree':<12} {'GB/s median':>12} {'min':>6} {'max':>6} {'CPU ms/MiB':>11}")
-        for t in labels:
-            g, c = samples[t]["write_gbps"], samples[t]["write_cpu_ms_per_mib"]
-            print(f"{t:<12} {statistics.median(g):>12.2f} {min(g):>6.2f} {max(g):>6.2f} "
-                  f"{statistics.median(c):>11.3f}")
+        print_table(f"sequential write of {args.size} MiB (+ fsync, close), {args.reps}"
+                    " repeats, interleaved", samples, "write_")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.json or REPO / "bench-results" / f"ab-{stamp}.json"
     write_json(out, {"machine": machine_info(), "git": git_state(), "size_mib": args.size,
