@@ -230,28 +230,15 @@ def test_two_rewrites_in_a_row_and_an_o_trunc_rewrite(tmp_path):
 
 
 def test_crash_in_the_middle_of_a_rewrite_after_fsync_reseals_the_chunk_written(tmp_path):
-    data = bytearray(os.urandom(12 * CS))
-    ino_box: list[int] = []
+    data = bytes(os.urandom(12 * CS))
+    expect = bytearray(data)
+    expect[3 * CS + 2:3 * CS + 7] = b"crash"
 
-    async def first(fs):
-        ino = await write_file(fs, ROOT_INO, b"c", bytes(data))
-        await sealed(fs, ino)
-        ino_box.append(ino)
-        fh, _ = await fs.open(ino, os.O_RDWR)
+    async def during(fs, ino, fh):
         await fs.write(fh, 3 * CS + 2, b"crash")
         await fs.fsync(fh, False)
-    run_to_crash(first, tmp_path)  # no release, no close of the database
-    data[3 * CS + 2:3 * CS + 7] = b"crash"
-
-    async def second(fs):
-        v = await sealed(fs, ino_box[0])  # sealed again at start: the chunk written only
-        assert fs.counters.seal_bytes_hashed == CS
-        _check(fs, v, bytes(data))
-        assert (await fs.getxattr(ino_box[0], b"user.mtcfs.blake3")).decode() == \
-            blake3.blake3(data).hexdigest()
-        assert await _read_all(fs, ino_box[0], len(data)) == data
-        assert await fs.checkpoints.verify() == []
-    run(second, tmp_path)
+    # sealed again at start: the chunk written only
+    _crash_rewrite(tmp_path, data, during, bytes(expect), max_hashed=CS, exact=True)
 
 
 def test_whole_file_hash_of_a_rewritten_file_whose_data_was_dropped(tmp_path):
@@ -308,11 +295,11 @@ def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
 # seal at the next start hashes only those; never a stale base digest.
 
 def _crash_rewrite(tmp_path, data: bytes, during, expect: bytes, max_hashed: int,
-                   exact: bool = False) -> None:
+                   exact: bool = False, between=None) -> None:
     """Write ``data`` as a sealed file, reopen it O_RDWR, run ``during(fs, ino, fh)``,
-    crash; at the restart the file is sealed again with exactly the chunks of ``expect``
-    (read back, per-chunk digests, whole-file hash), hashing at most ``max_hashed`` bytes
-    (``exact``: that many)."""
+    crash (then ``between()``, if given, on the crashed store); at the restart the file is
+    sealed again with exactly the chunks of ``expect`` (read back, per-chunk digests,
+    whole-file hash), hashing at most ``max_hashed`` bytes (``exact``: that many)."""
     box: list[int] = []
 
     async def first(fs):
@@ -322,6 +309,8 @@ def _crash_rewrite(tmp_path, data: bytes, during, expect: bytes, max_hashed: int
         fh, _ = await fs.open(ino, os.O_RDWR)
         await during(fs, ino, fh)
     run_to_crash(first, tmp_path)
+    if between is not None:
+        between()
 
     async def second(fs):
         v = await sealed(fs, box[0])  # sealed again at start (OpenFiles.start)
@@ -466,31 +455,24 @@ def test_crash_during_a_rewrite_of_a_store_without_the_base_columns(tmp_path):
     NULL): sealed at the restart by hashing every chunk, as before."""
     import sqlite3
 
-    data = bytearray(os.urandom(6 * CS))
-    box: list[int] = []
+    data = bytes(os.urandom(6 * CS))
+    expect = bytearray(data)
+    expect[4 * CS:4 * CS + 3] = b"old"
 
-    async def first(fs):
-        ino = await write_file(fs, ROOT_INO, b"o", bytes(data))
-        await sealed(fs, ino)
-        box.append(ino)
-        fh, _ = await fs.open(ino, os.O_RDWR)
+    async def during(fs, ino, fh):
         await fs.write(fh, 4 * CS, b"old")
-    run_to_crash(first, tmp_path)
-    data[4 * CS:4 * CS + 3] = b"old"
-    c = sqlite3.connect(tmp_path / "store" / "meta.sqlite3")
-    cols = {r[1] for r in c.execute("PRAGMA table_info(versions)")}
-    if "base_chunks" in cols:
-        c.execute("ALTER TABLE versions DROP COLUMN base_chunks")
-    c.execute("DROP TABLE IF EXISTS rewrite_dirty")
-    c.commit()
-    c.close()
 
-    async def second(fs):
-        v = await sealed(fs, box[0])
-        assert fs.counters.seal_bytes_hashed == len(data)  # every chunk
-        _check(fs, v, bytes(data))
-        assert await _read_all(fs, box[0], len(data)) == data
-    run(second, tmp_path)
+    def drop_columns() -> None:
+        c = sqlite3.connect(tmp_path / "store" / "meta.sqlite3")
+        cols = {r[1] for r in c.execute("PRAGMA table_info(versions)")}
+        if "base_chunks" in cols:
+            c.execute("ALTER TABLE versions DROP COLUMN base_chunks")
+        c.execute("DROP TABLE IF EXISTS rewrite_dirty")
+        c.commit()
+        c.close()
+    # every chunk
+    _crash_rewrite(tmp_path, data, during, bytes(expect), max_hashed=len(data), exact=True,
+                   between=drop_columns)
 
 
 # ---------------------------------------------------------------------------------------
