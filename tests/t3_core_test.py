@@ -287,3 +287,31 @@ def test_the_times_the_kernel_sends_for_an_unlinked_file_write_no_row(tmp_path):
                                  (key,)).fetchone()[0] == 0, table
         assert not os.path.exists(fs.store.data_path(vid))  # its data file went too
     run(body, tmp_path)
+
+
+def test_the_adapter_answers_names_outside_user_without_the_core(tmp_path):
+    """GETXATTR of a name outside user.* (the kernel's security.capability before every
+    write(2)) is answered ENODATA by the FUSE adapter; only user.* names reach the core."""
+    import pyfuse3
+
+    from mtcfs.fuse_ops import Operations
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", b"x" * 10)
+        await fs.setxattr(ino, b"user.a", b"1")
+        ops = Operations(fs)
+        asked = []
+        real = fs.getxattr
+
+        async def counted(num, name):
+            asked.append(name)
+            return await real(num, name)
+        fs.getxattr = counted
+        for name in (b"security.capability", b"trusted.a", b"system.posix_acl_access"):
+            with pytest.raises(pyfuse3.FUSEError) as e:
+                await ops.getxattr(ino, name, None)
+            assert e.value.errno == errno.ENODATA
+        assert asked == []
+        assert await ops.getxattr(ino, b"user.a", None) == b"1"
+        assert asked == [b"user.a"]
+    run(body, tmp_path)

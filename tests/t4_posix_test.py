@@ -895,6 +895,31 @@ def test_user_xattrs(fsdir):
     assert err(os.getxattr, fsdir / "missing", "user.a") == errno.ENOENT
 
 
+
+def test_names_outside_user_are_absent_and_writes_that_ask_for_them_succeed(shared_mount):
+    """The kernel asks for security.capability before every write(2); the answer is "no
+    such attribute" (never EIO or ENOTSUP, which would fail or disable the check), and no
+    namespace but user.* can be set (mtcfs only: tmpfs keeps trusted.* for root)."""
+    fsdir = shared_mount.path("t-names-outside-user")
+    fsdir.mkdir()
+    p = fsdir / "f"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for i in range(64):  # each write(2) sends a GETXATTR security.capability
+            assert os.pwrite(fd, bytes([i]) * 4096, i * 4096) == 4096
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"".join(bytes([i]) * 4096 for i in range(64))
+    os.setxattr(p, "user.a", b"1")
+    for name in ("security.capability", "security.selinux", "trusted.a"):
+        assert err(os.getxattr, p, name) == errno.ENODATA, name
+    assert err(os.setxattr, p, "trusted.a", b"1") in (errno.ENOTSUP, errno.EPERM)
+    assert err(os.getxattr, p, "trusted.a") == errno.ENODATA
+    assert os.getxattr(p, "user.a") == b"1"
+    assert err(os.getxattr, fsdir / "missing", "security.capability") == errno.ENOENT
+    shutil.rmtree(fsdir)
+
+
 # ---------------------------------------------------------------------- append / large / r+w
 
 def test_o_append(fsdir):
