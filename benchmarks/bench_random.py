@@ -1,11 +1,15 @@
 """Random writes and library saves (issue 18): tmpfs vs the no-op FUSE ceiling vs mtcfs.
 
 Run ``python -m benchmarks.bench_random [--size 512M] [--files 2] [--reps 3]`` as root
-(``make bench-random``). Four targets, the order rotating each repeat:
+(``make bench-random``). Five targets, the order rotating each repeat:
 
 - ``tmpfs``: a directory under /dev/shm;
 - ``noop``: :mod:`benchmarks.noop_fs` (writes discarded, any file, any offset): the FUSE
   ceiling with the same kernel settings as mtcfs (writeback cache, keep_cache);
+- ``noop-x``: the same with ``--xattrs``: its GETXATTR answers ENODATA, as mtcfs's must,
+  so it gets the GETXATTR ``security.capability`` the kernel sends before every write(2)
+  (the plain no-op answers ENOSYS once and is never asked again): the ceiling of a
+  filesystem with extended attributes under pyfuse3 and libfuse 3.14;
 - ``mtcfs``: one node, ``scope=node``, store on /dev/shm;
 - ``mtcfs-huge`` (with ``--huge``): the same, its store on a tmpfs the benchmark mounts
   with ``huge=within_size`` (large folios for the data files; docs/benchmarks.md, "Huge
@@ -60,7 +64,8 @@ from benchmarks.common import (MiB, REPO, BenchResult, Check, cpu_seconds, drop_
                                median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
                                served_mount, wait_until, write_json)
 
-TARGETS = ("tmpfs", "noop", "mtcfs", "mtcfs-huge")
+TARGETS = ("tmpfs", "noop", "noop-x", "mtcfs", "mtcfs-huge")
+NOOPS = ("noop", "noop-x")  # keep no bytes: nothing to verify
 PAGE = 4096
 BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
 
@@ -225,12 +230,17 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
     with scratch_dir("/dev/shm", "random") as root, contextlib.ExitStack() as stack:
         (root / "tmpfs").mkdir()
         (root / "noop").mkdir()
+        (root / "noop-x").mkdir()
         m = stack.enter_context(mtcfs_mount(root / "mtcfs", {"size": "12G"}))
         noop = stack.enter_context(served_mount(
             [sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop")], root / "noop",
             "noop_fs", ["fusermount3", "-u", str(root / "noop")]))
-        dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "mtcfs": m.mnt}
-        pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid,
+        noopx = stack.enter_context(served_mount(
+            [sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop-x"), "--xattrs"],
+            root / "noop-x", "noop_fs", ["fusermount3", "-u", str(root / "noop-x")]))
+        dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "noop-x": root / "noop-x",
+                "mtcfs": m.mnt}
+        pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid, "noop-x": noopx.pid,
                                        "mtcfs": int(m.status()["pid"])}
         huge_store = stack.enter_context(huge_tmpfs(root / "huge-tmpfs", "16G")) if huge \
             else None
@@ -261,21 +271,21 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
                         st["seal"].append(wait_until(
                             lambda: all(mtcfs_state(p) in ("local", "backed-up")
                                         for p in paths), 300, "the files to be sealed"))
-                    if t != "noop":  # it keeps no bytes: nothing to compare
+                    if t not in NOOPS:  # it keeps no bytes: nothing to compare
                         st["read"].append(verify(paths, size, 1000 * rep + 1))
                     if t.startswith("mtcfs") and can_drop:
                         drop_caches()
                         st["cold"].append(verify(paths, size, 1000 * rep + 1))
                     log(f"rep {rep + 1} {t:5s} random write {st['rand'][-1]:7.0f} MiB/s, "
                         f"cpu {st['rand_cpu'][-1]:.2f} ms/MiB"
-                        + (", verified" if t != "noop" else ""))
+                        + (", verified" if t not in NOOPS else ""))
                     for p in paths:
                         os.unlink(p)
                 if "fio" in only and shutil.which("fio"):
                     if touch:
                         prefault(3 * nfiles * size + (1 << 30))
                     c0 = cpu_seconds(pid)
-                    st["fio"].append(run_fio(d, size, nfiles, verify=t != "noop"))
+                    st["fio"].append(run_fio(d, size, nfiles, verify=t not in NOOPS))
                     st["fio_cpu"].append((cpu_seconds(pid) - c0) * 1e3
                                          / (2 * nfiles * size / MiB))
                     log(f"rep {rep + 1} {t:5s} fio random write {st['fio'][-1]:7.0f} MiB/s, "
@@ -320,6 +330,13 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
             Check(f"{t} save_file s / no-op", _ratio(med[t]["st"], med["noop"]["st"]),
                   1.2, op="<="),
         ]
+    if "noop-x" in med and "mtcfs" in med:
+        x, mt = med["noop-x"], med["mtcfs"]
+        res.notes.append(
+            "against noop-x (the ceiling of a filesystem with xattrs; not the issue's target): "
+            f"rand {f(_ratio(mt['rand'], x['rand']))}, fio {f(_ratio(mt['fio'], x['fio']))}, "
+            f"torch.save {f(_ratio(mt['torch'], x['torch']))}x, "
+            f"save_file {f(_ratio(mt['st'], x['st']))}x")
     res.notes.append(f"torch.save {torch_mib:.0f} MiB, save_file {st_mib:.0f} MiB; "
                      f"load average {os.getloadavg()}")
     if med["mtcfs"]["cold"] is not None:

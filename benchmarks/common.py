@@ -335,11 +335,13 @@ def served_mount(cmd: list[str], mnt: Path, what: str,
 
 
 @contextlib.contextmanager
-def noop_mount(mnt: Path, size: int = 0) -> Iterator[Path]:
-    """Mount :mod:`benchmarks.noop_fs` at ``mnt`` in a subprocess; unmount on exit."""
+def noop_mount(mnt: Path, size: int = 0, xattrs: bool = False) -> Iterator[Path]:
+    """Mount :mod:`benchmarks.noop_fs` at ``mnt`` in a subprocess; unmount on exit.
+    ``xattrs``: its GETXATTR answers ENODATA, not ENOSYS (see that module)."""
     mnt.mkdir(parents=True, exist_ok=True)
     with served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(mnt), "--size",
-                       str(size)], mnt, "noop_fs", ["fusermount3", "-u", str(mnt)]):
+                       str(size)] + (["--xattrs"] if xattrs else []), mnt, "noop_fs",
+                      ["fusermount3", "-u", str(mnt)]):
         yield mnt
 
 

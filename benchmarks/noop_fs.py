@@ -11,8 +11,15 @@ mtcfs on the data path, so that the difference between the two is what mtcfs its
   FUSE INIT (the kernel resets it when it processes the INIT reply);
 - a 1 MiB ``st_blksize``.
 
-Run ``python -m benchmarks.noop_fs MOUNTPOINT [--size BYTES]``: it mounts, prints ``ready``
-on stdout, and serves until unmounted (``fusermount3 -u MOUNTPOINT``) or sent SIGTERM.
+By default it has no extended attributes: its GETXATTR answers ENOSYS, after which the
+kernel asks no more, so it never sees the ``security.capability`` GETXATTR the kernel sends
+before every write(2) to a filesystem that has them. ``--xattrs`` answers "no such
+attribute" (ENODATA) instead, as any filesystem with extended attributes (mtcfs) must: the
+ceiling for such a filesystem (docs/benchmarks.md, "The GETXATTR before every write").
+
+Run ``python -m benchmarks.noop_fs MOUNTPOINT [--size BYTES] [--xattrs]``: it mounts, prints
+``ready`` on stdout, and serves until unmounted (``fusermount3 -u MOUNTPOINT``) or sent
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ class NoopFS(pyfuse3.Operations):
 
     enable_writeback_cache = True
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, xattrs: bool = False) -> None:
         super().__init__()
+        self.xattrs = xattrs
         self.mtime_ns = time.time_ns()
         self._zeros: dict[int, bytes] = {}
         self.initialized = False
@@ -105,6 +113,9 @@ class NoopFS(pyfuse3.Operations):
         e.st_size = n.size
         e.st_blocks = (n.size + 511) // 512
         return e
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENODATA if self.xattrs else errno.ENOSYS)
 
     async def getattr(self, inode, ctx=None):
         return self._attr(inode)
@@ -294,11 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.noop_fs")
     p.add_argument("mountpoint")
     p.add_argument("--size", type=int, default=0, help="initial length of the file in bytes")
+    p.add_argument("--xattrs", action="store_true",
+                   help="answer GETXATTR with ENODATA (a filesystem with xattrs), not ENOSYS")
     a = p.parse_args(argv)
     opts = set(pyfuse3.default_options)
     opts.add("fsname=noopfs")
     opts.add("subtype=noopfs")
-    fs = NoopFS(a.size)
+    fs = NoopFS(a.size, a.xattrs)
     pyfuse3.init(fs, a.mountpoint, opts)
     mounted = True
     try:
