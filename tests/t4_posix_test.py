@@ -911,7 +911,7 @@ def test_names_outside_user_are_absent_and_writes_that_ask_for_them_succeed(shar
         os.close(fd)
     assert p.read_bytes() == b"".join(bytes([i]) * 4096 for i in range(64))
     os.setxattr(p, "user.a", b"1")
-    for name in ("security.capability", "security.selinux", "trusted.a"):
+    for name in ("security.capability", "trusted.a"):
         assert err(os.getxattr, p, name) == errno.ENODATA, name
     assert err(os.setxattr, p, "trusted.a", b"1") in (errno.ENOTSUP, errno.EPERM)
     assert err(os.getxattr, p, "trusted.a") == errno.ENODATA
