@@ -20,6 +20,14 @@ libfuse 3.14 cannot offer: FUSE passthrough (Linux >= 6.9, protocol 7.40).
   clock, computes close -> sealed).
 - ``--no-passthrough`` answers OPEN without it: READ and WRITE then come to this
   single-threaded Python loop (``pread``/``pwrite`` on the store file), for comparison.
+- ``--xattrs`` answers GETXATTR "no such attribute" (ENODATA), as a filesystem with
+  extended attributes must, instead of ENOSYS (after which the kernel asks no more); the
+  kernel then asks for ``security.capability`` before every write(2).
+  ``--killpriv-v2`` also asks for ``FUSE_HANDLE_KILLPRIV_V2`` at INIT, which makes the
+  superblock ``SB_NOSEC``: that GETXATTR stops (a server with it must clear the set-user-ID
+  and set-group-ID bits itself on a WRITE with ``FUSE_WRITE_KILL_SUIDGID``; this prototype
+  has no such bits to clear). What libfuse >= 3.17 would let mtcfs ask for
+  (docs/benchmarks.md, "The GETXATTR before every write").
 
 Deadlines: the loop polls /dev/fuse every 0.5 s; SIGTERM/SIGINT or ``--max-seconds``
 (default 1800) make it detach the mount (after aborting the connection through fusectl if
@@ -68,6 +76,7 @@ NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 
 # INIT flags (flags | flags2 << 32).
 ASYNC_READ = 1 << 0
+HANDLE_KILLPRIV_V2 = 1 << 28
 ATOMIC_O_TRUNC = 1 << 3
 BIG_WRITES = 1 << 5
 WRITEBACK_CACHE = 1 << 16
@@ -153,6 +162,8 @@ class Server:
     passthrough: bool = True
     max_seconds: float = 1800.0
     writeback_cache: bool = False  # an experiment: the kernel then refuses passthrough opens
+    xattrs: bool = False  # GETXATTR answers ENODATA, not ENOSYS
+    killpriv_v2: bool = False  # ask for FUSE_HANDLE_KILLPRIV_V2
     dev: int = -1
     nodes: dict[int, Node] = field(default_factory=dict)
     handles: dict[int, Handle] = field(default_factory=dict)
@@ -297,6 +308,8 @@ class Server:
             want |= PASSTHROUGH
         if self.writeback_cache:
             want |= WRITEBACK_CACHE
+        if self.killpriv_v2:
+            want |= HANDLE_KILLPRIV_V2
         got = want & offered
         self._reply(unique, INIT_OUT.pack(
             7, minor, max_readahead, got & 0xFFFFFFFF, 16, 12, MAX_WRITE, 1,
@@ -502,13 +515,16 @@ class Server:
     def op_enosys(self, unique: int, _nodeid: int, _arg: memoryview) -> None:
         raise ReplyError(errno.ENOSYS)  # xattrs, ACCESS: the kernel stops asking
 
+    def op_getxattr(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        raise ReplyError(errno.ENODATA if self.xattrs else errno.ENOSYS)
+
     HANDLERS = {
         INIT: op_init, DESTROY: op_destroy, LOOKUP: op_lookup, FORGET: op_forget,
         BATCH_FORGET: op_batch_forget, GETATTR: op_getattr, SETATTR: op_setattr,
         OPEN: op_open, CREATE: op_create, READ: op_read, WRITE: op_write, FLUSH: op_flush,
         FSYNC: op_fsync, RELEASE: op_release, UNLINK: op_unlink, STATFS: op_statfs,
         OPENDIR: op_opendir, READDIR: op_readdir, RELEASEDIR: op_ok, FSYNCDIR: op_ok,
-        GETXATTR: op_enosys, SETXATTR: op_enosys, LISTXATTR: op_enosys,
+        GETXATTR: op_getxattr, SETXATTR: op_enosys, LISTXATTR: op_enosys,
         REMOVEXATTR: op_enosys, ACCESS: op_enosys,
     }
 
@@ -523,10 +539,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seconds", type=float, default=1800.0)
     p.add_argument("--writeback-cache", action="store_true",
                    help="also ask for the writeback cache (to see what the kernel does)")
+    p.add_argument("--xattrs", action="store_true",
+                   help="answer GETXATTR with ENODATA (a filesystem with xattrs), not ENOSYS")
+    p.add_argument("--killpriv-v2", action="store_true",
+                   help="ask for FUSE_HANDLE_KILLPRIV_V2 at INIT (no GETXATTR before writes)")
     a = p.parse_args(argv)
     srv = Server(a.store.resolve(), a.mountpoint.resolve(), a.state.resolve(),
                  passthrough=not a.no_passthrough, max_seconds=a.max_seconds,
-                 writeback_cache=a.writeback_cache)
+                 writeback_cache=a.writeback_cache, xattrs=a.xattrs,
+                 killpriv_v2=a.killpriv_v2)
 
     def on_signal(_sig: int, _frame: object) -> None:
         srv.stop = True
