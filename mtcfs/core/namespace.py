@@ -101,18 +101,16 @@ class NamespaceOps:
         # every close, a child's included). scope=node: the mtime stays local (applied
         # after a truncate, which sets it too), and the attributes of an unlinked file
         # are applied here.
-        # (The op is built only when it changes something: most SETATTRs are the writeback
-        # cache's times, which change nothing the op carries in scope=node.)
-        op_mode = mode if mode is not None and (mode & 0o7777) != (ino.mode & 0o7777) else None
-        op_uid = uid if uid is not None and uid != ino.uid else None
-        op_gid = gid if gid is not None and gid != ino.gid else None
-        op_mtime = (mtime_ns if job and not writing and mtime_ns is not None
-                    and mtime_ns != ino.mtime_ns else None)
+        op = SetAttr(
+            ino=ino.ino,
+            mode=mode if mode is not None and (mode & 0o7777) != (ino.mode & 0o7777) else None,
+            uid=uid if uid is not None and uid != ino.uid else None,
+            gid=gid if gid is not None and gid != ino.gid else None,
+            mtime_ns=mtime_ns if job and not writing and mtime_ns is not None
+            and mtime_ns != ino.mtime_ns else None)
         named = ino.nlink > 0 or ino.ino == ROOT_INO
-        if named and (op_mode is not None or op_uid is not None or op_gid is not None
-                      or op_mtime is not None):
-            await self.ns_log.submit(SetAttr(ino=ino.ino, mode=op_mode, uid=op_uid,
-                                             gid=op_gid, mtime_ns=op_mtime))
+        if named and op.changes():
+            await self.ns_log.submit(op)
         if named or job:
             mode = uid = gid = None  # applied by the op (or unchanged)
         if job and not writing:
