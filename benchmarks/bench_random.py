@@ -229,19 +229,16 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
     st_mib = sum(t.numel() * 4 for t in sd_st.values()) / MiB
     with scratch_dir("/dev/shm", "random") as root, contextlib.ExitStack() as stack:
         (root / "tmpfs").mkdir()
-        (root / "noop").mkdir()
-        (root / "noop-x").mkdir()
         m = stack.enter_context(mtcfs_mount(root / "mtcfs", {"size": "12G"}))
-        noop = stack.enter_context(served_mount(
-            [sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop")], root / "noop",
-            "noop_fs", ["fusermount3", "-u", str(root / "noop")]))
-        noopx = stack.enter_context(served_mount(
-            [sys.executable, "-m", "benchmarks.noop_fs", str(root / "noop-x"), "--xattrs"],
-            root / "noop-x", "noop_fs", ["fusermount3", "-u", str(root / "noop-x")]))
-        dirs = {"tmpfs": root / "tmpfs", "noop": root / "noop", "noop-x": root / "noop-x",
-                "mtcfs": m.mnt}
-        pids: dict[str, int | None] = {"tmpfs": None, "noop": noop.pid, "noop-x": noopx.pid,
-                                       "mtcfs": int(m.status()["pid"])}
+        dirs = {"tmpfs": root / "tmpfs", "mtcfs": m.mnt}
+        pids: dict[str, int | None] = {"tmpfs": None, "mtcfs": int(m.status()["pid"])}
+        for key, extra in (("noop", []), ("noop-x", ["--xattrs"])):
+            mnt = root / key
+            mnt.mkdir()
+            srv = stack.enter_context(served_mount(
+                [sys.executable, "-m", "benchmarks.noop_fs", str(mnt)] + extra, mnt, "noop_fs",
+                ["fusermount3", "-u", str(mnt)]))
+            dirs[key], pids[key] = mnt, srv.pid
         huge_store = stack.enter_context(huge_tmpfs(root / "huge-tmpfs", "16G")) if huge \
             else None
         if huge and huge_store is None:
