@@ -3,7 +3,11 @@
 ``python -m benchmarks.bench_rewrite [--sizes 1G,2G] [--reps 3] [--base DIR] [--json OUT]``
 
 For each size and kind (``sparse``: 8 MiB of data then a hole; ``dense``: every byte
-written; ``dense+reader``: dense, with a read-only descriptor held open throughout), one file is written and sealed, then rewritten ``--reps`` times: open O_RDWR,
+written; ``dense+reader``: dense, with a read-only descriptor held open throughout;
+``dense+pinned``: dense, in a committed step whose backup upload is in flight throughout,
+so the old version stays pinned: the mount backs up to a ``file://`` bucket after every
+checkpoint and failpoint ``backup.put_chunk`` holds each chunk's upload for
+:data:`PIN_S`), one file is written and sealed, then rewritten ``--reps`` times: open O_RDWR,
 ``pwrite`` of one byte at a different offset, close, until the new version is sealed
 (``user.mtcfs.state`` leaves ``writing``). Per rewrite it records the wall time, the
 daemon's CPU time (utime + stime from /proc/PID/stat), the bytes the seal hashed
@@ -40,6 +44,8 @@ from benchmarks.common import (
 
 MiB = 1 << 20
 HEAD = 8 * MiB
+#: Seconds the backup upload of a ``+pinned`` file stalls on each chunk (its pin stays).
+PIN_S = 20
 
 
 def make_file(p: Path, size: int, kind: str) -> None:
@@ -75,8 +81,15 @@ def rewrite_once(p: Path, off: int) -> None:
 def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
                  mount: Any = None) -> dict[str, Any]:
     p = d / f"{kind}-{size}"
+    if kind.endswith("+pinned"):
+        (d / "step_1").mkdir(exist_ok=True)
+        p = d / "step_1" / f"{kind}-{size}"
     make_file(p, size, kind)
     wait_sealed(p)
+    if kind.endswith("+pinned") and mount is not None:
+        (d / "step_1" / "commit_success.txt").write_text("ok")  # commits the step
+        wait_sealed(d / "step_1" / "commit_success.txt")
+        time.sleep(3)  # the backup scheduler starts the upload: the version is pinned
     pid = int(mount.status()["pid"]) if mount is not None else None
     reader = os.open(p, os.O_RDONLY) if kind.endswith("+reader") else None
     out: dict[str, Any] = {"system": name, "size": size, "kind": kind, "runs": []}
@@ -121,7 +134,7 @@ def parse_size(s: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1G,2G")
-    ap.add_argument("--kinds", default="sparse,dense,dense+reader")
+    ap.add_argument("--kinds", default="sparse,dense,dense+reader,dense+pinned")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--base", default="/work/main", help="tree whose code the 'before' "
                     "daemon runs (empty: skip 'before')")
@@ -138,11 +151,15 @@ def main() -> int:
             for kind in kinds:
                 results.append(bench_system("tmpfs", t, size, kind, a.reps))
     for name, tree in systems:
-        with scratch_dir(SCRATCH_SHM, f"rewrite-{name}") as root, \
-                mtcfs_mount(root, {"size": "6G"}, env={"PYTHONPATH": tree}) as m:
-            for size in sizes:
-                for kind in kinds:
-                    results.append(bench_system(name, m.mnt, size, kind, a.reps, m))
+        with scratch_dir(SCRATCH_SHM, f"rewrite-{name}") as root:
+            opts, env = {"size": "6G"}, {"PYTHONPATH": tree}
+            if any(k.endswith("+pinned") for k in kinds):
+                opts.update(backup=f"file://{root}/bucket", backup_interval="1ckpt")
+                env["MTCFS_FAILPOINTS"] = f"backup.put_chunk=sleep({PIN_S})"
+            with mtcfs_mount(root, opts, env=env) as m:
+                for size in sizes:
+                    for kind in kinds:
+                        results.append(bench_system(name, m.mnt, size, kind, a.reps, m))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = a.json or REPO / "bench-results" / f"rewrite-{stamp}.json"
     write_json(path, {"bench": "rewrite", "machine": machine_info(), "git": git_state(),

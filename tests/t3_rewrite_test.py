@@ -182,26 +182,141 @@ def test_rewrite_while_a_reader_holds_the_file_open(tmp_path):
     run(body, tmp_path)
 
 
-def test_rewrite_while_a_backup_pins_the_old_version_copies_and_the_pin_reads_old_bytes(
-        tmp_path):
-    data = bytearray(os.urandom(6 * CS))
+def _pinned_step(fs, data: bytes, chunks_per_file: int = 0):
+    """Write ``data`` as step_1/x, commit the step and pin it as a backup upload in flight
+    does: (ino, v1, pinned versions, a verifying chunk reader over them)."""
 
-    async def body(fs):
+    async def go():
         d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
-        ino = await write_file(fs, d.ino, b"x", bytes(data))
+        ino = await write_file(fs, d.ino, b"x", data)
         v1 = await sealed(fs, ino)
         fs.step_registry.seal("step_1")
-        _m, pinned = fs.tier_api.snapshot_step("step_1")  # a backup upload in flight
-        read = fs.tier_api.chunk_reader(pinned)
-        await _rewrite(fs, ino, [(2 * CS, b"p")])
-        old = bytes(data)
-        data[2 * CS] = ord("p")
+        _m, pinned = fs.tier_api.snapshot_step("step_1")
+        return ino, v1, pinned, fs.tier_api.chunk_reader(pinned)
+    return go()
+
+
+def _old_bytes_intact(read, v1, old: bytes) -> None:
+    for i, d in enumerate(v1.chunks):
+        assert read(d) == old[i * CS:(i + 1) * CS], f"chunk {i} of the pinned version"
+
+
+def test_rewrite_while_a_backup_pins_the_old_version_copies_only_the_chunks_changed(
+        tmp_path):
+    """Issue 18: a rewrite while the old version is pinned (a backup upload, a
+    replication) used to copy the whole file first. Now the new version takes the data
+    file over and each chunk is copied for the pinned version just before it changes:
+    RAM and work in proportion to the chunks written; the pin still reads every old byte,
+    verified."""
+    data = bytearray(os.urandom(20 * CS))
+    old = bytes(data)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, old)
+        used0, hashed0 = fs.used, fs.counters.seal_bytes_hashed
+        await _rewrite(fs, ino, [(7 * CS + 1, b"p"), (12 * CS - 1, b"qr")])
+        data[7 * CS + 1] = ord("p")
+        data[12 * CS - 1:12 * CS + 1] = b"qr"
         v2 = await sealed(fs, ino)
         _check(fs, v2, bytes(data))
-        assert read(v1.chunks[2]) == old[2 * CS:3 * CS]  # the pinned old bytes, intact
-        fs.tier_api.unpin(pinned)
-        assert v1.vid not in fs.versions
+        assert fs.counters.seal_bytes_hashed - hashed0 == 3 * CS
+        assert sorted(v1.preserved) == [7, 11, 12]
+        assert fs.used - used0 == 3 * CS  # a whole copy was 20 chunks
+        assert fs.used == _on_disk(fs) + 3 * CS  # the file once, and the copies kept
+        _old_bytes_intact(read, v1, old)
         assert await _read_all(fs, ino, len(data)) == data
+        assert (await fs.getxattr(ino, b"user.mtcfs.blake3")).decode() == \
+            blake3.blake3(data).hexdigest()
+        fs.tier_api.unpin(pinned)
+        assert v1.vid not in fs.versions and v2.shared is None
+        assert fs.used == _on_disk(fs) == used0
+        assert await _read_all(fs, ino, len(data)) == data
+        assert await fs.checkpoints.verify() == []
+    run(body, tmp_path)
+
+
+def test_while_pinned_a_shrink_a_second_rewrite_and_an_o_trunc_keep_every_old_byte(
+        tmp_path):
+    """The pinned versions read the shared file until their pins go, whatever the newer
+    ones do to it: a shrink (the chunks cut off are kept first), a second rewrite while
+    the first rewrite's version is pinned too (both keep their own bytes), an O_TRUNC
+    open, and a delete of the file."""
+    data = bytearray(os.urandom(8 * CS + 100))
+    old = bytes(data)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, old)
+        await _rewrite(fs, ino, [(CS, b"a")], truncate=3 * CS + 5)
+        data[CS] = ord("a")
+        del data[3 * CS + 5:]
+        v2 = await sealed(fs, ino)
+        _check(fs, v2, bytes(data))
+        _old_bytes_intact(read, v1, old)
+        second = bytes(data)
+        # pin the rewrite's version too (a peer reading one of its chunks)
+        got = fs.tier_api.pin_chunk(v2.chunks[3])
+        assert got is not None and got[0] is v2
+        await _rewrite(fs, ino, [(0, b"b"), (3 * CS, b"c")])
+        data[0] = ord("b")
+        data[3 * CS] = ord("c")
+        v3 = await sealed(fs, ino)
+        _check(fs, v3, bytes(data))
+        assert v1.shared is v2.shared is v3.shared and v1.shared.readers == [v1, v2]
+        _old_bytes_intact(read, v1, old)
+        for i, d in enumerate(v2.chunks):
+            _off, n = (i * CS, min(CS, len(second) - i * CS))
+            assert fs.tier_api.read_chunk_at(v2, i * CS, n, d) == second[i * CS:i * CS + n]
+        # O_TRUNC: a new, empty version; the shared file is left to the pinned ones
+        fh, _ = await fs.open(ino, os.O_RDWR | os.O_TRUNC)
+        assert await fs.write(fh, 0, b"new") == 3
+        await fs.release(fh)
+        assert await _read_all(fs, ino, 10) == b"new"
+        assert v3.vid not in fs.versions
+        _old_bytes_intact(read, v1, old)
+        assert fs.tier_api.read_chunk_at(v2, 3 * CS, 5, v2.chunks[3]) == second[3 * CS:]
+        assert fs.used == _on_disk(fs) + sum(len(b) for r in (v1, v2)
+                                             for b in r.preserved.values())
+        fs.tier_api.unpin(pinned)
+        fs.tier_api.unpin([v2])
+        assert v1.vid not in fs.versions and v2.vid not in fs.versions
+        assert fs.used == _on_disk(fs)
+        assert await fs.checkpoints.verify() == []
+    run(body, tmp_path)
+
+
+def test_a_thread_reading_the_pinned_version_never_sees_a_byte_the_rewrite_changes(
+        tmp_path):
+    """The race: a backup upload reads the pinned version's chunks in a worker thread
+    while the loop overwrites every chunk of the file, chunk after chunk, many times. Each
+    chunk the thread reads is verified against the old digest; none may mismatch (a chunk
+    is copied for the reader before its first change, and the reader looks for the copy
+    after its read)."""
+    data = os.urandom(16 * CS)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, data)
+        done = False
+        reads = [0]
+
+        def reader() -> None:
+            while not done:
+                for d in v1.chunks:
+                    read(d)  # raises EIO on a mismatch
+                    reads[0] += 1
+
+        async with trio.open_nursery() as n:
+            n.start_soon(trio.to_thread.run_sync, reader)
+            fh, _ = await fs.open(ino, os.O_RDWR)
+            for _round in range(10):
+                for i in range(16):
+                    await fs.write(fh, i * CS, os.urandom(CS))
+                    await trio.sleep(0)
+            await fs.release(fh)
+            done = True
+        await sealed(fs, ino)
+        assert reads[0] > 16
+        _old_bytes_intact(read, v1, data)
+        fs.tier_api.unpin(pinned)
     run(body, tmp_path)
 
 
@@ -262,30 +377,32 @@ def test_whole_file_hash_of_a_rewritten_file_whose_data_was_dropped(tmp_path):
 
 
 def _on_disk(fs) -> int:
+    """Bytes the store's data files hold in RAM, each file once (a shared one has a name
+    per version that reads it)."""
     data = os.path.dirname(fs.store.data_path(0))
-    return sum(os.stat(os.path.join(data, n)).st_blocks * 512 for n in os.listdir(data))
+    files = {}
+    for n in os.listdir(data):
+        st = os.stat(os.path.join(data, n))
+        files[st.st_ino] = st.st_blocks * 512
+    return sum(files.values())
 
 
-def test_a_copy_that_does_not_fit_is_enospc_and_a_take_over_fits(tmp_path):
+def test_a_rewrite_while_pinned_fits_where_a_copy_would_not(tmp_path):
+    """A pinned file of 20 chunks in a RAM tier of 30: the rewrite used to copy it (40 >
+    30: ENOSPC); now it takes the file over and keeps a copy of the chunk it changes."""
     data = os.urandom(20 * CS)
 
     async def body(fs):
-        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
-        ino = await write_file(fs, d.ino, b"x", data)
-        await sealed(fs, ino)
-        fs.step_registry.seal("step_1")
-        _m, pinned = fs.tier_api.snapshot_step("step_1")  # pinned: a rewrite must copy, 40 > 30
-        with pytest.raises(FsError) as e:
-            await fs.open(ino, os.O_RDWR)
-        assert e.value.errno == errno.ENOSPC
-        fs.tier_api.unpin(pinned)
-        rfh, _ = await fs.open(ino, os.O_RDONLY)  # a reader only: taken over, it fits
+        ino, v1, pinned, read = await _pinned_step(fs, data)
         await _rewrite(fs, ino, [(0, b"X")])
         await sealed(fs, ino)
-        assert fs.used == _on_disk(fs) <= 21 * CS
+        assert fs.used <= 21 * CS
+        _old_bytes_intact(read, v1, data)
+        rfh, _ = await fs.open(ino, os.O_RDONLY)
         assert await fs.read(rfh, 0, 3) == b"X" + data[1:3]
         await fs.release(rfh)
-        assert fs.used == _on_disk(fs) <= 21 * CS
+        fs.tier_api.unpin(pinned)
+        assert fs.used == _on_disk(fs) <= 20 * CS
     run(body, tmp_path, capacity=30 * CS)
 
 

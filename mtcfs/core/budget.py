@@ -104,8 +104,16 @@ class RamBudget:
         """Measure what ``v``'s data file really holds (st_blocks) and count the change
         against size=: the accounting rule (docs/architecture.md, "Capacity"). A file that
         cannot be measured (gone) leaves the figures as they were."""
+        kept, group = v.preserved, v.shared
         try:
-            alloc = os.fstat(self._fd_of(v)).st_blocks * 512
+            if kept is None:
+                alloc = os.fstat(self._fd_of(v)).st_blocks * 512
+            else:
+                # A reader of a shared data file (core/versions.py): its preserved chunks,
+                # and the file itself only once its writer has left (the first reader).
+                alloc = sum(len(b) for b in list(kept.values()))
+                if group is not None and group.writer is None and group.readers[:1] == [v]:
+                    alloc += os.fstat(self._fd_of(v)).st_blocks * 512
         except OSError:
             return
         self._used += alloc - v.alloc

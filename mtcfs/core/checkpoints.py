@@ -31,7 +31,7 @@ from mtcfs.base.manifest import SPECIAL_MODES, StepManifest
 from mtcfs.core.store.fdcache import FdCache
 from mtcfs.core.store.meta import MetaDB
 from mtcfs.core.verifier import Verifier
-from mtcfs.core.versions import VersionStore
+from mtcfs.core.versions import VersionStore, read_data
 
 __all__ = ["Checkpoints"]
 
@@ -222,11 +222,7 @@ class Checkpoints:
         done, bad = 0, []
         for v, i in work:
             off, length = chunk_span(i, v.size, v.chunk_size)
-            fd = fds.lease(v)
-            try:
-                data = os.pread(fd, length, off)
-            finally:
-                fds.unlease(v, fd)
+            data = read_data(fds, v, off, length)
             if chunk_hash(data) != v.chunks[i]:
                 bad.append((v, i))
             done += length

@@ -178,7 +178,13 @@ class LocalChunks:
         registered = self.versions.get(v.vid) is v
         v.missing.add(idx)
         self.verifier.verified(v.vid, idx)
-        if registered or v.fd >= 0:  # (a replaced version's path may name other data)
+        if v.preserved is not None:
+            # it reads a data file a newer version writes on (core/versions.py, "Shared data
+            # files"): drop its own copy of the chunk; the file's bytes are the writer's
+            v.preserved.pop(idx, None)
+        elif registered or v.fd >= 0:  # (a replaced version's path may name other data)
+            if registered:
+                self.vstore.preserve(v, off, off + length)  # for older versions reading it
             fd = self._fds.lease(v)
             try:
                 punch_hole(fd, off, length)

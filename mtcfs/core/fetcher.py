@@ -267,6 +267,17 @@ class FaultIn:
             return
         versions = self._host.versions
         registered = versions.get(v.vid) is v
+        if v.preserved is not None:
+            # A replaced version that reads a data file a newer one writes on (core/
+            # versions.py, "Shared data files"): the bytes go to its own copy, not the file.
+            v.preserved[idx] = bytes(data)
+            v.missing.discard(idx)
+            self._counters.chunks_faulted += 1
+            self._counters.bytes_faulted += len(data)
+            if registered:
+                self._budget.account(v)
+                self._host.chunk_arrived(v, idx)
+            return
         if not registered and v.fd < 0:
             raise FsError(errno.EIO, "the file was replaced while its data was fetched")
         off, length = chunk_span(idx, v.size, v.chunk_size)

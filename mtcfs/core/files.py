@@ -60,7 +60,7 @@ from mtcfs.core.step_registry import StepRegistry
 from mtcfs.core.store.fdcache import FdCache
 from mtcfs.core.store.meta import MetaDB
 from mtcfs.core.verifier import Verifier
-from mtcfs.core.versions import VersionStore
+from mtcfs.core.versions import VersionStore, hash_data, read_data
 
 __all__ = ["RELEASE_WAIT_S", "Host", "OpenFiles"]
 
@@ -210,6 +210,7 @@ class OpenFiles:
             if cur is not None and not cur.sealed and cur.sealing is None:
                 if trunc and cur.size:
                     self.vstore.drop_base(cur)  # committed before the bytes go
+                    self.vstore.unshare(cur, 0)  # older versions still read its file
                     os.ftruncate(self.vstore.fd(cur), 0)
                     cur.size = 0
                     cur.missing.clear()
@@ -218,12 +219,14 @@ class OpenFiles:
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
-            # Take the data file over unless something reads the old version's own bytes:
-            # a pin (a thread, a backup upload), a seal or a publish; read-only handles read
-            # the current version (read), so the old one keeps no data (vstore._detach).
+            # Take the data file over unless the old version's seal or publish reads it:
+            # read-only handles read the current version (read), so the old one keeps no
+            # data (vstore._detach); a pinned one (read in a thread: an upload, a
+            # replication) reads on in the same file, and each chunk is copied for it before
+            # the new version changes it (core/versions.py, "Shared data files"). scope=job
+            # copies: other nodes read the old version from here.
             take = (cur is not None and not trunc and not self.job_scope and cur.sealed
-                    and not (cur.writers or cur.pins or cur.sealing is not None
-                             or cur.publishing))
+                    and not (cur.writers or cur.sealing is not None or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):
                 cur.pins += 1  # not evicted while we wait for room
@@ -341,14 +344,19 @@ class OpenFiles:
             v.pins += 1  # a version this handle does not hold must outlive the await
             try:
                 await self.chunks.fault_in(v, off, size)
-                data = os.pread(self.vstore.fd(v), size, off)
+                data = self._pread(v, size, off)
             finally:
                 v.pins -= 1
                 self.vstore.release(v)  # no-op unless rewritten meanwhile
         else:
-            data = os.pread(self.vstore.fd(v), size, off)
+            data = self._pread(v, size, off)
         self.counters.bytes_read += len(data)
         return data
+
+    def _pread(self, v: Version, size: int, off: int) -> bytes:
+        if v.preserved is not None:  # a replaced, pinned version (a deleted file's handle)
+            return read_data(self.fds, v, off, size)
+        return os.pread(self.vstore.fd(v), size, off)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)
@@ -362,9 +370,10 @@ class OpenFiles:
         end = off + len(buf)
         if end > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
-        need = self.budget.new_bytes(v, off, end)
+        need = self.budget.new_bytes(v, off, end) + self.vstore.preserve_cost(v, off, end)
         if need:
             await self.budget.reserve(need)
+        self.vstore.preserve(v, off, end)  # for older versions that read its data file
         self.vstore.note_dirty(v, off, end)  # committed before the bytes change
         try:
             n = os.pwrite(self.vstore.fd(v), buf, off)
@@ -462,6 +471,10 @@ class OpenFiles:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.chunks.fault_in(v, 0, v.size)
+        need = self.vstore.preserve_cost(v, v.size, size)
+        if need:
+            await self.budget.reserve(need)
+        self.vstore.preserve(v, v.size, size)  # for older versions that read its data file
         self.vstore.note_dirty(v, v.size, size)  # committed before the bytes change
         os.ftruncate(self.vstore.fd(v), size)
         v.size = size
@@ -646,12 +659,16 @@ class OpenFiles:
         try:
             await self.chunks.fault_in(v, 0, v.size)
             chunks = v.chunks
-            fd = self.fds.lease(v)
-            try:
-                digest = await trio.to_thread.run_sync(
-                    file_hash_fd, fd, v.size, v.chunk_size, limiter=self.cpu_limiter)
-            finally:
-                self.fds.unlease(v, fd)
+            if v.preserved is not None:  # a replaced version that reads a shared data file
+                digest = await trio.to_thread.run_sync(hash_data, self.fds, v,
+                                                       limiter=self.cpu_limiter)
+            else:
+                fd = self.fds.lease(v)
+                try:
+                    digest = await trio.to_thread.run_sync(
+                        file_hash_fd, fd, v.size, v.chunk_size, limiter=self.cpu_limiter)
+                finally:
+                    self.fds.unlease(v, fd)
             self.counters.file_hash_bytes += v.size
         finally:
             v.pins -= 1

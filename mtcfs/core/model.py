@@ -81,6 +81,14 @@ class Version:
     #: stops at its next chunk and the chunks it finished become ``base_chunks`` (core/files.py:
     #: ``writable_version``); read by the hashing thread.
     stop_seal: bool = False
+    #: The data file this version shares with others (a rewrite took it over while this
+    #: or an older version was pinned; core/versions.py, "Shared data files"), or None.
+    shared: SharedData | None = None
+    #: A pinned, replaced version whose data file a newer version writes on: its chunks
+    #: the writer changed since, each copied here (index -> bytes) before the change. Set
+    #: (to a dict) before the writer changes a byte; read by reader threads after their
+    #: ``pread`` (core/versions.py: ``read_data``). None for any other version.
+    preserved: dict[int, bytes] | None = None
 
     def touched(self, off: int, end: int) -> range:
         """The chunks that bytes ``[off, end)`` about to change (a write, or a resize from
@@ -100,6 +108,19 @@ class Version:
     def local_bytes(self) -> int:
         """Bytes of this version held in the RAM tier."""
         return self.size - self.missing_bytes() if self.missing else self.size
+
+
+@dataclass(eq=False)
+class SharedData:
+    """One data file that several versions of a file read (core/versions.py, "Shared
+    data files"): ``writer``, the version whose bytes may still change (None once it
+    left: freed, evicted or truncated to a file of its own), and ``readers``, older
+    versions still pinned, oldest first, which read the file for every chunk not in their
+    ``preserved`` copies. The writer copies a chunk into every reader that lacks it before
+    it changes a byte of it: copy-before-write, as LVM's snapshots do per extent."""
+
+    writer: Version | None
+    readers: list[Version] = field(default_factory=list)
 
 
 @dataclass(eq=False)

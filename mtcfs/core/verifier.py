@@ -23,7 +23,6 @@ worker thread under the core's ``cpu_limiter`` with a leased descriptor, its ver
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Protocol
 
@@ -33,7 +32,7 @@ from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.core.model import Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
-from mtcfs.core.versions import Releaser
+from mtcfs.core.versions import Releaser, read_data
 
 __all__ = ["INLINE_VERIFY_BYTES", "SCRUB_INTERVAL_S", "SCRUB_RATE", "Host", "Verifier"]
 
@@ -49,9 +48,9 @@ SCRUB_RATE = 100 * 1024 * 1024
 INLINE_VERIFY_BYTES = 64 * 1024
 
 
-def _hash_matches(fd: int, off: int, length: int, digest: str) -> bool:
-    """Worker-thread half of a verification."""
-    return chunk_hash(os.pread(fd, length, off)) == digest
+def _hash_matches(fds: FdCache, v: Version, off: int, length: int, digest: str) -> bool:
+    """Worker-thread half of a verification (or inline, for a small chunk)."""
+    return chunk_hash(read_data(fds, v, off, length)) == digest
 
 
 class Host(Protocol):
@@ -160,14 +159,10 @@ class Verifier:
             if length <= INLINE_VERIFY_BYTES:
                 # A small chunk hashes in microseconds: on the loop, without the thread
                 # round trip that would dominate (many small files read after a restart).
-                ok = _hash_matches(self._fds.get(v), off, length, v.chunks[idx])
-            else:
-                fd = self._fds.lease(v)  # open while the thread hashes (store/fdcache.py)
-                try:
-                    ok = await trio.to_thread.run_sync(_hash_matches, fd, off, length,
-                                                       v.chunks[idx], limiter=self._cpu)
-                finally:
-                    self._fds.unlease(v, fd)
+                ok = _hash_matches(self._fds, v, off, length, v.chunks[idx])
+            else:  # (the read leases a descriptor: store/fdcache.py)
+                ok = await trio.to_thread.run_sync(_hash_matches, self._fds, v, off, length,
+                                                   v.chunks[idx], limiter=self._cpu)
             if idx in v.missing:
                 return False
             if self._host.versions.get(v.vid) is not v:

@@ -29,6 +29,23 @@ then rolls back; the data file of a version whose row was never committed is rem
 the next load, :meth:`repair`). Nothing here raises ``FsError``; the room a version needs
 is reserved by the caller first (``RamBudget.reserve``).
 
+Shared data files (issue 18: a rewrite at chunk granularity while the old version is
+still read). A version opened for writing takes the sealed version's data file over (a
+second name for it, :meth:`VersionStore.new`); when that old version is pinned (a backup
+upload, a replication, a verification reads it in a thread) it stays, as a *reader* of
+the same file, and the new version is the file's *writer* (one
+:class:`~mtcfs.core.model.SharedData` per file, readers oldest first). Before the writer
+changes any byte of a chunk (a write, a resize, a corrupt chunk's hole), :meth:`preserve`
+copies that chunk into each reader's ``preserved`` dict (copy-before-write, as LVM's
+snapshots do per extent); readers read through :func:`read_data`, which takes the chunks
+found there after its ``pread``, so a thread never returns a byte the writer changed.
+Work and RAM: the chunks changed, not the file. The writer leaves the file to the readers
+when it is truncated to 0 or its data dropped (:meth:`unshare`: a new file of its own) or
+freed; a reader leaves when its last pin goes (:meth:`release`). The file counts against
+size= once (with its writer, else with the first reader) and each reader's copies on top.
+A crash needs nothing: readers are replaced versions, forgotten at the next load with
+their names (:meth:`repair`), and the writer's row is the take-over's.
+
 Concurrency: every method runs on the trio thread and none awaits; a version being sealed
 (``Version.sealing``, hashing in a worker thread) is never freed under it: :meth:`release`
 gives its pages back and the seal frees the rest.
@@ -48,12 +65,12 @@ from mtcfs.base.chunking import chunk_count, chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.chunkmap import ChunkIndex
-from mtcfs.core.model import Inode, Version
+from mtcfs.core.model import Inode, SharedData, Version
 from mtcfs.core.store import Store
 from mtcfs.core.store.fdcache import FdCache
 from mtcfs.core.store.meta import MetaDB
 
-__all__ = ["Host", "Releaser", "VersionStore", "copy_extents"]
+__all__ = ["Host", "Releaser", "VersionStore", "copy_extents", "hash_data", "read_data"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -112,6 +129,47 @@ def copy_extents(src: int, dst: int, size: int) -> None:
             pos += n
         off = end
     os.ftruncate(dst, size)
+
+
+def read_data(fds: FdCache, v: Version, off: int, length: int) -> bytes:
+    """``length`` bytes at ``off`` of ``v``'s content (fewer at its end), from any thread
+    (the caller pins ``v``) or the loop.
+
+    A version that shares its data file with a newer one that writes on it (a reader,
+    ``v.preserved`` set: "Shared data files" in this module) gets its preserved copy of
+    each chunk the writer changed. ``preserved`` is read after the ``pread``: the writer
+    copies a chunk there before it changes a byte of it, so a chunk not there after the
+    read was not being changed during it (the order of a seqlock's check).
+    """
+    fd = fds.lease(v)
+    try:
+        data = os.pread(fd, length, off)
+    finally:
+        fds.unlease(v, fd)
+    kept = v.preserved
+    if kept is None or not length:
+        return data
+    cs = v.chunk_size
+    want = max(0, min(length, v.size - off))
+    first, last = off // cs, (off + want - 1) // cs
+    if not any(i in kept for i in range(first, last + 1)):
+        return data if len(data) <= want else data[:want]  # (the writer may have grown it)
+    out = bytearray(data.ljust(want, b"\0")[:want])
+    for i in range(first, last + 1):
+        piece = kept.get(i)
+        if piece is not None:
+            lo, hi = max(off, i * cs), min(off + want, i * cs + len(piece))
+            out[lo - off:hi - off] = piece[lo - i * cs:hi - i * cs]
+    return bytes(out)
+
+
+def hash_data(fds: FdCache, v: Version, piece: int = 4 << 20) -> str:
+    """The whole-file blake3 (hex) of ``v``'s content, read with :func:`read_data` in
+    pieces of ``piece`` bytes (a reader of a shared data file; worker thread)."""
+    h = blake3.blake3()
+    for off in range(0, v.size, piece):
+        h.update(read_data(fds, v, off, min(piece, v.size - off)))
+    return str(h.hexdigest())
 
 
 class VersionStore:
@@ -340,9 +398,110 @@ class VersionStore:
         self._host.budget.account(v)
         self.versions[v.vid] = v
         self.write(v)
-        if take_over is not None and take_over.handles:
-            self._detach(take_over)
+        if take_over is not None:
+            self._share(take_over, v)
+            if take_over.handles and take_over.preserved is None:
+                self._detach(take_over)
         return v
+
+    # ------------------------------------------------------------------ shared data files
+
+    def _share(self, old: Version, v: Version) -> None:
+        """``v`` took ``old``'s data file over (:meth:`new`). If ``old`` is pinned (read in
+        a thread: an upload, a replication, a verification), it stays a reader of that file
+        and ``v`` its writer, which preserves ``old``'s bytes of each chunk before changing
+        it (:meth:`preserve`); a group of such versions is one :class:`SharedData`."""
+        group = old.shared
+        if old.pins:
+            if group is None:
+                group = old.shared = SharedData(writer=None)
+            if old.preserved is None:
+                old.preserved = {}
+            if old not in group.readers:
+                group.readers.append(old)
+        elif group is not None:
+            old.shared = None  # the writer leaves; freed or detached next
+        if group is None:
+            return
+        group.writer = v if group.readers else None
+        v.shared = group if group.readers else None
+        for r in group.readers[:1]:
+            self._host.budget.account(r)  # the file counts once, with its writer
+
+    def preserve_cost(self, v: Version, off: int, end: int) -> int:
+        """Bytes :meth:`preserve` would copy for the same arguments (to reserve first)."""
+        group = v.shared
+        if group is None or group.writer is not v:
+            return 0
+        return sum(chunk_span(i, r.size, r.chunk_size)[1] for r, i in self._to_preserve(v, off, end))
+
+    def _to_preserve(self, v: Version, off: int, end: int) -> list[tuple[Version, int]]:
+        group = v.shared
+        assert group is not None
+        lo, hi = min(off, end), max(off, end)
+        if lo == hi:
+            return []
+        cs = v.chunk_size
+        out = []
+        for r in group.readers:
+            kept = r.preserved
+            assert kept is not None
+            for i in range(lo // cs, min((hi - 1) // cs + 1, chunk_count(r.size, cs))):
+                if i not in kept and i not in r.missing:
+                    out.append((r, i))
+        return out
+
+    def preserve(self, v: Version, off: int, end: int) -> None:
+        """Bytes ``[off, end)`` of ``v``'s data file are about to change (a write, or a
+        resize from ``off`` to ``end`` or back): if older versions still read that file
+        (``v`` is the writer of a :class:`SharedData`), copy each chunk of theirs that the
+        range touches and that they do not hold yet into their ``preserved`` copies first.
+        On the loop, before the change; a no-op for any other version. Work and RAM: the
+        chunks touched, not the file."""
+        group = v.shared
+        if group is None or group.writer is not v:
+            return
+        fd = self.fd(v)
+        for r, i in self._to_preserve(v, off, end):
+            c_off, length = chunk_span(i, r.size, r.chunk_size)
+            assert r.preserved is not None
+            r.preserved[i] = os.pread(fd, length, c_off)
+            self._host.budget.account(r)
+
+    def unshare(self, v: Version, size: int) -> None:
+        """Give writer ``v`` a data file of its own, ``size`` bytes of holes, in place of
+        the one older versions still read (which keep it, unchanged): its truncation to 0,
+        or the drop of its data (eviction), without a copy. A no-op for any other version.
+        Its bytes are gone: the caller makes them missing or truncates them."""
+        group = v.shared
+        if group is None or group.writer is not v:
+            return
+        v.shared = None
+        group.writer = None
+        self.fds.drop(v)
+        self._store.remove_data(v.vid)  # its name only: the readers' names keep the file
+        fd = self._store.open_data(v.vid, create=True)
+        self.fds.adopt(v, fd)
+        os.ftruncate(fd, size)
+        self._host.budget.account(v)
+        for r in group.readers[:1]:
+            self._host.budget.account(r)  # now the one that counts the file
+
+    def _leave_shared(self, v: Version) -> None:
+        """``v`` is freed: it no longer reads or writes its group's file."""
+        group = v.shared
+        if group is None:
+            return
+        v.shared = None
+        if v in group.readers:
+            group.readers.remove(v)
+            v.preserved = None
+        if group.writer is v:
+            group.writer = None
+        if not group.readers and group.writer is not None:
+            group.writer.shared = None
+        for r in group.readers[:1]:
+            self._host.budget.account(r)
 
     def _detach(self, old: Version) -> None:
         """``old``'s data file became a new version's (:meth:`new`, ``take_over``) while
@@ -452,11 +611,7 @@ class VersionStore:
         descriptor is leased for the read (fdcache.py). Returns None on a mismatch: a chunk
         whose hash does not match is never served.
         """
-        fd = self.fds.lease(v)
-        try:
-            data = os.pread(fd, length, off)
-        finally:
-            self.fds.unlease(v, fd)
+        data = read_data(self.fds, v, off, length)
         if digest is not None and chunk_hash(data) != digest:
             log.error("local chunk %s of version %d does not match its hash", digest[:16], v.vid)
             return None
@@ -474,6 +629,7 @@ class VersionStore:
         self._hand_over_last_copies(v)
         # first, so that other local copies take over at once
         self._host.chunk_index.forget_version(v)
+        self.unshare(v, v.size)  # older versions still read its file: keep it for them
         fd = self.fd(v)
         os.ftruncate(fd, 0)
         os.ftruncate(fd, v.size)
@@ -511,12 +667,14 @@ class VersionStore:
             # result and frees the rest.
             if not v.dropped:
                 v.dropped = True
-                os.ftruncate(self.fd(v), 0)
+                if v.shared is None:  # (older versions still read a shared one)
+                    os.ftruncate(self.fd(v), 0)
                 host.budget.account(v)
             return
         del self.versions[v.vid]
         host.verifier.drop(v.vid)  # core/verifier.py: nothing left to verify
         self._hand_over_last_copies(v)
+        self._leave_shared(v)
         self.fds.drop(v)
         allocated = v.alloc
         host.budget.remove(v)
@@ -542,6 +700,6 @@ class VersionStore:
                 if not keeper.wants(d):
                     continue
                 off, length = chunk_span(i, v.size, v.chunk_size)
-                keeper.keep(d, os.pread(self.fd(v), length, off))  # keep() verifies it
+                keeper.keep(d, read_data(self.fds, v, off, length))  # keep() verifies it
             except Exception as exc:  # the keeper's problem must not stop a delete
                 log.warning("could not hand chunk %s over before dropping it: %s", d[:16], exc)
