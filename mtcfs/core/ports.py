@@ -122,8 +122,9 @@ class SnapshotPort(CoreView, Protocol):
 class BackupPort(SnapshotPort, Protocol):
     """The backup scheduler: snapshots, what is backed up, and eviction."""
 
-    def mark_backed_up(self, name: str, versions: list[Version]) -> None:
-        """Record that step ``name`` (with these versions) is complete in the backup tier."""
+    def mark_backed_up(self, name: str, versions: list[Version]) -> bool:
+        """Record that step ``name`` (with these versions) is complete in the backup tier;
+        False when the step changed during its upload (not backed up: upload it again)."""
         ...
 
     def backup_pending(self) -> str | None:

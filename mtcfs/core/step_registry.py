@@ -327,18 +327,29 @@ class StepRegistry:
 
     # ------------------------------------------------------------------ the backup tier
 
-    def mark_backed_up(self, name: str, versions: Iterable[Version]) -> None:
-        """Record that step ``name`` (with these versions) is complete in the backup tier:
-        the versions still registered and the step's record, in one transaction."""
+    def mark_backed_up(self, name: str, versions: Iterable[Version]) -> bool:
+        """Record that step ``name`` as it was with ``versions`` (its snapshot) is complete
+        in the backup tier: those versions still registered, and the step's record if its
+        files are still exactly those versions, in one transaction.
+
+        Returns False when the step changed while it was uploaded (a file rewritten, added
+        or deleted): the backup tier holds an older image of it, so the step is not backed
+        up and must be uploaded again; its versions that did not change are marked all
+        the same."""
+        versions = list(versions)
         with self._db.transaction():
             for v in versions:
-                if v.vid in self._vstore.versions and not v.backed_up:
+                if self._vstore.versions.get(v.vid) is v and not v.backed_up:
                     v.backed_up = True
                     self._vstore.write(v)
             rec = self.records.get(name)
-            if rec is not None:
-                rec.backed_up_ns = _now_ns()
-                self.write(rec)
+            if rec is None:
+                return True  # deleted meanwhile: nothing left to back up
+            if {v.vid for v in self.versions_of(rec)} != {v.vid for v in versions}:
+                return False
+            rec.backed_up_ns = _now_ns()
+            self.write(rec)
+        return True
 
     def backup_pending(self) -> str | None:
         """The step whose backup started and had not completed when the daemon stopped."""

@@ -136,9 +136,10 @@ class TierApi:
 
     # ------------------------------------------------------------------ the backup tier
 
-    def mark_backed_up(self, name: str, versions: list[Version]) -> None:
-        """Record that step ``name`` (with these versions) is complete in the backup tier."""
-        self._registry.mark_backed_up(name, versions)
+    def mark_backed_up(self, name: str, versions: list[Version]) -> bool:
+        """Record that step ``name`` (with these versions) is complete in the backup tier;
+        False when the step changed during its upload (not backed up: upload it again)."""
+        return self._registry.mark_backed_up(name, versions)
 
     def backup_pending(self) -> str | None:
         """The step whose backup started and had not completed when the daemon stopped."""

@@ -326,7 +326,15 @@ class BackupService:
         finally:
             rec.backing_up = False
             self.status.uploading = None
-        self.fs.mark_backed_up(rec.name, pinned)
+        if not self.fs.mark_backed_up(rec.name, pinned):
+            # A file of the step changed during the upload: the bucket holds the step as
+            # it was at the snapshot. Not backed up; due again at once (as after a failure).
+            log.info("checkpoint %s changed while it was uploaded: uploading it again",
+                     rec.name)
+            self.fs.unpin(pinned)
+            self._commits_since += max(taken, 1)
+            self._last_start = prev_start
+            return True
         self.fs.set_backup_pending(None if self._resume in (None, rec.name) else self._resume)
         self._last_number = rec.number  # the newest step: the interval counts from here
         self.fs.unpin(pinned)
