@@ -74,6 +74,8 @@ from mtcfs.plan import expected_waste, plan_interval  # noqa: E402
 
 NODES = 2  # ranks, one mtcfs node each
 KINDS = ("process", "node", "job")
+#: A recovery longer than this prints the daemons' logs (a replacement takes 0.2-3 s here).
+SLOW_RECOVERY_S = 20.0
 KIND_WEIGHTS = (0.6, 0.3, 0.1)  # job-wide failures are rare
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor", "torch.onnx")
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -330,6 +332,10 @@ class FailureRecord:
     step: int  #: the last step done when it hit
     restored: int  #: the step training resumed from
     recovery_s: float = 0.0  #: injection -> every rank ready to train again
+    #: mtcfs, parts of recovery_s: the lost nodes' replacement mounted (kill, wipe, mount),
+    #: then a common complete step seen in every mount
+    replace_s: float = 0.0
+    pick_s: float = 0.0
     #: mtcfs: the newest step complete on every rank in the backup tier when it hit
     backup_step: int | None = None
     sealed: int = 0  #: the newest step every rank had checkpointed when it hit
@@ -401,6 +407,7 @@ class Nodes:
                 opts["assume_data_parallelism"] = str(data_parallel)
             self.mounts.append(MtcfsMount(job, work / f"n{r}" / "mnt", opts))
         self.uploaded_dead = [0] * NODES
+        self.dead_logs: dict[int, list[str]] = {}  # rank -> end of its lost daemon's log
         self.uploaded_live = [0] * NODES
 
     def mount(self) -> None:
@@ -429,6 +436,11 @@ class Nodes:
 
         def lose(r: int) -> None:
             kill9(self.mounts[r])
+            try:  # the lost daemon's last words, for report_slow
+                log_path = Path(self.mounts[r].options["store"] or "") / "mtcfs.log"
+                self.dead_logs[r] = log_path.read_text(errors="replace").splitlines()[-80:]
+            except OSError:
+                self.dead_logs[r] = []
             shutil.rmtree(self.mounts[r].options["store"] or "", ignore_errors=True)
         on_all(lose, ranks)
         on_all(lambda r: self.mounts[r].mount(), ranks)
@@ -449,6 +461,26 @@ class Nodes:
             except OSError:
                 pass
         return out
+
+    def report_slow(self, rec: FailureRecord) -> None:
+        """Say that recovery ``rec`` was slow and print the end of every node's daemon
+        log to stderr (what a failed run needs to be explained)."""
+        say(f"  WARNING: the recovery after the {rec.kind} failure at t={rec.t:.1f}s took "
+            f"{rec.recovery_s:.1f} s (more than {SLOW_RECOVERY_S:g} s): replacement mounted "
+            f"after {rec.replace_s:.1f} s, a common step seen {rec.pick_s:.1f} s later, the "
+            "rest is the ranks' restart and restore; daemon logs on stderr")
+        for r, lines in sorted(self.dead_logs.items()):
+            print(f"--- node {r}: end of its lost daemon's log ---\n" + "\n".join(lines),
+                  file=sys.stderr)
+        for r, m in enumerate(self.mounts):
+            log_path = Path(m.options["store"] or "") / "mtcfs.log"
+            try:
+                lines = log_path.read_text(errors="replace").splitlines()
+            except OSError as exc:
+                print(f"--- node {r}: {exc}", file=sys.stderr)
+                continue
+            tail = "\n".join(lines[-80:])
+            print(f"--- node {r}: end of {log_path} ---\n{tail}", file=sys.stderr, flush=True)
 
     def unmount(self) -> None:
         from demo_peers import on_all
@@ -614,6 +646,8 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                         ready.add(rank)
                         if len(ready) == NODES and recovering is not None:
                             recovering.recovery_s = msg[3] - (t0 + recovering.t)
+                            if recovering.recovery_s > SLOW_RECOVERY_S and nodes is not None:
+                                nodes.report_slow(recovering)
                             res.timeline.append((msg[3] - t0, msg[2]))
                             recovering = None
                     elif kind == "step" and rank == 0:
@@ -638,6 +672,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
             if nodes is not None:
                 if lost:
                     nodes.replace(lost)
+                t_replaced = time.monotonic()
                 if hit.kind == "process":
                     expect = False  # nothing left RAM: what is there is all there is
                 elif hit.kind == "node":
@@ -646,6 +681,7 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                     expect = any(all((d / f"rank-{r}").is_dir() for r in range(NODES))
                                  for d in (nodes.bucket / "steps").glob("*"))  # backed up
                 restore = pick_mtcfs(nodes, expect)
+                replace_s, pick_s = t_replaced - t_hit, time.monotonic() - t_replaced
                 floor = (s.ckpt_bytes / s.bandwidth) if hit.kind == "job" and restore else 0.0
             else:
                 restore = pick_backup(rank_dirs)
@@ -653,6 +689,8 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                                 restore or 0, backup_step=in_backup,
                                 sealed=max((n for n in set.intersection(*saved.values())
                                             if n <= last), default=0))
+            if nodes is not None:
+                rec.replace_s, rec.pick_s = round(replace_s, 3), round(pick_s, 3)
             res.failures.append(rec)
             recovering = rec
             # in the plot: down to the restored step at the failure, flat while recovering
