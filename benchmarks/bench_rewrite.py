@@ -89,7 +89,11 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
     if kind.endswith("+pinned") and mount is not None:
         (d / "step_1" / "commit_success.txt").write_text("ok")  # commits the step
         wait_sealed(d / "step_1" / "commit_success.txt")
-        time.sleep(3)  # the backup scheduler starts the upload: the version is pinned
+        end = time.monotonic() + 60  # the scheduler starts the upload: the version is pinned
+        while (mount.status().get("backup") or {}).get("uploading") != "step_1":
+            if time.monotonic() > end:
+                raise TimeoutError("the backup upload of step_1 did not start in 60 s")
+            time.sleep(0.05)
     pid = int(mount.status()["pid"]) if mount is not None else None
     reader = os.open(p, os.O_RDONLY) if kind.endswith("+reader") else None
     out: dict[str, Any] = {"system": name, "size": size, "kind": kind, "runs": []}

@@ -345,7 +345,9 @@ class StepRegistry:
             rec = self.records.get(name)
             if rec is None:
                 return True  # deleted meanwhile: nothing left to back up
-            if {v.vid for v in self.versions_of(rec)} != {v.vid for v in versions}:
+            # (another rank's files, scope=job, are in no snapshot: that rank backs them up)
+            now = {v.vid for v in self.versions_of(rec) if v.origin < 0}
+            if now != {v.vid for v in versions}:
                 return False
             rec.backed_up_ns = _now_ns()
             self.write(rec)
