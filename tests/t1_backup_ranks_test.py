@@ -603,7 +603,7 @@ def test_backup_service_passes_share(tmp_path) -> None:
         set_backup_pending=lambda name: None, step_sealed=lambda r: True, step_in_ram=lambda r: True,
         snapshot_step=lambda name: (m, []), chunk_reader=lambda pinned: chunks.__getitem__,
         unpin=lambda pinned: None, evict=list,
-        mark_backed_up=lambda name, pinned: calls.append(name),
+        mark_backed_up=lambda name, pinned: calls.append(name) or True,
         backup_retired=lambda kept: [])
     with pytest.raises(ValueError):
         BackupService(fs, store, interval_s=None, every_ckpts=1, keep_backups=2, url="u",
@@ -640,9 +640,10 @@ def test_backup_service_joins_the_step_a_twin_began(tmp_path) -> None:
                                          backing_up=False) for n in (19, 20, 21)}
     calls: list[str] = []
 
-    def mark(name: str, pinned: object) -> None:
+    def mark(name: str, pinned: object) -> bool:
         calls.append(name)
         recs[name].backed_up_ns = 2
+        return True
 
     fs = SimpleNamespace(
         steps=recs, subscribe=lambda cb: None, backup_pending=lambda: None,
@@ -692,7 +693,7 @@ def test_backup_service_waits_for_chunks_still_being_restored(tmp_path) -> None:
         set_backup_pending=lambda name: None, step_sealed=lambda r: True, step_in_ram=lambda r: not version.missing,
         snapshot_step=lambda name: (m, [version]), chunk_reader=reader,
         unpin=lambda pinned: None, evict=list,
-        mark_backed_up=lambda name, pinned: calls.append(name),
+        mark_backed_up=lambda name, pinned: calls.append(name) or True,
         backup_retired=lambda kept: [])
     svc = BackupService(fs, store, interval_s=None, every_ckpts=1, keep_backups=2, url="u",
                         interval_text="1")
@@ -770,7 +771,7 @@ def test_a_failed_time_based_backup_is_tried_again_after_the_backoff(tmp_path) -
         set_backup_pending=lambda name: None, step_sealed=lambda r: True,
         step_in_ram=lambda r: True, snapshot_step=lambda name: (m, []),
         chunk_reader=lambda pinned: chunks.__getitem__, unpin=lambda pinned: None, evict=list,
-        mark_backed_up=lambda name, pinned: calls.append(name), backup_retired=lambda kept: [])
+        mark_backed_up=lambda name, pinned: calls.append(name) or True, backup_retired=lambda kept: [])
     svc = BackupService(fs, store, interval_s=3600.0, every_ckpts=None, keep_backups=2,
                         url="u", interval_text="1h")
 
