@@ -111,7 +111,7 @@ class RamBudget:
             else:
                 # A reader of a shared data file (core/versions.py): its preserved chunks,
                 # and the file itself only once its writer has left (the first reader).
-                alloc = sum(len(b) for b in list(kept.values()))
+                alloc = sum(len(b) for b in kept.values())  # (changed on the loop only)
                 if group is not None and group.writer is None and group.readers[:1] == [v]:
                     alloc += os.fstat(self._fd_of(v)).st_blocks * 512
         except OSError:

@@ -425,8 +425,14 @@ class VersionStore:
             return
         group.writer = v if group.readers else None
         v.shared = group if group.readers else None
+        self._account_file_holder(group)  # the file counts once, with its writer
+
+    def _account_file_holder(self, group: SharedData) -> None:
+        """Account ``group``'s first reader again after its writer came or went: the
+        reader that counts the shared file itself while the group has no writer
+        (``RamBudget.account``)."""
         for r in group.readers[:1]:
-            self._host.budget.account(r)  # the file counts once, with its writer
+            self._host.budget.account(r)
 
     def preserve_cost(self, v: Version, off: int, end: int) -> int:
         """Bytes :meth:`preserve` would copy for the same arguments (to reserve first)."""
@@ -478,14 +484,8 @@ class VersionStore:
             return
         v.shared = None
         group.writer = None
-        self.fds.drop(v)
-        self._store.remove_data(v.vid)  # its name only: the readers' names keep the file
-        fd = self._store.open_data(v.vid, create=True)
-        self.fds.adopt(v, fd)
-        os.ftruncate(fd, size)
-        self._host.budget.account(v)
-        for r in group.readers[:1]:
-            self._host.budget.account(r)  # now the one that counts the file
+        self._new_data_file(v, size, 0)  # its name only: the readers' names keep the file
+        self._account_file_holder(group)  # now a reader counts the file
 
     def _leave_shared(self, v: Version) -> None:
         """``v`` is freed: it no longer reads or writes its group's file."""
@@ -500,8 +500,7 @@ class VersionStore:
             group.writer = None
         if not group.readers and group.writer is not None:
             group.writer.shared = None
-        for r in group.readers[:1]:
-            self._host.budget.account(r)
+        self._account_file_holder(group)
 
     def _detach(self, old: Version) -> None:
         """``old``'s data file became a new version's (:meth:`new`, ``take_over``) while
@@ -527,14 +526,20 @@ class VersionStore:
         sparse data file of its size (nothing if ``old`` was freed meanwhile)."""
         if self.versions.get(old.vid) is not old:
             return
-        self.fds.drop(old)
         # Mostly a second link to the new version's file (nothing freed); the only one if
         # that version went meanwhile, and then a large one is freed off the loop.
-        self._store.remove_data(old.vid, old.alloc)
-        fd = self._store.open_data(old.vid, create=True)
-        self.fds.adopt(old, fd)
-        os.ftruncate(fd, old.size)
-        self._host.budget.account(old)
+        self._new_data_file(old, old.size, old.alloc)
+
+    def _new_data_file(self, v: Version, size: int, allocated: int) -> None:
+        """``v``'s name gets a new data file of ``size`` bytes of holes, adopted and
+        accounted; the file the name had loses that name (``allocated``: its bytes in RAM
+        when this name was its last, for ``Store.remove_data``)."""
+        self.fds.drop(v)
+        self._store.remove_data(v.vid, allocated)
+        fd = self._store.open_data(v.vid, create=True)
+        self.fds.adopt(v, fd)
+        os.ftruncate(fd, size)
+        self._host.budget.account(v)
 
     def new_sealed(self, ino: int, size: int, chunk_size: int, chunks: tuple[str, ...],
                    file_hash: str, *, origin: int = -1, backed_up: bool = False,
