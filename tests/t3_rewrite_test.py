@@ -5,16 +5,13 @@ not to the file's size; holes stay holes; the whole-file hash stays the true bla
 In-process core (tests/support/corefs.py, chunks of CS = 64 KiB); the real mount's form is
 in t4_posix_test.py (test_rewrite_of_one_byte_of_a_sealed_file_*)."""
 
-import errno
 import os
 
 import blake3
-import pytest
 import trio
 
 from mtcfs.base import failpoints
 from mtcfs.base.chunking import chunk_hash
-from mtcfs.base.errors import FsError
 from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, run, run_to_crash, sealed, write_file
 
@@ -182,7 +179,7 @@ def test_rewrite_while_a_reader_holds_the_file_open(tmp_path):
     run(body, tmp_path)
 
 
-def _pinned_step(fs, data: bytes, chunks_per_file: int = 0):
+def _pinned_step(fs, data: bytes):
     """Write ``data`` as step_1/x, commit the step and pin it as a backup upload in flight
     does: (ino, v1, pinned versions, a verifying chunk reader over them)."""
 
@@ -264,7 +261,7 @@ def test_while_pinned_a_shrink_a_second_rewrite_and_an_o_trunc_keep_every_old_by
         assert v1.shared is v2.shared is v3.shared and v1.shared.readers == [v1, v2]
         _old_bytes_intact(read, v1, old)
         for i, d in enumerate(v2.chunks):
-            _off, n = (i * CS, min(CS, len(second) - i * CS))
+            n = min(CS, len(second) - i * CS)
             assert fs.tier_api.read_chunk_at(v2, i * CS, n, d) == second[i * CS:i * CS + n]
         # O_TRUNC: a new, empty version; the shared file is left to the pinned ones
         fh, _ = await fs.open(ino, os.O_RDWR | os.O_TRUNC)
