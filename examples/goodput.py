@@ -67,7 +67,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mount_util import (  # noqa: E402
-    MtcfsMount, job_tls, local_etcd, run_in_scratch,
+    MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
 )
 
 from mtcfs.plan import expected_waste, plan_interval  # noqa: E402
@@ -429,6 +429,7 @@ class Nodes:
         """Lose these nodes (daemon SIGKILLed, dead mount cleared, store wiped) and mount a
         replacement on an empty store for each."""
         from demo_peers import kill9, on_all
+        self.dead_logs = {}  # only this failure's
         for r in ranks:
             self.sample(r)
             self.uploaded_dead[r] += self.uploaded_live[r]
@@ -469,18 +470,10 @@ class Nodes:
             f"{rec.recovery_s:.1f} s (more than {SLOW_RECOVERY_S:g} s): replacement mounted "
             f"after {rec.replace_s:.1f} s, a common step seen {rec.pick_s:.1f} s later, the "
             "rest is the ranks' restart and restore; daemon logs on stderr")
-        for r, lines in sorted(self.dead_logs.items()):
+        for r, lines in sorted(self.dead_logs.items() if rec.kind != "process" else ()):
             print(f"--- node {r}: end of its lost daemon's log ---\n" + "\n".join(lines),
                   file=sys.stderr)
-        for r, m in enumerate(self.mounts):
-            log_path = Path(m.options["store"] or "") / "mtcfs.log"
-            try:
-                lines = log_path.read_text(errors="replace").splitlines()
-            except OSError as exc:
-                print(f"--- node {r}: {exc}", file=sys.stderr)
-                continue
-            tail = "\n".join(lines[-80:])
-            print(f"--- node {r}: end of {log_path} ---\n{tail}", file=sys.stderr, flush=True)
+        print_node_logs(self.root, NODES, 80)  # the stores are root/n<r>/store
 
     def unmount(self) -> None:
         from demo_peers import on_all
