@@ -29,6 +29,9 @@ from mtcfs.base.ns_ops import (
 from mtcfs.core.model import ROOT_INO
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from support.corefs import open_fs
+from support.jobcore import (
+    check_consistent, published_on, read_all, run_job, tree_of, write_sealed,
+)
 from support.etcd import etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 # ---------------------------------------------------------------------------- wire form
@@ -171,37 +174,6 @@ async def _errno(coro) -> int:
         return exc.errno
     return 0
 
-
-def check_consistent(fs):
-    """Memory and SQLite agree on every named inode and every dentry; link counts add up."""
-    named = {}  # ino -> names
-    for d in fs.inodes.values():
-        if d.is_dir and (d.ino == ROOT_INO or d.parent):
-            for name, num in d.children.items():
-                assert num in fs.inodes, (d.ino, name)
-                named.setdefault(num, set()).add((d.ino, name))
-    rows = {(p, bytes(n)): i for p, n, i in fs.db.execute(
-        "SELECT parent, name, ino FROM dentries").fetchall()}
-    mem = {(p, n): i for i, names in named.items() for p, n in names}
-    assert rows == mem
-    for num in [ROOT_INO, *named]:
-        ino = fs.inodes[num]
-        row = fs.db.execute("SELECT kind, mode, uid, gid, nlink, vid, rdev, target FROM "
-                            "inodes WHERE ino=?", (num,)).fetchone()
-        assert row is not None, num
-        assert tuple(row[:7]) == (ino.kind, ino.mode, ino.uid, ino.gid, ino.nlink, ino.vid,
-                                  ino.rdev)
-        assert bytes(row[7] or b"") == ino.target
-        if ino.is_dir:
-            subdirs = sum(fs.inodes[c].is_dir for c in ino.children.values())
-            assert ino.nlink == 2 + subdirs, num
-        else:
-            assert ino.nlink == len(named[num]), num
-        if ino.is_file:
-            assert fs.db.execute("SELECT ino FROM versions WHERE vid=?",
-                                 (ino.vid,)).fetchone() == (num,)
-        if num != ROOT_INO and ino.parent:
-            assert (ino.parent, ino.name) in named[num]
 
 
 def test_both_logs_satisfy_the_protocol(log_kind, tmp_path, request):
@@ -360,139 +332,24 @@ def test_core_operations_go_through_the_log(log_kind, tmp_path, request):
         assert stat.S_IMODE((await fs.getattr(attr.ino)).mode) == 0o600
         assert sub not in fs.inodes or not fs.inodes[sub].parent
         assert sorted(fs.inodes[d].children) == [b"fifo", b"link", b"v.bin"]
-        snapshot.update(_tree(fs))
+        snapshot.update(tree_of(fs))
 
     _run(log_kind, tmp_path, request, body)
     fs = open_fs(tmp_path / "store")  # what SQLite holds, read back
     try:
-        assert _tree(fs) == snapshot
+        assert tree_of(fs) == snapshot
         check_consistent(fs)
     finally:
         fs.close()
         fs.store.close()
 
 
-def _tree(fs) -> dict:
-    out = {}
-    stack = [(b"", ROOT_INO)]
-    while stack:
-        path, num = stack.pop()
-        ino = fs.inodes[num]
-        size = fs.versions[ino.vid].size if ino.is_file else None
-        out[path] = (num, ino.kind, ino.mode, ino.nlink, ino.target, size)
-        for name, child in (ino.children or {}).items():
-            stack.append((path + b"/" + name, child))
-    return out
-
-
 # ------------------------------------------------ the job-scope apply path, in process
 #
-# Several cores in one trio run share a replicated log kept in memory: every op is applied
-# by every core in one order through ``ns_apply`` (as EtcdNamespace does from its watch),
-# without etcd and without FUSE. It drives the namespace component (core/jobns.py):
-# apply in scope=job, publish, the log position, snapshot and install.
-
-
-class _JobLog:
-    """A replicated :class:`NamespaceLog` in memory for the cores in ``members`` (a fake
-    beside the real EtcdNamespace, which the suite above runs): ``submit`` gives the op
-    this node's envelope, takes it through its wire form, and has every member apply it at
-    the next position; a refused op still moves every member's position (as the etcd log
-    does); the submitter gets its own result or errno."""
-
-    replicated = True
-    unavailable = False
-
-    def __init__(self, members: list, epoch: int = 1) -> None:
-        self.members = members
-        self.epoch = epoch
-        self.seq = 0
-        self.ids = 0
-
-    def for_node(self, fs) -> "_NodeLog":
-        return _NodeLog(self, fs)
-
-    def apply(self, op: NsOp) -> dict:
-        """Order ``op`` and apply it on every member: ``{rank: result or errno}``."""
-        self.seq += 1
-        out: dict = {}
-        for fs in self.members:
-            try:
-                out[fs.rank], _keep = fs.tier_api.ns_apply(op.to_wire(), self.seq, self.epoch)
-            except FsError as exc:
-                fs.tier_api.ns_set_position(self.epoch, self.seq)
-                out[fs.rank] = exc.errno
-        return out
-
-
-class _NodeLog:
-    replicated = True
-    unavailable = False
-
-    def __init__(self, job: _JobLog, fs) -> None:
-        self.job, self.fs = job, fs
-
-    async def submit(self, op: NsOp) -> dict:
-        import dataclasses
-        self.job.ids += 1
-        op = dataclasses.replace(op, rank=self.fs.rank, id=f"t.{self.job.ids}")
-        got = self.job.apply(op)[self.fs.rank]
-        if isinstance(got, int):
-            raise FsError(got)
-        return got
-
-    async def fresh(self) -> None:
-        return None
-
-    def status(self) -> dict:
-        return {"engine": "memory", "seq": self.job.seq}
-
-
-def _run_job(tmp_path, body, ranks=(0, 1)):
-    """Run ``body(cores, job_log)`` on fresh cores of ``ranks`` sharing one _JobLog; every
-    core is checked consistent afterwards."""
-    async def main():
-        async with trio.open_nursery() as n:
-            cores = [open_fs(tmp_path / f"store{r}", rank=r) for r in ranks]
-            job = _JobLog(cores)
-            try:
-                for fs in cores:
-                    fs.ns_log = job.for_node(fs)
-                    assert fs.job_scope
-                    fs.start(n)
-                with trio.fail_after(60):
-                    await body(cores, job)
-                for fs in cores:
-                    check_consistent(fs)
-            finally:
-                n.cancel_scope.cancel()
-                for fs in cores:
-                    fs.close()
-                    fs.store.close()
-    trio.run(main)
-
-
-async def _published_on(fs, ino: int, size: int) -> None:
-    """Wait (10 s at most) until ``fs`` holds the published version of ``ino`` of ``size``."""
-    with trio.fail_after(10):
-        while not (fs.inodes[ino].published and fs.inodes[ino].published["size"] == size):
-            await trio.sleep(0.01)
-
-
-async def _write(fs, parent: int, name: bytes, data: bytes) -> int:
-    from support.corefs import write_file
-    ino = await write_file(fs, parent, name, data)
-    with trio.fail_after(10):
-        await fs.open_files.wait_sealed(fs.inodes[ino])
-    return ino
-
-
-async def _read(fs, ino: int) -> bytes:
-    fh, _keep = await fs.open(ino, os.O_RDONLY)
-    try:
-        return await fs.read(fh, 0, 1 << 30)
-    finally:
-        await fs.release(fh)
+# Several cores in one trio run share a replicated log kept in memory (support/jobcore.py):
+# every op is applied by every core in one order through ``ns_apply`` (as EtcdNamespace does
+# from its watch), without etcd and without FUSE. It drives the namespace component
+# (core/jobns.py): apply in scope=job, publish, the log position, snapshot and install.
 
 
 def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
@@ -505,15 +362,15 @@ def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
     async def body(cores, job):
         a, b = cores
         d = (await a.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)).ino
-        f_small = await _write(a, d, b"small.bin", small)
-        f_large = await _write(a, d, b"large.bin", large)
-        await _published_on(b, f_small, len(small))
-        await _published_on(b, f_large, len(large))
-        assert await _read(b, f_small) == small  # came inside the publish op
+        f_small = await write_sealed(a, d, b"small.bin", small)
+        f_large = await write_sealed(a, d, b"large.bin", large)
+        await published_on(b, f_small, len(small))
+        await published_on(b, f_large, len(large))
+        assert await read_all(b, f_small) == small  # came inside the publish op
         v = b.versions[b.inodes[f_large].vid]
         assert v.origin == 0 and v.missing and v.size == len(large)
         assert {b.tier_api.chunk_origin(c) for c in v.chunks} == {0}
-        assert await _read(a, f_large) == large  # the writer reads its own
+        assert await read_all(a, f_large) == large  # the writer reads its own
         # rank 1 changes the namespace too; rank 0 applies it
         await b.rename(d, b"small.bin", d, b"renamed.bin")
         await b.symlink(d, b"latest", b"renamed.bin", 0, 0)
@@ -524,11 +381,11 @@ def test_job_nodes_apply_the_same_ops_and_hold_the_same_namespace(tmp_path):
         assert await _errno(b.unlink(d, b"gone")) == errno.ENOENT
         assert e not in a.inodes or not a.inodes[e].parent
         assert sorted(a.inodes[d].children) == [b"latest", b"renamed.bin"]
-        assert _tree(a) == _tree(b)
+        assert tree_of(a) == tree_of(b)
         assert a.tier_api.ns_position() == b.tier_api.ns_position() == (1, job.seq)
-        assert await _read(a, f_small) == await _read(b, f_small) == small
+        assert await read_all(a, f_small) == await read_all(b, f_small) == small
 
-    _run_job(tmp_path, body)
+    run_job(tmp_path, body)
 
 
 def test_a_refused_op_moves_the_position_and_it_survives_a_restart(tmp_path):
@@ -546,7 +403,7 @@ def test_a_refused_op_moves_the_position_and_it_survives_a_restart(tmp_path):
         await a.mkdir(ROOT_INO, b"e", 0o755, 0, 0)
         got.update({fs.rank: fs.tier_api.ns_position() for fs in cores})
 
-    _run_job(tmp_path, body)
+    run_job(tmp_path, body)
     assert got == {0: (4, 3), 1: (4, 3)}
     for r in (0, 1):
         fs = open_fs(tmp_path / f"store{r}", rank=r)
@@ -570,16 +427,16 @@ def test_snapshot_installs_the_same_namespace_on_a_joining_node(tmp_path):
         a, b, c = cores
         job.members.remove(c)  # c joins later, from a snapshot
         d = (await a.mkdir(ROOT_INO, b"step_2", 0o755, 0, 0)).ino
-        f = await _write(a, d, b"w.bin", data)
-        await _write(a, d, b"commit_success.txt", b"ok")  # a step's commit marker
+        f = await write_sealed(a, d, b"w.bin", data)
+        await write_sealed(a, d, b"commit_success.txt", b"ok")  # a step's commit marker
         await a.link(f, ROOT_INO, b"hard")
         await a.symlink(d, b"s", b"w.bin", 0, 0)
-        await _published_on(b, f, len(data))
+        await published_on(b, f, len(data))
         assert sorted(b.steps) == sorted(a.steps) == ["step_2"]
         snap = b.tier_api.ns_snapshot()
         assert (snap["epoch"], snap["seq"]) == b.tier_api.ns_position() == a.tier_api.ns_position()
         c.tier_api.ns_install(json.loads(json.dumps(snap)))  # as it travels: JSON
-        assert _tree(c) == _tree(a) == _tree(b)
+        assert tree_of(c) == tree_of(a) == tree_of(b)
         assert c.tier_api.ns_position() == a.tier_api.ns_position()
         assert sorted(c.steps) == sorted(a.steps)
         v = c.versions[c.inodes[f].vid]
@@ -590,15 +447,15 @@ def test_snapshot_installs_the_same_namespace_on_a_joining_node(tmp_path):
         job.members.append(c)
         await b.unlink(ROOT_INO, b"hard")
         await c.rename(d, b"s", ROOT_INO, b"latest")
-        assert _tree(a) == _tree(b) == _tree(c)
+        assert tree_of(a) == tree_of(b) == tree_of(c)
         assert a.tier_api.ns_position() == b.tier_api.ns_position() == c.tier_api.ns_position() == (1, job.seq)
         # the writer rejoins with its store: its own data stays, read without a fetch
         a.tier_api.ns_install(a.tier_api.ns_snapshot())
         assert not a.versions[a.inodes[f].vid].missing
-        assert await _read(a, f) == data
-        assert _tree(a) == _tree(c)
+        assert await read_all(a, f) == data
+        assert tree_of(a) == tree_of(c)
 
-    _run_job(tmp_path, body, ranks=(0, 1, 2))
+    run_job(tmp_path, body, ranks=(0, 1, 2))
 
 
 def test_an_empty_commit_marker_commits_the_step_on_every_node(tmp_path):
@@ -606,8 +463,8 @@ def test_an_empty_commit_marker_commits_the_step_on_every_node(tmp_path):
     async def body(cores, job):
         a, b = cores
         d = (await a.mkdir(ROOT_INO, b"step_5", 0o755, 0, 0)).ino
-        await _write(a, d, b"commit_success.txt", b"")
+        await write_sealed(a, d, b"commit_success.txt", b"")
         assert sorted(a.steps) == ["step_5"]
         assert sorted(b.steps) == ["step_5"]
 
-    _run_job(tmp_path, body)
+    run_job(tmp_path, body)
