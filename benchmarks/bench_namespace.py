@@ -74,6 +74,7 @@ from benchmarks.common import (
     fmt_noise,
     git_state,
     log,
+    loopback_etcd,
     machine_info,
     median,
     mtcfs_mount,
@@ -317,15 +318,9 @@ def etcd_server(root: Path, keys: list[str]) -> Iterator[Any]:
     if not any(k in ETCD_TARGETS for k in keys):
         yield None
         return
-    from tests.support.etcd import EtcdCluster
-
     log("starting a 1-member etcd on loopback")
-    e = EtcdCluster(root, 1)
-    try:
-        e.start()
+    with loopback_etcd(root) as e:
         yield e
-    finally:
-        e.stop()
 
 
 # ---------------------------------------------------------------------- one measurement

@@ -1,6 +1,7 @@
 """Rewrites of sealed files (``make bench-rewrite``, issue 18).
 
-``python -m benchmarks.bench_rewrite [--sizes 1G,2G] [--reps 3] [--base DIR] [--json OUT]``
+``python -m benchmarks.bench_rewrite [--sizes 1G,2G] [--reps 3] [--base DIR] [--scope job]
+[--json OUT]``
 
 For each size and kind (``sparse``: 8 MiB of data then a hole; ``dense``: every byte
 written; ``dense+reader``: dense, with a read-only descriptor held open throughout;
@@ -17,17 +18,22 @@ after a rewrite since issue 18) is timed once.
 
 Systems, in the same run: ``tmpfs`` (the same open/pwrite/close in /dev/shm),
 ``before`` (a mount whose daemon runs the code at ``--base``, default /work/main, i.e.
-the tree before the change) and ``after`` (this tree). Results go to
-``bench-results/rewrite-<timestamp>.json`` unless ``--json`` names another file.
+the tree before the change) and ``after`` (this tree). ``--scope job``: both mounts are
+one-node ``scope=job`` namespaces on a 1-member etcd on loopback (started here), each
+under a key prefix of its own, so each close also publishes the file job-wide. Results
+go to ``bench-results/rewrite-<timestamp>.json`` unless ``--json`` names another file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ from benchmarks.common import (
     SCRATCH_SHM,
     cpu_seconds,
     git_state,
+    loopback_etcd,
     machine_info,
     mtcfs_mount,
     scratch_dir,
@@ -129,10 +136,39 @@ def bench_system(name: str, d: Path, size: int, kind: str, reps: int,
     return out
 
 
+@contextlib.contextmanager
+def job_etcd(scope: str) -> Iterator[Any]:
+    """A 1-member etcd on loopback (data on /dev/shm) for ``--scope job``; None otherwise."""
+    if scope != "job":
+        yield None
+        return
+    with scratch_dir(SCRATCH_SHM, "rewrite-etcd") as root, loopback_etcd(root) as e:
+        yield e
+
+
 def parse_size(s: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     s = s.strip().upper()
     return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+
+
+def bench_mount(name: str, tree: str, sizes: list[int], kinds: list[str], reps: int,
+                etcd: Any) -> list[dict[str, Any]]:
+    """Every size and kind on one fresh mount whose daemon runs the code at ``tree``."""
+    results: list[dict[str, Any]] = []
+    with scratch_dir(SCRATCH_SHM, f"rewrite-{name}") as root:
+        opts, env = {"size": "6G"}, {"PYTHONPATH": tree}
+        if etcd is not None:
+            opts.update(scope="job", coord=etcd.url,
+                        coord_prefix=f"/mtcfs-bench/rewrite-{uuid.uuid4().hex[:8]}")
+        if any(k.endswith("+pinned") for k in kinds):
+            opts.update(backup=f"file://{root}/bucket", backup_interval="1ckpt")
+            env["MTCFS_FAILPOINTS"] = f"backup.put_chunk=sleep({PIN_S})"
+        with mtcfs_mount(root, opts, env=env) as m:
+            for size in sizes:
+                for kind in kinds:
+                    results.append(bench_system(name, m.mnt, size, kind, reps, m))
+    return results
 
 
 def main() -> int:
@@ -142,6 +178,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--base", default="/work/main", help="tree whose code the 'before' "
                     "daemon runs (empty: skip 'before')")
+    ap.add_argument("--scope", choices=("node", "job"), default="node")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -154,21 +191,14 @@ def main() -> int:
         for size in sizes:
             for kind in kinds:
                 results.append(bench_system("tmpfs", t, size, kind, a.reps))
-    for name, tree in systems:
-        with scratch_dir(SCRATCH_SHM, f"rewrite-{name}") as root:
-            opts, env = {"size": "6G"}, {"PYTHONPATH": tree}
-            if any(k.endswith("+pinned") for k in kinds):
-                opts.update(backup=f"file://{root}/bucket", backup_interval="1ckpt")
-                env["MTCFS_FAILPOINTS"] = f"backup.put_chunk=sleep({PIN_S})"
-            with mtcfs_mount(root, opts, env=env) as m:
-                for size in sizes:
-                    for kind in kinds:
-                        results.append(bench_system(name, m.mnt, size, kind, a.reps, m))
+    with job_etcd(a.scope) as etcd:
+        for name, tree in systems:
+            results.extend(bench_mount(name, tree, sizes, kinds, a.reps, etcd))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = a.json or REPO / "bench-results" / f"rewrite-{stamp}.json"
-    write_json(path, {"bench": "rewrite", "machine": machine_info(), "git": git_state(),
-                      "loadavg_start": load, "loadavg_end": os.getloadavg(),
-                      "results": results})
+    write_json(path, {"bench": "rewrite", "scope": a.scope, "machine": machine_info(),
+                      "git": git_state(), "loadavg_start": load,
+                      "loadavg_end": os.getloadavg(), "results": results})
     print(f"results: {path}")
     return 0
 

@@ -268,6 +268,20 @@ def clear_dir(d: Path) -> None:
 # ---------------------------------------------------------------------- mounts
 
 @contextlib.contextmanager
+def loopback_etcd(root: Path) -> Iterator[Any]:
+    """One etcd member on loopback (``tests.support.etcd.EtcdCluster``), its data under
+    ``root`` (put it on /dev/shm); stopped on exit. ``.url`` is the ``coord=`` value."""
+    from tests.support.etcd import EtcdCluster
+
+    e = EtcdCluster(root, 1)
+    try:
+        e.start()
+        yield e
+    finally:
+        e.stop()
+
+
+@contextlib.contextmanager
 def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
                 env: dict[str, str] | None = None) -> Iterator[Mount]:
     """Mount mtcfs with its store in ``root/store`` and mount point ``root/mnt``.

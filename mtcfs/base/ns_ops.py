@@ -309,7 +309,8 @@ class Publish(NsOp):
     """scope=job: sealed version ``vid`` (its number at the origin rank) of file ``ino`` is
     the job's content of the file: ``size`` bytes in chunks of ``chunk_size`` with digests
     ``chunks``, whole-file hash ``blake3``; ``data``: the bytes themselves for a small file;
-    ``expect``: the blake3 of the version it may replace (a publication tried again)."""
+    ``expect``: the name of the job's version it may replace (a publication tried again;
+    core/jobns.py: ``publication_id``, or an older mtcfs's whole-file blake3)."""
 
     KIND = "publish"
     WIRE = (("ino", "int"), ("vid", "int"), ("size", "int"), ("chunk_size", "int"),

@@ -222,10 +222,10 @@ class OpenFiles:
             # Take the data file over unless the old version's seal or publish reads it:
             # read-only handles read the current version (read), so the old one keeps no
             # data (vstore._detach); a pinned one (read in a thread: an upload, a
-            # replication) reads on in the same file, and each chunk is copied for it before
-            # the new version changes it (core/versions.py, "Shared data files"). scope=job
-            # copies: other nodes read the old version from here.
-            take = (cur is not None and not trunc and not self.job_scope and cur.sealed
+            # replication, a peer's fetch in scope=job) reads on in the same file, and each
+            # chunk is copied for it before the new version changes it (core/versions.py,
+            # "Shared data files").
+            take = (cur is not None and not trunc and cur.sealed
                     and not (cur.writers or cur.sealing is not None or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):
@@ -237,8 +237,7 @@ class OpenFiles:
                 continue  # the state may have moved during the wait: look again
             with self.db.transaction():
                 v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
-                                      take_over=cur if take else None,
-                                      log_base=not self.job_scope)
+                                      take_over=cur if take else None)
                 self.vstore.set_current(ino, v)
                 self.tree.write(ino)
             return v
@@ -543,13 +542,13 @@ class OpenFiles:
             while True:
                 gen, size = v.gen, v.size
                 # A rewrite hashes only the chunks written since it started from a sealed
-                # version; scope=job hashes the whole file: its hash names the publication
-                # (jobns.py: Publish.expect). See docs/architecture.md, "Rewrites".
+                # version (docs/architecture.md, "Rewrites"); its whole-file hash is
+                # computed when asked (file_hash).
                 fn: Callable[..., HashResult] = hash_fd
                 args: tuple[Any, ...] = (size, v.chunk_size,
                                            self._seal_stopper(v) if size > INLINE_SEAL_BYTES
                                            else None)
-                if v.base_chunks is not None and not self.job_scope:
+                if v.base_chunks is not None:
                     fn, args = rehash_fd, (size, v.chunk_size, v.base_chunks, set(v.dirty))
                 try:
                     fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
@@ -567,7 +566,7 @@ class OpenFiles:
                     stopped = True
                     if (v.vid in self.versions and not v.dropped and v.gen == gen
                             and v.size == size and not v.writers):
-                        self.vstore.start_base(v, stop.chunks, log=not self.job_scope)
+                        self.vstore.start_base(v, stop.chunks)
                     return
                 except OSError as exc:
                     if v.dropped:

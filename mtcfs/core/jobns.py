@@ -58,9 +58,10 @@ from mtcfs.core.store import Store
 from mtcfs.core.store.meta import MetaDB
 from mtcfs.core.symlinks import escapes
 from mtcfs.core.verifier import Verifier
-from mtcfs.core.versions import VersionStore
+from mtcfs.core.versions import VersionStore, copy_extents
 
-__all__ = ["EMPTY_BLAKE3", "INLINE_BYTES", "LINGER_S", "Host", "JobNamespace"]
+__all__ = ["EMPTY_BLAKE3", "INLINE_BYTES", "LINGER_S", "Host", "JobNamespace",
+           "publication_id"]
 
 log = logging.getLogger("mtcfs.core.core")
 
@@ -74,6 +75,28 @@ EMPTY_BLAKE3 = blake3.blake3(b"").hexdigest()
 #: Files up to this size travel inside their publish op, so that N ranks reading the same
 #: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
 INLINE_BYTES = 256 * 1024
+
+
+def publication_id(published: dict[str, Any] | None) -> str:
+    """The name (64 hex characters) of a file's published version (``Inode.published``,
+    None: never published) that a publication tried again expects to replace
+    (``Publish.expect``): the blake3 of its manifest (size, chunk size, chunk digests).
+    Not the whole-file hash: a rewrite's seal leaves that empty (computed when asked), and
+    two rewrites would share the name "". :data:`EMPTY_BLAKE3` for an empty file or one
+    never published (both are empty job-wide)."""
+    if not published or not published.get("size"):
+        return EMPTY_BLAKE3
+    h = blake3.blake3(b"%d:%d:" % (published["size"], published["chunk_size"]))
+    for d in published["chunks"]:
+        h.update(d.encode())
+    return h.hexdigest()
+
+
+def _expected(published: dict[str, Any] | None, expect: str) -> bool:
+    """Whether ``expect`` names ``published``: its :func:`publication_id`, or its whole-file
+    hash (an mtcfs before 2026-11-25 named it so in the ops it wrote to the log)."""
+    whole = (published or {}).get("blake3", EMPTY_BLAKE3)
+    return expect == publication_id(published) or (bool(whole) and expect == whole)
 
 
 def _name(s: str) -> bytes:
@@ -171,7 +194,7 @@ class JobNamespace:
                      data=os.pread(self.vstore.fd(v), v.size, 0) if v.size <= INLINE_BYTES
                      else None)
         # the job's version this one replaces: a later try publishes only over it
-        expect = (ino.published or {}).get("blake3", EMPTY_BLAKE3)
+        expect = publication_id(ino.published)
         v.pins += 1  # must be here when this node applies its own publish
         v.publishing = True  # and a snapshot installed meanwhile keeps it (install)
         try:
@@ -386,8 +409,7 @@ class JobNamespace:
         ino = self.tree.inodes.get(op.ino)
         if ino is None or not ino.is_file or ino.nlink <= 0:
             return  # unlinked meanwhile: nobody can open it by name
-        if op.expect is not None and \
-                (ino.published or {}).get("blake3", EMPTY_BLAKE3) != op.expect:
+        if op.expect is not None and not _expected(ino.published, op.expect):
             # a publication tried again (_republish): another version was published since
             raise FsError(errno.ESTALE, "the file was published again meanwhile")
         chunks = op.chunks
@@ -506,9 +528,12 @@ class JobNamespace:
         aside: list[Version] = []  # published here, then replaced by another node's
         busy = {w[0].vid for w in writing.values()}
         # Complete local copies of content the snapshot names are kept (a node that rejoins
-        # with its store keeps its own files, replicated or not).
+        # with its store keeps its own files, replicated or not). Not a pinned old version
+        # that reads a rewrite's data file (core/versions.py, "Shared data files"): that
+        # file holds the rewrite's bytes, its own are partly kept aside.
         have = {(v.chunks, v.size): v for v in self.vstore.versions.values()
-                if v.sealed and not v.missing and v.chunks and v.vid not in busy}
+                if v.sealed and not v.missing and v.chunks and v.vid not in busy
+                and v.preserved is None}
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
@@ -579,8 +604,16 @@ class JobNamespace:
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
                     if old is not None:  # take over the old data file
-                        self.vstore.fds.drop(v)
-                        os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
+                        if old.shared is None:
+                            self.vstore.fds.drop(v)
+                            os.replace(self.store.data_path(old.vid),
+                                       self.store.data_path(v.vid))
+                        else:  # pinned old versions read it: they keep it, v gets a copy
+                            src = self.store.open_data(old.vid)
+                            try:
+                                copy_extents(src, self.vstore.fd(v), v.size)
+                            finally:
+                                os.close(src)
                         v.missing.clear()
                         self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new

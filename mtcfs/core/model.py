@@ -74,8 +74,8 @@ class Version:
     dirty: set[int] = field(default_factory=set)
     #: The row holds ``base_chunks`` and table ``rewrite_dirty`` every index of ``dirty``
     #: below ``len(base_chunks)``, each committed before its bytes changed
-    #: (core/versions.py: ``note_dirty``): a crash's reseal hashes only those. False in
-    #: scope=job (whose seal hashes every chunk) and once the base is dropped.
+    #: (core/versions.py: ``note_dirty``): a crash's reseal hashes only those. False once
+    #: the base is dropped.
     base_logged: bool = False
     #: Set by a reopen for writing that waits for this closed version's seal: the hash
     #: stops at its next chunk and the chunks it finished become ``base_chunks`` (core/files.py:

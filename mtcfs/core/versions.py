@@ -44,7 +44,9 @@ when it is truncated to 0 or its data dropped (:meth:`unshare`: a new file of it
 freed; a reader leaves when its last pin goes (:meth:`release`). The file counts against
 size= once (with its writer, else with the first reader) and each reader's copies on top.
 A crash needs nothing: readers are replaced versions, forgotten at the next load with
-their names (:meth:`repair`), and the writer's row is the take-over's.
+their names (:meth:`repair`), and the writer's row is the take-over's. A scope=job
+snapshot install keeps local copies by taking data files over: never a reader's, and a
+copy of a writer's whose readers still read it (core/jobns.py: ``install``).
 
 Concurrency: every method runs on the trio thread and none awaits; a version being sealed
 (``Version.sealing``, hashing in a worker thread) is never freed under it: :meth:`release`
@@ -310,28 +312,27 @@ class VersionStore:
                                    (v.vid, i))
         v.dirty.update(t)
 
-    def start_base(self, v: Version, chunks: tuple[str, ...], log: bool) -> None:
+    def start_base(self, v: Version, chunks: tuple[str, ...]) -> None:
         """Open, unsealed ``v`` holds exactly the bytes whose first chunks' digests are
         ``chunks`` (a seal stopped part way: core/files.py): make them its base, so that
-        its next seal hashes only the chunks past them and those written since.
-        ``log``: record the base in its row (scope=node; :meth:`note_dirty`), committed
-        before this returns, so before any byte changes. Must not be called inside a
-        transaction (its commit would come later).
+        its next seal hashes only the chunks past them and those written since. The base
+        is recorded in its row (as :meth:`note_dirty` needs), committed before this
+        returns, so before any byte changes. Must not be called inside a transaction (its
+        commit would come later).
 
         Raises:
             RuntimeError: called inside a transaction (nothing changed).
             sqlite3.Error: the row could not be written.
         """
         db = self._host.db
-        if log and db.in_transaction:
+        if db.in_transaction:
             raise RuntimeError("start_base inside a transaction")
         v.base_chunks = chunks
-        v.base_logged = log
+        v.base_logged = True
         v.dirty.clear()
-        if log:
-            with db.transaction():
-                db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
-                self.write(v)
+        with db.transaction():
+            db.execute("DELETE FROM rewrite_dirty WHERE vid=?", (v.vid,))
+            self.write(v)
 
     def drop_base(self, v: Version) -> None:
         """Forget ``v``'s base (its seal then hashes every chunk, or it is sealed now):
@@ -357,7 +358,7 @@ class VersionStore:
     # ------------------------------------------------------------------ new versions
 
     def new(self, ino: Inode, copy_from: Version | None = None,
-            take_over: Version | None = None, log_base: bool = False) -> Version:
+            take_over: Version | None = None) -> Version:
         """A new version of ``ino``, registered and accounted: empty, a copy of
         ``copy_from`` (its data extents only: holes stay holes), or ``take_over``'s data
         file itself (a second name for it; the caller makes sure that nothing but read-only
@@ -365,9 +366,9 @@ class VersionStore:
         left with no data: :meth:`_detach`). Not current yet: the caller makes it
         so with :meth:`set_current`.
 
-        ``log_base``: a version that starts from a sealed one's chunks (``base_chunks``)
-        records them in its row, and :meth:`note_dirty` the chunks it changes, so that a
-        crash's reseal hashes only those (scope=node; scope=job hashes every chunk)."""
+        A version that starts from a sealed one's chunks (``base_chunks``) records them in
+        its row, and :meth:`note_dirty` the chunks it changes, so that a crash's reseal
+        hashes only those."""
         store, fds = self._store, self.fds
         v = Version(vid=self.alloc_vid(), ino=ino.ino, size=0, chunk_size=self.chunk_size)
         src = take_over or copy_from
@@ -394,7 +395,7 @@ class VersionStore:
                 # its data file holds exactly those chunks: the seal hashes only the
                 # chunks written since (Version.dirty)
                 v.base_chunks = src.chunks
-                v.base_logged = log_base
+                v.base_logged = True
         self._host.budget.account(v)
         self.versions[v.vid] = v
         self.write(v)

@@ -121,12 +121,12 @@ class NodeLog:
         return {"engine": "memory", "seq": self.job.seq}
 
 
-def run_job(tmp_path, body, ranks=(0, 1)):
-    """Run ``body(cores, job_log)`` on fresh cores of ``ranks`` sharing one JobLog; every
-    core is checked consistent afterwards."""
+def run_job(tmp_path, body, ranks=(0, 1), capacity: int = 1 << 30):
+    """Run ``body(cores, job_log)`` on fresh cores of ``ranks`` (RAM tiers of ``capacity``
+    bytes) sharing one JobLog; every core is checked consistent afterwards."""
     async def main():
         async with trio.open_nursery() as n:
-            cores = [open_fs(tmp_path / f"store{r}", rank=r) for r in ranks]
+            cores = [open_fs(tmp_path / f"store{r}", capacity=capacity, rank=r) for r in ranks]
             job = JobLog(cores)
             try:
                 for fs in cores:

@@ -1,0 +1,213 @@
+"""Rewrites of sealed files at chunk granularity in scope=job (issue 18): reopening a
+published file for writing and changing a few bytes costs work and RAM in proportion to
+the chunks changed, as in scope=node (t3_rewrite_test.py), and the job still names each
+publication exactly, so that a publication tried again never replaces a newer one.
+
+In-process cores sharing one namespace log in memory (tests/support/jobcore.py, chunks of
+CS = 64 KiB); the real mounts on etcd are in t7_job_namespace_test.py."""
+
+import dataclasses
+import errno
+import os
+
+import blake3
+import trio
+
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.ns_ops import Publish
+from mtcfs.core.jobns import publication_id
+from mtcfs.core.model import ROOT_INO
+from support.corefs import CS, sealed
+from support.jobcore import published_on, read_all, run_job, write_sealed
+
+
+def _chunks(data: bytes) -> list[str]:
+    return [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
+
+
+async def _published_as(fs, ino: int, data: bytes) -> None:
+    """Wait (10 s at most) until ``fs`` has ``data``'s chunks as the job's version of ``ino``."""
+    want = _chunks(data)
+    with trio.fail_after(10):
+        while (fs.inodes[ino].published or {}).get("chunks") != want:
+            await trio.sleep(0.01)
+
+
+def _serves(fs, data: bytes) -> None:
+    """``fs`` serves every chunk of ``data`` by digest, verified, as to a peer's fetch."""
+    for i, d in enumerate(_chunks(data)):
+        got = fs.tier_api.pin_chunk(d)
+        assert got is not None, i
+        v, off, length = got
+        try:
+            assert fs.tier_api.read_chunk_at(v, off, length, d) == data[i * CS:(i + 1) * CS], i
+        finally:
+            fs.tier_api.unpin([v])
+
+
+async def _rewrite(fs, ino: int, writes) -> None:
+    fh, _ = await fs.open(ino, os.O_RDWR)
+    for off, b in writes:
+        assert await fs.write(fh, off, b) == len(b)
+    await fs.flush(fh)  # close(2): in scope=job the last writer's close seals and publishes
+    await fs.release(fh)
+
+
+def test_a_job_rewrite_of_one_byte_copies_nothing_and_hashes_one_chunk(tmp_path):
+    """A published file of 20 chunks in a RAM tier of 30, rewritten in place by one byte:
+    the open used to copy the whole file (ENOSPC here: 40 > 30) and the seal to hash it
+    whole; now the new version takes the data file over and its seal hashes the one chunk
+    changed. Every node gets the new chunks, this node serves them, and
+    ``user.mtcfs.blake3`` is the true hash."""
+    data = bytearray(os.urandom(20 * CS))
+
+    async def body(cores, job):
+        a, b = cores
+        d = (await a.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)).ino
+        f = await write_sealed(a, d, b"w.bin", bytes(data))
+        await published_on(b, f, len(data))
+        file0 = os.stat(a.store.data_path(a.inodes[f].vid)).st_ino
+        used0, hashed0 = a.used, a.counters.seal_bytes_hashed
+        fh, _ = await a.open(f, os.O_RDWR)
+        assert os.stat(a.store.data_path(a.inodes[f].vid)).st_ino == file0  # no copy
+        assert a.used == used0
+        assert await a.write(fh, 7 * CS + 3, b"Z") == 1
+        await a.flush(fh)
+        await a.release(fh)
+        data[7 * CS + 3] = ord("Z")
+        v2 = await sealed(a, f)
+        assert list(v2.chunks) == _chunks(bytes(data))
+        assert a.counters.seal_bytes_hashed - hashed0 == CS
+        assert a.used == used0
+        await _published_as(b, f, bytes(data))
+        assert b.versions[b.inodes[f].vid].origin == 0
+        _serves(a, bytes(data))
+        assert await read_all(a, f) == data
+        want = blake3.blake3(data).hexdigest()
+        assert (await a.getxattr(f, b"user.mtcfs.blake3")).decode() == want
+
+    run_job(tmp_path, body, capacity=30 * CS)
+
+
+def test_a_job_rewrite_while_a_peer_reads_the_old_version_keeps_its_bytes(tmp_path):
+    """A peer's fetch pins the published version (``pin_chunk``) while this node rewrites
+    two of its chunks: the pinned version reads every old byte, verified, until the pin
+    goes; RAM grows by the two chunks it keeps (a copy of the file was 20)."""
+    data = bytearray(os.urandom(20 * CS))
+    old = bytes(data)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"w.bin", old)
+        await published_on(b, f, len(old))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(_chunks(old)[3])
+        assert got is not None and got[0] is v1
+        used0 = a.used
+        await _rewrite(a, f, [(3 * CS, b"x"), (11 * CS + 5, b"y")])
+        data[3 * CS] = ord("x")
+        data[11 * CS + 5] = ord("y")
+        await sealed(a, f)
+        await _published_as(b, f, bytes(data))
+        assert a.used - used0 == 2 * CS
+        _serves(a, bytes(data))
+        for i in range(20):  # the pinned version: every old chunk, verified
+            chunk = old[i * CS:(i + 1) * CS]
+            assert a.tier_api.read_chunk_at(v1, i * CS, CS, chunk_hash(chunk)) == chunk, i
+        a.tier_api.unpin([v1])
+        assert v1.vid not in a.versions
+        assert a.used == used0
+        assert await read_all(a, f) == data
+
+    run_job(tmp_path, body)
+
+
+def test_a_publication_tried_again_never_replaces_a_newer_rewrite(tmp_path):
+    """A publication tried again (after etcd timed out) carries ``expect``, the job's
+    version it may replace. A rewrite's seal leaves the whole-file hash to be computed when
+    asked, so two rewrites both publish an empty ``blake3``: ``expect`` must name the
+    version by its manifest, or a retried older rewrite would replace a newer one on every
+    node (a lost update)."""
+    first = bytearray(os.urandom(4 * CS))
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"w.bin", bytes(first))
+        await published_on(b, f, len(first))
+        assert a.inodes[f].published["blake3"] == blake3.blake3(first).hexdigest()
+        await _rewrite(a, f, [(CS, b"1")])
+        first[CS] = ord("1")
+        v1 = await sealed(a, f)
+        await _published_as(b, f, bytes(first))
+        assert a.inodes[f].published["blake3"] == ""  # computed when asked
+        expect = publication_id(a.inodes[f].published)
+        retry = Publish(ino=f, vid=v1.vid, size=v1.size, chunk_size=v1.chunk_size,
+                        chunks=tuple(v1.chunks), blake3="", mtime_ns=1, expect=expect,
+                        rank=0, id="retry.1")
+        second = bytearray(first)
+        second[2 * CS] ^= 0xFF
+        await _rewrite(b, f, [(2 * CS, bytes([second[2 * CS]]))])  # another rank's rewrite
+        await _published_as(a, f, bytes(second))
+        assert a.inodes[f].published["blake3"] == ""
+        assert job.apply(retry) == {0: errno.ESTALE, 1: errno.ESTALE}
+        for fs in cores:
+            assert fs.inodes[f].published["chunks"] == _chunks(bytes(second))
+        assert await read_all(b, f) == second
+        # The version it expects is still the job's: the retry is applied. An expect
+        # written as a whole-file blake3 (by an mtcfs before this change) still matches.
+        again = dataclasses.replace(retry, id="retry.2",
+                                    expect=publication_id(a.inodes[f].published))
+        assert not [r for r in job.apply(again).values() if isinstance(r, int)]  # no errno
+        for fs in cores:
+            assert fs.inodes[f].published["chunks"] == _chunks(bytes(first))
+        g = await write_sealed(a, ROOT_INO, b"g.bin", bytes(second))
+        await published_on(b, g, len(second))
+        pub = a.inodes[g].published
+        legacy = Publish(ino=g, vid=a.inodes[g].vid, size=pub["size"],
+                         chunk_size=pub["chunk_size"], chunks=tuple(pub["chunks"]),
+                         blake3=pub["blake3"], mtime_ns=1, expect=pub["blake3"], rank=0,
+                         id="retry.3")
+        assert not [r for r in job.apply(legacy).values() if isinstance(r, int)]
+
+    run_job(tmp_path, body)
+
+
+def test_a_snapshot_install_never_takes_a_pinned_old_versions_shared_file(tmp_path):
+    """A node that installs a snapshot keeps its complete local copies of the content the
+    snapshot names, by taking their data files over. A pinned old version of a rewritten
+    file reads a data file the rewrite changes (its own bytes of the changed chunks are
+    kept aside): it is no copy of its content, so another file with that content (here g,
+    the same bytes as f before its rewrite) must not take that file over, or g would read
+    the rewrite's bytes. g reads its own bytes after the install, and the pinned version
+    reads its own until its pin goes, whatever f's later rewrites do."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        g = await write_sealed(a, ROOT_INO, b"g.bin", old)
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        await published_on(b, g, len(old))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(_chunks(old)[3])  # a peer's fetch of f's old chunk
+        assert got is not None
+        if got[0] is not v1:  # the index named g's copy: pin f's version too
+            a.tier_api.unpin([got[0]])
+            v1.pins += 1
+        await _rewrite(a, f, [(3 * CS + 1, b"#")])
+        new = bytearray(old)
+        new[3 * CS + 1] = ord("#")
+        await _published_as(b, f, bytes(new))
+        assert v1.shared is not None and v1 in v1.shared.readers
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        assert await read_all(a, g) == old
+        assert await read_all(a, f) == new
+        # f's rewrite got a copy, not the shared file: a second rewrite of f leaves what
+        # the pinned old version reads alone
+        await _rewrite(a, f, [(0, b"%")])
+        for i in range(6):
+            chunk = old[i * CS:(i + 1) * CS]
+            assert a.tier_api.read_chunk_at(v1, i * CS, CS, chunk_hash(chunk)) == chunk, i
+        a.tier_api.unpin([v1])
+
+    run_job(tmp_path, body)
