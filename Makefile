@@ -90,6 +90,7 @@ bench-random:
 # 1 and 2 GiB sparse and dense files on tmpfs, on a mount running BASE's code (before) and on
 # one running this tree (after): wall, daemon CPU, bytes hashed, RAM growth; about 3 minutes.
 # make bench-rewrite ARGS="--sizes 1G --reps 5 --base /path/to/old/tree"
+# make bench-rewrite ARGS="--scope job --kinds sparse,dense,dense+reader --base /path/to/old/tree"
 .PHONY: bench-rewrite
 bench-rewrite:
 	$(PYTHON) -m benchmarks.bench_rewrite $(ARGS)

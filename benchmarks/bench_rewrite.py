@@ -18,9 +18,9 @@ after a rewrite since issue 18) is timed once.
 
 Systems, in the same run: ``tmpfs`` (the same open/pwrite/close in /dev/shm),
 ``before`` (a mount whose daemon runs the code at ``--base``, default /work/main, i.e.
-the tree before the change) and ``after`` (this tree). ``--scope job``: both mounts are
-one-node ``scope=job`` namespaces on a 1-member etcd on loopback (started here), each
-under a key prefix of its own, so each close also publishes the file job-wide. Results
+the tree before the change) and ``after`` (this tree). ``--scope job``: each is rank 0
+of a 2-node ``scope=job`` namespace on a 1-member etcd on loopback (started here), each
+job under a key prefix of its own, so each close also publishes the file job-wide. Results
 go to ``bench-results/rewrite-<timestamp>.json`` unless ``--json`` names another file.
 """
 
@@ -158,17 +158,52 @@ def bench_mount(name: str, tree: str, sizes: list[int], kinds: list[str], reps: 
     results: list[dict[str, Any]] = []
     with scratch_dir(SCRATCH_SHM, f"rewrite-{name}") as root:
         opts, env = {"size": "6G"}, {"PYTHONPATH": tree}
-        if etcd is not None:
-            opts.update(scope="job", coord=etcd.url,
-                        coord_prefix=f"/mtcfs-bench/rewrite-{uuid.uuid4().hex[:8]}")
         if any(k.endswith("+pinned") for k in kinds):
             opts.update(backup=f"file://{root}/bucket", backup_interval="1ckpt")
             env["MTCFS_FAILPOINTS"] = f"backup.put_chunk=sleep({PIN_S})"
-        with mtcfs_mount(root, opts, env=env) as m:
+        with one_mount(root, opts, env, tree, etcd) as m:
             for size in sizes:
                 for kind in kinds:
                     results.append(bench_system(name, m.mnt, size, kind, reps, m))
     return results
+
+
+@contextlib.contextmanager
+def one_mount(root: Path, opts: dict[str, Any], env: dict[str, str], tree: str,
+              etcd: Any) -> Iterator[Any]:
+    """The mount the rewrites run on, its daemons running the code at ``tree``: one
+    scope=node daemon, or with ``etcd`` rank 0 of a 2-node scope=job namespace on it (a
+    job-wide namespace needs nodes >= 2; rank 1 only applies the ops and holds the
+    published versions as remote, missing chunks)."""
+    here = os.getcwd()
+    # ``python -m mtcfs`` puts its working directory first on sys.path, ahead of
+    # PYTHONPATH: the daemons (and the status CLI) run in ``tree`` to run its code.
+    os.chdir(tree)
+    try:
+        if etcd is None:
+            with mtcfs_mount(root, opts, env=env) as m:
+                yield m
+            return
+        from tests.support.cluster import Cluster
+
+        job = f"rewrite-{uuid.uuid4().hex[:8]}"
+        c = Cluster(root, 2, job=job, options={**opts, "scope": "job", "replicas": 1,
+                                               "coord": etcd.url,
+                                               "coord_prefix": f"/mtcfs-bench/{job}"})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            c.start()
+            yield c.node(0)
+        finally:
+            c.cleanup()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    finally:
+        os.chdir(here)
 
 
 def main() -> int:
