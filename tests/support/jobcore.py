@@ -15,7 +15,7 @@ import trio
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.model import ROOT_INO
-from support.corefs import open_fs
+from support.corefs import open_fs, write_file
 
 
 def check_consistent(fs):
@@ -50,8 +50,8 @@ def check_consistent(fs):
             assert (ino.parent, ino.name) in named[num]
 
 
-
 def tree_of(fs) -> dict:
+    """path -> (ino, kind, mode, nlink, target, size) of every name in ``fs``."""
     out = {}
     stack = [(b"", ROOT_INO)]
     while stack:
@@ -64,11 +64,9 @@ def tree_of(fs) -> dict:
     return out
 
 
-
-
 class JobLog:
     """A replicated :class:`NamespaceLog` in memory for the cores in ``members`` (a fake
-    beside the real EtcdNamespace, which the suite above runs): ``submit`` gives the op
+    beside the real EtcdNamespace, which t3_nslog_conformance_test runs): ``submit`` gives the op
     this node's envelope, takes it through its wire form, and has every member apply it at
     the next position; a refused op still moves every member's position (as the etcd log
     does); the submitter gets its own result or errno."""
@@ -153,7 +151,8 @@ async def published_on(fs, ino: int, size: int) -> None:
 
 
 async def write_sealed(fs, parent: int, name: bytes, data: bytes) -> int:
-    from support.corefs import write_file
+    """Write ``data`` as ``name`` in ``parent`` on ``fs`` and wait (10 s at most) until it
+    is sealed; its inode number."""
     ino = await write_file(fs, parent, name, data)
     with trio.fail_after(10):
         await fs.open_files.wait_sealed(fs.inodes[ino])
@@ -161,6 +160,7 @@ async def write_sealed(fs, parent: int, name: bytes, data: bytes) -> int:
 
 
 async def read_all(fs, ino: int) -> bytes:
+    """The whole content of file ``ino`` on ``fs``, read through a handle."""
     fh, _keep = await fs.open(ino, os.O_RDONLY)
     try:
         return await fs.read(fh, 0, 1 << 30)
