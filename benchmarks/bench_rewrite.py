@@ -41,6 +41,7 @@ from benchmarks.common import (
     REPO,
     SCRATCH_SHM,
     cpu_seconds,
+    environ,
     git_state,
     loopback_etcd,
     machine_info,
@@ -190,18 +191,12 @@ def one_mount(root: Path, opts: dict[str, Any], env: dict[str, str], tree: str,
         c = Cluster(root, 2, job=job, options={**opts, "scope": "job", "replicas": 1,
                                                "coord": etcd.url,
                                                "coord_prefix": f"/mtcfs-bench/{job}"})
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            c.start()
+            with environ(env):
+                c.start()
             yield c.node(0)
         finally:
             c.cleanup()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     finally:
         os.chdir(here)
 

@@ -268,6 +268,22 @@ def clear_dir(d: Path) -> None:
 # ---------------------------------------------------------------------- mounts
 
 @contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """``env`` added to this process's environment (so to the daemons started meanwhile),
+    the previous values put back on exit."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def loopback_etcd(root: Path) -> Iterator[Any]:
     """One etcd member on loopback (``tests.support.etcd.EtcdCluster``), its data under
     ``root`` (put it on /dev/shm); stopped on exit. ``.url`` is the ``coord=`` value."""
@@ -290,17 +306,9 @@ def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
     Unmounted (and the store removed) on exit, whatever happened.
     """
     m = Mount(root, job=job, options=options)
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
     try:
-        try:
+        with environ(env or {}):
             m.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         yield m
     except BaseException:
         tail = m.log()[-3000:]
