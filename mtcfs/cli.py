@@ -14,6 +14,7 @@ caller's uid; docs/security-local.md): anyone else gets a one-line refusal and e
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -299,15 +300,20 @@ def control_socket(path: str) -> tuple[str, str]:
     """Find the daemon serving ``path``: returns (socket path, mount root).
 
     Raises:
-        SystemExit: ``path`` is not on an mtcfs mount.
+        SystemExit: ``path`` is not on an mtcfs mount, or its mount's root cannot be read
+            (the one-line error names the errno: EACCES for another user on a mount without
+            ``allow_other``, ENOTCONN for a daemon that is gone, EIO, ...).
     """
     cur = os.path.abspath(path)
+    mtcfs_roots = {mp for mp, fstype in mountinfo.mounts() if fstype == "fuse.mtcfs"}
     while True:
         try:
             sock = os.getxattr(cur, "user.mtcfs.control").decode()
             return sock, cur
-        except OSError:
-            pass
+        except OSError as exc:
+            if cur in mtcfs_roots:
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                _die(f"cannot read the mtcfs mount at {cur}: {exc.strerror} ({name})")
         parent = os.path.dirname(cur)
         if parent == cur:
             _die(f"{path} is not on an mtcfs mount")

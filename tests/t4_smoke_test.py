@@ -33,13 +33,19 @@ def test_mtcfs_seal_commits_a_directory(mount):
 
 
 def test_umount_force_clears_a_dead_daemon(mount):
-    """After the daemon dies, the mount point is dead (ENOTCONN); --force clears it."""
+    """After the daemon dies, the mount point is dead (ENOTCONN): `mtcfs status` names the
+    errno; --force clears it."""
     import signal
 
     from support.mount import is_mounted
     os.kill(mount.pid, signal.SIGKILL)
     mount.wait_for(lambda: not os.path.exists(f"/proc/{mount.pid}"), 10, "daemon to die")
     assert is_mounted(str(mount.mnt))
+    # `mtcfs status` says why, with the errno, rather than "not on an mtcfs mount".
+    r = mount.cli("status", str(mount.path("sub", "dir")), check=False)
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"mtcfs: cannot read the mtcfs mount at {mount.mnt}: "
+                                "Transport endpoint is not connected (ENOTCONN)")
     r = mount.cli("umount", "--force", str(mount.mnt))
     assert r.returncode == 0
     assert not is_mounted(str(mount.mnt))
