@@ -17,11 +17,11 @@ bench-quick:
 bench-peer:
 	$(PYTHON) -m benchmarks.bench_peer $(ARGS)
 
-# Metadata ops/s (benchmarks/bench_namespace.py): tmpfs, one mount, a 4-node scope=job
-# namespace on our log (job-leader, job-member, job-4x, job-8w: 4 and 8 writers) and the same
-# on a 1-member etcd it starts (etcd-rank0, etcd-member, etcd-4x, etcd-8w); about 20 minutes
-# at --ops 400, mostly etcd. Pick engines or targets:
-# make bench-namespace ARGS="--ops 200 --engines etcd"  or  ARGS="--only node,job-member"
+# Metadata ops/s (benchmarks/bench_namespace.py): tmpfs, the no-op FUSE ceiling (noop,
+# noop-x), one mount (node; node-base with --base DIR), a 4-node scope=job namespace on a
+# 1-member etcd it starts (etcd-rank0, etcd-member, etcd-4x, etcd-8w); about 20 minutes at
+# --ops 400, mostly etcd. Pick engines or targets:
+# make bench-namespace ARGS="--ops 200 --engines etcd"  or  ARGS="--only node,etcd-member"  or  ARGS="--base DIR" (node-base: the code in DIR)
 .PHONY: bench-namespace
 bench-namespace:
 	$(PYTHON) -m benchmarks.bench_namespace $(ARGS)

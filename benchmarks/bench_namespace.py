@@ -21,6 +21,8 @@ on these targets (the order rotates each repeat):
 ``noop-x``      the same with ``--xattrs``: its GETXATTR answers ENODATA as mtcfs's does,
                 so it also gets the GETXATTR the kernel sends before every write(2)
 ``node``        one mtcfs daemon (scope=node)
+``node-base``   the same running the code of another tree (``--base DIR``, a ``git
+                worktree`` of the commit to compare): a before/after pair in one run
 ``etcd-rank0``, ``etcd-member``, ``etcd-4x``, ``etcd-8w``
                 4 daemons with ``scope=job,replicas=1,coord=etcd://...``:
                 the namespace is ordered by a 1-member etcd this benchmark starts on
@@ -89,7 +91,7 @@ NODES = 4
 JOB_OPTIONS = {"scope": "job", "replicas": 1}
 FILE_SIZE = 4 * KiB
 ETCD_TARGETS = ("etcd-rank0", "etcd-member", "etcd-4x", "etcd-8w")
-TARGETS = ("tmpfs", "noop", "noop-x", "node") + ETCD_TARGETS
+TARGETS = ("tmpfs", "noop", "noop-x", "node", "node-base") + ETCD_TARGETS
 ENGINES = {"etcd": ETCD_TARGETS}
 WRITERS_PER_NODE_8W = 2
 BARRIER_TIMEOUT_S = 600.0
@@ -261,8 +263,10 @@ def etcd_targets(cluster: Any, etcd_pid: int) -> list[Target]:
 
 
 @contextlib.contextmanager
-def local_targets(root: Path, keys: list[str]) -> Iterator[list[Target]]:
-    """tmpfs and the one-node mount, as ``keys`` ask, below ``root``; unmounted on exit."""
+def local_targets(root: Path, keys: list[str], base: Path | None = None
+                  ) -> Iterator[list[Target]]:
+    """tmpfs and the one-node mounts, as ``keys`` ask, below ``root``; unmounted on exit.
+    ``node-base`` runs the code of the tree at ``base``."""
     with contextlib.ExitStack() as stack:
         out: list[Target] = []
         if "tmpfs" in keys:
@@ -281,6 +285,18 @@ def local_targets(root: Path, keys: list[str]) -> Iterator[list[Target]]:
             log("mounting one mtcfs daemon (scope=node)")
             m = stack.enter_context(mtcfs_mount(root / "node", {}, job=JOB))
             out.append(Target("node", "mtcfs, one node", [m.mnt], [m.pid]))
+        if "node-base" in keys and base is not None:
+            log(f"mounting one mtcfs daemon (scope=node) running the code in {base}")
+            here = os.getcwd()
+            # ``python -m mtcfs`` puts its working directory ahead of PYTHONPATH
+            os.chdir(base)
+            try:
+                m = stack.enter_context(mtcfs_mount(root / "node-base", {}, job=JOB,
+                                                    env={"PYTHONPATH": str(base)}))
+            finally:
+                os.chdir(here)
+            out.append(Target("node-base", f"mtcfs, {git_state(base)['head'] or base.name}",
+                              [m.mnt], [m.pid]))
         yield out
 
 
@@ -430,13 +446,14 @@ def _rotate(xs: list[Target], k: int) -> list[Target]:
     return xs[k:] + xs[:k]
 
 
-def run_all(root: Path, keys: list[str], n: int, listings: int, reps: int) -> Runs:
+def run_all(root: Path, keys: list[str], n: int, listings: int, reps: int,
+            base: Path | None = None) -> Runs:
     """Every target ``reps`` times; the job clusters (one on our log, then one on etcd) are
     new each repeat, one at a time; etcd is one server for the whole run. The order of the
     local targets, and of each cluster's targets (which share its log), rotates each
     repeat."""
     out = Runs(keys)
-    with local_targets(root, keys) as local, etcd_server(root / "etcd", keys) as etcd:
+    with local_targets(root, keys, base) as local, etcd_server(root / "etcd", keys) as etcd:
         for rep in range(reps):
             j = 0
             for t in _rotate(local, rep):
@@ -462,19 +479,21 @@ def _phase_values(runs: list[dict], phase: str, fn: Callable[[dict], float | Non
 
 
 def throughput_table(r: Runs, n: int, listings: int, reps: int) -> BenchResult:
-    ceilings = [k for k in ("noop", "noop-x") if r.runs.get(k) and r.runs.get("node")]
+    ratios = [(x, k) for x in ("node", "node-base") for k in ("noop", "noop-x")
+              if r.runs.get(k) and r.runs.get(x)]
+    ceilings = [k for x, k in ratios if x == "node"]
     res = BenchResult("ops", f"6a. Metadata ops/s: {n} files of 4 KiB, {listings} listings, "
                       f"median of {reps} (higher is better)",
                       ["phase"] + [label for _, label in r.shown()]
-                      + [{"noop": "node / no-op", "noop-x": "node / no-op-x"}[k]
-                         for k in ceilings])
+                      + [f"{'node' if x == 'node' else 'base'} / "
+                         f"{'no-op' if k == 'noop' else 'no-op-x'}" for x, k in ratios])
     for phase in PHASES:
         row = [phase] + [
             fmt_noise(_phase_values(r.runs[key], phase, lambda p: p["ops_per_s"]), 0)
             for key, _ in r.shown()]
-        for k in ceilings:
-            node, noop = (median(_phase_values(r.runs[x], phase, lambda p: p["ops_per_s"]))
-                          for x in ("node", k))
+        for x, k in ratios:
+            node, noop = (median(_phase_values(r.runs[y], phase, lambda p: p["ops_per_s"]))
+                          for y in (x, k))
             row.append(fmt(node / noop if node and noop else None, 2))
         res.rows.append(row)
     res.notes.append("create = open(O_CREAT|O_TRUNC) + write 4 KiB + close; readdir counts "
@@ -571,6 +590,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated targets: {','.join(TARGETS)} (default all)")
     p.add_argument("--engines", type=parse_engines, default=list(ENGINES),
                    help="job namespace engines to measure: etcd (etcd-*; the default)")
+    p.add_argument("--base", type=Path, help="a tree whose code the node-base target runs "
+                   "(a git worktree of the commit to compare; adds node-base)")
     p.add_argument("--json", type=Path, help="results file (default "
                    "bench-results/namespace-<timestamp>.json)")
     return p.parse_args(argv)
@@ -580,6 +601,15 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.run import render
 
     a = parse_args(argv)
+    if a.base is not None:
+        if not (a.base / "mtcfs" / "__main__.py").is_file():
+            print(f"--base {a.base}: not an mtcfs tree", file=sys.stderr)
+            return 2
+        a.base = a.base.resolve()
+        if "node-base" not in a.only:
+            a.only = [k for k in TARGETS if k in a.only or k == "node-base"]
+    else:
+        a.only = [k for k in a.only if k != "node-base"]
     dropped = {k for e, ks in ENGINES.items() if e not in a.engines for k in ks}
     a.only = [k for k in a.only if k not in dropped]
     if not a.only:
@@ -599,11 +629,13 @@ def main(argv: list[str] | None = None) -> int:
                             + (argv if argv is not None else sys.argv[1:])),
         "ops": a.ops, "listings": a.listings, "reps": a.reps, "file_size": FILE_SIZE,
         "nodes": NODES, "job_options": JOB_OPTIONS, "engines": a.engines, "machine": info,
+        "base": str(a.base) if a.base else None,
+        "base_git": git_state(a.base) if a.base else None,
         "results": {},
         "errors": {}}
     t0 = time.perf_counter()
     with scratch_dir(SCRATCH_SHM, "ns") as root:
-        r = run_all(root, a.only, a.ops, a.listings, a.reps)
+        r = run_all(root, a.only, a.ops, a.listings, a.reps, a.base)
     doc["targets"], doc["errors"] = r.labels, r.errors
     for res in (throughput_table(r, a.ops, a.listings, a.reps), cost_table(r)):
         res.seconds = time.perf_counter() - t0

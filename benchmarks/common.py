@@ -484,11 +484,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def git_state() -> dict[str, Any]:
-    """HEAD and the uncommitted changes under mtcfs/ and mtcfs/tiers/ (read-only git)."""
+def git_state(tree: Path = REPO) -> dict[str, Any]:
+    """HEAD and the uncommitted changes under mtcfs/ and mtcfs/tiers/ of the git tree at
+    ``tree`` (this repository by default; read-only git)."""
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+            return subprocess.run(["git", *args], cwd=tree, capture_output=True, text=True,
                                   timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
