@@ -25,7 +25,7 @@ import subprocess
 import sys
 import math
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -38,7 +38,7 @@ SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "ver
 EXIT_USAGE = 2
 
 
-def _die(msg: str, code: int = 1) -> None:
+def _die(msg: str, code: int = 1) -> NoReturn:
     print(f"mtcfs: {msg}", file=sys.stderr)
     sys.exit(code)
 
@@ -296,12 +296,16 @@ def _wait_for_daemon(pid: int, rfd: int, opts: Any) -> None:
 
 # ---------------------------------------------------------------------- client side
 
-def control_socket(path: str) -> tuple[str, str]:
+class NoDaemon(Exception):
+    """No mtcfs daemon answers for a path (the message is the one-line error)."""
+
+
+def find_control_socket(path: str) -> tuple[str, str]:
     """Find the daemon serving ``path``: returns (socket path, mount root).
 
     Raises:
-        SystemExit: ``path`` is not on an mtcfs mount, or its mount's root cannot be read
-            (the one-line error names the errno: EACCES for another user on a mount without
+        NoDaemon: ``path`` is not on an mtcfs mount, or its mount's root cannot be read
+            (the message names the errno: EACCES for another user on a mount without
             ``allow_other``, ENOTCONN for a daemon that is gone, EIO, ...).
     """
     cur = os.path.abspath(path)
@@ -313,11 +317,20 @@ def control_socket(path: str) -> tuple[str, str]:
         except OSError as exc:
             if cur in mtcfs_roots:
                 name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-                _die(f"cannot read the mtcfs mount at {cur}: {exc.strerror} ({name})")
+                raise NoDaemon(f"cannot read the mtcfs mount at {cur}: {exc.strerror} "
+                               f"({name})") from None
         parent = os.path.dirname(cur)
         if parent == cur:
-            _die(f"{path} is not on an mtcfs mount")
+            raise NoDaemon(f"{path} is not on an mtcfs mount")
         cur = parent
+
+
+def control_socket(path: str) -> tuple[str, str]:
+    """:func:`find_control_socket`, or exit 1 with its one-line error."""
+    try:
+        return find_control_socket(path)
+    except NoDaemon as exc:
+        _die(str(exc))
 
 
 def _human(n: float | None) -> str:
@@ -669,9 +682,9 @@ def cmd_umount(a: argparse.Namespace) -> None:
     pid = None
     if not a.force:  # asking a stuck daemon would hang
         try:
-            sock, _ = control_socket(mnt)
+            sock, _ = find_control_socket(mnt)
             pid = control.call(sock, "status", timeout=10)["pid"]
-        except (SystemExit, control.ControlError, OSError):
+        except (NoDaemon, control.ControlError, OSError):
             pass
     if a.force:
         # The daemon is dead or stuck: abort its FUSE connection, detach the mount.
