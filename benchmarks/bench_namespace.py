@@ -287,14 +287,7 @@ def local_targets(root: Path, keys: list[str], base: Path | None = None
             out.append(Target("node", "mtcfs, one node", [m.mnt], [m.pid]))
         if "node-base" in keys and base is not None:
             log(f"mounting one mtcfs daemon (scope=node) running the code in {base}")
-            here = os.getcwd()
-            # ``python -m mtcfs`` puts its working directory ahead of PYTHONPATH
-            os.chdir(base)
-            try:
-                m = stack.enter_context(mtcfs_mount(root / "node-base", {}, job=JOB,
-                                                    env={"PYTHONPATH": str(base)}))
-            finally:
-                os.chdir(here)
+            m = stack.enter_context(mtcfs_mount(root / "node-base", {}, job=JOB, tree=base))
             out.append(Target("node-base", f"mtcfs, {git_state(base)['head'] or base.name}",
                               [m.mnt], [m.pid]))
         yield out

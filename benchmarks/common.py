@@ -299,16 +299,27 @@ def loopback_etcd(root: Path) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
-                env: dict[str, str] | None = None) -> Iterator[Mount]:
+                env: dict[str, str] | None = None, tree: Path | None = None
+                ) -> Iterator[Mount]:
     """Mount mtcfs with its store in ``root/store`` and mount point ``root/mnt``.
 
     ``env`` is added to the environment of the daemon (e.g. STORAGE_EMULATOR_HOST).
-    Unmounted (and the store removed) on exit, whatever happened.
+    ``tree``: the daemon runs the code of that tree (a ``git worktree`` of a commit to
+    compare), started in it with ``PYTHONPATH`` set to it (``python -m mtcfs`` puts its
+    working directory ahead of ``PYTHONPATH``). Unmounted (and the store removed) on
+    exit, whatever happened.
     """
     m = Mount(root, job=job, options=options)
+    here = os.getcwd()
     try:
-        with environ(env or {}):
-            m.start()
+        if tree is not None:
+            env = {**(env or {}), "PYTHONPATH": str(tree)}
+            os.chdir(tree)
+        try:
+            with environ(env or {}):
+                m.start()
+        finally:
+            os.chdir(here)
         yield m
     except BaseException:
         tail = m.log()[-3000:]
