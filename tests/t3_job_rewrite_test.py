@@ -14,11 +14,12 @@ import blake3
 import trio
 
 from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import Publish
 from mtcfs.core.jobns import publication_id
 from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, sealed
-from support.jobcore import published_on, read_all, run_job, write_sealed
+from support.jobcore import NodeLog, published_on, read_all, run_job, write_sealed
 
 
 def _chunks(data: bytes) -> list[str]:
@@ -209,5 +210,186 @@ def test_a_snapshot_install_never_takes_a_pinned_old_versions_shared_file(tmp_pa
             chunk = old[i * CS:(i + 1) * CS]
             assert a.tier_api.read_chunk_at(v1, i * CS, CS, chunk_hash(chunk)) == chunk, i
         a.tier_api.unpin([v1])
+
+    run_job(tmp_path, body)
+
+
+class _TimesOut(NodeLog):
+    """This node's namespace log, whose next ``fail`` submits time out (EIO), as etcd's
+    deadline would, without reaching the job."""
+
+    def __init__(self, job, fs, fail: int = 1) -> None:
+        super().__init__(job, fs)
+        self.fail = fail
+
+    async def submit(self, op):
+        if self.fail:
+            self.fail -= 1
+            raise FsError(errno.EIO, "etcd did not answer")
+        return await super().submit(op)
+
+
+def _stale_chunks(fs, ino: int) -> list[int]:
+    """Chunks of ``ino``'s current version on ``fs`` whose bytes are not its digest."""
+    v = fs.versions[fs.inodes[ino].vid]
+    fd = fs.vstore.fd(v)
+    return [i for i, d in enumerate(v.chunks)
+            if chunk_hash(os.pread(fd, min(CS, v.size - i * CS), i * CS)) != d]
+
+
+def test_a_reopen_while_a_failed_publication_waits_to_be_tried_again(tmp_path):
+    """A rewrite's close got EIO (etcd timed out): its publication is tried again in the
+    background. The file is reopened and written meanwhile, twice. The publication tried
+    again must not make the old version this node's current one again over the open
+    writer (the old version only reads the writer's file by then: a second open took that
+    file over as if it held the old bytes, and published the old digest of a chunk over
+    the first writer's bytes). Every sealed chunk matches its digest, and the last close
+    publishes what was written."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        a.ns_log = _TimesOut(job, a, fail=1)
+        fh1, _ = await a.open(f, os.O_RDWR)
+        await a.write(fh1, 0, b"A")
+        try:
+            await a.flush(fh1)
+            raise AssertionError("the close should have got EIO")
+        except FsError as exc:
+            assert exc.errno == errno.EIO
+        await a.release(fh1)
+        await trio.sleep(0.05)  # the publication waits 1 s before it is tried again
+        v1 = a.versions[a.inodes[f].vid]
+        assert v1.sealed and v1.seal_error
+        fh2, _ = await a.open(f, os.O_RDWR)
+        with trio.fail_after(10):
+            while v1.pins:  # the publication's next try has come and gone
+                await trio.sleep(0.05)
+        await a.write(fh2, 2 * CS + 7, b"B")
+        fh3, _ = await a.open(f, os.O_RDWR)
+        await a.write(fh3, 4 * CS, b"C")
+        await a.flush(fh3)
+        await a.release(fh3)
+        await a.flush(fh2)
+        await a.release(fh2)
+        want = bytearray(old)
+        want[0:1], want[2 * CS + 7:2 * CS + 8], want[4 * CS:4 * CS + 1] = b"A", b"B", b"C"
+        await _published_as(b, f, bytes(want))
+        assert _stale_chunks(a, f) == []
+        assert await read_all(a, f) == want
+        _serves(a, bytes(want))  # what b fetches, verified
+
+    run_job(tmp_path, body)
+
+
+def test_a_snapshot_install_never_hands_a_pinned_versions_file_to_a_later_rewrite(tmp_path):
+    """A peer's fetch pins the current version of f; a snapshot install then makes a new
+    version of the same content and keeps the local data file for it. A rewrite of f
+    afterwards changes that file in place: the pinned version must still read its own
+    bytes (the install copies for it rather than hand its file over)."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
+        assert got is not None and got[0] is v1
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        await _rewrite(a, f, [(3 * CS + 1, b"#")])
+        try:
+            for i in range(6):
+                chunk = old[i * CS:(i + 1) * CS]
+                assert a.tier_api.read_chunk_at(v1, i * CS, CS, chunk_hash(chunk)) == chunk, i
+        finally:
+            a.tier_api.unpin([v1])
+        new = bytearray(old)
+        new[3 * CS + 1] = ord("#")
+        assert await read_all(a, f) == new
+
+    run_job(tmp_path, body)
+
+
+def test_a_snapshot_install_during_a_rewrite_gives_a_pinned_readers_ram_back(tmp_path):
+    """A rewrite shares its data file with a pinned old version (a peer's fetch) when a
+    snapshot install comes. Once the pin goes, the old version leaves the writer's group:
+    later writes copy nothing for it, and size= counts exactly what the data files hold."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
+        assert got is not None and got[0] is v1
+        fh, _ = await a.open(f, os.O_RDWR)
+        v2 = a.versions[a.inodes[f].vid]
+        assert v2.shared is not None
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        a.tier_api.unpin([v1])
+        await a.write(fh, 2 * CS, b"y")
+        await a.write(fh, 4 * CS, b"z")
+        await a.flush(fh)
+        await a.release(fh)
+        held = sum(os.fstat(a.vstore.fd(v)).st_blocks * 512 for v in a.versions.values())
+        assert v2.shared is None and v1.preserved is None
+        assert a.used == held
+
+    run_job(tmp_path, body)
+
+
+class _Held(NodeLog):
+    """This node's namespace log, whose submits wait for :attr:`go` while :attr:`hold`."""
+
+    def __init__(self, job, fs) -> None:
+        super().__init__(job, fs)
+        self.hold = True
+        self.go = trio.Event()
+
+    async def submit(self, op):
+        if self.hold and isinstance(op, Publish):
+            await self.go.wait()
+        return await super().submit(op)
+
+
+def test_a_writer_opened_while_the_last_close_is_published_keeps_reading_its_writes(tmp_path):
+    """The file is reopened for writing while its last close's publication is on its way
+    to the job (the open copies). When that publication is applied, the job has the old
+    version, but this node's writer must go on reading what it wrote (it used to become a
+    reader of the old version, made current again), and its close publishes it."""
+    old = os.urandom(4 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        a.ns_log = held = _Held(job, a)
+        fh1, _ = await a.open(f, os.O_RDWR)
+        await a.write(fh1, 0, b"A")
+        async with trio.open_nursery() as n:
+            n.start_soon(a.flush, fh1)  # close(2): seals, then publishes (held)
+            v1 = a.versions[a.inodes[f].vid]
+            with trio.fail_after(10):
+                while not v1.publishing:
+                    await trio.sleep(0.01)
+            fh2, _ = await a.open(f, os.O_RDWR)
+            await a.write(fh2, CS, b"B")
+            held.go.set()
+        await a.release(fh1)
+        first = bytearray(old)
+        first[0:1] = b"A"
+        await _published_as(b, f, bytes(first))
+        second = bytearray(first)
+        second[CS:CS + 1] = b"B"
+        assert await a.read(fh2, 0, len(old)) == second
+        await a.flush(fh2)
+        await a.release(fh2)
+        await _published_as(b, f, bytes(second))
+        assert await read_all(a, f) == second
+        assert _stale_chunks(a, f) == []
 
     run_job(tmp_path, body)

@@ -225,7 +225,8 @@ class OpenFiles:
             # replication, a peer's fetch in scope=job) reads on in the same file, and each
             # chunk is copied for it before the new version changes it (core/versions.py,
             # "Shared data files").
-            take = (cur is not None and not trunc and cur.sealed
+            # (Never a reader of a shared file: its data file holds a newer writer's bytes.)
+            take = (cur is not None and not trunc and cur.sealed and cur.preserved is None
                     and not (cur.writers or cur.sealing is not None or cur.publishing))
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):

@@ -221,9 +221,14 @@ class JobNamespace:
         v.pins += 1
         delay = 1.0
         try:
-            while ino.vid == v.vid and ino.nlink > 0 and v.seal_error:
+            while True:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+                if not (ino.vid == v.vid and ino.nlink > 0 and v.seal_error):
+                    # Written again (a newer version of this node's is current: its close
+                    # publishes), removed, or published meanwhile: nothing to try again.
+                    return
+                v.publishing = True  # a reopen meanwhile copies (files: writable_version)
                 try:
                     await self._host.ns_log.submit(op)
                 except FsError as exc:
@@ -232,6 +237,8 @@ class JobNamespace:
                     log.info("%s: not published again (%s): the job's newer version stays",
                              self.tree.path_of(ino), exc.strerror)
                     return
+                finally:
+                    v.publishing = False
                 log.info("%s: published job-wide after etcd came back", self.tree.path_of(ino))
                 v.seal_error = ""
                 return
@@ -418,7 +425,11 @@ class JobNamespace:
         if op.rank == self.rank:
             v = self.vstore.versions.get(op.vid)
             if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
-                if ino.vid != v.vid:  # another node's earlier publish replaced it here
+                cur = self.vstore.versions.get(ino.vid) if ino.vid is not None else None
+                if ino.vid != v.vid and v.preserved is None and (cur is None or cur.origin >= 0):
+                    # another node's earlier publish replaced it here. Not over a newer
+                    # version of this node's own (a writer opened since: its close
+                    # publishes over this one), which may read on in v's data file.
                     v.current = True
                     self.vstore.set_current(ino, v)
                     self.tree.renumber(ino)
@@ -604,11 +615,14 @@ class JobNamespace:
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
                     if old is not None:  # take over the old data file
-                        if old.shared is None:
+                        if old.shared is None and not old.pins:
                             self.vstore.fds.drop(v)
                             os.replace(self.store.data_path(old.vid),
                                        self.store.data_path(v.vid))
-                        else:  # pinned old versions read it: they keep it, v gets a copy
+                        else:
+                            # Read in a thread (pinned), or by pinned old versions: they
+                            # keep the file and v gets a copy (a rewrite of v changes its
+                            # file in place, and nothing would preserve their bytes).
                             src = self.store.open_data(old.vid)
                             try:
                                 copy_extents(src, self.vstore.fd(v), v.size)

@@ -384,6 +384,9 @@ class VersionStore:
                 dfd = fds.lease(v)
                 try:
                     copy_extents(sfd, dfd, copy_from.size)
+                    for i, piece in (copy_from.preserved or {}).items():
+                        # a reader of a shared file: its own bytes of the chunks changed
+                        os.pwrite(dfd, piece, i * copy_from.chunk_size)
                 finally:
                     fds.unlease(v, dfd)
                     fds.unlease(copy_from, sfd)
@@ -601,10 +604,14 @@ class VersionStore:
 
     def settle_kept(self) -> None:
         """After an install: descriptors kept by :meth:`forget_all` of versions registered
-        again become evictable."""
+        again become evictable. A version not registered again that still reads a shared
+        data file (pinned: a reader of a rewrite that stays) keeps counting against size=
+        (its preserved chunks), until its :meth:`release` takes it out of the group."""
         for v in self.fds.kept():
             if self.versions.get(v.vid) is v:
                 self.fds.unkeep(v)
+            elif v.shared is not None:
+                self._host.budget.add(v)
 
     # ------------------------------------------------------------------ data
 
@@ -660,8 +667,12 @@ class VersionStore:
         seal frees the rest. The data file goes when the deletion of its row commits."""
         if self.versions.get(v.vid) is not v:
             # Replaced by a namespace snapshot install (core/jobns.py): the handles and reads
-            # that held it read on through its descriptor; the last one closes it.
+            # that held it read on through its descriptor; the last one closes it, and a
+            # reader of a shared file leaves its group (settle_kept counted it).
             if not (v.handles or v.pins):
+                if v.shared is not None:
+                    self._leave_shared(v)
+                    self._host.budget.remove(v)
                 self.fds.drop(v)
             return
         if v.current or v.handles or v.pins:
