@@ -393,3 +393,30 @@ def test_a_writer_opened_while_the_last_close_is_published_keeps_reading_its_wri
         assert _stale_chunks(a, f) == []
 
     run_job(tmp_path, body)
+
+
+def test_a_retried_publication_never_matches_a_file_whose_bytes_are_the_manifest(tmp_path):
+    """``expect`` names the job's version by the hash of its manifest; an older mtcfs named
+    it by the whole-file hash, which still matches. The two must never be taken for each
+    other: a file whose bytes are exactly another file's manifest text has the whole-file
+    hash that the manifest's unprefixed hash would be, and a retry expecting the other
+    file's version must not replace it."""
+    data = os.urandom(3 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", data)
+        await published_on(b, f, len(data))
+        pub = a.inodes[f].published
+        text = b"%d:%d:" % (pub["size"], pub["chunk_size"]) + "".join(pub["chunks"]).encode()
+        g = await write_sealed(a, ROOT_INO, b"g.bin", text)
+        await published_on(b, g, len(text))
+        assert a.inodes[g].published["blake3"] == blake3.blake3(text).hexdigest()
+        v = a.versions[a.inodes[f].vid]
+        retry = Publish(ino=g, vid=v.vid, size=v.size, chunk_size=v.chunk_size,
+                        chunks=tuple(v.chunks), blake3=v.blake3, mtime_ns=1,
+                        expect=publication_id(pub), rank=0, id="retry.g")
+        assert job.apply(retry) == {0: errno.ESTALE, 1: errno.ESTALE}
+        assert await read_all(a, g) == text
+
+    run_job(tmp_path, body)

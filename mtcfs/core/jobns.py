@@ -77,26 +77,34 @@ EMPTY_BLAKE3 = blake3.blake3(b"").hexdigest()
 INLINE_BYTES = 256 * 1024
 
 
+#: What starts every :func:`publication_id`: no whole-file hash (64 hex characters) does,
+#: so the two kinds of ``Publish.expect`` are never taken for each other.
+PUBLICATION_ID_PREFIX = "manifest:"
+
+
 def publication_id(published: dict[str, Any] | None) -> str:
-    """The name (64 hex characters) of a file's published version (``Inode.published``,
-    None: never published) that a publication tried again expects to replace
-    (``Publish.expect``): the blake3 of its manifest (size, chunk size, chunk digests).
-    Not the whole-file hash: a rewrite's seal leaves that empty (computed when asked), and
-    two rewrites would share the name "". :data:`EMPTY_BLAKE3` for an empty file or one
-    never published (both are empty job-wide)."""
+    """The name of a file's published version (``Inode.published``, None: never published)
+    that a publication tried again expects to replace (``Publish.expect``):
+    :data:`PUBLICATION_ID_PREFIX` and the blake3 (hex) of its manifest (size, chunk size,
+    chunk digests). Not the whole-file hash: a rewrite's seal leaves that empty (computed
+    when asked), and two rewrites would share the name "". An empty file and one never
+    published (both empty job-wide) have the same name."""
     if not published or not published.get("size"):
-        return EMPTY_BLAKE3
+        return PUBLICATION_ID_PREFIX + EMPTY_BLAKE3
     h = blake3.blake3(b"%d:%d:" % (published["size"], published["chunk_size"]))
     for d in published["chunks"]:
         h.update(d.encode())
-    return h.hexdigest()
+    return PUBLICATION_ID_PREFIX + h.hexdigest()
 
 
 def _expected(published: dict[str, Any] | None, expect: str) -> bool:
-    """Whether ``expect`` names ``published``: its :func:`publication_id`, or its whole-file
-    hash (an mtcfs before 2026-11-25 named it so in the ops it wrote to the log)."""
+    """Whether ``expect`` names ``published``: its :func:`publication_id`, or, without the
+    prefix, its whole-file hash (an mtcfs before 2026-11-25 named it so in the ops it wrote
+    to the log)."""
+    if expect.startswith(PUBLICATION_ID_PREFIX):
+        return expect == publication_id(published)
     whole = (published or {}).get("blake3", EMPTY_BLAKE3)
-    return expect == publication_id(published) or (bool(whole) and expect == whole)
+    return bool(whole) and expect == whole
 
 
 def _name(s: str) -> bytes:
