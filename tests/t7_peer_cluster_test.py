@@ -220,6 +220,44 @@ def test_rank_0_dies_and_a_wiped_replacement_restores_from_peers(make_cluster, o
         c.wait_replicated(2, step, timeout=20)
 
 
+def test_a_node_killed_in_the_middle_of_replicating_a_step_is_replaced_in_bounded_time(
+        make_cluster, monkeypatch):
+    """Rank 0 dies while it streams a committed step to rank 1 (each chunk rank 1 stores
+    takes 50 ms: the stream is certainly under way, half received, when the kill comes). A
+    replacement on an empty store restores the newest step every rank holds in full from
+    rank 1, bit-exact, well within one bulk call's 60 s deadline: the half-received step is
+    not chosen and nothing waits on it (goodput once saw a replacement take 64 s,
+    docs/goodput.md)."""
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "peer.put_chunk=sleep(0.05)")
+    c = make_cluster(2, options={"chunk_size": "1M"})
+    s10 = {r: {"model.bin": blob(10 + r, 3 * MiB + 77)} for r in range(2)}
+    for r in range(2):
+        write_step(c.node(r), "step_10", s10[r])
+    for r in range(2):
+        c.wait_replicated(r, "step_10", timeout=30)
+
+    def stored() -> int:
+        return c.status(1)["peers"]["replica_store"]["chunks_stored"]
+
+    before = stored()
+    write_step(c.node(1), "step_20", {"model.bin": blob(21, 2 * MiB)})
+    write_step(c.node(0), "step_20", {"model.bin": blob(20, 64 * MiB)})
+    wait(lambda: stored() >= before + 4, 30, "rank 1 receiving rank 0's step_20", c, (0, 1))
+    assert stored() < before + 64  # not all of it: the stream is under way
+    c.kill9(0)
+    monkeypatch.delenv("MTCFS_FAILPOINTS")
+    t0 = time.monotonic()
+    m0 = c.restart(0, wipe=True)
+    assert sorted(p.name for p in m0.mnt.iterdir()) == ["step_10"]
+    assert_files(m0, "step_10", s10[0])
+    wait(lambda: c.status(0)["restore"]["pending_chunks"] == 0, 30, "restore finished",
+         c, (0, 1))
+    took = time.monotonic() - t0
+    st = c.status(0)["restore"]
+    assert st["step"] == "step_10" and st["chunks_from"].get("peers", 0) >= 1, st
+    assert took < 30, f"the replacement took {took:.1f} s"
+
+
 # -- 3. a partition heals ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [{}, {"topology": "zone=a,block=1"}],

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from mtcfs.base.counters import Counters
+from mtcfs.base.failpoints import failpoint
 from mtcfs.tiers.backup.layout import check_hash
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer.errors import ChunkMismatch, ReplicaError, ReplicaFull
@@ -226,6 +227,7 @@ class _Sink:
                     if last:
                         self._commit(writer)
                         writer = None
+                        failpoint("peer.put_chunk")  # tests: a writer dies mid-stream
             except BaseException as exc:  # noqa: BLE001 (close() re-raises it in the call's thread)
                 self._error = exc
                 if writer is not None:
