@@ -356,11 +356,11 @@ class _Held(NodeLog):
         return await super().submit(op)
 
 
-def test_a_writer_opened_while_the_last_close_is_published_keeps_reading_its_writes(tmp_path):
+def test_a_writer_opened_while_the_last_close_is_published_publishes_over_it(tmp_path):
     """The file is reopened for writing while its last close's publication is on its way
-    to the job (the open copies). When that publication is applied, the job has the old
-    version, but this node's writer must go on reading what it wrote (it used to become a
-    reader of the old version, made current again), and its close publishes it."""
+    to the job (the open copies). That publication is applied first: every node has the
+    first close's bytes; then the writer's close publishes over it, and every node has the
+    second close's bytes, read back verified on the node that wrote them."""
     old = os.urandom(4 * CS)
 
     async def body(cores, job):
@@ -383,14 +383,108 @@ def test_a_writer_opened_while_the_last_close_is_published_keeps_reading_its_wri
         first = bytearray(old)
         first[0:1] = b"A"
         await _published_as(b, f, bytes(first))
-        second = bytearray(first)
-        second[CS:CS + 1] = b"B"
-        assert await a.read(fh2, 0, len(old)) == second
         await a.flush(fh2)
         await a.release(fh2)
+        second = bytearray(first)
+        second[CS:CS + 1] = b"B"
         await _published_as(b, f, bytes(second))
         assert await read_all(a, f) == second
         assert _stale_chunks(a, f) == []
+
+    run_job(tmp_path, body)
+
+
+class _HeldThenTimesOut(NodeLog):
+    """This node's namespace log: its first publication waits for :attr:`go`, its second
+    times out (EIO) without reaching the job."""
+
+    def __init__(self, job, fs) -> None:
+        super().__init__(job, fs)
+        self.n = 0
+        self.go = trio.Event()
+
+    async def submit(self, op):
+        if isinstance(op, Publish):
+            self.n += 1
+            if self.n == 1:
+                await self.go.wait()
+            elif self.n == 2:
+                raise FsError(errno.EIO, "etcd did not answer")
+        return await super().submit(op)
+
+
+def test_a_writer_whose_close_fails_behind_a_slow_publication_ends_with_the_jobs_version(
+        tmp_path):
+    """As above, but the writer's close gets EIO (etcd timed out) and its publication is
+    tried again later, expecting the version before the first one. The first publication
+    is applied meanwhile, so the job keeps it: the try again is refused (ESTALE) and this
+    node ends with the job's version too, not the failed writer's bytes that no other node
+    has."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        a.ns_log = log = _HeldThenTimesOut(job, a)
+        fh1, _ = await a.open(f, os.O_RDWR)
+        await a.write(fh1, 0, b"A")
+        async with trio.open_nursery() as n:
+            n.start_soon(a.flush, fh1)
+            v1 = a.versions[a.inodes[f].vid]
+            with trio.fail_after(10):
+                while not v1.publishing:
+                    await trio.sleep(0.01)
+            fh2, _ = await a.open(f, os.O_RDWR)
+            await a.write(fh2, CS, b"B")
+            try:
+                await a.flush(fh2)
+                raise AssertionError("the second close should have got EIO")
+            except FsError as exc:
+                assert exc.errno == errno.EIO
+            await a.release(fh2)
+            v2 = a.versions[a.inodes[f].vid]
+            log.go.set()
+        await a.release(fh1)
+        with trio.fail_after(10):
+            while v2.pins:  # the second close's publication tried again, and given up
+                await trio.sleep(0.05)
+        first = bytearray(old)
+        first[0:1] = b"A"
+        await _published_as(b, f, bytes(first))
+        assert await read_all(a, f) == first
+        assert list(a.versions[a.inodes[f].vid].chunks) == _chunks(bytes(first))
+
+    run_job(tmp_path, body)
+
+
+def test_a_snapshot_install_of_a_rewritten_file_counts_the_file_its_readers_keep(tmp_path):
+    """A rewrite takes a pinned version's file over and is closed and published; a snapshot
+    install then forgets both (the file gets a copy). While the old version's pin lasts it
+    holds the shared file alone, which counts against size= (with its kept chunks); after
+    the unpin size= is what the data files hold."""
+    old = os.urandom(6 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        await published_on(b, f, len(old))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
+        assert got is not None and got[0] is v1
+        await _rewrite(a, f, [(3 * CS + 1, b"#")])
+        new = bytearray(old)
+        new[3 * CS + 1] = ord("#")
+        await _published_as(b, f, bytes(new))
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        registered = sum(os.fstat(a.vstore.fd(v)).st_blocks * 512
+                         for v in a.versions.values())
+        kept = sum(len(x) for x in (v1.preserved or {}).values())
+        assert a.used == registered + len(old) + kept
+        a.tier_api.unpin([v1])
+        assert a.used == sum(os.fstat(a.vstore.fd(v)).st_blocks * 512
+                             for v in a.versions.values())
+        assert await read_all(a, f) == new
 
     run_job(tmp_path, body)
 

@@ -432,12 +432,14 @@ class JobNamespace:
                          "blake3": op.blake3, "rank": op.rank}
         if op.rank == self.rank:
             v = self.vstore.versions.get(op.vid)
-            if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks:
-                cur = self.vstore.versions.get(ino.vid) if ino.vid is not None else None
-                if ino.vid != v.vid and v.preserved is None and (cur is None or cur.origin >= 0):
-                    # another node's earlier publish replaced it here. Not over a newer
-                    # version of this node's own (a writer opened since: its close
-                    # publishes over this one), which may read on in v's data file.
+            # (Not a reader of a shared data file, which holds a newer writer's bytes: it
+            # never becomes current again; the job's content comes as another rank's would.)
+            if v is not None and v.ino == ino.ino and v.sealed and v.chunks == chunks \
+                    and v.preserved is None:
+                if ino.vid != v.vid:
+                    # replaced here by another node's earlier publish, or by a writer opened
+                    # since (a copy: its close publishes over this one, or, if that close
+                    # fails, the job keeps this one on every node)
                     v.current = True
                     self.vstore.set_current(ino, v)
                     self.tree.renumber(ino)

@@ -611,7 +611,15 @@ class VersionStore:
             if self.versions.get(v.vid) is v:
                 self.fds.unkeep(v)
             elif v.shared is not None:
+                group = v.shared
+                w = group.writer
+                if w is not None and self.versions.get(w.vid) is not w:
+                    # its writer was forgotten too (sealed, not written here any more): the
+                    # readers hold the file now, the first one counting it
+                    w.shared = None
+                    group.writer = None
                 self._host.budget.add(v)
+                self._host.budget.account(v)
 
     # ------------------------------------------------------------------ data
 
