@@ -6,12 +6,15 @@ In-process core (tests/support/corefs.py, chunks of CS = 64 KiB); the real mount
 in t4_posix_test.py (test_rewrite_of_one_byte_of_a_sealed_file_*)."""
 
 import os
+import threading
 
 import blake3
 import trio
 
 from mtcfs.base import failpoints
 from mtcfs.base.chunking import chunk_hash
+from mtcfs.core import files as files_mod
+from mtcfs.core import versions as versions_mod
 from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, run, run_to_crash, sealed, write_file
 
@@ -681,3 +684,162 @@ def test_crash_after_a_reopen_that_stopped_the_hash(tmp_path, monkeypatch):
         assert await _read_all(fs, ino, len(expect)) == expect
         assert await fs.checkpoints.verify() == []
     run(second, tmp_path)
+
+
+# -- found by an adversarial review of the shared data files (each fails before its fix) --
+
+
+def test_the_whole_file_hash_asked_during_a_rewrite_is_of_one_content(tmp_path, monkeypatch):
+    """``user.mtcfs.blake3`` of a rewritten version is computed when first asked, in a
+    worker thread that pins the version. A reopen for writing meanwhile takes the data file
+    over (the version becomes a reader of it) and changes chunks the thread has not read
+    yet: the digest must be of the old content (or the new), never of a mix of both."""
+    data = bytearray(os.urandom(8 * CS))
+    paused, go = threading.Event(), threading.Event()
+    real_read, real_hash = versions_mod.read_data, versions_mod.hash_data
+    main = threading.main_thread()
+
+    def read_data(fds, v, off, length):
+        out = real_read(fds, v, off, length)
+        if threading.current_thread() is not main and off == 0:
+            paused.set()
+            go.wait(10)
+        return out
+
+    def hash_data(fds, v, piece=4 << 20):
+        return real_hash(fds, v, piece=CS)  # chunk by chunk, so that it can pause between
+
+    monkeypatch.setattr(versions_mod, "read_data", read_data)
+    monkeypatch.setattr(files_mod, "hash_data", hash_data)
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", bytes(data))
+        await sealed(fs, ino)
+        await _rewrite(fs, ino, [(3 * CS, b"r")])
+        data[3 * CS] = ord("r")
+        v1 = await sealed(fs, ino)
+        assert v1.blake3 == ""  # computed when asked
+        before = bytes(data)
+        got = []
+
+        async def ask():
+            got.append((await fs.getxattr(ino, b"user.mtcfs.blake3")).decode())
+        async with trio.open_nursery() as n:
+            n.start_soon(ask)
+            with trio.fail_after(10):
+                while not paused.is_set():
+                    await trio.sleep(0.005)
+            await _rewrite(fs, ino, [(0, b"A" * CS), (7 * CS, b"B" * CS)])
+            data[0:CS], data[7 * CS:8 * CS] = b"A" * CS, b"B" * CS
+            go.set()
+        await sealed(fs, ino)
+        assert got[0] in (blake3.blake3(before).hexdigest(),
+                          blake3.blake3(bytes(data)).hexdigest())
+
+    run(body, tmp_path)
+
+
+def test_a_truncate_to_zero_through_a_handle_while_pinned_copies_nothing(tmp_path):
+    """``truncate -s 0`` opens without O_TRUNC and calls ftruncate: with the old version
+    pinned, the writer leaves the data file to it (as an O_TRUNC open does) rather than
+    copy every chunk of it into the daemon's memory (ENOSPC here: 20 chunks more in a
+    RAM tier of 30 holding 20). The pinned version still reads every old byte."""
+    data = os.urandom(20 * CS)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, data)
+        fh, _ = await fs.open(ino, os.O_WRONLY)
+        try:
+            await fs.setattr(ino, size=0, fh=fh)
+            await fs.write(fh, 0, b"new")
+        finally:
+            await fs.release(fh)
+        assert not v1.preserved
+        _old_bytes_intact(read, v1, data)
+        fs.tier_api.unpin(pinned)
+        fh, _ = await fs.open(ino, os.O_RDONLY)
+        assert await fs.read(fh, 0, 100) == b"new"
+        await fs.release(fh)
+
+    run(body, tmp_path, capacity=30 * CS)
+
+
+def test_a_second_reader_counts_its_kept_chunks_not_the_whole_file(tmp_path):
+    """A second rewrite while the first rewrite's version is pinned too: that version
+    joins the readers of the shared file. size= counts the file once and each reader's
+    kept chunks, also when the second rewrite changes none of its chunks (an append)."""
+    data = os.urandom(20 * CS)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, data)
+        await _rewrite(fs, ino, [(0, b"x")])
+        v2 = await sealed(fs, ino)
+        got = fs.tier_api.pin_chunk(v2.chunks[0])  # only v2 holds this chunk
+        assert got is not None and got[0] is v2
+        await _rewrite(fs, ino, [(20 * CS, b"appended")])  # past v2's end only
+        await sealed(fs, ino)
+        kept = sum(len(b) for r in (v1, v2) for b in (r.preserved or {}).values())
+        assert fs.used == _on_disk(fs) + kept
+        fs.tier_api.unpin(pinned)
+        fs.tier_api.unpin([v2])
+        assert fs.used == _on_disk(fs)
+
+    run(body, tmp_path)
+
+
+def test_a_late_duplicate_fetch_never_writes_over_a_rewrite(tmp_path, monkeypatch):
+    """Two fetches of one missing chunk (a restore's delivery and a read's fault-in) both
+    write it; the first to end makes the version complete. A rewrite opened then must not
+    take the file over before the second write ends, or that write of the old bytes lands
+    on the rewrite's (and its seal hashes them: nothing would notice)."""
+    data = os.urandom(4 * CS)
+    real_pwrite = os.pwrite
+    main = threading.main_thread()
+    first, go = threading.Event(), threading.Event()
+    calls = [0]
+
+    def pwrite(fd, buf, off):
+        if threading.current_thread() is not main and len(buf) == CS and off == 0:
+            calls[0] += 1
+            if calls[0] == 1:  # the first fetch's write of chunk 0 is slow
+                first.set()
+                go.wait(10)
+        return real_pwrite(fd, buf, off)
+
+    async def body(fs):
+        ino = await write_file(fs, ROOT_INO, b"f", data)
+        v0 = await sealed(fs, ino)
+        with fs.db.transaction():
+            fs.vstore.drop_data(v0)  # evicted: every chunk missing
+        for i in (1, 2, 3):
+            await fs.tier_api.deliver_chunk(v0.chunks[i], data[i * CS:(i + 1) * CS],
+                                            [(v0, i)])
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        async with trio.open_nursery() as n:
+            n.start_soon(fs.tier_api.deliver_chunk, v0.chunks[0], data[:CS], [(v0, 0)])
+            with trio.fail_after(10):
+                while not first.is_set():
+                    await trio.sleep(0.005)
+            await fs.tier_api.deliver_chunk(v0.chunks[0], data[:CS], [(v0, 0)])
+            assert not v0.missing
+
+            wrote = []
+
+            async def rewrite():
+                fh, _ = await fs.open(ino, os.O_RDWR)
+                await fs.write(fh, 0, b"N" * CS)
+                wrote.append(True)
+                await fs.release(fh)
+            n.start_soon(rewrite)
+            with trio.fail_after(10):  # the open waits for the slow write (it used to not)
+                while getattr(v0, "fill_done", None) is None and not wrote:
+                    await trio.sleep(0.005)
+            go.set()
+        monkeypatch.undo()
+        await sealed(fs, ino)
+        fh, _ = await fs.open(ino, os.O_RDONLY)
+        got = await fs.read(fh, 0, 4 * CS)
+        await fs.release(fh)
+        assert got == b"N" * CS + data[CS:]
+
+    run(body, tmp_path)

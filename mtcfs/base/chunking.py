@@ -4,7 +4,8 @@ A sealed file version is cut into chunks of ``chunk_size`` bytes (the last one m
 shorter). Each chunk is named by the hex blake3 digest of its bytes; the file as a whole
 also gets the blake3 digest of its full content, so ``user.mtcfs.blake3`` equals what
 ``b3sum`` prints for the file. A rewrite of a sealed file hashes only the chunks it changed
-(:func:`rehash_fd`); its whole-file digest is computed when asked (:func:`file_hash_fd`).
+(:func:`rehash_fd`); its whole-file digest is computed when asked (core/versions.py:
+``hash_data``).
 
 Fixed-size rather than content-defined chunking: tensor files change in place, they do not
 shift, so fixed offsets give the same dedup at a fraction of the CPU cost (see
@@ -171,7 +172,7 @@ def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
     ``dirty``: indices of the chunks written or resized since. A chunk in ``dirty`` or
     past the end of ``base`` is read and hashed (one that is all hole gets the digest of
     zeros without being read); the others keep their ``base`` digest. The whole-file hash
-    is not computed (``file_hash`` is ""; :func:`file_hash_fd` computes it when asked).
+    is not computed (``file_hash`` is ""; computed when asked: core/files.py, ``file_hash``).
     Blocking; call it from a worker thread for large changes.
 
     Raises:
@@ -199,19 +200,3 @@ def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
             view.release()
         hashed += want
     return HashResult(size, tuple(digests), "", hashed)
-
-
-def file_hash_fd(fd: int, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
-    """The hex blake3 digest of the first ``size`` bytes of ``fd`` (the whole-file hash
-    alone, read ``chunk_size`` bytes at a time). Blocking and CPU-bound: call it from a
-    worker thread.
-
-    Raises:
-        OSError: if the file cannot be read or is shorter than ``size``.
-    """
-    whole = blake3.blake3()
-    if size == 0:
-        return EMPTY_HASH
-    for piece in _pieces(fd, size, chunk_size):
-        whole.update(piece)
-    return whole.hexdigest()

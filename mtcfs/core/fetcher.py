@@ -278,45 +278,54 @@ class FaultIn:
                 self._budget.account(v)
                 self._host.chunk_arrived(v, idx)
             return
-        if not registered and v.fd < 0:
-            raise FsError(errno.EIO, "the file was replaced while its data was fetched")
-        off, length = chunk_span(idx, v.size, v.chunk_size)
-        if registered:
-            # Bytes brought into RAM count against size= like a write (core/budget.py, the
-            # accounting rule): room is made first, by eviction. A read is never refused
-            # for room, though: when nothing can be evicted the chunk goes in past size=
-            # (logged, counted), and later evictions take it back (docs/usage.md).
-            # Held until the bytes are counted: fetches write in threads, side by side.
-            need = self._budget.new_bytes(v, off, off + length)
-            if not await self._budget.reserve(need, best_effort=True):
-                self._counters.fault_in_over_size += 1
-                over = self._counters.fault_in_over_size
-                if over == 1 or over % 1000 == 0:
-                    log.warning("RAM tier full and nothing can be evicted: chunks read in "
-                                "go past size= (%d so far)", over)
-            if idx not in v.missing:
-                return  # stored by another fetch while we waited
-            if versions.get(v.vid) is not v:  # replaced while we waited for room
-                need = 0
-                if v.fd < 0:
-                    raise FsError(errno.EIO, "the file was replaced while its data was fetched")
+        v.filling += 1  # (no await since the check above)
+        try:
+            if not registered and v.fd < 0:
+                raise FsError(errno.EIO, "the file was replaced while its data was fetched")
+            off, length = chunk_span(idx, v.size, v.chunk_size)
+            if registered:
+                # Bytes brought into RAM count against size= like a write (core/budget.py,
+                # the accounting rule): room is made first, by eviction. A read is never
+                # refused for room, though: when nothing can be evicted the chunk goes in
+                # past size= (logged, counted), and later evictions take it back
+                # (docs/usage.md). Held until the bytes are counted: fetches write in
+                # threads, side by side.
+                need = self._budget.new_bytes(v, off, off + length)
+                if not await self._budget.reserve(need, best_effort=True):
+                    self._counters.fault_in_over_size += 1
+                    over = self._counters.fault_in_over_size
+                    if over == 1 or over % 1000 == 0:
+                        log.warning("RAM tier full and nothing can be evicted: chunks read "
+                                    "in go past size= (%d so far)", over)
+                if idx not in v.missing:
+                    return  # stored by another fetch while we waited
+                if versions.get(v.vid) is not v:  # replaced while we waited for room
+                    need = 0
+                    if v.fd < 0:
+                        raise FsError(errno.EIO, "the file was replaced while its data "
+                                      "was fetched")
+                else:
+                    self._fds.get(v)  # cached for the reads that follow
             else:
-                self._fds.get(v)  # cached for the reads that follow
-        else:
-            need = 0
-        with self._budget.hold(need):  # set aside until counted
-            fd = self._fds.lease(v)  # stays open while the thread writes
-            try:
-                await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self._cpu)
-            finally:
-                self._fds.unlease(v, fd)
-        if idx in v.missing:
-            v.missing.discard(idx)
-            self._counters.chunks_faulted += 1
-            self._counters.bytes_faulted += length
-            if versions.get(v.vid) is v:
-                self._budget.account(v)
-                self._host.chunk_arrived(v, idx)
+                need = 0
+            with self._budget.hold(need):  # set aside until counted
+                fd = self._fds.lease(v)  # stays open while the thread writes
+                try:
+                    await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self._cpu)
+                finally:
+                    self._fds.unlease(v, fd)
+            if idx in v.missing:
+                v.missing.discard(idx)
+                self._counters.chunks_faulted += 1
+                self._counters.bytes_faulted += length
+                if versions.get(v.vid) is v:
+                    self._budget.account(v)
+                    self._host.chunk_arrived(v, idx)
+        finally:
+            v.filling -= 1
+            if not v.filling and v.fill_done is not None:
+                v.fill_done.set()
+                v.fill_done = None
 
     async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.

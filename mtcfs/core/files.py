@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import trio
 
-from mtcfs.base.chunking import HashResult, HashStopped, file_hash_fd, hash_fd, rehash_fd
+from mtcfs.base.chunking import HashResult, HashStopped, hash_fd, rehash_fd
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
 from mtcfs.base.ns_ops import Create
@@ -74,6 +74,11 @@ INLINE_SEAL_BYTES = 64 * 1024
 #: Seconds a reservation short of space, or statfs, waits for the RELEASE of unlinked files
 #: whose last close(2) was seen (the kernel sends RELEASE after close returns).
 RELEASE_WAIT_S = 1.0
+
+#: Seconds a writer's open waits for fetches that still write chunks of the version it
+#: would take over or copy (local writes of verified bytes: milliseconds, unless many
+#: fetches queue for the CPU limiter); EAGAIN after that.
+FILL_WAIT_S = 10.0
 
 
 class Host(Protocol):
@@ -196,7 +201,8 @@ class OpenFiles:
         sealed version nothing but read-only handles uses is not copied: the new version
         takes its data file over (core/versions.py: ``new``).
         """
-        for _attempt in range(3):
+        waits = 0
+        while waits < 3:
             cur = self.versions[ino.vid] if ino.vid is not None else None
             while (cur is not None and cur.sealing is not None and not cur.sealed and not trunc
                    and not self.job_scope and not cur.writers):
@@ -219,6 +225,12 @@ class OpenFiles:
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
+            if cur is not None and not trunc and cur.filling:
+                # A fetch of a chunk another fetch has filled since still writes it (the
+                # same bytes): once the file is taken over that write would land on the
+                # writer's bytes. Let it end, then look again.
+                await self._fills_done(cur)
+                continue
             # Take the data file over unless the old version's seal or publish reads it:
             # read-only handles read the current version (read), so the old one keeps no
             # data (vstore._detach); a pinned one (read in a thread: an upload, a
@@ -235,6 +247,7 @@ class OpenFiles:
                     await self.budget.reserve(need)
                 finally:
                     cur.pins -= 1
+                waits += 1
                 continue  # the state may have moved during the wait: look again
             with self.db.transaction():
                 v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
@@ -244,6 +257,20 @@ class OpenFiles:
             return v
         self.counters.enospc += 1
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
+
+    async def _fills_done(self, v: Version) -> None:
+        """Wait (:data:`FILL_WAIT_S` at most) until no fetch writes a chunk of ``v``.
+
+        Raises:
+            FsError: EAGAIN if one still does then.
+        """
+        if v.fill_done is None:
+            v.fill_done = trio.Event()
+        done = v.fill_done
+        with trio.move_on_after(FILL_WAIT_S):
+            await done.wait()
+        if v.filling:
+            raise FsError(errno.EAGAIN, "a chunk of the file is still being written by a fetch")
 
     async def _stop_seal(self, v: Version) -> None:
         """Ask the seal of closed ``v`` to stop (``Version.stop_seal``) and wait for it to
@@ -471,6 +498,10 @@ class OpenFiles:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
         if v.missing:
             await self.chunks.fault_in(v, 0, v.size)
+        if size == 0:
+            # Older versions still read its data file: they keep it, v gets an empty one
+            # (as an O_TRUNC open: no copy of their chunks).
+            self.vstore.unshare(v, 0)
         need = self.vstore.preserve_cost(v, v.size, size)
         if need:
             await self.budget.reserve(need)
@@ -659,16 +690,10 @@ class OpenFiles:
         try:
             await self.chunks.fault_in(v, 0, v.size)
             chunks = v.chunks
-            if v.preserved is not None:  # a replaced version that reads a shared data file
-                digest = await trio.to_thread.run_sync(hash_data, self.fds, v,
-                                                       limiter=self.cpu_limiter)
-            else:
-                fd = self.fds.lease(v)
-                try:
-                    digest = await trio.to_thread.run_sync(
-                        file_hash_fd, fd, v.size, v.chunk_size, limiter=self.cpu_limiter)
-                finally:
-                    self.fds.unlease(v, fd)
+            # Through read_data: a reopen during the hash may take the file over (v is
+            # pinned, so it becomes a reader and its changed chunks are kept aside).
+            digest = await trio.to_thread.run_sync(hash_data, self.fds, v,
+                                                   limiter=self.cpu_limiter)
             self.counters.file_hash_bytes += v.size
         finally:
             v.pins -= 1

@@ -58,6 +58,11 @@ class Version:
     origin: int = -1
     #: scope=job: its publish op is on its way (sealed, not yet known job-wide).
     publishing: bool = False
+    #: Fetches of its missing chunks under way (core/fetcher.py: ``store_chunk``): one may
+    #: still write a chunk that another already filled (the same bytes). Its data file is
+    #: not taken over or copied for a writer until they end (``fill_done`` is set then).
+    filling: int = 0
+    fill_done: trio.Event | None = None
     #: Bytes its data file really holds in the store (st_blocks x 512, as last measured):
     #: what counts against size= (holes cost nothing). See ``RamBudget.account`` (core/budget.py).
     alloc: int = 0

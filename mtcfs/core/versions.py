@@ -430,6 +430,8 @@ class VersionStore:
         group.writer = v if group.readers else None
         v.shared = group if group.readers else None
         self._account_file_holder(group)  # the file counts once, with its writer
+        if old.pins and old is not group.readers[0]:
+            self._host.budget.account(old)  # a writer that joins the readers: its copies
 
     def _account_file_holder(self, group: SharedData) -> None:
         """Account ``group``'s first reader again after its writer came or went: the
