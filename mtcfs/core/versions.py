@@ -612,7 +612,7 @@ class VersionStore:
         for v in self.fds.kept():
             if self.versions.get(v.vid) is v:
                 self.fds.unkeep(v)
-            elif v.shared is not None:
+            elif v.shared is not None and v.preserved is not None:  # a reader
                 group = v.shared
                 w = group.writer
                 if w is not None and self.versions.get(w.vid) is not w:
@@ -681,8 +681,10 @@ class VersionStore:
             # reader of a shared file leaves its group (settle_kept counted it).
             if not (v.handles or v.pins):
                 if v.shared is not None:
+                    counted = v.preserved is not None  # a reader: settle_kept counted it
                     self._leave_shared(v)
-                    self._host.budget.remove(v)
+                    if counted:
+                        self._host.budget.remove(v)
                 self.fds.drop(v)
             return
         if v.current or v.handles or v.pins:
