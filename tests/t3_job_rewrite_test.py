@@ -214,19 +214,39 @@ def test_a_snapshot_install_never_takes_a_pinned_old_versions_shared_file(tmp_pa
     run_job(tmp_path, body)
 
 
-class _TimesOut(NodeLog):
-    """This node's namespace log, whose next ``fail`` submits time out (EIO), as etcd's
-    deadline would, without reaching the job."""
+class _Publications(NodeLog):
+    """This node's namespace log, whose publications follow ``plan``, one step each:
+    "hold" waits for :attr:`go`; "eio" times out (EIO, as etcd's deadline would) without
+    reaching the job. Those past the plan, and every other op, go through."""
 
-    def __init__(self, job, fs, fail: int = 1) -> None:
+    def __init__(self, job, fs, *plan: str) -> None:
         super().__init__(job, fs)
-        self.fail = fail
+        self.plan = list(plan)
+        self.go = trio.Event()
 
     async def submit(self, op):
-        if self.fail:
-            self.fail -= 1
-            raise FsError(errno.EIO, "etcd did not answer")
+        if isinstance(op, Publish) and self.plan:
+            if self.plan.pop(0) == "hold":
+                await self.go.wait()
+            else:
+                raise FsError(errno.EIO, "etcd did not answer")
         return await super().submit(op)
+
+
+async def _reopen_while_published(a, f: int, n) -> tuple[int, int]:
+    """On core ``a``: write b"A" at 0 of file ``f`` and close it in nursery ``n`` (its
+    publication held by the log); once that version is being published, open ``f`` again
+    and write b"B" at CS. Returns (first handle, second handle), both still to release."""
+    fh1, _ = await a.open(f, os.O_RDWR)
+    await a.write(fh1, 0, b"A")
+    n.start_soon(a.flush, fh1)  # close(2): seals, then publishes
+    v1 = a.versions[a.inodes[f].vid]
+    with trio.fail_after(10):
+        while not v1.publishing:
+            await trio.sleep(0.01)
+    fh2, _ = await a.open(f, os.O_RDWR)
+    await a.write(fh2, CS, b"B")
+    return fh1, fh2
 
 
 def _stale_chunks(fs, ino: int) -> list[int]:
@@ -251,7 +271,7 @@ def test_a_reopen_while_a_failed_publication_waits_to_be_tried_again(tmp_path):
         a, b = cores
         f = await write_sealed(a, ROOT_INO, b"f.bin", old)
         await published_on(b, f, len(old))
-        a.ns_log = _TimesOut(job, a, fail=1)
+        a.ns_log = _Publications(job, a, "eio")
         fh1, _ = await a.open(f, os.O_RDWR)
         await a.write(fh1, 0, b"A")
         try:
@@ -342,20 +362,6 @@ def test_a_snapshot_install_during_a_rewrite_gives_a_pinned_readers_ram_back(tmp
     run_job(tmp_path, body)
 
 
-class _Held(NodeLog):
-    """This node's namespace log, whose submits wait for :attr:`go` while :attr:`hold`."""
-
-    def __init__(self, job, fs) -> None:
-        super().__init__(job, fs)
-        self.hold = True
-        self.go = trio.Event()
-
-    async def submit(self, op):
-        if self.hold and isinstance(op, Publish):
-            await self.go.wait()
-        return await super().submit(op)
-
-
 def test_a_writer_opened_while_the_last_close_is_published_publishes_over_it(tmp_path):
     """The file is reopened for writing while its last close's publication is on its way
     to the job (the open copies). That publication is applied first: every node has the
@@ -367,18 +373,10 @@ def test_a_writer_opened_while_the_last_close_is_published_publishes_over_it(tmp
         a, b = cores
         f = await write_sealed(a, ROOT_INO, b"f.bin", old)
         await published_on(b, f, len(old))
-        a.ns_log = held = _Held(job, a)
-        fh1, _ = await a.open(f, os.O_RDWR)
-        await a.write(fh1, 0, b"A")
+        a.ns_log = log = _Publications(job, a, "hold")
         async with trio.open_nursery() as n:
-            n.start_soon(a.flush, fh1)  # close(2): seals, then publishes (held)
-            v1 = a.versions[a.inodes[f].vid]
-            with trio.fail_after(10):
-                while not v1.publishing:
-                    await trio.sleep(0.01)
-            fh2, _ = await a.open(f, os.O_RDWR)
-            await a.write(fh2, CS, b"B")
-            held.go.set()
+            fh1, fh2 = await _reopen_while_published(a, f, n)
+            log.go.set()
         await a.release(fh1)
         first = bytearray(old)
         first[0:1] = b"A"
@@ -394,25 +392,6 @@ def test_a_writer_opened_while_the_last_close_is_published_publishes_over_it(tmp
     run_job(tmp_path, body)
 
 
-class _HeldThenTimesOut(NodeLog):
-    """This node's namespace log: its first publication waits for :attr:`go`, its second
-    times out (EIO) without reaching the job."""
-
-    def __init__(self, job, fs) -> None:
-        super().__init__(job, fs)
-        self.n = 0
-        self.go = trio.Event()
-
-    async def submit(self, op):
-        if isinstance(op, Publish):
-            self.n += 1
-            if self.n == 1:
-                await self.go.wait()
-            elif self.n == 2:
-                raise FsError(errno.EIO, "etcd did not answer")
-        return await super().submit(op)
-
-
 def test_a_writer_whose_close_fails_behind_a_slow_publication_ends_with_the_jobs_version(
         tmp_path):
     """As above, but the writer's close gets EIO (etcd timed out) and its publication is
@@ -426,17 +405,9 @@ def test_a_writer_whose_close_fails_behind_a_slow_publication_ends_with_the_jobs
         a, b = cores
         f = await write_sealed(a, ROOT_INO, b"f.bin", old)
         await published_on(b, f, len(old))
-        a.ns_log = log = _HeldThenTimesOut(job, a)
-        fh1, _ = await a.open(f, os.O_RDWR)
-        await a.write(fh1, 0, b"A")
+        a.ns_log = log = _Publications(job, a, "hold", "eio")
         async with trio.open_nursery() as n:
-            n.start_soon(a.flush, fh1)
-            v1 = a.versions[a.inodes[f].vid]
-            with trio.fail_after(10):
-                while not v1.publishing:
-                    await trio.sleep(0.01)
-            fh2, _ = await a.open(f, os.O_RDWR)
-            await a.write(fh2, CS, b"B")
+            fh1, fh2 = await _reopen_while_published(a, f, n)
             try:
                 await a.flush(fh2)
                 raise AssertionError("the second close should have got EIO")
