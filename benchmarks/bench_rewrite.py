@@ -43,6 +43,7 @@ from benchmarks.common import (
     cpu_seconds,
     environ,
     git_state,
+    in_tree,
     loopback_etcd,
     machine_info,
     mtcfs_mount,
@@ -176,11 +177,7 @@ def one_mount(root: Path, opts: dict[str, Any], env: dict[str, str], tree: str,
     scope=node daemon, or with ``etcd`` rank 0 of a 2-node scope=job namespace on it (a
     job-wide namespace needs nodes >= 2; rank 1 only applies the ops and holds the
     published versions as remote, missing chunks)."""
-    here = os.getcwd()
-    # ``python -m mtcfs`` puts its working directory first on sys.path, ahead of
-    # PYTHONPATH: the daemons (and the status CLI) run in ``tree`` to run its code.
-    os.chdir(tree)
-    try:
+    with in_tree(tree):  # the daemons (and the status CLI) run the code in ``tree``
         if etcd is None:
             with mtcfs_mount(root, opts, env=env) as m:
                 yield m
@@ -197,8 +194,6 @@ def one_mount(root: Path, opts: dict[str, Any], env: dict[str, str], tree: str,
             yield c.node(0)
         finally:
             c.cleanup()
-    finally:
-        os.chdir(here)
 
 
 def main() -> int:

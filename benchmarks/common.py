@@ -298,6 +298,21 @@ def loopback_etcd(root: Path) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
+def in_tree(tree: str | Path | None) -> Iterator[None]:
+    """Work in directory ``tree`` (None: where we are), the previous one back on exit.
+    ``python -m mtcfs`` puts its working directory first on sys.path, ahead of
+    ``PYTHONPATH``: a daemon (or CLI) started here runs ``tree``'s code (give it
+    ``PYTHONPATH=tree`` too)."""
+    here = os.getcwd()
+    if tree is not None:
+        os.chdir(tree)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+@contextlib.contextmanager
 def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
                 env: dict[str, str] | None = None, tree: Path | None = None
                 ) -> Iterator[Mount]:
@@ -310,16 +325,11 @@ def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
     exit, whatever happened.
     """
     m = Mount(root, job=job, options=options)
-    here = os.getcwd()
+    if tree is not None:
+        env = {**(env or {}), "PYTHONPATH": str(tree)}
     try:
-        if tree is not None:
-            env = {**(env or {}), "PYTHONPATH": str(tree)}
-            os.chdir(tree)
-        try:
-            with environ(env or {}):
-                m.start()
-        finally:
-            os.chdir(here)
+        with in_tree(tree), environ(env or {}):
+            m.start()
         yield m
     except BaseException:
         tail = m.log()[-3000:]
