@@ -234,7 +234,11 @@ class JobNamespace:
                 delay = min(delay * 2, 30.0)
                 if not (ino.vid == v.vid and ino.nlink > 0 and v.seal_error):
                     # Written again (a newer version of this node's is current: its close
-                    # publishes), removed, or published meanwhile: nothing to try again.
+                    # publishes), replaced by the job's newer version, removed, or published
+                    # meanwhile: nothing to try again.
+                    if v.seal_error and ino.nlink > 0:
+                        log.info("%s: not published again: %s", self.tree.path_of(ino),
+                                 self._replaced_by(ino))
                     return
                 v.publishing = True  # a reopen meanwhile copies (files: writable_version)
                 try:
@@ -253,6 +257,13 @@ class JobNamespace:
         finally:
             v.pins -= 1
             self.vstore.release(v)
+
+    def _replaced_by(self, ino: Inode) -> str:
+        """Why a version waiting to publish again is no longer current (for the log)."""
+        cur = self.vstore.versions.get(ino.vid) if ino.vid is not None else None
+        if cur is not None and cur.origin >= 0:
+            return f"rank {cur.origin} published a newer version meanwhile, which stays"
+        return "written again here meanwhile; that close publishes"
 
     # ------------------------------------------------------------------ applying
 
