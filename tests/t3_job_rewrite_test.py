@@ -16,6 +16,7 @@ import trio
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
 from mtcfs.base.ns_ops import Publish
+from mtcfs.core import jobns
 from mtcfs.core.jobns import publication_id
 from mtcfs.core.model import ROOT_INO
 from support.corefs import CS, sealed
@@ -483,5 +484,57 @@ def test_a_retried_publication_never_matches_a_file_whose_bytes_are_the_manifest
                         expect=publication_id(pub), rank=0, id="retry.g")
         assert job.apply(retry) == {0: errno.ESTALE, 1: errno.ESTALE}
         assert await read_all(a, g) == text
+
+    run_job(tmp_path, body)
+
+
+class _Serves:
+    """A ChunkSource holding ``data``'s chunks; counts fetches."""
+
+    def __init__(self, data: bytes) -> None:
+        self.chunks = {chunk_hash(data[i:i + CS]): data[i:i + CS]
+                       for i in range(0, len(data), CS)}
+        self.fetches = 0
+
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
+        self.fetches += 1
+        if digest not in self.chunks:
+            raise FsError(errno.EIO, f"chunk {digest[:16]}: nobody has it")
+        return self.chunks[digest]
+
+
+def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp_path,
+                                                                             monkeypatch):
+    """The install copies a pinned version's data for the new version (above). When that
+    copy fails (the store full: ENOSPC), the install still completes, every other file
+    keeps its local data, and the file's chunks are fetched again like another rank's:
+    it reads its own bytes, and the namespace in memory and in SQLite agree (checked by
+    run_job). Before, the OSError left the install half done: the namespace cleared in
+    memory, the transaction rolled back."""
+    old = os.urandom(6 * CS)
+    other = os.urandom(3 * CS)
+
+    def full(src: int, dst: int, size: int) -> None:
+        os.pwrite(dst, b"x" * CS, 0)  # a partial copy, then the store is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
+        g = await write_sealed(a, ROOT_INO, b"g.bin", other)
+        await published_on(b, f, len(old))
+        await published_on(b, g, len(other))
+        v1 = a.versions[a.inodes[f].vid]
+        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
+        assert got is not None and got[0] is v1
+        monkeypatch.setattr(jobns, "copy_extents", full)
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        a.tier_api.unpin([v1])
+        assert not a.versions[a.inodes[g].vid].missing  # g's file taken over, unpinned
+        assert a.versions[a.inodes[f].vid].missing == set(range(6))
+        a.fetcher.chunk_source = src = _Serves(old)
+        assert await read_all(a, f) == old
+        assert src.fetches == 6
+        assert await read_all(a, g) == other
 
     run_job(tmp_path, body)

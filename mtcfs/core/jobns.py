@@ -541,6 +541,30 @@ class JobNamespace:
                     stack.append(child)
         return out
 
+    def _keep_local(self, old: Version, v: Version) -> bool:
+        """Give the installed version ``v`` the complete local copy ``old`` of its content:
+        ``old``'s data file, or a copy of it when ``old`` is pinned (read in a thread) or
+        shares its file (a rewrite of ``v`` changes its file in place, and nothing would
+        preserve their bytes). False when the copy fails (the store full: ENOSPC): ``v``'s
+        data file is left empty and its chunks are faulted in like another rank's."""
+        if old.shared is None and not old.pins:
+            self.vstore.fds.drop(v)
+            os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
+            return True
+        src = self.store.open_data(old.vid)
+        try:
+            copy_extents(src, self.vstore.fd(v), v.size)
+            return True
+        except OSError as exc:
+            fd = self.vstore.fd(v)
+            os.ftruncate(fd, 0)  # give back what the copy wrote; v's file stays all holes
+            os.ftruncate(fd, v.size)
+            log.warning("namespace snapshot: inode %d: could not copy its local data (%s); "
+                        "its chunks are fetched again", v.ino, exc.strerror)
+            return False
+        finally:
+            os.close(src)
+
     def install(self, snap: dict[str, Any]) -> None:
         """Replace this node's namespace with ``snap`` (at mount, before FUSE serves).
 
@@ -635,20 +659,7 @@ class JobNamespace:
                                              tuple(ver["chunks"]), ver["blake3"], ver["rank"])
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
                     old = have.pop((v.chunks, v.size), None)
-                    if old is not None:  # take over the old data file
-                        if old.shared is None and not old.pins:
-                            self.vstore.fds.drop(v)
-                            os.replace(self.store.data_path(old.vid),
-                                       self.store.data_path(v.vid))
-                        else:
-                            # Read in a thread (pinned), or by pinned old versions: they
-                            # keep the file and v gets a copy (a rewrite of v changes its
-                            # file in place, and nothing would preserve their bytes).
-                            src = self.store.open_data(old.vid)
-                            try:
-                                copy_extents(src, self.vstore.fd(v), v.size)
-                            finally:
-                                os.close(src)
+                    if old is not None and self._keep_local(old, v):
                         v.missing.clear()
                         self.budget.account(v)
                         # Chunks not hashed since this daemon started stay so under the new
