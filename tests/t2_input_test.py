@@ -9,7 +9,6 @@ import fcntl
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import shutil
