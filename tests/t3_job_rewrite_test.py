@@ -19,7 +19,7 @@ from mtcfs.base.ns_ops import Publish
 from mtcfs.core import jobns
 from mtcfs.core.jobns import publication_id
 from mtcfs.core.model import ROOT_INO
-from support.corefs import CS, sealed
+from support.corefs import CS, ChunksOf, sealed
 from support.jobcore import NodeLog, published_on, read_all, run_job, write_sealed
 
 
@@ -488,21 +488,6 @@ def test_a_retried_publication_never_matches_a_file_whose_bytes_are_the_manifest
     run_job(tmp_path, body)
 
 
-class _Serves:
-    """A ChunkSource holding ``data``'s chunks; counts fetches."""
-
-    def __init__(self, data: bytes) -> None:
-        self.chunks = {chunk_hash(data[i:i + CS]): data[i:i + CS]
-                       for i in range(0, len(data), CS)}
-        self.fetches = 0
-
-    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
-        self.fetches += 1
-        if digest not in self.chunks:
-            raise FsError(errno.EIO, f"chunk {digest[:16]}: nobody has it")
-        return self.chunks[digest]
-
-
 def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp_path,
                                                                              monkeypatch):
     """The install copies a pinned version's data for the new version (above). When that
@@ -532,7 +517,7 @@ def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp
         a.tier_api.unpin([v1])
         assert not a.versions[a.inodes[g].vid].missing  # g's file taken over, unpinned
         assert a.versions[a.inodes[f].vid].missing == set(range(6))
-        a.fetcher.chunk_source = src = _Serves(old)
+        a.fetcher.chunk_source = src = ChunksOf(old)
         assert await read_all(a, f) == old
         assert src.fetches == 6
         assert await read_all(a, g) == other

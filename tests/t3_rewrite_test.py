@@ -16,7 +16,7 @@ from mtcfs.base.chunking import chunk_hash
 from mtcfs.core import files as files_mod
 from mtcfs.core import versions as versions_mod
 from mtcfs.core.model import ROOT_INO
-from support.corefs import CS, run, run_to_crash, sealed, write_file
+from support.corefs import CS, ChunksOf, run, run_to_crash, sealed, write_file
 
 MIB = 1 << 20
 
@@ -841,5 +841,32 @@ def test_a_late_duplicate_fetch_never_writes_over_a_rewrite(tmp_path, monkeypatc
         got = await fs.read(fh, 0, 4 * CS)
         await fs.release(fh)
         assert got == b"N" * CS + data[CS:]
+
+    run(body, tmp_path)
+
+
+def test_a_corrupt_chunk_of_a_shared_file_is_fetched_again_for_its_readers(tmp_path):
+    """A rewrite shares its data file with the old version a backup upload pins (chunks
+    it changes are kept aside first: "Shared data files"). When a chunk that neither
+    changed is found corrupt in that file (the scrub, or a first read), the old version's
+    bytes of it are the same corrupt bytes: they become missing for it too, to be fetched
+    again, and the rot is reported once. Before, they were copied aside as they were (RAM
+    past size=), found corrupt again by the upload's read, and reported twice."""
+    data = os.urandom(8 * CS)
+
+    async def body(fs):
+        ino, v1, pinned, read = await _pinned_step(fs, data)
+        await _rewrite(fs, ino, [(6 * CS, b"new")])
+        v2 = await sealed(fs, ino)
+        assert v1.shared is not None and v1.shared is v2.shared
+        os.pwrite(fs.vstore.fd(v2), b"\xff" * 8, 3 * CS + 100)  # rot in a chunk both hold
+        fs.chunks.mark_corrupt(v2, 3, "scrub")
+        assert 3 not in (v1.preserved or {}) and 3 in v1.missing
+        fs.fetcher.chunk_source = src = ChunksOf(data)
+        await fs.tier_api.fault_in(v1, 0, len(data))  # what the upload asks for first
+        _old_bytes_intact(read, v1, data)
+        assert src.fetches == 1 and fs.counters.corrupt_chunks == 1
+        assert fs.used == _on_disk(fs) + sum(len(b) for b in v1.preserved.values())
+        fs.tier_api.unpin(pinned)
 
     run(body, tmp_path)

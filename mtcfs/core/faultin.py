@@ -183,8 +183,15 @@ class LocalChunks:
             # files"): drop its own copy of the chunk; the file's bytes are the writer's
             v.preserved.pop(idx, None)
         elif registered or v.fd >= 0:  # (a replaced version's path may name other data)
-            if registered:
-                self.vstore.preserve(v, off, off + length)  # for older versions reading it
+            # Older versions reading this file lose the same bytes (never kept aside as
+            # they are): missing for them too.
+            readers = self.vstore.lose_shared(v, off, off + length) if registered else []
+            for r, i in readers:
+                self.verifier.verified(r.vid, i)
+                if self.versions.get(r.vid) is r:
+                    self._chunk_index.forget(r.chunks[i], r.vid)
+                    with self._db.transaction():
+                        self.vstore.write(r)
             fd = self._fds.lease(v)
             try:
                 punch_hole(fd, off, length)

@@ -480,6 +480,21 @@ class VersionStore:
             r.preserved[i] = os.pread(fd, length, c_off)
             self._host.budget.account(r)
 
+    def lose_shared(self, v: Version, off: int, end: int) -> list[tuple[Version, int]]:
+        """Bytes ``[off, end)`` of ``v``'s data file are lost (a corrupt chunk, about to be
+        punched out): the chunks of the older versions reading that file (``v`` the writer
+        of a :class:`SharedData`) that the range touches and that they do not keep aside
+        are the same bytes, so they become missing too (fetched again like any missing
+        chunk, into their kept copies). Returns those ``(version, chunk index)``; empty for
+        any other version. The caller forgets them in the chunk index and writes rows."""
+        group = v.shared
+        if group is None or group.writer is not v:
+            return []
+        lost = self._to_preserve(v, off, end)
+        for r, i in lost:
+            r.missing.add(i)
+        return lost
+
     def unshare(self, v: Version, size: int) -> None:
         """Give writer ``v`` a data file of its own, ``size`` bytes of holes, in place of
         the one older versions still read (which keep it, unchanged): its truncation to 0,

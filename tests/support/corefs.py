@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -9,6 +10,8 @@ from typing import Any
 
 import trio
 
+from mtcfs.base.chunking import chunk_hash
+from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.store import Store
 
@@ -71,3 +74,19 @@ def run_to_crash(fn: Callable[[Filesystem], Awaitable[None]], tmp_path: Path) ->
             fs.store.db = None
             n.cancel_scope.cancel()
     trio.run(main)
+
+
+class ChunksOf:
+    """A ChunkSource (core/fetcher.py) that holds the :data:`CS` chunks of ``data``;
+    ``fetches`` counts what it was asked. A digest it lacks is EIO ("nobody has it")."""
+
+    def __init__(self, data: bytes) -> None:
+        self.chunks = {chunk_hash(data[i:i + CS]): data[i:i + CS]
+                       for i in range(0, len(data), CS)}
+        self.fetches = 0
+
+    async def fetch(self, digest: str, tried: list[str] | None = None) -> bytes:
+        self.fetches += 1
+        if digest not in self.chunks:
+            raise FsError(errno.EIO, f"chunk {digest[:16]}: nobody has it")
+        return self.chunks[digest]
