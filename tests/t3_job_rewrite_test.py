@@ -523,3 +523,28 @@ def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp
         assert await read_all(a, g) == other
 
     run_job(tmp_path, body)
+
+
+def test_a_snapshot_install_keeps_every_local_copy_of_one_content(tmp_path):
+    """Two files of this node with the same bytes (identical shards) and a snapshot that
+    names both: each keeps its own local copy, the one a peer's fetch pins by a copy and
+    the other by taking its file over. Before, the install knew one copy per content
+    (the last it saw, here the pinned one, copied): the other file's chunks were missing
+    and fetched again from the job's other nodes."""
+    same = os.urandom(5 * CS)
+
+    async def body(cores, job):
+        a, b = cores
+        f = await write_sealed(a, ROOT_INO, b"f.bin", same)
+        g = await write_sealed(a, ROOT_INO, b"g.bin", same)
+        await published_on(b, f, len(same))
+        await published_on(b, g, len(same))
+        vg = a.versions[a.inodes[g].vid]
+        vg.pins += 1  # as a peer's fetch of g's chunk does
+        a.tier_api.ns_install(b.tier_api.ns_snapshot())
+        a.tier_api.unpin([vg])
+        for ino in (f, g):
+            assert not a.versions[a.inodes[ino].vid].missing, ino
+            assert await read_all(a, ino) == same  # no chunk source: only local bytes
+
+    run_job(tmp_path, body)

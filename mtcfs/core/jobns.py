@@ -587,9 +587,14 @@ class JobNamespace:
         # with its store keeps its own files, replicated or not). Not a pinned old version
         # that reads a rewrite's data file (core/versions.py, "Shared data files"): that
         # file holds the rewrite's bytes, its own are partly kept aside.
-        have = {(v.chunks, v.size): v for v in self.vstore.versions.values()
-                if v.sealed and not v.missing and v.chunks and v.vid not in busy
-                and v.preserved is None}
+        # Each content's copies, those whose file can be taken over (no copy) last.
+        have: dict[tuple[tuple[str, ...], int], list[Version]] = {}
+        for v in self.vstore.versions.values():
+            if v.sealed and not v.missing and v.chunks and v.vid not in busy and \
+                    v.preserved is None:
+                have.setdefault((v.chunks, v.size), []).append(v)
+        for copies in have.values():
+            copies.sort(key=lambda c: c.shared is None and not c.pins)
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
@@ -658,7 +663,8 @@ class JobNamespace:
                     v = self._remote_version(ino, ver["size"], ver["chunk_size"],
                                              tuple(ver["chunks"]), ver["blake3"], ver["rank"])
                     v.origin = -1 if ver["rank"] == self.rank else ver["rank"]
-                    old = have.pop((v.chunks, v.size), None)
+                    copies = have.get((v.chunks, v.size))
+                    old = copies.pop() if copies else None
                     if old is not None and self._keep_local(old, v):
                         v.missing.clear()
                         self.budget.account(v)
