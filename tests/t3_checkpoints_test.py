@@ -150,6 +150,30 @@ def test_delete_dir_tree_removes_everything_below_tells_the_kernel_and_frees(tmp
     run(body, tmp_path)
 
 
+def test_deleting_a_step_keeps_a_hard_link_outside_it(tmp_path):
+    """Eviction or keep= deletes a step whose file also has a name outside the step (``ln
+    step_1/a keep``, the file's latest link): that name and its bytes stay. Before, the
+    deletion unlinked each file by its latest link, so ``keep`` was removed, the file's
+    data freed, and ``step_1/a`` left in a directory that was gone."""
+    async def body(fs: Filesystem) -> None:
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        f = await write_file(fs, d.ino, b"a", b"payload")
+        await sealed(fs, f)
+        fs.step_registry.seal("step_1")
+        await fs.link(f, d.ino, b"b")  # a second name inside the step
+        await fs.link(f, ROOT_INO, b"keep")  # the latest link: outside
+        fs.reclaim.delete_step(fs.steps["step_1"])
+        root = fs.inodes[ROOT_INO]
+        assert sorted(root.children or {}) == [b"keep"]
+        ino = fs.inodes[root.children[b"keep"]]  # type: ignore[index]
+        assert (ino.nlink, ino.parent, ino.name) == (1, ROOT_INO, b"keep")
+        fh, _ = await fs.open(ino.ino, os.O_RDONLY)
+        assert await fs.read(fh, 0, 100) == b"payload"
+        await fs.release(fh)
+        consistent(fs)
+    run(body, tmp_path)
+
+
 def test_verify_finds_a_flipped_byte_and_the_chunk_is_never_served_again(tmp_path):
     async def body(fs: Filesystem) -> None:
         data = os.urandom(2 * CS)  # two chunks of different digests

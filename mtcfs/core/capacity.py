@@ -77,17 +77,30 @@ class Reclaim:
         with its directory), in one transaction; the kernel is told to forget ``top``'s
         name (event ``invalidate_entry``), and each inode is freed once nothing holds it."""
         inodes = self._tree.inodes
+        # Every entry below, as (directory, name, inode), a directory's before its own
+        # children's; removed children first. Each by the name found here: a file's
+        # ``parent``/``name`` is its latest link, which may be outside ``top`` (a hard
+        # link) and stays.
+        below: list[tuple[Inode, bytes, Inode]] = []
+        dirs = [top]
+        while dirs:
+            d = dirs.pop()
+            for child_name, num in (d.children or {}).items():
+                child = inodes[num]
+                below.append((d, child_name, child))
+                if child.is_dir:
+                    dirs.append(child)
         name = top.name
-        items = list(self._tree.walk(top))
         with self._db.transaction():
-            for _path, ino in reversed(items):
-                parent, name = inodes[ino.parent], ino.name
+            for parent, child_name, ino in reversed(below):
                 if ino.is_dir:
-                    self._entries.remove_dir_entry(parent, name, ino)  # forgets the step at the top
+                    self._entries.remove_dir_entry(parent, child_name, ino)
                 else:
-                    self._tree.unlink(parent, name)
-                    self._entries.drop_link(ino, parent, name)
+                    self._tree.unlink(parent, child_name)
+                    self._entries.drop_link(ino, parent, child_name)
+            # forgets the step at the top
+            self._entries.remove_dir_entry(inodes[top.parent], name, top)
             self._tree.touch(inodes[ROOT_INO])
         self._host._emit("invalidate_entry", (ROOT_INO, name, top.ino))
-        for _path, ino in items:
+        for ino in [top, *(c for _d, _n, c in below)]:
             self._entries.maybe_free_inode(ino)
