@@ -16,7 +16,7 @@ import os
 import blake3
 import pytest
 import trio
-from support.corefs import CS, run, sealed, write_file
+from support.corefs import CS, run, run_to_crash, sealed, write_file
 
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.errors import FsError
@@ -109,6 +109,47 @@ def test_a_writer_of_a_sealed_file_writes_a_new_version_and_the_seal_follows_its
         assert v1.vid not in fs.versions  # the old one went with its last handle
         consistent(fs)
     run(body, tmp_path)
+
+
+def test_fsync_makes_the_times_sent_before_it_survive_a_crash(tmp_path):
+    """With the writeback cache the kernel sends a file's times (a SETATTR) just before
+    FSYNC. A file being written keeps them in memory until its seal; fsync(2) returned,
+    a crash must keep them as it keeps the length. Before, the length came back and the
+    mtime was the crash's restart time."""
+    t = 1_000_000 * 1_000_000_000  # 1970-01-12, far from now
+
+    async def first(fs: Filesystem) -> None:
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        await fs.write(fh, 0, b"x" * 100)
+        await fs.setattr(attr.ino, atime_ns=t, mtime_ns=t, fh=fh)
+        await fs.fsync(fh, False)
+    run_to_crash(first, tmp_path)
+
+    async def second(fs: Filesystem) -> None:
+        f = fs.inodes[fs.inodes[ROOT_INO].children[b"f"]]  # type: ignore[index]
+        assert (fs.versions[f.vid].size, f.mtime_ns) == (100, t)  # type: ignore[index]
+        await sealed(fs, f.ino)  # resealed after the crash, with its times
+        assert f.mtime_ns == t
+    run(second, tmp_path)
+
+
+def test_chmod_and_times_of_a_file_being_written_survive_its_close_and_a_crash(tmp_path):
+    """chmod and utimens through a writable handle, then close (a small file: sealed in
+    RELEASE), then a crash: the mode, the times and the seal are all there."""
+    t = 1_000_000 * 1_000_000_000
+
+    async def first(fs: Filesystem) -> None:
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        await fs.write(fh, 0, b"x" * 100)
+        await fs.setattr(attr.ino, mode=0o600, fh=fh)
+        await fs.setattr(attr.ino, atime_ns=t, mtime_ns=t, fh=fh)
+        await fs.release(fh)
+    run_to_crash(first, tmp_path)
+
+    async def second(fs: Filesystem) -> None:
+        f = fs.inodes[fs.inodes[ROOT_INO].children[b"f"]]  # type: ignore[index]
+        assert (f.mode & 0o7777, f.mtime_ns, fs.versions[f.vid].sealed) == (0o600, t, True)  # type: ignore[index]
+    run(second, tmp_path)
 
 
 def test_fsync_records_the_length_and_writes_past_the_limit_are_refused(tmp_path):

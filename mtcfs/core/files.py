@@ -515,9 +515,14 @@ class OpenFiles:
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         if h.writable and not h.version.sealed:
-            # Record the length reached so far; the bytes are already in the data file.
+            # Record the length reached so far (the bytes are already in the data file), and
+            # the times the kernel sent just before (its writeback cache flushes them ahead
+            # of FSYNC; a file being written keeps them in memory until its seal).
+            ino = self.inodes.get(h.ino)
             with self.db.transaction():
                 self.vstore.write(h.version)
+                if ino is not None and ino.vid == h.version.vid and self.tree.has_row(ino):
+                    self.tree.write(ino)
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
