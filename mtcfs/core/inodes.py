@@ -47,6 +47,9 @@ __all__ = ["NAME_MAX", "InodeTable"]
 #: The longest name a directory entry may have, in bytes (as the kernel's own filesystems).
 NAME_MAX = 255
 
+#: Kernel aliases (``Inode.kid``) are numbered from here up; inode numbers stay below.
+FIRST_KID = 1 << 48
+
 
 class InodeTable:
     """The inodes and directory entries of one core.
@@ -74,7 +77,7 @@ class InodeTable:
         #: the kernel): their final forget writes nothing.
         self._rowless: set[int] = set()
         self._next_ino = 2
-        self._next_kid = 1 << 48
+        self._next_kid = FIRST_KID
 
     # ------------------------------------------------------------------ loading
 
@@ -92,8 +95,11 @@ class InodeTable:
         # kv next_ino is written with each new inode only where the numbers must be the
         # same on every node (scope=job: each node applies the same ops); elsewhere it is
         # a lower bound, and no number any row still names is handed out again.
+        # A number of the kernel aliases' range names no inode (a stray row of one): it
+        # must never move the counter there (scope=job: every node's must agree).
         self._next_ino = max(int(db.get_kv("next_ino") or 2), 1 + max(
-            db.execute(f"SELECT coalesce(max({col}), 1) FROM {table}").fetchone()[0]
+            db.execute(f"SELECT coalesce(max({col}), 1) FROM {table} WHERE {col} < ?",
+                       (FIRST_KID,)).fetchone()[0]
             for table, col in (("inodes", "ino"), ("dentries", "ino"), ("versions", "ino"),
                                ("xattrs", "ino"), ("steps", "ino"))))
         for row in db.execute("SELECT ino, kind, mode, uid, gid, nlink, atime_ns, mtime_ns,"
@@ -120,6 +126,8 @@ class InodeTable:
                 linked.update(ino.children.values())
         for num in [n for n in self.inodes if n not in linked]:
             self.delete_rows(self.inodes.pop(num))
+        # attributes of no inode (stored under a kernel alias before that was fixed)
+        self._db.execute("DELETE FROM xattrs WHERE ino NOT IN (SELECT ino FROM inodes)")
 
     def clear(self) -> Inode:
         """Forget every inode and alias and start over with a new, empty root (written

@@ -69,10 +69,11 @@ class Xattrs:
             raise FsError(errno.EPERM, "user.mtcfs.* attributes are read-only")
         if not name.startswith(b"user."):
             raise FsError(errno.ENOTSUP)
-        with self.db.transaction():
-            ino.xattrs[name] = value
-            self.db.execute("INSERT OR REPLACE INTO xattrs(ino, name, value) VALUES (?,?,?)",
-                            (num, name, value))
+        if self.tree.has_row(ino):  # else unlinked, its rows gone: in memory until FORGET
+            with self.db.transaction():
+                self.db.execute("INSERT OR REPLACE INTO xattrs(ino, name, value) "
+                                "VALUES (?,?,?)", (ino.ino, name, value))  # not num: an alias
+        ino.xattrs[name] = value
 
     async def listxattr(self, num: int) -> list[bytes]:
         """The stored attributes' names (the virtual ones are read by name only)."""
@@ -87,8 +88,8 @@ class Xattrs:
         if name not in ino.xattrs:
             raise FsError(ENOATTR)
         with self.db.transaction():
-            del ino.xattrs[name]
-            self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (num, name))
+            self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino.ino, name))
+        del ino.xattrs[name]
 
     async def _mtcfs_xattr(self, ino: Inode, key: bytes) -> bytes:
         if key == b"state":
