@@ -201,6 +201,47 @@ def test_pressure_evicts_a_backed_up_step_and_the_budget_follows(tmp_path):
     run(body, tmp_path, capacity=7 * CS)
 
 
+async def _sealed_step(fs, name: bytes) -> None:
+    """``name`` with one sealed file of 3 chunks, committed with ``mtcfs seal``."""
+    d = await fs.mkdir(ROOT_INO, name, 0o755, 0, 0)
+    await sealed(fs, await write_file(fs, d.ino, b"x", os.urandom(3 * CS)))
+    fs.step_registry.seal(name.decode())
+
+
+def test_the_newest_checkpoint_sealed_under_a_name_without_a_number_is_kept(tmp_path):
+    """``mtcfs seal /mnt/ckpt/final_model`` after step_1 and step_2: the seal is the newest
+    checkpoint. Under pressure the oldest step goes (step_1), and the newest is never
+    deleted. Before, a name without a step number counted as step 0, the oldest: the
+    seal made a moment ago was deleted first (no other tier held it)."""
+    async def body(fs) -> None:
+        for name in (b"step_1", b"step_2", b"final_model"):
+            await _sealed_step(fs, name)
+        d = await fs.mkdir(ROOT_INO, b"step_3", 0o755, 0, 0)
+        await write_file(fs, d.ino, b"x", os.urandom(3 * CS))  # needs one step's room
+        assert fs.eviction.unsaved_deleted == ["step_1"]
+        assert "final_model" in fs.steps
+
+    run(body, tmp_path, capacity=10 * CS)
+
+
+def test_a_write_that_cannot_fit_whatever_goes_deletes_no_checkpoint(tmp_path):
+    """A write larger than all that eviction could free gets ENOSPC, and the steps no
+    other tier holds stay: deleting them would not have made it fit. Before, eviction
+    deleted them one by one, and the write failed anyway."""
+    async def body(fs) -> None:
+        for n in (1, 2, 3):
+            await _sealed_step(fs, b"step_%d" % n)
+        fh, _ = await fs.create(ROOT_INO, b"big", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        with pytest.raises(FsError) as exc:
+            await fs.write(fh, 0, b"z" * (12 * CS))  # past size= whatever is evicted
+        await fs.release(fh)
+        assert exc.value.errno == errno.ENOSPC
+        assert sorted(fs.steps) == ["step_1", "step_2", "step_3"]
+        assert fs.eviction.unsaved_deleted == []
+
+    run(body, tmp_path, capacity=10 * CS)
+
+
 def test_a_reload_measures_the_store_again(tmp_path):
     async def body(fs) -> None:
         await write_file(fs, ROOT_INO, b"a", os.urandom(2 * CS + 5))

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from mtcfs.base import steps as stepnames
 from mtcfs.core.model import ROOT_INO, Inode, Version
-from mtcfs.core.records import Counters, StepRecord
+from mtcfs.core.records import Counters, StepRecord, oldest_first
 
 __all__ = ["Actions", "Eviction", "Host"]
 
@@ -112,7 +112,7 @@ class Eviction:
         steps no other tier holds (deleted), oldest first, stopping at the first one that
         cannot go now (open, or being backed up) rather than deleting a newer one.
         """
-        ordered = sorted(self._host.steps.values(), key=lambda s: (s.number, s.committed_ns))
+        ordered = oldest_first(self._host.steps.values())
         if not ordered:
             return []
         protected = {ordered[-1].name}
@@ -228,11 +228,17 @@ class Eviction:
         start_used = self._host.used
         if pressure and not self._host.job_scope:
             self._evict_leftovers(need, start_used)  # type: ignore[arg-type]
-        for s in self.evictable_steps(pressure=pressure, keep_unsaved=keep_unsaved):
+        candidates = [s for s in self.evictable_steps(pressure=pressure,
+                                                      keep_unsaved=keep_unsaved)
+                      if not any(v.handles for v in self._host.step_registry.versions_of(s))]
+        if pressure and not self._host.job_scope and start_used - self._host.used + sum(
+                self._step_local_bytes(s) for s in candidates) < need:  # type: ignore[operator]
+            # Even all of it would not make the room: the request gets ENOSPC anyway, so
+            # nothing is deleted for it (only data other tiers hold leaves RAM).
+            candidates = [s for s in candidates if s.backed_up_ns is not None]
+        for s in candidates:
             if pressure and start_used - self._host.used >= need:  # type: ignore[operator]
                 break
-            if any(v.handles for v in self._host.step_registry.versions_of(s)):
-                continue
             if self._host.job_scope:
                 # scope=job: the namespace is the job's; drop only data held elsewhere
                 # (other ranks' files, and own files the backup tier holds).

@@ -30,12 +30,12 @@ from typing import Any, Protocol
 from mtcfs.base.manifest import StepManifest
 from mtcfs.base.ns_ops import NsOp
 from mtcfs.core.model import ROOT_INO, Version
-from mtcfs.core.records import ChunkSource, StepRecord
+from mtcfs.core.records import ChunkSource, StepRecord, oldest_first
 
 __all__ = [
     "ROOT_INO", "BackupPort", "ChunkOriginPort", "ChunkSource", "CoreView", "FaultInPort",
     "KvStore", "MtcPort", "NamespacePort", "Observer", "OwnFilesPort", "PeerPort",
-    "MountRestorePort", "RestorePort", "SnapshotPort", "StepRecord", "Version",
+    "MountRestorePort", "RestorePort", "SnapshotPort", "StepRecord", "oldest_first", "Version",
 ]
 
 #: ``observer(event, obj)``: 'sealed' (Version), 'committed' (StepRecord), 'step_changed'

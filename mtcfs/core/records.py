@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Protocol
 
 from mtcfs.base.counters import LATENCY_BOUNDS_S, Histogram
+from mtcfs.base.steps import step_number
 
 class ChunkSource(Protocol):
     """Where missing chunks come from (peers, the backup tier). Wired by the daemon."""
@@ -47,6 +49,23 @@ class StepRecord:
     #: Bumped whenever a file in the step changes after its commit (runtime): with
     #: ``committed_ns`` it names the content a peer confirmed.
     generation: int = 0
+
+
+def oldest_first(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """Committed steps, oldest first: by step number, then commit time. A record whose
+    name has no step number (a directory committed by ``mtcfs seal``, ``number`` 0) is
+    placed by its commit time: right after the numbered steps committed before it, so
+    that the newest seal counts as the newest checkpoint, not the oldest."""
+    recs = list(records)
+    numbered = sorted((r for r in recs if step_number(r.name) is not None),
+                      key=lambda r: (r.number, r.committed_ns))
+
+    def key(r: StepRecord) -> tuple[int, int]:
+        if step_number(r.name) is not None:
+            return (r.number, r.committed_ns)
+        before = [n.number for n in numbered if n.committed_ns <= r.committed_ns]
+        return (max(before, default=-1), r.committed_ns)
+    return sorted(recs, key=key)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from mtcfs.core.ports import BackupPort, StepRecord
+from mtcfs.core.ports import BackupPort, StepRecord, oldest_first
 from mtcfs.tiers.backup import BackupError, BackupStore
 from mtcfs.tiers.backup.chunk_store import DEFAULT_SHARE_WAIT_S
 
@@ -143,7 +143,7 @@ class BackupService:
         """The newest committed step, if it is not yet backed up."""
         if not self.fs.steps:
             return None
-        newest = max(self.fs.steps.values(), key=lambda s: (s.number, s.committed_ns))
+        newest = oldest_first(self.fs.steps.values())[-1]
         return None if newest.backed_up_ns is not None else newest
 
     def _due(self) -> bool:
@@ -269,7 +269,7 @@ class BackupService:
                  and (self._last_number is None or r.number > self._last_number)]
         if not found:
             return None
-        rec = max(found, key=lambda r: (r.number, r.committed_ns))
+        rec = oldest_first(found)[-1]
         log.info("joining the backup of %s, which a data-parallel twin began", rec.name)
         return rec
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from mtcfs.base.manifest import StepManifest
-from mtcfs.core.ports import PeerPort, StepRecord
+from mtcfs.core.ports import PeerPort, StepRecord, oldest_first
 from mtcfs.tiers.peer.errors import PeerError, PeerUnavailable
 from mtcfs.tiers.peer.records import ManifestInfo, StepRef
 
@@ -111,8 +111,7 @@ class Replication:
 
     def _recent(self) -> list[StepRecord]:
         """The steps replicated: the ``keep`` newest, newest first."""
-        return sorted(self.fs.steps.values(), key=lambda r: (r.number, r.committed_ns),
-                      reverse=True)[:max(1, self.cfg.keep)]
+        return oldest_first(self.fs.steps.values())[::-1][:max(1, self.cfg.keep)]
 
     def _wanted(self, link: PeerLink) -> list[StepRecord]:
         """Steps still to replicate to ``link.peer``, newest first (the ``keep`` newest)."""
