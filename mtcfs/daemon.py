@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pyfuse3
@@ -372,71 +372,74 @@ class Daemon:
             await self.ns.join()  # the job's namespace, before the kernel sees any of it
         else:
             await self.restorer.at_mount()
-        ops = Operations(self.fs, self.opts.mountpoint)
-        pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
-        mounted = True
-        closed = False
-        try:
-            async with trio.open_nursery() as n:
-                self._nursery = n
-                self.restorer.start_soon = n.start_soon
-                n.start_soon(self._tune_readahead, ops)
-                self.fs.start(n)
-                if self.mtc is not None:
-                    # Before the kernel's first request is served (they queue until
-                    # pyfuse3.main runs), so the trainer never sees the root without it.
-                    await self.mtc.write_init_info()
-                if self.opts.test_faults:
-                    log.warning("test_faults: the control socket accepts fault injection "
-                                "(a test option; never use it in production)")
-                await n.start(control.serve, self.store.control_socket, self.handle)
-                n.start_soon(self._signals, n)
-                n.start_soon(self.fs.verifier.loop)
-                if self.backup is not None:
-                    n.start_soon(self.backup.run)
-                if self.prefetcher is not None:
-                    n.start_soon(self.prefetcher.run)
-                if self.peer is not None:
-                    n.start_soon(self.peer.run)
-                if self.ns is not None:
-                    n.start_soon(self.ns.run)
-                if self.restorer.bulk_pending:
-                    n.start_soon(self.restorer.bulk_from_peers)
-                if self.mtc is not None:
-                    n.start_soon(self.mtc.run)
-                ready()
-                o = self.opts
-                self.notifier.ready(f"serving job {o.job} rank {o.rank} at {o.mountpoint}")
-                await pyfuse3.main()
-                self.notifier.stopping()
-                mounted = False
-                if self._stop_signal is not None:
-                    # Unmount now, not after the nursery ends: a seal hashing a large file
-                    # in a thread may hold it for minutes, the mount unserved meanwhile.
-                    pyfuse3.close(unmount=True)
-                    closed = True
-                n.cancel_scope.cancel()
-        finally:
-            # Unmounted by the kernel (umount): nothing left to do; stopped by a signal
-            # (pyfuse3.terminate) or an error: unmount, never leave a dead connection behind.
-            if not closed:
-                pyfuse3.close(unmount=mounted or self._stop_signal is not None)
-            self._nursery = None
-            self.restorer.start_soon = None
-            if self.peer is not None:  # no gRPC thread may touch the core once it is closed
-                self.peer.stop()
-            # Clean only once pyfuse3.main returned (unmounted, or a stop signal): an
-            # exception out of the serving loop is recorded as a crash.
-            self.fs.close(clean=not mounted)
-            self.store.close()
-
-    async def _signals(self, nursery: trio.Nursery) -> None:
+        # Signals are caught from the moment the mount exists: a SIGTERM before the serving
+        # loop ran (systemctl stop at once) killed the daemon by default and left a dead
+        # mount (ENOTCONN) behind. Those that arrive meanwhile wait in the receiver.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            async for sig in sigs:
-                log.info("signal %d: unmounting", sig)
-                self.notifier.stopping(f"signal {sig}: unmounting")
-                self._stop_signal = sig
-                pyfuse3.terminate()
+            ops = Operations(self.fs, self.opts.mountpoint)
+            pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
+            mounted = True
+            closed = False
+            try:
+                async with trio.open_nursery() as n:
+                    self._nursery = n
+                    self.restorer.start_soon = n.start_soon
+                    n.start_soon(self._tune_readahead, ops)
+                    self.fs.start(n)
+                    if self.mtc is not None:
+                        # Before the kernel's first request is served (they queue until
+                        # pyfuse3.main runs), so the trainer never sees the root without it.
+                        await self.mtc.write_init_info()
+                    if self.opts.test_faults:
+                        log.warning("test_faults: the control socket accepts fault injection "
+                                    "(a test option; never use it in production)")
+                    await n.start(control.serve, self.store.control_socket, self.handle)
+                    n.start_soon(self._signals, sigs)
+                    n.start_soon(self.fs.verifier.loop)
+                    if self.backup is not None:
+                        n.start_soon(self.backup.run)
+                    if self.prefetcher is not None:
+                        n.start_soon(self.prefetcher.run)
+                    if self.peer is not None:
+                        n.start_soon(self.peer.run)
+                    if self.ns is not None:
+                        n.start_soon(self.ns.run)
+                    if self.restorer.bulk_pending:
+                        n.start_soon(self.restorer.bulk_from_peers)
+                    if self.mtc is not None:
+                        n.start_soon(self.mtc.run)
+                    ready()
+                    o = self.opts
+                    self.notifier.ready(f"serving job {o.job} rank {o.rank} at {o.mountpoint}")
+                    await pyfuse3.main()
+                    self.notifier.stopping()
+                    mounted = False
+                    if self._stop_signal is not None:
+                        # Unmount now, not after the nursery ends: a seal hashing a large file
+                        # in a thread may hold it for minutes, the mount unserved meanwhile.
+                        pyfuse3.close(unmount=True)
+                        closed = True
+                    n.cancel_scope.cancel()
+            finally:
+                # Unmounted by the kernel (umount): nothing left to do; stopped by a signal
+                # (pyfuse3.terminate) or an error: unmount, never leave a dead connection behind.
+                if not closed:
+                    pyfuse3.close(unmount=mounted or self._stop_signal is not None)
+                self._nursery = None
+                self.restorer.start_soon = None
+                if self.peer is not None:  # no gRPC thread may touch the core once it is closed
+                    self.peer.stop()
+                # Clean only once pyfuse3.main returned (unmounted, or a stop signal): an
+                # exception out of the serving loop is recorded as a crash.
+                self.fs.close(clean=not mounted)
+                self.store.close()
+
+    async def _signals(self, sigs: AsyncIterator[int]) -> None:
+        async for sig in sigs:
+            log.info("signal %d: unmounting", sig)
+            self.notifier.stopping(f"signal {sig}: unmounting")
+            self._stop_signal = sig
+            pyfuse3.terminate()  # (after init: before main, main returns at once)
 
     async def _tune_readahead(self, ops: Operations) -> None:
         # The kernel sets the mount's read-ahead when it processes the INIT reply (capped

@@ -159,3 +159,26 @@ def test_units_pass_systemd_analyze_verify(tmp_path, unit):
                     if name.split(".")[0] in ln or "mtcfs" in ln)
     assert r.returncode == 0 and not out, r.stdout + r.stderr
     assert "Type=notify" in text or unit.endswith(".mount")
+
+
+def test_a_sigterm_as_soon_as_the_mount_appears_unmounts_it(shm_dir):
+    """``systemctl stop`` right after start: SIGTERM the moment the mount is in
+    /proc/self/mountinfo. The daemon unmounts and exits 0, as for any stop. Before, the
+    signal came before the daemon listened for it: the default action killed it, silently,
+    and left a dead mount behind (every access ENOTCONN). Three tries make the early
+    moment likely."""
+    for i in range(3):
+        root = shm_dir / f"try{i}"
+        root.mkdir()
+        p, mnt = _start(root, {})
+        try:
+            deadline = time.monotonic() + 60
+            while not is_mounted(str(mnt)) and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert is_mounted(str(mnt)), p.poll()
+            p.send_signal(signal.SIGTERM)
+            rc = p.wait(timeout=60)
+            left = is_mounted(str(mnt))
+        finally:
+            err = _stop(p, mnt)
+        assert (rc, left) == (0, False), err

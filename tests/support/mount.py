@@ -62,7 +62,10 @@ class Mount:
                            capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
             raise RuntimeError(f"mount failed ({r.returncode}): {r.stderr.strip()}\n{self.log()}")
-        self.pid = self.status()["pid"]
+        try:
+            self.pid = self.status()["pid"]
+        except RuntimeError as exc:  # mounted (rc 0), then gone: say what the daemon said
+            raise RuntimeError(f"{exc}\nthe daemon's log:\n{self.log()[-4000:]}") from None
         WATCHDOG.after_start(self)
         return self
 
