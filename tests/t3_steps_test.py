@@ -249,3 +249,20 @@ def test_records_pending_backups_and_lost_rows_after_a_restart(tmp_path):
     finally:
         fs.close()
         fs.store.close()
+
+
+def test_sealing_a_directory_whose_name_is_not_utf8_is_refused_and_records_nothing(tmp_path):
+    """``mtcfs seal`` of a directory named with bytes that are not UTF-8: EINVAL, nothing
+    recorded, and the directory is removed as any other later. Before, a record went into
+    memory and its SQLite write raised UnicodeEncodeError; the later rmdir failed on the
+    same encoding with the tree already changed in memory."""
+    async def body(fs) -> None:
+        await fs.mkdir(ROOT_INO, b"run\xff", 0o755, 0, 0)
+        with pytest.raises(FsError) as exc:
+            fs.step_registry.seal("run\udcff")
+        assert exc.value.errno == errno.EINVAL
+        assert fs.steps == {}
+        await fs.rmdir(ROOT_INO, b"run\xff")
+        assert fs.inodes[ROOT_INO].children == {}
+
+    run(body, tmp_path)

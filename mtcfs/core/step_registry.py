@@ -235,13 +235,20 @@ class StepRegistry:
         """Mark the top-level directory ``path`` as a complete checkpoint (``mtcfs seal``).
 
         Raises:
-            FsError: ENOENT, ENOTDIR, or EINVAL when ``path`` is not a top-level directory.
+            FsError: ENOENT, ENOTDIR, or EINVAL when ``path`` is not a top-level directory
+            or its name is not UTF-8.
         """
         ino = self._tree.resolve(path)
         if not ino.is_dir:
             raise FsError(errno.ENOTDIR, f"{path} is not a directory")
         if ino.parent != ROOT_INO:
             raise FsError(errno.EINVAL, f"{path} is not a top-level directory of the job")
+        try:
+            ino.name.decode()
+        except UnicodeDecodeError:
+            # a step's name travels as text (manifests, etcd keys, SQLite): refused before
+            # anything is recorded
+            raise FsError(errno.EINVAL, f"{path!r}: a checkpoint's name must be UTF-8") from None
         with self._db.transaction():
             rec = self.commit(ino, "mtcfs seal")
         assert rec is not None
