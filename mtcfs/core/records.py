@@ -4,8 +4,8 @@ counters, and the protocol of chunk sources it faults data in from."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from mtcfs.base.counters import LATENCY_BOUNDS_S, Histogram
