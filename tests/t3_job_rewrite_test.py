@@ -27,6 +27,14 @@ def _chunks(data: bytes) -> list[str]:
     return [chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)]
 
 
+async def _published(a, b, name: bytes, data: bytes) -> int:
+    """Write ``data`` as ``name`` at the root on node ``a``, sealed, and wait until node
+    ``b`` holds it as the job's version; its inode number."""
+    ino = await write_sealed(a, ROOT_INO, name, data)
+    await published_on(b, ino, len(data))
+    return ino
+
+
 async def _published_as(fs, ino: int, data: bytes) -> None:
     """Wait (10 s at most) until ``fs`` has ``data``'s chunks as the job's version of ``ino``."""
     want = _chunks(data)
@@ -100,8 +108,7 @@ def test_a_job_rewrite_while_a_peer_reads_the_old_version_keeps_its_bytes(tmp_pa
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"w.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"w.bin", old)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(_chunks(old)[3])
         assert got is not None and got[0] is v1
@@ -134,8 +141,7 @@ def test_a_publication_tried_again_never_replaces_a_newer_rewrite(tmp_path):
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"w.bin", bytes(first))
-        await published_on(b, f, len(first))
+        f = await _published(a, b, b"w.bin", bytes(first))
         assert a.inodes[f].published["blake3"] == blake3.blake3(first).hexdigest()
         await _rewrite(a, f, [(CS, b"1")])
         first[CS] = ord("1")
@@ -162,8 +168,7 @@ def test_a_publication_tried_again_never_replaces_a_newer_rewrite(tmp_path):
         assert not [r for r in job.apply(again).values() if isinstance(r, int)]  # no errno
         for fs in cores:
             assert fs.inodes[f].published["chunks"] == _chunks(bytes(first))
-        g = await write_sealed(a, ROOT_INO, b"g.bin", bytes(second))
-        await published_on(b, g, len(second))
+        g = await _published(a, b, b"g.bin", bytes(second))
         pub = a.inodes[g].published
         legacy = Publish(ino=g, vid=a.inodes[g].vid, size=pub["size"],
                          chunk_size=pub["chunk_size"], chunks=tuple(pub["chunks"]),
@@ -186,10 +191,8 @@ def test_a_snapshot_install_never_takes_a_pinned_old_versions_shared_file(tmp_pa
 
     async def body(cores, job):
         a, b = cores
-        g = await write_sealed(a, ROOT_INO, b"g.bin", old)
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
-        await published_on(b, g, len(old))
+        g = await _published(a, b, b"g.bin", old)
+        f = await _published(a, b, b"f.bin", old)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(_chunks(old)[3])  # a peer's fetch of f's old chunk
         assert got is not None
@@ -270,8 +273,7 @@ def test_a_reopen_while_a_failed_publication_waits_to_be_tried_again(tmp_path):
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         a.ns_log = _Publications(job, a, "eio")
         fh1, _ = await a.open(f, os.O_RDWR)
         await a.write(fh1, 0, b"A")
@@ -314,8 +316,7 @@ def test_a_snapshot_install_never_hands_a_pinned_versions_file_to_a_later_rewrit
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
         assert got is not None and got[0] is v1
@@ -342,8 +343,7 @@ def test_a_snapshot_install_during_a_rewrite_gives_a_pinned_readers_ram_back(tmp
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
         assert got is not None and got[0] is v1
@@ -372,8 +372,7 @@ def test_a_writer_opened_while_the_last_close_is_published_publishes_over_it(tmp
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         a.ns_log = log = _Publications(job, a, "hold")
         async with trio.open_nursery() as n:
             fh1, fh2 = await _reopen_while_published(a, f, n)
@@ -404,8 +403,7 @@ def test_a_writer_whose_close_fails_behind_a_slow_publication_ends_with_the_jobs
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         a.ns_log = log = _Publications(job, a, "hold", "eio")
         async with trio.open_nursery() as n:
             fh1, fh2 = await _reopen_while_published(a, f, n)
@@ -439,8 +437,7 @@ def test_a_snapshot_install_of_a_rewritten_file_counts_the_file_its_readers_keep
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        await published_on(b, f, len(old))
+        f = await _published(a, b, b"f.bin", old)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
         assert got is not None and got[0] is v1
@@ -471,12 +468,10 @@ def test_a_retried_publication_never_matches_a_file_whose_bytes_are_the_manifest
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", data)
-        await published_on(b, f, len(data))
+        f = await _published(a, b, b"f.bin", data)
         pub = a.inodes[f].published
         text = b"%d:%d:" % (pub["size"], pub["chunk_size"]) + "".join(pub["chunks"]).encode()
-        g = await write_sealed(a, ROOT_INO, b"g.bin", text)
-        await published_on(b, g, len(text))
+        g = await _published(a, b, b"g.bin", text)
         assert a.inodes[g].published["blake3"] == blake3.blake3(text).hexdigest()
         v = a.versions[a.inodes[f].vid]
         retry = Publish(ino=g, vid=v.vid, size=v.size, chunk_size=v.chunk_size,
@@ -505,10 +500,8 @@ def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", old)
-        g = await write_sealed(a, ROOT_INO, b"g.bin", other)
-        await published_on(b, f, len(old))
-        await published_on(b, g, len(other))
+        f = await _published(a, b, b"f.bin", old)
+        g = await _published(a, b, b"g.bin", other)
         v1 = a.versions[a.inodes[f].vid]
         got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
         assert got is not None and got[0] is v1
@@ -535,10 +528,8 @@ def test_a_snapshot_install_keeps_every_local_copy_of_one_content(tmp_path):
 
     async def body(cores, job):
         a, b = cores
-        f = await write_sealed(a, ROOT_INO, b"f.bin", same)
-        g = await write_sealed(a, ROOT_INO, b"g.bin", same)
-        await published_on(b, f, len(same))
-        await published_on(b, g, len(same))
+        f = await _published(a, b, b"f.bin", same)
+        g = await _published(a, b, b"g.bin", same)
         vg = a.versions[a.inodes[g].vid]
         vg.pins += 1  # as a peer's fetch of g's chunk does
         a.tier_api.ns_install(b.tier_api.ns_snapshot())
