@@ -541,13 +541,19 @@ class JobNamespace:
                     stack.append(child)
         return out
 
+    @staticmethod
+    def _can_take_over(old: Version) -> bool:
+        """Whether an install may hand ``old``'s data file itself to a new version (else
+        it copies): nothing reads it in a thread (no pin), and it shares it with nobody."""
+        return old.shared is None and not old.pins
+
     def _keep_local(self, old: Version, v: Version) -> bool:
         """Give the installed version ``v`` the complete local copy ``old`` of its content:
         ``old``'s data file, or a copy of it when ``old`` is pinned (read in a thread) or
         shares its file (a rewrite of ``v`` changes its file in place, and nothing would
         preserve their bytes). False when the copy fails (the store full: ENOSPC): ``v``'s
         data file is left empty and its chunks are faulted in like another rank's."""
-        if old.shared is None and not old.pins:
+        if self._can_take_over(old):
             self.vstore.fds.drop(v)
             os.replace(self.store.data_path(old.vid), self.store.data_path(v.vid))
             return True
@@ -594,7 +600,7 @@ class JobNamespace:
                     v.preserved is None:
                 have.setdefault((v.chunks, v.size), []).append(v)
         for copies in have.values():
-            copies.sort(key=lambda c: c.shared is None and not c.pins)
+            copies.sort(key=self._can_take_over)
         with self.db.transaction():
             for table in ("inodes", "dentries", "xattrs", "versions", "steps"):
                 self.db.execute(f"DELETE FROM {table}")
