@@ -208,48 +208,163 @@ class _BackupSource:
             raise FsError(errno.EIO, str(exc)) from None
 
 
-@pytest.mark.xfail(strict=True, reason="open: a file taken out of a checkpoint whose data "
-                   "only the backup holds is not kept by retention (docs/reliability.md)")
-@pytest.mark.parametrize("how", ["rename", "link"])
+class _Counting(_BackupSource):
+    """The backup tier as a chunk source that counts its fetches (``fail``: every fetch
+    fails, as with a bucket out of reach)."""
+
+    def __init__(self, store, fail: bool = False) -> None:
+        super().__init__(store)
+        self.fetched: list[str] = []
+        self.fail = fail
+
+    async def fetch(self, digest: str, tried=None) -> bytes:
+        self.fetched.append(digest)
+        if self.fail:
+            raise FsError(errno.EIO, "the backup tier is out of reach")
+        return await super().fetch(digest, tried)
+
+
+async def _backed_up_steps(fs: Filesystem, backup, first: bytes, *, sub: bool = False,
+                           before_evict=None) -> None:
+    """Steps 1-3, each a file ``x`` of 3 chunks (step_1's is ``first``; with ``sub``, in
+    ``step_1/sub/x``) and a file ``y``, sealed, committed and backed up to ``backup``; then
+    the keep=2 policy drops step_1's data from RAM (the backup holds it).
+    ``before_evict(fs)`` runs just before that."""
+    reg = fs.step_registry
+    for n in (1, 2, 3):
+        d = await fs.mkdir(ROOT_INO, b"step_%d" % n, 0o755, 0, 0)
+        if sub and n == 1:
+            d = await fs.mkdir(d.ino, b"sub", 0o755, 0, 0)
+        content = first if n == 1 else os.urandom(3 * CS)
+        await sealed(fs, await write_file(fs, d.ino, b"x", content))
+        await sealed(fs, await write_file(fs, d.ino, b"y", os.urandom(CS)))
+        reg.seal(f"step_{n}")
+        m, pinned = reg.snapshot(f"step_{n}")
+        backup.put_step(m, lambda h, vs=pinned: next(
+            fs.vstore.read_verified(v, i * CS, CS, None) for v in vs
+            for i, c in enumerate(v.chunks) if c == h))
+        reg.mark_backed_up(f"step_{n}", pinned)
+        fs.tier_api.unpin(pinned)
+    if before_evict is not None:
+        await before_evict(fs)
+    assert fs.evict() == ["step_1"]  # keep=2: step_1's data leaves RAM
+
+
+async def _read_path(fs: Filesystem, path: str) -> bytes:
+    ino = fs.tree.resolve(path)
+    fh, _ = await fs.open(ino.ino, os.O_RDONLY)
+    try:
+        return await fs.read(fh, 0, 1 << 20)
+    finally:
+        await fs.release(fh)
+
+
+_TAKE_OUT = {
+    # how the file leaves step_1 -> where it is read after step_1 is retired
+    "rename": "kept.bin",  # mv step_1/x kept.bin
+    "rename-into-dir": "keep/x",  # mv step_1/x keep/
+    "rename-into-a-newer-step": "step_3/old_x",  # mv step_1/x step_3/old_x
+    "link": "kept.bin",  # ln step_1/x kept.bin
+    "link-before-eviction": "kept.bin",  # ln step_1/x kept.bin while step_1 is in RAM
+    "rename-step": "best/x",  # mv step_1 best
+    "rename-subdir": "keep/sub/x",  # mv step_1/sub keep/
+}
+
+
+@pytest.mark.parametrize("how", sorted(_TAKE_OUT))
 def test_a_file_taken_out_of_an_evicted_step_keeps_its_bytes_when_the_step_is_retired(
         tmp_path, how):
-    """keep= drops step_1's data from RAM (the backup holds it). The user then moves (or
-    hard-links) its file out of the checkpoint to keep it: a metadata change, the file's
-    chunks stay in the backup only. ``backup_keep=1`` then retires step_1 and sweeps
-    chunks no kept step names: the file outside every checkpoint must still read its
-    bytes. Found by an adversarial review; not fixed yet (EIO: nobody has its chunks)."""
+    """keep= drops step_1's data from RAM (the backup holds it). The user then takes a file
+    out of the checkpoint to keep it (moves or hard-links it, or its directory, or renames
+    the step's directory): a metadata change, after which no checkpoint names the file.
+    ``backup_keep=1`` then retires step_1 and sweeps the chunks no kept step names: the
+    file must still read its bytes. Before, it read EIO: only the backup had its chunks
+    (found by an adversarial review). Now the move fetches them first; a hard link made
+    while the step is in RAM keeps the file's data there when the step is evicted."""
     from mtcfs.tiers.backup import BackupStore, FileBackend
 
     backup = BackupStore(FileBackend(tmp_path / "backup"))
     data = os.urandom(3 * CS)
 
+    async def link_first(fs: Filesystem) -> None:
+        await fs.link(fs.tree.resolve("step_1/x").ino, ROOT_INO, b"kept.bin")
+
     async def body(fs: Filesystem) -> None:
         fs.fetcher.chunk_source = _BackupSource(backup)
-        reg = fs.step_registry
-        for n in (1, 2, 3):
-            d = await fs.mkdir(ROOT_INO, b"step_%d" % n, 0o755, 0, 0)
-            content = data if n == 1 else os.urandom(3 * CS)
-            await sealed(fs, await write_file(fs, d.ino, b"x", content))
-            reg.seal(f"step_{n}")
-            m, pinned = reg.snapshot(f"step_{n}")
-            backup.put_step(m, lambda h, vs=pinned: next(
-                fs.vstore.read_verified(v, i * CS, CS, None) for v in vs
-                for i, c in enumerate(v.chunks) if c == h))
-            reg.mark_backed_up(f"step_{n}", pinned)
-            fs.tier_api.unpin(pinned)
-        assert fs.evict() == ["step_1"]  # keep=2: step_1's data leaves RAM
+        await _backed_up_steps(fs, backup, data, sub=how == "rename-subdir",
+                               before_evict=link_first if how == "link-before-eviction" else None)
         s1 = fs.inodes[fs.steps["step_1"].ino]
+        x = fs.tree.resolve("step_1/sub/x" if how == "rename-subdir" else "step_1/x")
         if how == "rename":
             await fs.rename(s1.ino, b"x", ROOT_INO, b"kept.bin", 0)
-        else:
-            await fs.link(fs.tree.child(s1, b"x").ino, ROOT_INO, b"kept.bin")
+        elif how == "rename-into-dir":
+            keep = await fs.mkdir(ROOT_INO, b"keep", 0o755, 0, 0)
+            await fs.rename(s1.ino, b"x", keep.ino, b"x", 0)
+        elif how == "rename-into-a-newer-step":
+            await fs.rename(s1.ino, b"x", fs.steps["step_3"].ino, b"old_x", 0)
+        elif how == "link":
+            await fs.link(x.ino, ROOT_INO, b"kept.bin")
+        elif how == "rename-step":
+            await fs.rename(ROOT_INO, b"step_1", ROOT_INO, b"best", 0)
+        elif how == "rename-subdir":
+            keep = await fs.mkdir(ROOT_INO, b"keep", 0o755, 0, 0)
+            await fs.rename(s1.ino, b"sub", keep.ino, b"sub", 0)
+        assert not fs.versions[x.vid].missing  # type: ignore[index]
         backup.retain(1, grace_s=0)  # what `mtcfs gc` does with backup_keep=1
-        reg.retired({s.step for s in backup.list_steps()})
-        kept = fs.tree.child(fs.inodes[ROOT_INO], b"kept.bin")
-        fh, _ = await fs.open(kept.ino, os.O_RDONLY)
-        try:
-            assert await fs.read(fh, 0, 3 * CS) == data
-        finally:
-            await fs.release(fh)
+        fs.step_registry.retired({s.step for s in backup.list_steps()})
+        assert await _read_path(fs, _TAKE_OUT[how]) == data
+        consistent(fs)
+
+    run(body, tmp_path)
+
+
+def test_a_file_moved_inside_its_evicted_step_is_not_fetched(tmp_path):
+    """A rename inside the step (the step still names the file, the backup keeps its
+    chunks while it keeps the step) fetches nothing: the data stays out of RAM."""
+    from mtcfs.tiers.backup import BackupStore, FileBackend
+
+    backup = BackupStore(FileBackend(tmp_path / "backup"))
+
+    async def body(fs: Filesystem) -> None:
+        src = fs.fetcher.chunk_source = _Counting(backup)
+        await _backed_up_steps(fs, backup, os.urandom(3 * CS))
+        s1 = fs.inodes[fs.steps["step_1"].ino]
+        sub = await fs.mkdir(s1.ino, b"sub", 0o755, 0, 0)
+        await fs.rename(s1.ino, b"x", sub.ino, b"y", 0)
+        assert src.fetched == []
+        assert fs.versions[fs.tree.resolve("step_1/sub/y").vid].missing == {0, 1, 2}  # type: ignore[index]
+        consistent(fs)
+
+    run(body, tmp_path)
+
+
+@pytest.mark.parametrize("how", ["rename", "link", "rename-step"])
+def test_taking_a_file_out_of_an_evicted_step_fails_whole_when_its_chunks_cannot_be_fetched(
+        tmp_path, how):
+    """With the backup out of reach, taking the file out of the step fails with EIO (the
+    error the read would get) within the fault-in deadline, and nothing moved: the file
+    is still in the step, under its name."""
+    from mtcfs.tiers.backup import BackupStore, FileBackend
+
+    backup = BackupStore(FileBackend(tmp_path / "backup"))
+
+    async def body(fs: Filesystem) -> None:
+        src = fs.fetcher.chunk_source = _Counting(backup)
+        await _backed_up_steps(fs, backup, os.urandom(3 * CS))
+        src.fail = True
+        fs.fetcher.fetch_deadline_s = 0.5
+        s1 = fs.inodes[fs.steps["step_1"].ino]
+        x = fs.tree.resolve("step_1/x")
+        with pytest.raises(FsError) as e:
+            if how == "rename":
+                await fs.rename(s1.ino, b"x", ROOT_INO, b"kept.bin", 0)
+            elif how == "link":
+                await fs.link(x.ino, ROOT_INO, b"kept.bin")
+            else:
+                await fs.rename(ROOT_INO, b"step_1", ROOT_INO, b"best", 0)
+        assert e.value.errno == errno.EIO and src.fetched
+        assert sorted(fs.inodes[ROOT_INO].children or {}) == [b"step_1", b"step_2", b"step_3"]
+        assert fs.tree.resolve("step_1/x") is x and x.nlink == 1 and "step_1" in fs.steps
+        consistent(fs)
 
     run(body, tmp_path)

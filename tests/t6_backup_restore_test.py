@@ -364,3 +364,39 @@ def test_special_files_round_trip_through_the_backup(make_mount, tmp_path):
         assert got.st_size == 0, n
     assert m.path("step_7", "data.bin").read_bytes() == b"x" * 300_000
     assert m.status()["errors"] == []
+
+
+@pytest.mark.parametrize("how", ["mv", "ln"])
+def test_a_file_taken_out_of_an_evicted_checkpoint_outlives_its_retirement(
+        make_mount, tmp_path, how):
+    """keep=1 drops step_1's data from RAM once step_2 is backed up. The user then moves
+    (or hard-links) ``step_1/model.bin`` out of the checkpoint. step_3's backup then
+    retires step_1 (backup_keep=2): its backup copy and its chunks go. The file outside
+    must read its bytes bit-exact. Before, the move was a metadata change only, and the
+    read got EIO."""
+    m = make_mount("node", backup=f"file://{tmp_path}/backup", backup_interval="1ckpt",
+                   chunk_size="256K", keep=1, backup_keep=2)
+    data = {n: os.urandom(3 << 20) for n in (1, 2, 3)}
+
+    def save(n: int) -> None:
+        d = m.path(f"step_{n}")
+        d.mkdir()
+        (d / "model.bin").write_bytes(data[n])
+        m.cli("seal", str(d))
+        m.wait_state(f"step_{n}", "backed-up", timeout=60)
+
+    save(1)
+    save(2)
+    m.wait_state("step_1/model.bin", "remote", timeout=30)  # only the backup holds it
+    if how == "mv":
+        os.rename(m.path("step_1", "model.bin"), m.path("kept.bin"))
+    else:
+        os.link(m.path("step_1", "model.bin"), m.path("kept.bin"))
+    save(3)
+    from mtcfs.tiers.backup import BackupStore, FileBackend
+    backup = BackupStore(FileBackend(tmp_path / "backup"))
+    m.wait_for(lambda: sorted(s.step for s in backup.list_steps()) == ["step_2", "step_3"],
+               30, "step_1 to be retired from the backup")
+    drop_page_cache(m.path("kept.bin"))
+    assert m.path("kept.bin").read_bytes() == data[1]
+    assert m.path("step_3", "model.bin").read_bytes() == data[3]

@@ -61,10 +61,18 @@ class Reclaim:
 
     def drop_step_data(self, s: StepRecord, others_only: bool = False) -> None:
         """Drop the data of step ``s``'s sealed, unpinned versions from RAM; the versions
-        stay, every chunk missing. ``others_only`` (scope=job): only other ranks' files."""
+        stay, every chunk missing. ``others_only`` (scope=job): only other ranks' files.
+
+        A file with another name (a hard link, maybe outside the step) keeps its data: the
+        backup tier keeps its chunks only while it keeps the step, and that name would
+        outlive the step's retirement with its bytes nowhere (the same rule as a file
+        taken out of a step, core/namespace.py)."""
+        inodes = self._tree.inodes
         with self._db.transaction():
             for v in self._step_registry.versions_of(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
+                    continue
+                if inodes[v.ino].nlink > 1:
                     continue
                 self._vstore.drop_data(v)  # core/versions.py; it stays, all missing
 

@@ -139,9 +139,11 @@ class Eviction:
         return saved + lossy
 
     def _step_local_bytes(self, s: StepRecord) -> int:
+        """Bytes evicting ``s`` would free: its files' but those with another name (a hard
+        link keeps its data, core/capacity.py ``drop_step_data``)."""
         total = 0
         for _p, ino in self._host.tree.walk(self._host.inodes[s.ino]):
-            if ino.is_file:
+            if ino.is_file and ino.nlink == 1:
                 total += self._host.versions[ino.vid].alloc  # type: ignore[index]
         return total
 

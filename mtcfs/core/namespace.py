@@ -10,16 +10,17 @@ follows.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import stat
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import trio
 
 from mtcfs.base.errors import FsError
 from mtcfs.core.capacity import MAX_FILE_SIZE
-from mtcfs.core.model import ROOT_INO, Attr, DirHandle
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Inode, Version
 from mtcfs.base.ns_ops import Link, Mkdir, Mknod, Rename, Rmdir, SetAttr, Symlink, Unlink
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.entries import SPECIAL_TYPES
@@ -205,8 +206,9 @@ class NamespaceOps:
         ino = self.tree.get(num)
         if ino.is_dir:
             raise FsError(errno.EPERM)
-        await self.ns_log.submit(Link(ino=ino.ino, new_parent=self.tree.dir(new_parent).ino,
-                                      new_name=new_name))
+        dst = self.tree.dir(new_parent)
+        async with self._held_here_when_leaving_its_step(ino, dst):
+            await self.ns_log.submit(Link(ino=ino.ino, new_parent=dst.ino, new_name=new_name))
         ino.lookups += 1
         return self.tree.attr(ino)
 
@@ -219,10 +221,55 @@ class NamespaceOps:
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                      flags: int = 0) -> None:
         """Atomic rename; ``flags`` may hold RENAME_NOREPLACE (1). RENAME_EXCHANGE (2) is
-        refused with EINVAL."""
-        await self.ns_log.submit(Rename(parent=self.tree.dir(old_parent).ino, name=old_name,
-                                        new_parent=self.tree.dir(new_parent).ino,
-                                        new_name=new_name, flags=flags))
+        refused with EINVAL. Taking a file out of a checkpoint whose data is not all in RAM
+        first fetches it (see :meth:`_held_here_when_leaving_its_step`)."""
+        src, dst = self.tree.dir(old_parent), self.tree.dir(new_parent)
+        while True:
+            num = (src.children or {}).get(old_name)
+            async with self._held_here_when_leaving_its_step(self.inodes.get(num or 0), dst):
+                if (src.children or {}).get(old_name) != num:
+                    continue  # another op renamed it while the fetch ran: look again
+                await self.ns_log.submit(Rename(parent=src.ino, name=old_name,
+                                                new_parent=dst.ino, new_name=new_name,
+                                                flags=flags))
+                return
+
+    @contextlib.asynccontextmanager
+    async def _held_here_when_leaving_its_step(self, moved: Inode | None,
+                                               dst: Inode) -> AsyncIterator[None]:
+        """Around a rename or link of ``moved`` into directory ``dst``: when that takes
+        files out of the committed step they are in (to another top-level directory, or
+        the step's directory renamed), fetch first every chunk of theirs that is not in
+        RAM, and keep them pinned until the op is applied.
+
+        Why: a step's chunks that left RAM (keep=, pressure; a lazy restore) are kept by
+        the backup tier only while its retention keeps that step (``backup_keep``); once
+        no step names the file, the step's retirement would leave its bytes nowhere (read:
+        EIO). The pins keep eviction from dropping them again before the op applies.
+        A move inside the step fetches nothing. Only this rank's own files (another
+        rank's, in scope=job, are its owner's to hold).
+
+        Raises:
+            FsError: EIO (from the fault-in) when a chunk cannot be fetched within the
+                fault-in deadline, ENOSPC when RAM cannot hold them: then nothing moved.
+        """
+        rec = self.step_registry.of(moved) if moved is not None else None
+        if moved is None or rec is None or rec is self.step_registry.of(dst):
+            yield
+            return
+        files = [moved] if not moved.is_dir else [i for _p, i in self.tree.walk(moved)]
+        held: list[Version] = []
+        for f in files:
+            v = self.versions.get(f.vid) if f.is_file and f.vid is not None else None
+            if v is not None and v.missing and v.origin < 0:
+                v.pins += 1
+                held.append(v)
+        try:
+            for v in held:
+                await self.chunks.fault_in(v, 0, v.size)
+            yield
+        finally:
+            self.tier_api.unpin(held)
 
     # ------------------------------------------------------------------ directories
 
