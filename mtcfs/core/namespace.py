@@ -246,8 +246,8 @@ class NamespaceOps:
         the backup tier only while its retention keeps that step (``backup_keep``); once
         no step names the file, the step's retirement would leave its bytes nowhere (read:
         EIO). The pins keep eviction from dropping them again before the op applies.
-        A move inside the step fetches nothing. Only this rank's own files (another
-        rank's, in scope=job, are its owner's to hold).
+        A move inside the step fetches nothing. Only this rank's own files: in scope=job
+        another rank's are not fetched here (docs/reliability.md: open there).
 
         Raises:
             FsError: EIO (from the fault-in) when a chunk cannot be fetched within the
