@@ -16,6 +16,7 @@ import os
 import hashlib
 
 import pytest
+import trio
 from support.corefs import CS, run, sealed, write_file
 
 from mtcfs.base.errors import FsError
@@ -368,3 +369,46 @@ def test_taking_a_file_out_of_an_evicted_step_fails_whole_when_its_chunks_cannot
         consistent(fs)
 
     run(body, tmp_path)
+
+
+@pytest.mark.parametrize("how", ["rename", "link"])
+def test_scope_job_a_file_another_node_takes_out_of_an_evicted_step_is_fetched_by_its_owner(
+        tmp_path, how):
+    """scope=job: rank 0's file ``step_1/x`` is backed up and its data dropped from rank 0's
+    RAM. Rank 1 moves (or links) it out of the step. Rank 1 does not fetch it (not its
+    file); rank 0, applying the op from the job's log, fetches it back in the background,
+    so the step's retirement leaves its bytes in RAM. Before, it stayed missing on rank 0."""
+    from support.jobcore import published_on, read_all, run_job, write_sealed
+
+    from mtcfs.tiers.backup import BackupStore, FileBackend
+
+    backup = BackupStore(FileBackend(tmp_path / "backup"))
+    data = os.urandom(3 * CS)
+
+    async def body(cores, _job) -> None:
+        fs0, fs1 = cores
+        fs0.fetcher.chunk_source = _BackupSource(backup)
+        d = await fs0.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        x = await write_sealed(fs0, d.ino, b"x", data)
+        await published_on(fs1, x, len(data))
+        rec = fs0.step_registry.seal("step_1")
+        m, pinned = fs0.step_registry.snapshot("step_1")
+        backup.put_step(m, lambda h, vs=pinned: next(
+            fs0.vstore.read_verified(v, i * CS, CS, None) for v in vs
+            for i, c in enumerate(v.chunks) if c == h))
+        fs0.step_registry.mark_backed_up("step_1", pinned)
+        fs0.tier_api.unpin(pinned)
+        fs0.reclaim.drop_step_data(rec)
+        v0 = fs0.versions[fs0.inodes[x].vid]
+        assert v0.missing == {0, 1, 2}
+        if how == "rename":
+            await fs1.rename(d.ino, b"x", ROOT_INO, b"kept.bin", 0)
+        else:
+            await fs1.link(x, ROOT_INO, b"kept.bin")
+        with trio.fail_after(10):
+            while v0.missing:
+                await trio.sleep(0.01)
+        assert v0.pins == 0
+        assert await read_all(fs0, fs0.tree.resolve("kept.bin").ino) == data
+
+    run_job(tmp_path, body)

@@ -184,7 +184,9 @@ class Filesystem(NamespaceOps):
                                   vstore=self.vstore, step_registry=self.step_registry,
                                   chunk_index=self.chunk_index, budget=self.budget,
                                   verifier=self.verifier, entries=self.entries,
-                                  checkpoints=self.checkpoints)
+                                  checkpoints=self.checkpoints,
+                                  own_missing_below=self.chunks.own_missing_below,
+                                  fetch_later=self.chunks.fetch_later)
         #: The namespace log every namespace op goes through (core/ns_log.py): a LocalLog
         #: in scope=node; the daemon replaces it with the job's log in etcd in scope=job.
         self.ns_log: NamespaceLog = LocalLog(self.jobns)

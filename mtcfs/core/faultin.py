@@ -135,6 +135,42 @@ class LocalChunks:
         if v is not None and (v.missing or self.verifier.needs(v)):
             await self.fault_in(v, 0, v.size)
 
+    def own_missing_below(self, top: Inode) -> list[Version]:
+        """The current versions of this rank's files at or below ``top`` (a file, or a
+        directory walked whole) that miss chunks (another rank's, in scope=job, left out)."""
+        files = [top] if not top.is_dir else [i for _p, i in self.tree.walk(top)]
+        out = []
+        for f in files:
+            v = self.versions.get(f.vid) if f.is_file and f.vid is not None else None
+            if v is not None and v.missing and v.origin < 0:
+                out.append(v)
+        return out
+
+    def fetch_later(self, versions: list[Version], why: str) -> None:
+        """Fetch every missing chunk of ``versions`` in the background (pinned meanwhile, so
+        eviction does not drop them); a failure is logged and reported with ``why`` (a read
+        tries again). Used where nothing may wait: an op applied from the job's log."""
+        if not versions or self._nursery is None:
+            return
+        for v in versions:
+            v.pins += 1
+        self._nursery.start_soon(self._fetch_all, versions, why)
+
+    async def _fetch_all(self, versions: list[Version], why: str) -> None:
+        try:
+            for v in versions:
+                if self.versions.get(v.vid) is not v:
+                    continue  # replaced or deleted meanwhile
+                try:
+                    await self.fault_in(v, 0, v.size)
+                except Exception as exc:  # noqa: BLE001 (reported; a read asks again)
+                    ino = self.tree.inodes.get(v.ino)
+                    path = self.tree.path_of(ino) if ino is not None else None
+                    self.report_error(f"{path or f'version {v.vid}'} ({why}): could not "
+                                      f"fetch its data back into RAM: {exc}")
+        finally:
+            self.unpin(versions)
+
     async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
 

@@ -148,6 +148,8 @@ class JobNamespace:
         tree, vstore, step_registry, chunk_index, budget, verifier: the core's components.
         entries: the changes of one name each op makes (core/entries.py).
         checkpoints: the pins (a replaced file's version lingers pinned a while).
+        own_missing_below, fetch_later: the local chunks' (core/faultin.py): this rank's
+            files another node took out of their step are fetched back (``_taken_out``).
     """
 
     #: op type -> its apply function (set below the class)
@@ -156,8 +158,11 @@ class JobNamespace:
     def __init__(self, host: Host, *, db: MetaDB, store: Store, rank: int, tree: InodeTable,
                  vstore: VersionStore, step_registry: StepRegistry, chunk_index: ChunkIndex,
                  budget: RamBudget, verifier: Verifier, entries: Entries,
-                 checkpoints: Checkpoints) -> None:
+                 checkpoints: Checkpoints, own_missing_below: Callable[[Inode], list[Version]],
+                 fetch_later: Callable[[list[Version], str], None]) -> None:
         self._host = host
+        self._own_missing_below = own_missing_below
+        self._fetch_later = fetch_later
         self.entries = entries
         self._checkpoints = checkpoints
         self.db = db
@@ -348,7 +353,9 @@ class JobNamespace:
         if ino is None or ino.nlink <= 0:
             raise FsError(errno.ENOENT)
         self._ns_dir(op.new_parent)
+        before = self.step_registry.of(ino)
         self.entries.link(ino, op.new_parent, op.new_name)
+        self._taken_out(ino, before)
 
     def _apply_create(self, op: Create, keep: list[Version]) -> dict[str, Any]:
         d = self._ns_dir(op.parent)
@@ -396,7 +403,21 @@ class JobNamespace:
         inodes = self.tree.inodes
         if victim is not None and victim in inodes and inodes[victim].nlink <= 1:
             self._keep_if_open(inodes[victim], keep)
+        moved = inodes.get(self.tree.dir(op.parent).children.get(op.name, 0))  # type: ignore[union-attr]
+        before = self.step_registry.of(moved) if moved is not None else None
         self.entries.rename(op.parent, op.name, op.new_parent, op.new_name, op.flags)
+        self._taken_out(moved, before)
+
+    def _taken_out(self, moved: Inode | None, before: StepRecord | None) -> None:
+        """An applied rename or link took ``moved`` out of step ``before``: this rank's files
+        there whose data left RAM are fetched back in the background. The node that ran
+        the op fetched its own before submitting (core/namespace.py); another rank's files
+        are their owner's, which learns of the op only here, where nothing may wait. The
+        backup keeps their chunks only while it keeps ``before`` (docs/reliability.md)."""
+        if moved is None or before is None or self.step_registry.of(moved) is before:
+            return
+        self._fetch_later(self._own_missing_below(moved),
+                          f"taken out of checkpoint {before.name}")
 
     def _apply_setattr(self, op: SetAttr, keep: list[Version]) -> None:
         ino = self.tree.inodes.get(op.ino)

@@ -20,7 +20,7 @@ import trio
 
 from mtcfs.base.errors import FsError
 from mtcfs.core.capacity import MAX_FILE_SIZE
-from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Inode, Version
+from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Inode
 from mtcfs.base.ns_ops import Link, Mkdir, Mknod, Rename, Rmdir, SetAttr, Symlink, Unlink
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.entries import SPECIAL_TYPES
@@ -247,7 +247,8 @@ class NamespaceOps:
         no step names the file, the step's retirement would leave its bytes nowhere (read:
         EIO). The pins keep eviction from dropping them again before the op applies.
         A move inside the step fetches nothing. Only this rank's own files: in scope=job
-        another rank's are not fetched here (docs/reliability.md: open there).
+        another rank's are fetched by their owner when it applies the op
+        (core/jobns.py, ``_taken_out``).
 
         Raises:
             FsError: EIO (from the fault-in) when a chunk cannot be fetched within the
@@ -257,13 +258,9 @@ class NamespaceOps:
         if moved is None or rec is None or rec is self.step_registry.of(dst):
             yield
             return
-        files = [moved] if not moved.is_dir else [i for _p, i in self.tree.walk(moved)]
-        held: list[Version] = []
-        for f in files:
-            v = self.versions.get(f.vid) if f.is_file and f.vid is not None else None
-            if v is not None and v.missing and v.origin < 0:
-                v.pins += 1
-                held.append(v)
+        held = self.chunks.own_missing_below(moved)
+        for v in held:
+            v.pins += 1
         try:
             for v in held:
                 await self.chunks.fault_in(v, 0, v.size)
