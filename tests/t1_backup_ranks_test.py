@@ -787,3 +787,76 @@ def test_a_failed_time_based_backup_is_tried_again_after_the_backoff(tmp_path) -
     assert FailsOnce.failed and svc.status.failures == 1
     assert calls == [m.step] and svc.status.backups == 1
     assert restore_files(store, m.step) == {"w.bin": blob(7, 3 * CHUNK)}
+
+
+# -- which step a job restores, whatever its node count now (adversarial review) ----------
+
+def _save_job_step(be, number: int, ranks, world: int, *, legacy: bool = False) -> None:
+    """Every rank in ``ranks`` of a ``world``-rank job backs up its own file of step N
+    (``legacy``: markers without the world size, as stores before it was recorded)."""
+    for r in ranks:
+        chunks: dict[str, bytes] = {}
+        m = make_step(number, {f"__{r}_0.distcp": blob(100 * number + r, 70_000)}, rank=r,
+                      chunks=chunks)
+        BackupStore(be, rank=r, world_size=None if legacy else world,
+                    clock_ns=lambda: NOW).put_step(m, chunks.__getitem__)
+
+
+def _files_of(manifests) -> list[str]:
+    from mtcfs.tiers.restore.namespace import snapshot_from_manifests
+    snap = snapshot_from_manifests(manifests)
+    return sorted(e["name"] for e in snap["entries"] if e["kind"] == "file")
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 8])
+def test_a_job_restore_brings_back_every_rank_of_the_step_whatever_its_node_count(
+        tmp_path, nodes) -> None:
+    """A 4-rank job saved step_10. The job restarts on ``nodes`` nodes with every store
+    wiped (scope=job rebuilds the namespace from the backup tier): the step comes back with
+    all 4 ranks' files. Before, on 2 nodes it came back with ranks 0 and 1 only, silently;
+    on 8 nodes nothing was restorable (found by an adversarial review)."""
+    from mtcfs.tiers.restore.namespace import latest_job_step
+
+    be = FileBackend(str(tmp_path / "bucket"))
+    _save_job_step(be, 10, range(4), world=4)
+    manifests = latest_job_step(BackupStore(be, rank=0, world_size=nodes), nodes=nodes)
+    assert manifests is not None and {m.step for m in manifests} == {"step_10"}
+    assert _files_of(manifests) == [f"__{r}_0.distcp" for r in range(4)]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_job_restore_never_picks_a_step_some_of_its_ranks_did_not_complete(
+        tmp_path, legacy) -> None:
+    """4-rank job: step_10 complete on every rank; step_20 complete on ranks 0 and 1 only
+    (ranks 2 and 3 died during its upload, after their intent manifests). Restarted on 2
+    nodes, the restore brings back step_10, not the torn step_20; also from markers written
+    before the world size was recorded (the ranks with any object of the step count).
+    Before, step_20 was chosen, with 2 of its 4 shards."""
+    from mtcfs.tiers.backup.layout import complete_key
+    from mtcfs.tiers.restore.namespace import latest_job_step
+
+    be = FileBackend(str(tmp_path / "bucket"))
+    _save_job_step(be, 10, range(4), world=4, legacy=legacy)
+    _save_job_step(be, 20, range(4), world=4, legacy=legacy)
+    for r in (2, 3):  # their uploads died before COMPLETE
+        be.delete(complete_key("step_20", r))
+    manifests = latest_job_step(BackupStore(be, rank=0, world_size=2), nodes=2)
+    assert manifests is not None and {m.step for m in manifests} == {"step_10"}
+    assert len(manifests) == 4
+
+
+def test_the_peer_tiers_backup_latest_needs_every_rank_not_a_count_of_them(tmp_path) -> None:
+    """scope=node, several nodes: ``backup_latest`` (the newest step complete for every
+    rank; it overrides etcd's decision when newer). A bucket left by a 4-rank job holds
+    step_20 complete on ranks 1, 2, 3 only (rank 0 died during its upload) and step_10 on
+    all. Restarted with nodes=3, it is step_10. Before, 3 ranks counted as enough: ranks 1
+    and 2 restored step_20, rank 0 could not, and the job restored a mix."""
+    from mtcfs.tiers.peer.tier_membership import MembershipRounds
+
+    be = FileBackend(str(tmp_path / "bucket"))
+    _save_job_step(be, 10, range(4), world=4)
+    _save_job_step(be, 20, range(1, 4), world=4)
+    me = SimpleNamespace(backup_store=BackupStore(be, rank=1, world_size=3),
+                         cfg=SimpleNamespace(nodes=3))
+    ref = MembershipRounds.backup_latest(me)  # type: ignore[arg-type]
+    assert ref is not None and ref.step == "step_10", ref

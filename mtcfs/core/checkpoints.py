@@ -134,11 +134,14 @@ class Checkpoints:
                 again under the keep= policy); False for a step restored from peers only.
 
         Raises:
-            FsError: EEXIST if the step's directory already exists.
+            FsError: EEXIST if the step's directory already exists; EINVAL for a manifest
+                whose entries cannot make a tree (not the step's directory first, an entry
+                before its directory or twice, a bad name or kind): nothing is made then.
         """
         root = self._tree.inodes[ROOT_INO]
         if m.step.encode() in root.children:  # type: ignore[operator]
             raise FsError(errno.EEXIST, f"{m.step} already exists")
+        self._check_tree(m)
         uid, gid = os.getuid(), os.getgid()
         with self._db.transaction():
             for e in m.entries:
@@ -180,6 +183,35 @@ class Checkpoints:
         for v in [versions[i.vid] for _p, i in self._tree.walk(top) if i.is_file]:  # type: ignore[index]
             self._chunk_index.add_version(v)
         return rec
+
+    def _check_tree(self, m: StepManifest) -> None:
+        """Refuse (EINVAL) a manifest :meth:`import_step` could apply only in part: every
+        check that can fail there is made here, before anything is linked."""
+        def bad(why: str) -> FsError:
+            return FsError(errno.EINVAL, f"manifest of step {m.step}: {why}")
+        if not m.entries or m.entries[0].path != m.step or m.entries[0].kind != "dir":
+            raise bad("it does not start with the step's directory")
+        try:
+            self._tree.check_name(m.step.encode(errors="surrogateescape"))
+        except FsError:
+            raise bad(f"{m.step!r} is not a name") from None
+        dirs, seen = {m.step}, {m.step}
+        for e in m.entries[1:]:
+            parent_path, _, base = e.path.rpartition("/")
+            if parent_path not in dirs:
+                raise bad(f"{e.path!r} comes before its directory, or has none")
+            if e.path in seen:
+                raise bad(f"{e.path!r} comes twice")
+            try:
+                self._tree.check_name(base.encode(errors="surrogateescape"))
+            except FsError:
+                raise bad(f"{e.path!r} has no valid name") from None
+            if e.kind not in ("dir", "file", "symlink", "special") or \
+                    (e.kind == "special" and e.node not in SPECIAL_MODES):
+                raise bad(f"{e.path!r} is of no known kind ({e.kind!r})")
+            seen.add(e.path)
+            if e.kind == "dir":
+                dirs.add(e.path)
 
     async def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Re-hash every chunk of every sealed version held in RAM (``mtcfs verify``).

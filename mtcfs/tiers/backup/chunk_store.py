@@ -74,7 +74,7 @@ from mtcfs.tiers.backup.layout import MANIFEST, check_hash, check_rank, check_st
 from mtcfs.tiers.backup.records import BackupStats, RetentionStats, StepInfo
 from mtcfs.tiers.backup.retention import run_job_retention, run_retention
 from mtcfs.tiers.backup.rwlock import SharedExclusiveLock
-from mtcfs.tiers.backup.steps import StepCatalog, complete_ranks, scan_layouts
+from mtcfs.tiers.backup.steps import StepCatalog, complete_ranks, job_complete, scan_layouts
 
 log = logging.getLogger(__name__)
 
@@ -642,7 +642,8 @@ class BackupStore:
                 self._index.add(h)
             if hold is not None:
                 hold.check()  # a sweep may have run since the hold ended: not complete
-            n = self._steps.write_marker(manifest, len(sizes), self._clock_ns())
+            n = self._steps.write_marker(manifest, len(sizes), self._clock_ns(),
+                                         self._world_size)
         self._counters.add("bytes_uploaded", n)
         self._counters.add("steps_uploaded")
         return n
@@ -718,6 +719,21 @@ class BackupStore:
         with self._counting_errors():
             _, ranked = scan_layouts(self._backend)
             return complete_ranks(self._backend, ranked, self._workers)
+
+    def job_complete_steps(self) -> dict[str, tuple[int, set[int]]]:
+        """The steps of a multi-node job complete on every rank of the job that wrote them
+        (its world size, recorded in their markers), whatever this job's node count: what
+        a restore may choose (:func:`mtcfs.tiers.backup.steps.job_complete`).
+
+        Returns:
+            ``{step name: (step number, {0..world_size-1})}``.
+
+        Raises:
+            BackupError: if the backend fails.
+        """
+        with self._counting_errors():
+            _, ranked = scan_layouts(self._backend)
+            return job_complete(self._backend, ranked, self._workers)
 
     # -- retention -------------------------------------------------------------------------
 

@@ -56,6 +56,8 @@ class StepInfo:
         completed_ns: when the upload finished, ns since the epoch.
         total_bytes: file bytes in the step.
         chunks: unique chunks the step references.
+        world_size: ranks of the job that wrote it (multi-node); None in a single-node
+            store and in markers written before it was recorded.
     """
 
     step: str
@@ -64,6 +66,7 @@ class StepInfo:
     completed_ns: int
     total_bytes: int
     chunks: int
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)

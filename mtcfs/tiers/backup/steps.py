@@ -59,6 +59,45 @@ def scan_layouts(backend: Backend) -> tuple[dict[str, set[str]], dict[str, dict[
     return single, ranked
 
 
+def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int
+                 ) -> dict[str, tuple[int, set[int]]]:
+    """The steps of the rank layout complete for the whole job that wrote them.
+
+    A step needs every rank ``0..world_size-1`` of the job that wrote it, whatever the job
+    that restores it has now (fewer or more nodes): the ``world_size`` its lowest readable
+    COMPLETE marker records, or, in a marker written before it was recorded, one above the
+    highest rank with any object of the step (an upload that died after its intent
+    manifest counts; one that died before it cannot be seen).
+
+    Returns:
+        ``{step: (step_number, ranks)}`` for those steps: ``ranks`` is ``0..world_size-1``.
+
+    Raises:
+        BackupError: if the backend fails.
+    """
+    done = {step: sorted(r for r, objs in ranks.items() if COMPLETE in objs)
+            for step, ranks in ranked.items()}
+    done = {step: rs for step, rs in done.items() if rs}
+
+    def world(step: str) -> tuple[int, int] | None:
+        for r in done[step]:
+            info = StepCatalog(backend, 1, r).read_marker(step)
+            if info is not None:
+                return info.step_number, info.world_size or max(ranked[step]) + 1
+        return None
+
+    names = sorted(done)
+    if len(names) <= 1 or workers <= 1:
+        got = [world(s) for s in names]
+    else:
+        got = pools.run_map("backup-io", world, names, workers)
+    out = {}
+    for s, g in zip(names, got):
+        if g is not None and set(done[s]) >= set(range(g[1])):
+            out[s] = (g[0], set(range(g[1])))
+    return out
+
+
 def complete_ranks(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int
                    ) -> dict[str, tuple[int, set[int]]]:
     """Which ranks completed each step of the rank layout.
@@ -159,7 +198,8 @@ class StepCatalog:
             return StepInfo(step=step, step_number=int(d["step_number"]),
                             created_ns=int(d["created_ns"]),
                             completed_ns=int(d.get("completed_ns", 0)),
-                            total_bytes=int(d["total_bytes"]), chunks=int(d["chunks"]))
+                            total_bytes=int(d["total_bytes"]), chunks=int(d["chunks"]),
+                            world_size=int(d["world_size"]) if "world_size" in d else None)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable COMPLETE marker of step %s%s in %s: %s", step,
                         "" if self._rank is None else f" rank {self._rank}",
@@ -233,13 +273,16 @@ class StepCatalog:
         self._backend.put(mkey, raw)
         return len(raw)
 
-    def write_marker(self, manifest: StepManifest, chunks: int, completed_ns: int) -> int:
+    def write_marker(self, manifest: StepManifest, chunks: int, completed_ns: int,
+                     world_size: int | None = None) -> int:
         """Store the COMPLETE marker; return its size in bytes.
 
         Args:
             manifest: the step.
             chunks: number of unique chunks it references.
             completed_ns: now, ns since the epoch.
+            world_size: ranks of the job that wrote it (multi-node; recorded so that a
+                restore knows which ranks the step needs: :func:`job_complete`).
 
         Raises:
             BackupError: if the backend fails.
@@ -250,6 +293,7 @@ class StepCatalog:
             "rank": manifest.rank if self._rank is None else self._rank,
             "created_ns": manifest.created_ns, "completed_ns": completed_ns,
             "total_bytes": manifest.total_bytes, "chunks": chunks,
+            **({"world_size": world_size} if world_size is not None else {}),
         }, separators=(",", ":")).encode()
         self._backend.put(complete_key(manifest.step, self._rank), marker)
         return len(marker)

@@ -299,7 +299,10 @@ class MtcReplicator:
         step = await self._agree(restorable)
         decide_s = time.monotonic() - t_decide
         self.state = "cleaning the local directory"
-        await self._clean(step)
+        # Complete local steps stay until the chosen step is here: a restore that fails
+        # (its manifest unreadable, its data out of reach) must not have deleted the
+        # node's last good checkpoint first.
+        await self._clean(step, keep_complete=step is not None)
         info: dict[str, Any] = {"step": step.step if step else None,
                                 "decision_seconds": round(decide_s, 3)}
         if step is None:
@@ -311,6 +314,7 @@ class MtcReplicator:
         t_data = time.monotonic()
         info["source"] = await self._bring_back(step, where.get(step.step_number, "local"))
         info["data_seconds"] = round(time.monotonic() - t_data, 3)
+        await self._clean(step)  # now the other complete steps
         rec = self.fs.steps[step.step]
         info["bytes"] = sum(v.size for v in self.fs.step_versions(rec))
         marker = f"{job}-s{step.step_number}-n{self.rank}-w0.restore".encode()
@@ -392,17 +396,19 @@ class MtcReplicator:
             else:
                 await self.fs.remove_own(name)
 
-    async def _clean(self, keep: StepRef | None) -> None:
+    async def _clean(self, keep: StepRef | None, keep_complete: bool = False) -> None:
         """Remove from the local directory everything Orbax would list or trip over but the
         step to restore: other steps, uncommitted ``*.orbax-checkpoint-tmp*`` directories,
-        markers of earlier restores. Files that are neither are left alone."""
+        markers of earlier restores. Files that are neither are left alone.
+        ``keep_complete``: leave every committed step too (before the chosen step is here)."""
         for name in list(self.fs.root_entries()):
             if name in PROTOCOL_FILES:
                 continue
             num = stepnames.step_number(name)
             marker_num = stepnames.restore_marker_step(name)
-            if keep is not None and num == keep.step_number and \
-                    name.decode(errors="replace") in self.fs.steps:
+            committed = name.decode(errors="surrogateescape") in self.fs.steps
+            if committed and (keep_complete or (keep is not None and
+                                                num == keep.step_number)):
                 continue
             if num is not None or marker_num is not None or stepnames.is_orbax_tmp(name):
                 await self.fs.remove_own(name)
@@ -416,12 +422,18 @@ class MtcReplicator:
             if self.fetch_step is None:
                 raise RestoreFailed(f"step {step.step} is not here and no tier can give it")
             tries = 0
+            cleaned = False
             while True:
                 try:
                     got = await self.fetch_step(step.step_number)
                     break
                 except FsError as exc:
                     why = exc.strerror or str(exc)
+                    if exc.errno == errno.ENOSPC and not cleaned:
+                        # Its manifest was read: the other complete steps make room now.
+                        await self._clean(step)
+                        cleaned = True
+                        continue
                     tries += 1
                     # The step was restorable when this rank joined the round: a holder
                     # that does not answer now, or is busy with its own restore, is asked
@@ -438,6 +450,9 @@ class MtcReplicator:
         versions = self.fs.step_versions(rec)
         need = sum(v.size - v.local_bytes() for v in versions)
         free = self.fs.statfs()["free"]
+        if need > free:
+            await self._clean(step)  # the other complete steps make room
+            free = self.fs.statfs()["free"]
         if need > free:
             raise RestoreFailed(f"step {step.step} needs {need} more bytes in RAM but the RAM"
                                 f" tier has {free} free (size={self.fs.capacity}); mount with"

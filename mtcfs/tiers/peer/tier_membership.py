@@ -262,16 +262,16 @@ class MembershipRounds:
             await trio.sleep(0.1)
 
     def backup_latest(self) -> StepRef | None:
-        """The newest step the backup tier holds complete for every rank (thread)."""
+        """The newest step the backup tier holds complete for every rank of the job that
+        wrote it (thread; ``BackupStore.job_complete_steps``)."""
         if self.backup_store is None:
             return None
         try:
-            by_step = self.backup_store.complete_ranks()
+            by_step = self.backup_store.job_complete_steps()
         except Exception as exc:
             log.warning("cannot read the backup tier's steps: %s", exc)
             return None
-        full = [(num, step) for step, (num, ranks) in by_step.items()
-                if len(ranks) >= self.cfg.nodes]
+        full = [(num, step) for step, (num, _ranks) in by_step.items()]
         if not full:
             return None
         num, step = max(full)

@@ -78,11 +78,16 @@ def snapshot_from_manifests(manifests: list[StepManifest]) -> dict[str, Any]:
 
 
 def latest_job_step(backup_store: Any, nodes: int) -> list[StepManifest] | None:
-    """The manifests of the newest step every rank completed in the bucket (blocking), or
-    None when there is none."""
-    full = [(num, step) for step, (num, ranks) in backup_store.complete_ranks().items()
-            if ranks >= set(range(nodes))]
+    """The manifests of every rank of the newest step complete in the bucket for the job
+    that wrote it (blocking), or None when there is none.
+
+    ``nodes`` (this job's node count) does not choose the step or its ranks: a step written
+    by 4 ranks is complete when all 4 completed it and comes back with all 4 ranks' files,
+    on 2 nodes or on 8 (``BackupStore.job_complete_steps``).
+    """
+    full = [(num, step, ranks) for step, (num, ranks)
+            in backup_store.job_complete_steps().items()]
     if not full:
         return None
-    _num, step = max(full)
-    return [backup_store.get_step(step, rank=r) for r in range(nodes)]
+    _num, step, ranks = max(full)
+    return [backup_store.get_step(step, rank=r) for r in sorted(ranks)]
