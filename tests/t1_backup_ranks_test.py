@@ -860,3 +860,18 @@ def test_the_peer_tiers_backup_latest_needs_every_rank_not_a_count_of_them(tmp_p
                          cfg=SimpleNamespace(nodes=3))
     ref = MembershipRounds.backup_latest(me)  # type: ignore[arg-type]
     assert ref is not None and ref.step == "step_10", ref
+
+
+def test_retention_after_a_restore_on_more_nodes_keeps_the_older_complete_steps(tmp_path
+                                                                                ) -> None:
+    """A 2-rank job left step_10 and step_20; restored on 3 nodes, it saves step_30. With
+    backup_keep=3 all three are kept: the older steps are complete for the job that wrote
+    them. Before, retention counted this job's 3 ranks: the older steps, lacking rank 2,
+    looked like dead uploads and were deleted, past the grace period."""
+    be = FileBackend(str(tmp_path / "bucket"))
+    _save_job_step(be, 10, range(2), world=2)
+    _save_job_step(be, 20, range(2), world=2)
+    _save_job_step(be, 30, range(3), world=3)
+    BackupStore(be, rank=0, world_size=3, clock_ns=lambda: NOW + 10**12).retain(3, grace_s=0)
+    assert sorted(BackupStore(be, rank=0, world_size=3).job_complete_steps()) == [
+        "step_10", "step_20", "step_30"]

@@ -330,6 +330,35 @@ def test_whole_job_restart_with_every_ram_tier_lost_restores_from_backup(make_cl
         assert os.listdir(c.node(r).path("step_4")) == [], r
 
 
+@pytest.mark.parametrize("before,after", [(3, 2), (2, 3)])
+def test_a_job_restored_from_backup_on_another_node_count_has_every_ranks_file(
+        make_cluster, shm_dir, before, after):
+    """A job saved step_3 on ``before`` nodes (each rank its own shard), backed up; every
+    node is lost. It restarts on ``after`` nodes with empty stores and a fresh etcd
+    keyspace: the first node to join restores the step from the bucket, and every node
+    lists and reads every shard of it, bit-exact, including those of ranks that no longer
+    exist. Before, on fewer nodes the step came back with the first ``after`` shards only,
+    and on more nothing was restorable (the ranks counted were this job's, not the step's)."""
+    bucket = shm_dir / "bucket"
+    bucket.mkdir()
+    opts = {**JOB, "backup": f"file://{bucket}", "backup_interval": "1ckpt"}
+    old = make_cluster(before, options=opts)
+    old.node(0).path("step_3").mkdir()
+    data = {r: os.urandom(1_500_000 + r) for r in range(before)}
+    for r in range(before):
+        old.node(r).path("step_3", f"__{r}_0.distcp").write_bytes(data[r])
+    for r in range(before):
+        old.node(r).wait_state("step_3", "backed-up")
+    for r in range(before):
+        old.kill9(r)
+    new = make_cluster(after, options=opts)
+    want = sorted(f"__{w}_0.distcp" for w in range(before))
+    for r in range(after):
+        assert sorted(os.listdir(new.node(r).path("step_3"))) == want, r
+        for w in range(before):
+            assert new.node(r).path("step_3", f"__{w}_0.distcp").read_bytes() == data[w]
+
+
 def test_a_paused_node_comes_back_and_nothing_is_lost(make_cluster):
     """Rank 0 is stopped (SIGSTOP) while rank 1 changes the namespace; resumed, it applies
     what it missed: every node ends with the same names, the change made meanwhile

@@ -21,10 +21,12 @@ Multi-node stores (:func:`run_job_retention`)
 ``keep`` counts step numbers job-wide, and only steps complete on every rank count, so the
 newest restorable checkpoint of the whole job is never retired:
 
-1. List ``steps/`` once; read one COMPLETE marker per step (its step number); the job's
-   ranks are ``0..world_size-1``, or, without ``world_size``, every rank that has a
-   manifest or marker anywhere in the bucket.
-2. Keep the ``keep`` newest steps complete on all those ranks, and every step newer than
+1. List ``steps/`` once; read one COMPLETE marker per step (its step number and the world
+   size of the job that wrote it); a step needs ranks ``0..W-1``, W that recorded world
+   size, or, in markers from before it was recorded, ``world_size`` (without it, every
+   rank that has a manifest or marker anywhere in the bucket) or one above the highest
+   rank with an object of the step, whichever is more (:func:`~mtcfs.tiers.backup.steps.job_complete`).
+2. Keep the ``keep`` newest steps complete on all their ranks, and every step newer than
    the oldest of them (in progress, or complete on some ranks only).
 3. Older steps: delete every rank's complete manifest (marker first); an incomplete one only
    once its manifest was taken more than ``grace`` ago (a slow re-upload after a rollback).
@@ -81,7 +83,8 @@ from mtcfs.tiers.backup.errors import GateError, NotFound
 from mtcfs.tiers.backup.gate import SweepGate
 from mtcfs.tiers.backup.layout import CHUNKS_PREFIX, COMPLETE, MANIFEST, parse_chunk_key
 from mtcfs.tiers.backup.records import RetentionStats
-from mtcfs.tiers.backup.steps import BadManifest, StepCatalog, complete_ranks, scan_layouts
+from mtcfs.tiers.backup.steps import (BadManifest, StepCatalog, complete_ranks, job_complete,
+                                     scan_layouts)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -274,12 +277,13 @@ def run_job_retention(backend: Backend, gate: SweepGate | None, *, keep: int,
     now_ns = clock_ns()
     _, ranked = scan_layouts(backend)
     done = complete_ranks(backend, ranked, workers)
-    if world_size is not None:
-        world = set(range(world_size))
-    else:
-        world = {r for ranks in ranked.values() for r in ranks}
-    job_complete = sorted((num, step) for step, (num, rs) in done.items() if world <= rs)
-    kept = job_complete[-keep:]
+    if world_size is None:  # every rank seen in the bucket
+        world_size = max((r + 1 for ranks in ranked.values() for r in ranks), default=1)
+    # Complete for the job that wrote each step (its world size, recorded in its markers):
+    # after a restore on more nodes, the older steps of fewer ranks are still complete.
+    full = job_complete(backend, ranked, workers, default_world=world_size)
+    complete = sorted((num, step) for step, (num, _rs) in full.items())
+    kept = complete[-keep:]
     kept_names = {step for _, step in kept}
     deleted_complete: set[str] = set()
     deleted_incomplete: set[str] = set()

@@ -59,15 +59,16 @@ def scan_layouts(backend: Backend) -> tuple[dict[str, set[str]], dict[str, dict[
     return single, ranked
 
 
-def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int
-                 ) -> dict[str, tuple[int, set[int]]]:
+def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int,
+                 default_world: int | None = None) -> dict[str, tuple[int, set[int]]]:
     """The steps of the rank layout complete for the whole job that wrote them.
 
     A step needs every rank ``0..world_size-1`` of the job that wrote it, whatever the job
     that restores it has now (fewer or more nodes): the ``world_size`` its lowest readable
     COMPLETE marker records, or, in a marker written before it was recorded, one above the
     highest rank with any object of the step (an upload that died after its intent
-    manifest counts; one that died before it cannot be seen).
+    manifest counts; one that died before it cannot be seen), and at least
+    ``default_world`` (retention passes the job's world size, as it did before).
 
     Returns:
         ``{step: (step_number, ranks)}`` for those steps: ``ranks`` is ``0..world_size-1``.
@@ -83,7 +84,8 @@ def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], worke
         for r in done[step]:
             info = StepCatalog(backend, 1, r).read_marker(step)
             if info is not None:
-                return info.step_number, info.world_size or max(ranked[step]) + 1
+                return info.step_number, info.world_size or max(default_world or 0,
+                                                                max(ranked[step]) + 1)
         return None
 
     names = sorted(done)
