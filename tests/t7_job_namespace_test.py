@@ -347,16 +347,22 @@ def test_a_job_restored_from_backup_on_another_node_count_has_every_ranks_file(
     data = {r: os.urandom(1_500_000 + r) for r in range(before)}
     for r in range(before):
         old.node(r).path("step_3", f"__{r}_0.distcp").write_bytes(data[r])
+    old.node(0).path("step_3", ".metadata").write_bytes(b"meta")  # DCP's commit
     for r in range(before):
         old.node(r).wait_state("step_3", "backed-up")
     for r in range(before):
         old.kill9(r)
     new = make_cluster(after, options=opts)
-    want = sorted(f"__{w}_0.distcp" for w in range(before))
+    want = [".metadata"] + [f"__{w}_0.distcp" for w in range(before)]
     for r in range(after):
         assert sorted(os.listdir(new.node(r).path("step_3"))) == want, r
         for w in range(before):
-            assert new.node(r).path("step_3", f"__{w}_0.distcp").read_bytes() == data[w]
+            try:
+                got = new.node(r).path("step_3", f"__{w}_0.distcp").read_bytes()
+            except OSError as exc:
+                raise AssertionError(f"node {r}, rank {w}'s file: {exc}\n"
+                                     f"{new.node(r).log()[-3000:]}") from None
+            assert got == data[w], (r, w)
 
 
 def test_a_paused_node_comes_back_and_nothing_is_lost(make_cluster):

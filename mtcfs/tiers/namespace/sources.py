@@ -48,7 +48,9 @@ class JobChunkSource(PeerChunkSource):
                 tried.append(f"replica store here: {exc}")
         origin = self.fs.chunk_origin(digest)
         first: list[int] = []
-        if origin is not None:  # the writer (another rank), then its replicas
+        if origin is not None and 0 <= origin < self.tier.cfg.nodes:
+            # the writer (another rank), then its replicas; a writer of a step restored
+            # from the backup on fewer nodes may be no rank of this job: every member
             first = [r for r in [origin, *self.tier.peers_of(origin)] if r != self.tier.rank]
         if first:
             # by digest and by reader: N nodes reading one chunk (a large .metadata) ask
