@@ -59,6 +59,30 @@ def scan_layouts(backend: Backend) -> tuple[dict[str, set[str]], dict[str, dict[
     return single, ranked
 
 
+def _first_markers(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int
+                   ) -> dict[str, tuple[StepInfo, list[int]]]:
+    """For each step of the rank layout some rank completed: the lowest readable COMPLETE
+    marker of it (one read per step; ``workers`` threads) and the ranks whose marker the
+    listing shows. A step none of whose markers is readable is left out."""
+    done = {step: sorted(r for r, objs in ranks.items() if COMPLETE in objs)
+            for step, ranks in ranked.items()}
+    done = {step: rs for step, rs in done.items() if rs}
+
+    def first(step: str) -> StepInfo | None:
+        for r in done[step]:
+            info = StepCatalog(backend, 1, r).read_marker(step)
+            if info is not None:
+                return info
+        return None
+
+    names = sorted(done)
+    if len(names) <= 1 or workers <= 1:
+        infos = [first(s) for s in names]
+    else:
+        infos = pools.run_map("backup-io", first, names, workers)
+    return {s: (i, done[s]) for s, i in zip(names, infos) if i is not None}
+
+
 def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], workers: int,
                  default_world: int | None = None) -> dict[str, tuple[int, set[int]]]:
     """The steps of the rank layout complete for the whole job that wrote them.
@@ -76,27 +100,11 @@ def job_complete(backend: Backend, ranked: dict[str, dict[int, set[str]]], worke
     Raises:
         BackupError: if the backend fails.
     """
-    done = {step: sorted(r for r, objs in ranks.items() if COMPLETE in objs)
-            for step, ranks in ranked.items()}
-    done = {step: rs for step, rs in done.items() if rs}
-
-    def world(step: str) -> tuple[int, int] | None:
-        for r in done[step]:
-            info = StepCatalog(backend, 1, r).read_marker(step)
-            if info is not None:
-                return info.step_number, info.world_size or max(default_world or 0,
-                                                                max(ranked[step]) + 1)
-        return None
-
-    names = sorted(done)
-    if len(names) <= 1 or workers <= 1:
-        got = [world(s) for s in names]
-    else:
-        got = pools.run_map("backup-io", world, names, workers)
     out = {}
-    for s, g in zip(names, got):
-        if g is not None and set(done[s]) >= set(range(g[1])):
-            out[s] = (g[0], set(range(g[1])))
+    for s, (info, done) in _first_markers(backend, ranked, workers).items():
+        world = info.world_size or max(default_world or 0, max(ranked[s]) + 1)
+        if set(done) >= set(range(world)):
+            out[s] = (info.step_number, set(range(world)))
     return out
 
 
@@ -118,23 +126,8 @@ def complete_ranks(backend: Backend, ranked: dict[str, dict[int, set[str]]], wor
     Raises:
         BackupError: if the backend fails.
     """
-    done = {step: sorted(r for r, objs in ranks.items() if COMPLETE in objs)
-            for step, ranks in ranked.items()}
-    done = {step: rs for step, rs in done.items() if rs}
-
-    def number(step: str) -> int | None:
-        for r in done[step]:
-            info = StepCatalog(backend, 1, r).read_marker(step)
-            if info is not None:
-                return info.step_number
-        return None
-
-    names = sorted(done)
-    if len(names) <= 1 or workers <= 1:
-        nums = [number(s) for s in names]
-    else:
-        nums = pools.run_map("backup-io", number, names, workers)
-    return {s: (n, set(done[s])) for s, n in zip(names, nums) if n is not None}
+    return {s: (info.step_number, set(done))
+            for s, (info, done) in _first_markers(backend, ranked, workers).items()}
 
 
 class StepCatalog:
