@@ -35,6 +35,15 @@ async def _published(a, b, name: bytes, data: bytes) -> int:
     return ino
 
 
+def _pinned_by_a_fetch(fs, ino: int, data: bytes):
+    """A peer's fetch of chunk 3 of ``data`` from ``fs``, where file ``ino`` holds it: the
+    fetch pins ``ino``'s current version, which is returned (the caller unpins it)."""
+    v = fs.versions[fs.inodes[ino].vid]
+    got = fs.tier_api.pin_chunk(chunk_hash(data[3 * CS:4 * CS]))
+    assert got is not None and got[0] is v
+    return v
+
+
 async def _published_as(fs, ino: int, data: bytes) -> None:
     """Wait (10 s at most) until ``fs`` has ``data``'s chunks as the job's version of ``ino``."""
     want = _chunks(data)
@@ -317,9 +326,7 @@ def test_a_snapshot_install_never_hands_a_pinned_versions_file_to_a_later_rewrit
     async def body(cores, job):
         a, b = cores
         f = await _published(a, b, b"f.bin", old)
-        v1 = a.versions[a.inodes[f].vid]
-        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
-        assert got is not None and got[0] is v1
+        v1 = _pinned_by_a_fetch(a, f, old)
         a.tier_api.ns_install(b.tier_api.ns_snapshot())
         await _rewrite(a, f, [(3 * CS + 1, b"#")])
         try:
@@ -344,9 +351,7 @@ def test_a_snapshot_install_during_a_rewrite_gives_a_pinned_readers_ram_back(tmp
     async def body(cores, job):
         a, b = cores
         f = await _published(a, b, b"f.bin", old)
-        v1 = a.versions[a.inodes[f].vid]
-        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
-        assert got is not None and got[0] is v1
+        v1 = _pinned_by_a_fetch(a, f, old)
         fh, _ = await a.open(f, os.O_RDWR)
         v2 = a.versions[a.inodes[f].vid]
         assert v2.shared is not None
@@ -438,9 +443,7 @@ def test_a_snapshot_install_of_a_rewritten_file_counts_the_file_its_readers_keep
     async def body(cores, job):
         a, b = cores
         f = await _published(a, b, b"f.bin", old)
-        v1 = a.versions[a.inodes[f].vid]
-        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
-        assert got is not None and got[0] is v1
+        v1 = _pinned_by_a_fetch(a, f, old)
         await _rewrite(a, f, [(3 * CS + 1, b"#")])
         new = bytearray(old)
         new[3 * CS + 1] = ord("#")
@@ -502,9 +505,7 @@ def test_a_snapshot_install_whose_copy_fails_completes_and_fetches_that_file(tmp
         a, b = cores
         f = await _published(a, b, b"f.bin", old)
         g = await _published(a, b, b"g.bin", other)
-        v1 = a.versions[a.inodes[f].vid]
-        got = a.tier_api.pin_chunk(chunk_hash(old[3 * CS:4 * CS]))
-        assert got is not None and got[0] is v1
+        v1 = _pinned_by_a_fetch(a, f, old)
         monkeypatch.setattr(jobns, "copy_extents", full)
         a.tier_api.ns_install(b.tier_api.ns_snapshot())
         a.tier_api.unpin([v1])
