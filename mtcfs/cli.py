@@ -556,6 +556,13 @@ def cmd_status(a: argparse.Namespace) -> None:
         return
     ram = st["ram"]
     print(f"job {st['job']} at {st['mountpoint']} (pid {st['pid']}, store {st['store']})")
+    fuse = st.get("fuse") or {}
+    if fuse:
+        print(f"  FUSE:     libfuse {fuse.get('libfuse') or 'unknown'}, "
+              + ("FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before each write)"
+                 if fuse.get("killpriv_v2") else
+                 "no FUSE_HANDLE_KILLPRIV_V2: a GETXATTR before each write "
+                 "(scripts/build_fuse.sh, docs/fuse-build.md)"))
     if (st.get("store_fs") or {}).get("warning"):
         print(f"  store:    {st['store_fs']['warning']}")
     print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "

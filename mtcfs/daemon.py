@@ -25,7 +25,7 @@ from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.step_registry import backup_lag
-from mtcfs.fuse_ops import Operations
+from mtcfs.fuse_ops import Operations, libfuse_version
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.sdnotify import Notifier
@@ -526,6 +526,7 @@ class Daemon:
             "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
+            "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid},
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps),
                     "evict_unsaved": fs.eviction.evict_unsaved,

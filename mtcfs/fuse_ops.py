@@ -7,6 +7,7 @@ handler; an unexpected exception is logged and reported as EIO so the mount stay
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import logging
@@ -72,6 +73,28 @@ def entry(a: Attr, timeout: float | None = None) -> pyfuse3.EntryAttributes:
     return e
 
 
+def killpriv_v2() -> bool:
+    """Whether this process's FUSE connection negotiated ``FUSE_HANDLE_KILLPRIV_V2`` (only
+    mtcfs's pyfuse3 can; false before INIT and with the stock pyfuse3)."""
+    return bool(getattr(pyfuse3, "handle_killpriv_v2", False))
+
+
+def libfuse_version() -> str | None:
+    """The version of the libfuse this process runs on (``fuse_pkgversion()`` of the copy
+    pyfuse3 loaded, e.g. ``"3.17.2"``), or None when it cannot be told."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libfuse3.so" in line}
+        for path in sorted(paths):
+            fn = ctypes.CDLL(path).fuse_pkgversion
+            fn.restype = ctypes.c_char_p
+            v = fn()
+            return v.decode() if isinstance(v, bytes) else None
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
 class Operations(pyfuse3.Operations):
     """pyfuse3 Operations over a :class:`~mtcfs.core.core.Filesystem`.
 
@@ -82,6 +105,11 @@ class Operations(pyfuse3.Operations):
     """
 
     enable_writeback_cache = True
+    #: Ask for FUSE_HANDLE_KILLPRIV_V2 (mtcfs's pyfuse3 on libfuse >= 3.17, built by
+    #: scripts/build_fuse.sh; the stock pyfuse3 ignores it): the kernel then sends no
+    #: GETXATTR of security.capability before every write(2), and the core clears
+    #: set-user-ID/set-group-ID bits itself (NamespaceOps.kills_suidgid, docs/fuse-build.md).
+    enable_killpriv_v2 = True
     supports_dot_lookup = True
 
     def __init__(self, fs: Filesystem, mountpoint: str = "") -> None:
@@ -101,6 +129,7 @@ class Operations(pyfuse3.Operations):
 
     def init(self) -> None:
         """FUSE INIT arrived: the kernel has negotiated the connection."""
+        self.fs.kills_suidgid = killpriv_v2()
         self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
@@ -285,12 +314,13 @@ class Operations(pyfuse3.Operations):
         return out
 
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        # Only user.* attributes exist (setxattr refuses the other namespaces). The kernel
-        # asks for security.capability before every write(2) (file_remove_privs: a FUSE
-        # superblock is SB_NOSEC only with FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14
-        # cannot negotiate), so that answer does not go through the core
-        # (docs/benchmarks.md, "The GETXATTR before every write").
+        # Only user.* attributes exist (setxattr refuses the other namespaces). Without
+        # FUSE_HANDLE_KILLPRIV_V2 (libfuse 3.14, the stock pyfuse3) the kernel asks for
+        # security.capability before every write(2) (file_remove_privs: a FUSE superblock
+        # is SB_NOSEC only with that flag), so that answer does not go through the core
+        # (docs/benchmarks.md, "The GETXATTR before every write"; docs/fuse-build.md).
         if not name.startswith(b"user."):
+            self.fs.counters.foreign_getxattrs += 1
             raise pyfuse3.FUSEError(ENOATTR)
         return await self._getxattr(inode, name)
 

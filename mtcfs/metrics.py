@@ -113,6 +113,9 @@ _COUNTER_HELP = {
                          " only the chunks it changed).",
     "file_hash_bytes": "Bytes hashed to compute the whole-file blake3 of a rewritten file"
                        " when it was asked for (user.mtcfs.blake3).",
+    "foreign_getxattrs": "GETXATTRs of names outside user.*: the kernel's security.capability"
+                         " before every write(2) when the mount could not negotiate"
+                         " FUSE_HANDLE_KILLPRIV_V2 (docs/fuse-build.md).",
     "fault_timeouts": "Chunk fetches that ended at the fault-in deadline (read_deadline)"
                       " with no copy; the read got EIO. Also counted in"
                       " mtcfs_fault_errors_total.",

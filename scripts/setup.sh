@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client fio; do
+for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client fio \
+    curl patch meson ninja-build; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -25,6 +26,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$py" -m venv .venv
 fi
+# libfuse 3.17 and mtcfs's pyfuse3 (FUSE_HANDLE_KILLPRIV_V2: no GETXATTR before every write);
+# on failure it says so in one line and the stock pyfuse3 is installed below instead.
+bash scripts/build_fuse.sh || true
 stamp=.venv/.mtcfs-installed
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

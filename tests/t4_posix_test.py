@@ -1149,6 +1149,40 @@ def _as_nobody(fn) -> int:
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
+def test_another_users_write_or_truncate_and_a_chown_clear_setuid_and_setgid(fsdir):
+    """A write, a truncate or an O_TRUNC open by a user without CAP_FSETID clears
+    set-user-ID and (group-executable) set-group-ID, and so does root's chown. On mtcfs
+    with FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to the filesystem
+    (t4_killpriv_test.py, docs/fuse-build.md)."""
+    path = fsdir
+    while str(path) != "/dev/shm":
+        os.chmod(path, os.stat(path).st_mode | 0o005)
+        path = path.parent
+
+    def write(f: Path) -> None:
+        with open(f, "r+b") as fp:
+            fp.write(b"y")
+    ways = {"write": write, "truncate": lambda f: os.truncate(f, 10),
+            "O_TRUNC": lambda f: os.close(os.open(f, os.O_WRONLY | os.O_TRUNC))}
+    for how, fn in ways.items():
+        f = fsdir / how
+        f.write_bytes(b"x" * 100)
+        os.chmod(f, 0o6777)  # anyone may write it
+        assert _as_nobody(lambda: fn(f)) == 0, how
+        assert (how, stat.S_IMODE(os.stat(f).st_mode)) == (how, 0o777)
+    f = fsdir / "chown"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o6755)
+    os.chown(f, 65534, 65534)
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o755
+    d = fsdir / "dir"
+    d.mkdir()
+    os.chmod(d, 0o2775)
+    os.chown(d, 65534, 65534)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o2775  # a directory keeps set-group-ID
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
 def test_permissions_other_user(fsdir):
     """The kernel checks modes (default_permissions) from the attributes mtcfs reports."""
     path = fsdir

@@ -45,6 +45,7 @@ Concurrency protocol: a coroutine may only rely on in-memory state it read after
 
 from __future__ import annotations
 
+import os
 import logging
 import time
 from collections.abc import Callable
@@ -237,7 +238,10 @@ class Filesystem(NamespaceOps):
     # open files: the adapter's entry points (core/files.py does the work)
 
     async def open(self, num: int, flags: int) -> tuple[int, bool]:
-        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`)."""
+        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`); a writable
+        ``O_TRUNC`` open clears set-user-ID and set-group-ID first (:meth:`kill_suidgid`)."""
+        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
+            await self.kill_suidgid(num, always=True)
         return await self.open_files.open(num, flags)
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
@@ -250,7 +254,10 @@ class Filesystem(NamespaceOps):
         return await self.open_files.read(fh, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        """Write ``buf`` at ``off``; bytes written (:meth:`OpenFiles.write`)."""
+        """Write ``buf`` at ``off``; bytes written (:meth:`OpenFiles.write`). Clears
+        set-user-ID and set-group-ID first (:meth:`kill_suidgid`)."""
+        if self.kills_suidgid:
+            await self.kill_suidgid(self.open_files.handle_ino(fh))
         return await self.open_files.write(fh, off, buf)
 
     async def flush(self, fh: int, final: bool = True) -> None:

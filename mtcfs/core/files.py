@@ -444,6 +444,10 @@ class OpenFiles:
             if v.seal_error:
                 raise FsError(errno.EIO, v.seal_error)
 
+    def handle_ino(self, fh: int) -> int:
+        """The inode number of handle ``fh``'s file. Raises: FsError: EBADF."""
+        return self._handle(fh).ino
+
     def kernel_inos(self, fh: int) -> set[int]:
         """The inode numbers the kernel may know the file of handle ``fh`` by."""
         h = self._handle(fh)

@@ -35,8 +35,43 @@ log = logging.getLogger("mtcfs.core.core")
 ROOT_FRESH_S = 1.0
 
 
+def without_suidgid(mode: int) -> int:
+    """``mode`` less set-user-ID, and less set-group-ID where the group may execute: what
+    a write, a truncate or a chown leaves of a regular file's mode (the kernel's rule for
+    local filesystems; a set-group-ID bit without group execute marks mandatory locking
+    and stays)."""
+    out = mode & ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        out &= ~stat.S_ISGID
+    return out
+
+
 class NamespaceOps:
     """Namespace operations: lookup, attributes, mkdir, links, unlink, rmdir, rename, directory listing."""
+
+    #: Set by the FUSE adapter when the connection negotiated ``FUSE_HANDLE_KILLPRIV_V2``
+    #: (``fuse_ops.Operations.init``): the kernel then leaves it to the filesystem to clear
+    #: set-user-ID and set-group-ID bits, and this one does so on every write, truncate and
+    #: ``O_TRUNC`` open of a regular file and on every chown of one, whoever the caller
+    #: (pyfuse3 does not say whether the caller had ``CAP_FSETID``; POSIX allows clearing
+    #: for any writer). Off, the kernel does it, as before (docs/fuse-build.md).
+    kills_suidgid = False
+
+    async def kill_suidgid(self, num: int, *, always: bool = False) -> None:
+        """Clear regular file ``num``'s set-user-ID bit, and its set-group-ID bit where the
+        group may execute, when :attr:`kills_suidgid` is on or ``always`` (a write or an
+        ``O_TRUNC`` open is about to change it). Costs nothing when neither bit is set.
+
+        ``always`` is for an ``O_TRUNC`` open: with atomic O_TRUNC (libfuse's default) the
+        kernel truncates through the OPEN and drops its own clearing of the bits
+        (``fuse_setattr`` returns early for ``ATTR_OPEN``), flag or no flag.
+
+        Raises: FsError: ENOENT for an unknown inode; the errors of :meth:`setattr`.
+        """
+        ino = self.tree.get(num)
+        if ((self.kills_suidgid or always) and ino.is_file
+                and without_suidgid(ino.mode) != ino.mode):
+            await self.setattr(num, mode=without_suidgid(ino.mode))
 
     # ------------------------------------------------------------------ namespace
 
@@ -86,6 +121,11 @@ class NamespaceOps:
                       fh: int | None = None) -> Attr:
         ino = self.tree.get(num)
         now = _now_ns()
+        if (self.kills_suidgid and mode is None and not ino.is_dir
+                and (size is not None or uid is not None or gid is not None)
+                and without_suidgid(ino.mode) != ino.mode):
+            # FUSE_HANDLE_KILLPRIV_V2: a truncate or a chown clears them (see kills_suidgid).
+            mode = without_suidgid(ino.mode)
         if size is not None:  # refused before any attribute changes
             if not ino.is_file:
                 raise FsError(errno.EISDIR if ino.is_dir else errno.EINVAL)

@@ -97,6 +97,9 @@ class Counters:
     #: Bytes hashed to compute a whole-file hash when asked (``user.mtcfs.blake3`` of a
     #: rewritten file; core/files.py: file_hash).
     file_hash_bytes: int = 0
+    #: GETXATTRs of names outside ``user.*``: the kernel's ``security.capability`` before
+    #: every write(2) when the mount lacks FUSE_HANDLE_KILLPRIV_V2 (docs/fuse-build.md).
+    foreign_getxattrs: int = 0
     #: Seconds from the last writer's release to the version sealed (hashed, recorded).
     seal_seconds: Histogram = field(default_factory=lambda: Histogram(LATENCY_BOUNDS_S))
 

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Build libfuse 3.17.2 and pyfuse3 3.5.0 with mtcfs's patch into the virtual environment
+# (.venv/libfuse, then pyfuse3 in .venv's site-packages, linked to that libfuse by rpath).
+#
+# Why: with libfuse >= 3.17 the FUSE connection can negotiate FUSE_HANDLE_KILLPRIV_V2, and
+# the kernel then stops sending a GETXATTR before every write(2) (docs/fuse-build.md).
+# Debian 12's libfuse is 3.14, which cannot. Sources: libfuse from Debian's archive (the
+# tarball of Debian 13's fuse3 3.17.2 package), pyfuse3 from PyPI, both checked against
+# pinned SHA-256 sums. On a system whose libfuse3-dev is already >= 3.17 (Debian 13), only
+# pyfuse3 is built, against it.
+#
+# Called by scripts/setup.sh before mtcfs is installed; idempotent (a stamp in .venv).
+# Exit status 0 when the patched pyfuse3 is installed, 1 (with one line on stderr) when it
+# could not be: setup then goes on with the stock pyfuse3, which works without the flag.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv=$root/.venv
+prefix=$venv/libfuse
+
+libfuse_version=3.17.2
+libfuse_url=http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_${libfuse_version}.orig.tar.gz
+libfuse_sha256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
+pyfuse3_version=3.5.0
+pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
+patch_file=$root/third_party/pyfuse3/killpriv-v2.patch
+
+stamp=$venv/.mtcfs-fuse-built
+want=$( { echo "$libfuse_version $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat "$patch_file"; } | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'handle_killpriv_v2'))" 2>/dev/null; then
+  exit 0
+fi
+
+work=$(mktemp -d /tmp/mtcfs-fuse-build.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+log=$work/build.log
+: > "$log"
+fail() {
+  cp "$log" /tmp/mtcfs-fuse-build.log 2>/dev/null || true
+  echo "setup: WARNING: $1; mtcfs goes on with the stock pyfuse3, which cannot stop the GETXATTR before every write (docs/fuse-build.md; log: /tmp/mtcfs-fuse-build.log)" >&2
+  exit 1
+}
+
+check_sum() {  # FILE SHA256
+  echo "$2  $1" | sha256sum -c --status || fail "checksum mismatch for $(basename "$1")"
+}
+
+pkg_config_path=
+if pkg-config --atleast-version=3.17 fuse3 2>/dev/null; then
+  echo "setup: system libfuse $(pkg-config --modversion fuse3) is new enough; building pyfuse3 only"
+  ldflags=
+else
+  echo "setup: building libfuse $libfuse_version into .venv/libfuse (Debian 12 has $(pkg-config --modversion fuse3 2>/dev/null || echo none))"
+  curl -fsSL --retry 3 --max-time 120 -o "$work/libfuse.tar.gz" "$libfuse_url" >>"$log" 2>&1 \
+    || fail "could not download $libfuse_url"
+  check_sum "$work/libfuse.tar.gz" "$libfuse_sha256"
+  tar -xzf "$work/libfuse.tar.gz" -C "$work"
+  src=$work/fuse-$libfuse_version
+  # The library and its headers only: mount.fuse3, fusermount3 and the udev rule stay the
+  # distribution's (the daemon mounts with mount(2) as root; fusermount3's protocol is stable).
+  # No /etc/mtab updates (it is a link to /proc/self/mounts, as on Debian's build): with
+  # them, libfuse forks /bin/mount after mount(2) from the daemon, whose gRPC threads make
+  # the child abort, and the mount is undone ("fuse_session_mount failed").
+  (meson setup "$src/build" "$src" --prefix="$prefix" --libdir=lib --buildtype=release \
+      -Dutils=false -Dexamples=false -Dtests=false -Ddisable-mtab=true \
+    && ninja -C "$src/build" install) >>"$log" 2>&1 || fail "libfuse $libfuse_version did not build"
+  pkg_config_path=$prefix/lib/pkgconfig
+  ldflags="-Wl,-rpath,$prefix/lib"
+fi
+
+"$venv/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    "pyfuse3==$pyfuse3_version" -d "$work" >>"$log" 2>&1 || fail "could not download pyfuse3 $pyfuse3_version"
+check_sum "$work/pyfuse3-$pyfuse3_version.tar.gz" "$pyfuse3_sha256"
+tar -xzf "$work/pyfuse3-$pyfuse3_version.tar.gz" -C "$work"
+(cd "$work/pyfuse3-$pyfuse3_version" && patch -p1 --quiet < "$patch_file") >>"$log" 2>&1 \
+  || fail "mtcfs's pyfuse3 patch did not apply"
+PKG_CONFIG_PATH=$pkg_config_path LDFLAGS=$ldflags \
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps \
+    "$work/pyfuse3-$pyfuse3_version" >>"$log" 2>&1 || fail "pyfuse3 $pyfuse3_version did not build"
+"$venv/bin/pip" install -q --disable-pip-version-check "trio>=0.15" >>"$log" 2>&1 || true
+"$venv/bin/python" -c "import pyfuse3; assert hasattr(pyfuse3, 'handle_killpriv_v2')" >>"$log" 2>&1 \
+  || fail "the built pyfuse3 does not import"
+echo "$want" > "$stamp"
+echo "setup: pyfuse3 $pyfuse3_version built against libfuse $(PKG_CONFIG_PATH=$pkg_config_path pkg-config --modversion fuse3)"
