@@ -20,6 +20,7 @@ on these targets (the order rotates each repeat):
 ``noop``        benchmarks/noop_fs.py: the FUSE ceiling (answers each op with no work)
 ``noop-x``      the same with ``--xattrs``: its GETXATTR answers ENODATA as mtcfs's does,
                 so it also gets the GETXATTR the kernel sends before every write(2)
+                (it does not ask for FUSE_HANDLE_KILLPRIV_V2; mtcfs does)
 ``node``        one mtcfs daemon (scope=node)
 ``node-base``   the same running the code of another tree (``--base DIR``, a ``git
                 worktree`` of the commit to compare): a before/after pair in one run

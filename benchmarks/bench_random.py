@@ -9,7 +9,8 @@ Run ``python -m benchmarks.bench_random [--size 512M] [--files 2] [--reps 3]`` a
 - ``noop-x``: the same with ``--xattrs``: its GETXATTR answers ENODATA, as mtcfs's must,
   so it gets the GETXATTR ``security.capability`` the kernel sends before every write(2)
   (the plain no-op answers ENOSYS once and is never asked again): the ceiling of a
-  filesystem with extended attributes under pyfuse3 and libfuse 3.14;
+  filesystem with extended attributes that cannot negotiate ``FUSE_HANDLE_KILLPRIV_V2``
+  (the stock pyfuse3, libfuse 3.14; mtcfs asks for it, docs/fuse-build.md);
 - ``mtcfs``: one node, ``scope=node``, store on /dev/shm;
 - ``mtcfs-huge`` (with ``--huge``): the same, its store on a tmpfs the benchmark mounts
   with ``huge=within_size`` (large folios for the data files; docs/benchmarks.md, "Huge
@@ -231,7 +232,11 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
         (root / "tmpfs").mkdir()
         m = stack.enter_context(mtcfs_mount(root / "mtcfs", {"size": "12G"}))
         dirs = {"tmpfs": root / "tmpfs", "mtcfs": m.mnt}
-        pids: dict[str, int | None] = {"tmpfs": None, "mtcfs": int(m.status()["pid"])}
+        st = m.status()
+        pids: dict[str, int | None] = {"tmpfs": None, "mtcfs": int(st["pid"])}
+        fuse = st.get("fuse") or {}
+        res.notes.append(f"mtcfs on libfuse {fuse.get('libfuse')}, FUSE_HANDLE_KILLPRIV_V2 "
+                         f"{'yes' if fuse.get('killpriv_v2') else 'no'} (docs/fuse-build.md)")
         for key, extra in (("noop", []), ("noop-x", ["--xattrs"])):
             mnt = root / key
             mnt.mkdir()

@@ -15,7 +15,8 @@ By default it has no extended attributes: its GETXATTR answers ENOSYS, after whi
 kernel asks no more, so it never sees the ``security.capability`` GETXATTR the kernel sends
 before every write(2) to a filesystem that has them. ``--xattrs`` answers "no such
 attribute" (ENODATA) instead, as any filesystem with extended attributes (mtcfs) must: the
-ceiling for such a filesystem (docs/benchmarks.md, "The GETXATTR before every write").
+ceiling for such a filesystem when it does not negotiate ``FUSE_HANDLE_KILLPRIV_V2``
+(docs/benchmarks.md, "The GETXATTR before every write"; mtcfs does, docs/fuse-build.md).
 
 Run ``python -m benchmarks.noop_fs MOUNTPOINT [--size BYTES] [--xattrs]``: it mounts, prints
 ``ready`` on stdout, and serves until unmounted (``fusermount3 -u MOUNTPOINT``) or sent

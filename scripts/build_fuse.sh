@@ -19,6 +19,7 @@ venv=$root/.venv
 prefix=$venv/libfuse
 
 libfuse_version=3.17.2
+libfuse_config="-Dutils=false -Dexamples=false -Dtests=false -Dc_args=-DIGNORE_MTAB"
 libfuse_url=http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_${libfuse_version}.orig.tar.gz
 libfuse_sha256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
 pyfuse3_version=3.5.0
@@ -26,7 +27,7 @@ pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 patch_file=$root/third_party/pyfuse3/killpriv-v2.patch
 
 stamp=$venv/.mtcfs-fuse-built
-want=$( { echo "$libfuse_version $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat "$patch_file"; } | sha256sum | cut -c1-16)
+want=$( { echo "$libfuse_version $libfuse_config $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat "$patch_file"; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
     && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'handle_killpriv_v2'))" 2>/dev/null; then
   exit 0
@@ -59,11 +60,13 @@ else
   src=$work/fuse-$libfuse_version
   # The library and its headers only: mount.fuse3, fusermount3 and the udev rule stay the
   # distribution's (the daemon mounts with mount(2) as root; fusermount3's protocol is stable).
-  # No /etc/mtab updates (it is a link to /proc/self/mounts, as on Debian's build): with
-  # them, libfuse forks /bin/mount after mount(2) from the daemon, whose gRPC threads make
-  # the child abort, and the mount is undone ("fuse_session_mount failed").
+  # No /etc/mtab updates (IGNORE_MTAB; /etc/mtab is a link to /proc/self/mounts): with
+  # them, libfuse as root forks /bin/mount after mount(2) and /bin/umount to unmount, from
+  # the daemon, whose gRPC threads make the child abort; the mount is then undone
+  # ("fuse_session_mount failed"). 3.17.2's meson option disable-mtab does not reach the
+  # library, so the define is passed directly.
   (meson setup "$src/build" "$src" --prefix="$prefix" --libdir=lib --buildtype=release \
-      -Dutils=false -Dexamples=false -Dtests=false -Ddisable-mtab=true \
+      $libfuse_config \
     && ninja -C "$src/build" install) >>"$log" 2>&1 || fail "libfuse $libfuse_version did not build"
   pkg_config_path=$prefix/lib/pkgconfig
   ldflags="-Wl,-rpath,$prefix/lib"

@@ -4,7 +4,9 @@
 # (so `mount -t fuse.mtcfs` and fstab work); etcd-server is the coordination engine of
 # multi-node tests (a real server on loopback), etcd-client (etcdctl) sets up its users and
 # roles in tests/t7_etcd_auth_test.py; fio is the random-write load of
-# benchmarks/bench_random.py. Idempotent: a second run does nothing new.
+# benchmarks/bench_random.py; curl, patch, meson and ninja build libfuse 3.17 and mtcfs's
+# pyfuse3 into .venv (scripts/build_fuse.sh, docs/fuse-build.md). Idempotent: a second run
+# does nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)

@@ -45,8 +45,8 @@ Concurrency protocol: a coroutine may only rely on in-memory state it read after
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
