@@ -148,33 +148,34 @@ def test_the_core_clears_the_bits_only_when_the_connection_leaves_it_to_it(tmp_p
     """Off (libfuse 3.14), the kernel clears them with a SETATTR of the mode, so the core
     must not: a write by root keeps them, as on tmpfs. An O_TRUNC open is the exception:
     FUSE's atomic O_TRUNC drops the kernel's clearing, so the core clears either way."""
-    async def body(fs: Filesystem) -> None:
-        modes = {}
-        a = await _suid_file(fs, b"w", 0o6755)
-        fh, _ = await fs.open(a, os.O_WRONLY)
+    async def write(fs: Filesystem, ino: int) -> None:
+        fh, _ = await fs.open(ino, os.O_WRONLY)
         await fs.write(fh, 0, b"y")
         await fs.release(fh)
-        modes["write"] = fs.inodes[a].mode
-        b = await _suid_file(fs, b"t", 0o6755)
-        await fs.setattr(b, size=10)
-        modes["truncate"] = fs.inodes[b].mode
-        c = await _suid_file(fs, b"o", 0o6755)
-        fh, _ = await fs.open(c, os.O_WRONLY | os.O_TRUNC)
+
+    async def open_(fs: Filesystem, ino: int, flags: int) -> None:
+        fh, _ = await fs.open(ino, flags)
         await fs.release(fh)
-        modes["O_TRUNC"] = fs.inodes[c].mode
-        d = await _suid_file(fs, b"c", 0o6755)
-        await fs.setattr(d, gid=65534)
-        modes["chown"] = fs.inodes[d].mode
-        e = await _suid_file(fs, b"r", 0o6755)
-        fh, _ = await fs.open(e, os.O_RDONLY | os.O_TRUNC)  # read-only: nothing changes
-        await fs.release(fh)
-        modes["read-only open"] = fs.inodes[e].mode
-        f = await _suid_file(fs, b"m", 0o6755)
-        await fs.setattr(f, mode=0o6700, gid=65534)  # a mode sent with the chown wins
-        modes["chown with mode"] = fs.inodes[f].mode
-        assert {k: stat.S_IMODE(v) for k, v in modes.items()} == want
-        for ino in (a, b, c, d, e, f):
+
+    ways = {
+        "write": write,
+        "truncate": lambda fs, ino: fs.setattr(ino, size=10),
+        "O_TRUNC": lambda fs, ino: open_(fs, ino, os.O_WRONLY | os.O_TRUNC),
+        "chown": lambda fs, ino: fs.setattr(ino, gid=65534),
+        # read-only: nothing changes
+        "read-only open": lambda fs, ino: open_(fs, ino, os.O_RDONLY | os.O_TRUNC),
+        # a mode sent with the chown wins
+        "chown with mode": lambda fs, ino: fs.setattr(ino, mode=0o6700, gid=65534),
+    }
+
+    async def body(fs: Filesystem) -> None:
+        modes = {}
+        for i, (how, fn) in enumerate(ways.items()):
+            ino = await _suid_file(fs, b"f%d" % i, 0o6755)
+            await fn(fs, ino)
+            modes[how] = fs.inodes[ino].mode
             inos[ino] = fs.inodes[ino].mode
+        assert {k: stat.S_IMODE(v) for k, v in modes.items()} == want
 
     async def after_restart(fs: Filesystem) -> None:
         assert {ino: fs.inodes[ino].mode for ino in inos} == inos
