@@ -79,9 +79,11 @@ def killpriv_v2() -> bool:
     return bool(getattr(pyfuse3, "handle_killpriv_v2", False))
 
 
+@functools.cache
 def libfuse_version() -> str | None:
     """The version of the libfuse this process runs on (``fuse_pkgversion()`` of the copy
-    pyfuse3 loaded, e.g. ``"3.17.2"``), or None when it cannot be told."""
+    pyfuse3 loaded, e.g. ``"3.17.2"``), or None when it cannot be told. Read once: it
+    cannot change while the process runs, and every status (each metrics scrape) asks."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libfuse3.so" in line}
