@@ -258,6 +258,57 @@ def test_a_node_killed_in_the_middle_of_replicating_a_step_is_replaced_in_bounde
     assert took < 30, f"the replacement took {took:.1f} s"
 
 
+def test_replacement_placed_elsewhere_restores_the_decided_step_not_an_older_one(
+        make_cluster):
+    """Placement follows the topology, and a replacement node lands where there is room: rank
+    0's placement peer was rank 1 (block x), then rank 2 (block y), then rank 1 again. Rank 1
+    still holds rank 0's older step_10, and only rank 2 holds rank 0's step_20, which every
+    rank completed and etcd's decision names. The replacement must come back at step_20,
+    as the other ranks do (not at step_10: a torn checkpoint), fetched from rank 2."""
+    labels = {0: "x", 1: "x", 2: "y"}
+    c = make_cluster(3, options={"replicas": 1},
+                     per_rank_options={r: {"topology": f"zone=a,block={b}"}
+                                       for r, b in labels.items()})
+    wait(lambda: peers(c, 0)["peers"] == [1], 10, "rank 0's peer is rank 1 (block x)",
+         c, (0,))
+    s10 = {r: {"model.bin": blob(110 + r, 2 * MiB + 7)} for r in range(3)}
+    for r in range(3):
+        write_step(c.node(r), "step_10", s10[r])
+    for r in range(3):
+        c.wait_replicated(r, "step_10", timeout=30)
+
+    # rank 0 is lost; its replacement comes up in block y: its placement peer is rank 2
+    c.kill9(0)
+    c.set_rank_options(0, {"topology": "zone=a,block=y"})
+    m0 = c.restart(0, wipe=True)
+    assert_files(m0, "step_10", s10[0])  # from rank 1, which is no placement peer now
+    wait(lambda: c.status(0)["restore"]["pending_chunks"] == 0, 30, "restore finished",
+         c, (0,))
+    wait(lambda: peers(c, 0)["peers"] == [2], 10, "rank 0's peer is rank 2 (block y)",
+         c, (0,))
+    s20 = {r: {"model.bin": blob(120 + r, 2 * MiB + 7)} for r in range(3)}
+    for r in range(3):
+        write_step(c.node(r), "step_20", s20[r])
+    for r in range(3):
+        c.wait_replicated(r, "step_20", timeout=30)
+
+    # lost again; this replacement is in block x: its placement peer is rank 1 again, which
+    # holds rank 0's step_10 only
+    c.kill9(0)
+    c.set_rank_options(0, {"topology": "zone=a,block=x"})
+    m0 = c.restart(0, wipe=True)
+    st = c.status(0)
+    assert st["restore"]["step"] == "step_20", st["restore"]
+    assert peers(c, 0)["restore"]["decision"]["step"] == 20, peers(c, 0)["restore"]
+    assert sorted(p.name for p in m0.mnt.iterdir()) == ["step_20"]
+    assert_files(m0, "step_20", s20[0])
+    assert st["restore"]["manifest_from"] == "peer rank 2", st["restore"]
+    wait(lambda: c.status(0)["restore"]["pending_chunks"] == 0, 30, "restore finished",
+         c, (0,))
+    for r in (1, 2):
+        assert_files(c.node(r), "step_20", s20[r])
+
+
 # -- 3. a partition heals ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [{}, {"topology": "zone=a,block=1"}],

@@ -57,6 +57,10 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
              "backup tier fan-out: chunk uploads and remote-existence checks, marker and "
              "manifest reads, deletes of retention; each call at most its store's workers "
              "(MAX_WORKERS = 4) at once"),
+    PoolSpec("peer-list", 16, "executor",
+             "a restoring rank's ListManifests calls to the ranks that may hold its "
+             "replicas, asked at once (restore/from_peers.py list_holders); each call "
+             "within the client's deadline"),
     PoolSpec("cpu", 2, "limiter",
              "the core's hashing (seal, first-read verification, scrub, mtcfs verify) and "
              "fault-in's chunk writes (Filesystem.cpu_limiter)"),

@@ -161,6 +161,11 @@ class Cluster:
         return {"tls_ca": str(i.ca), "tls_cert": str(i.cert), "tls_key": str(i.key),
                 **plain_etcd}
 
+    def set_rank_options(self, rank: int, options: dict) -> None:
+        """Replace ``rank``'s ``per_rank_options`` from its next (re)start on: a replacement
+        node that differs from the one it replaces (its ``topology`` labels, ...)."""
+        self._per_rank[self._ranks([rank])[0]] = {k: _opt(v) for k, v in options.items()}
+
     def _new_mount(self, rank: int) -> Mount:
         return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
 

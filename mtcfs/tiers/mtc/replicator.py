@@ -336,7 +336,12 @@ class MtcReplicator:
                 log.warning("cannot list the backup tier: %s", exc)
         if self.peer is not None:
             from mtcfs.tiers.restore.from_peers import list_holders
-            held = await trio.to_thread.run_sync(list_holders, self.peer)
+            # This rank's newest recorded step, when it is not here: asked of every rank
+            # if the placement's holders lack it (placement may have moved since).
+            newest = max(self.peer.recorded_steps(), default=None)
+            if newest in {rec.number for rec in self.fs.steps.values()}:
+                newest = None
+            held = await trio.to_thread.run_sync(list_holders, self.peer, newest)
             for name, (num, _ranks) in held.items():
                 names[num], where[num] = name, "peer"
             self.peer.restorable = {name: num for num, name in names.items()}

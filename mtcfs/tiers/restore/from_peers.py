@@ -5,7 +5,10 @@ A node that mounts with an empty store asks the job rather than deciding alone:
 1. When etcd's record of its rank names a step, it waits (up to ``wait_s``) until the
    placement's holders of its rank are registered in etcd; then it lists what the other
    nodes hold of its rank (``ListManifests(of_rank=me)``): the holders first, every other
-   known node if none of them answers. Steps whose replica
+   known node too when none of them holds a complete replica, or none of the step the job
+   decided (placement moves: a replacement node in another topology domain, another node
+   count, the trainer's peer assignment; an older placement's holder keeps what it got,
+   so the current holders may hold only older steps). Steps whose replica
    is complete on some holder, and steps the backup tier holds complete for this rank, are
    *restorable*.
 2. It reads the job's restore decision from etcd (``restore/current``, see
@@ -28,10 +31,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.manifest import StepManifest
 from mtcfs.tiers.coord.etcd import EtcdError
 from mtcfs.tiers.peer.errors import PeerError
-from mtcfs.tiers.peer.records import StepRef
+from mtcfs.tiers.peer.records import ManifestInfo, StepRef
 
 if TYPE_CHECKING:
     from mtcfs.tiers.peer.tier import PeerTier
@@ -63,7 +67,15 @@ async def choose_and_fetch(tier: PeerTier, want: int | None, *,
     missing = await tier.wait_for_members(holders, wait_s if tier.recorded_steps() else 0)
     if missing:
         log.info("restore: no address known for holder rank(s) %s after %g s", missing, wait_s)
-    peer_steps = await trio.to_thread.run_sync(list_holders, tier)
+    decided: int | None = None
+    if want is None:
+        decided = await _read_decision(tier, wait_s)
+    # The step to look for beyond the placement's holders when they lack it: the one asked
+    # for, else the job's decision, else this rank's newest recorded step (etcd's decision
+    # unreadable).
+    wanted = want if want is not None else decided if decided is not None else \
+        max(tier.recorded_steps(), default=None)
+    peer_steps = await trio.to_thread.run_sync(list_holders, tier, wanted)
     backup_steps: dict[str, int] = {}
     if tier.backup_store is not None:
         try:
@@ -82,7 +94,7 @@ async def choose_and_fetch(tier: PeerTier, want: int | None, *,
         if match:
             target = StepRef(max(match)[1], want)
     else:
-        target = await _job_latest(tier, restorable, wait_s)
+        target = await _job_latest(tier, restorable, decided)
     if target is None:
         return None
     holders = peer_steps.get(target.step, (0, []))[1]
@@ -106,25 +118,52 @@ async def choose_and_fetch(tier: PeerTier, want: int | None, *,
     return None
 
 
-def list_holders(tier: PeerTier) -> dict[str, tuple[int, list[int]]]:
-    """step -> (number, ranks holding a complete replica of this rank's data)."""
+def list_holders(tier: PeerTier, wanted: int | None = None) -> dict[str, tuple[int, list[int]]]:
+    """step -> (number, ranks holding a complete replica of this rank's data).
+
+    The placement's ranks (:meth:`PeerTier.peer_ranks`) are asked first. Every other rank is
+    asked too when they hold no complete replica, or none of step number ``wanted`` (the step
+    the caller means to restore): placement is not fixed (topology labels of a replacement
+    node, the node count, the trainer's peer assignment), and a rank that was a holder under
+    an earlier placement keeps what it got, so the newer step may be held only outside the
+    current placement while the placement's ranks hold an older one. The ranks of a group
+    are asked at once, each call within the client's deadline; holders are listed in
+    placement order, then by rank.
+    """
     found: dict[str, tuple[int, list[int]]] = {}
     first = [r for r in tier.peer_ranks() if r != tier.rank]
     rest = [r for r in range(tier.cfg.nodes) if r != tier.rank and r not in first]
     for group in (first, rest):
-        for rank in group:
-            try:
-                infos = tier.client(rank).list_manifests(tier.rank, with_manifest=False)
-            except PeerError as exc:
-                log.info("rank %d cannot list my replicas: %s", rank, exc)
-                continue
+        for rank, infos in _ask_all(tier, group):
             for info in infos:
                 if info.chunks_missing == 0:
                     num, ranks = found.setdefault(info.step, (info.step_number, []))
                     ranks.append(rank)
-        if found:
+        if found and (wanted is None or any(n == wanted for n, _ in found.values())):
             break
+        if found and group is first and rest:
+            log.info("the placement's holders %s hold no complete replica of step %s of rank "
+                     "%d: asking every other rank", first, wanted, tier.rank)
     return found
+
+
+#: Ranks asked at once by :func:`list_holders` (each call is a thread of the ``peer-list``
+#: pool blocked on gRPC).
+LIST_PARALLEL = 16
+
+
+def _ask_all(tier: PeerTier, ranks: list[int]) -> list[tuple[int, list[ManifestInfo]]]:
+    """What each of ``ranks`` holds of this rank (without manifests), in ``ranks`` order;
+    a rank that cannot be asked is left out (logged)."""
+    def ask(rank: int) -> list[ManifestInfo] | None:
+        try:
+            return tier.client(rank).list_manifests(tier.rank, with_manifest=False)
+        except PeerError as exc:
+            log.info("rank %d cannot list my replicas: %s", rank, exc)
+            return None
+
+    got = pools.run_map("peer-list", ask, ranks, LIST_PARALLEL)
+    return [(rank, infos) for rank, infos in zip(ranks, got, strict=True) if infos is not None]
 
 
 def _fetch_manifest(tier: PeerTier, rank: int, step: str) -> StepManifest | None:
@@ -136,17 +175,25 @@ def _fetch_manifest(tier: PeerTier, rank: int, step: str) -> StepManifest | None
     return None
 
 
-async def _job_latest(tier: PeerTier, restorable: dict[str, int], wait_s: float) -> StepRef | None:
-    """The step to restore: the job's decision in etcd when this rank can restore it."""
-    by_number = {n: name for name, n in restorable.items()}
-    decided: int | None = None
+async def _read_decision(tier: PeerTier, wait_s: float) -> int | None:
+    """The step number of the job's restore decision in etcd (None: none, or no answer
+    within ``wait_s``); the decision is kept in ``tier.restore_decision``."""
     try:
         with trio.fail_after(wait_s):
             decision = await tier.decide_restore()
-        decided = decision.get("step")
         tier.restore_decision = decision
+        step = decision.get("step")
+        return step if isinstance(step, int) else None
     except (EtcdError, trio.TooSlowError) as exc:
         log.warning("no restore decision from etcd: %s", exc or f"none within {wait_s:g} s")
+        return None
+
+
+async def _job_latest(tier: PeerTier, restorable: dict[str, int],
+                      decided: int | None) -> StepRef | None:
+    """The step to restore: the job's decision in etcd (``decided``) when this rank can
+    restore it."""
+    by_number = {n: name for name, n in restorable.items()}
     from_backup = None  # the newest step the backup tier holds complete for every rank
     if tier.backup_store is not None:
         from_backup = await trio.to_thread.run_sync(tier.backup_latest)
