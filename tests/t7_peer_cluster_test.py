@@ -271,32 +271,32 @@ def test_replacement_placed_elsewhere_restores_the_decided_step_not_an_older_one
                                        for r, b in labels.items()})
     wait(lambda: peers(c, 0)["peers"] == [1], 10, "rank 0's peer is rank 1 (block x)",
          c, (0,))
-    s10 = {r: {"model.bin": blob(110 + r, 2 * MiB + 7)} for r in range(3)}
-    for r in range(3):
-        write_step(c.node(r), "step_10", s10[r])
-    for r in range(3):
-        c.wait_replicated(r, "step_10", timeout=30)
 
+    def save_all(step: str, seed: int) -> dict[int, dict[str, bytes]]:
+        files = {r: {"model.bin": blob(seed + r, 2 * MiB + 7)} for r in range(3)}
+        for r in range(3):
+            write_step(c.node(r), step, files[r])
+        for r in range(3):
+            c.wait_replicated(r, step, timeout=30)
+        return files
+
+    def replace_rank0(block: str):
+        c.kill9(0)
+        c.set_rank_options(0, {"topology": f"zone=a,block={block}"})
+        return c.restart(0, wipe=True)
+
+    s10 = save_all("step_10", 110)
     # rank 0 is lost; its replacement comes up in block y: its placement peer is rank 2
-    c.kill9(0)
-    c.set_rank_options(0, {"topology": "zone=a,block=y"})
-    m0 = c.restart(0, wipe=True)
+    m0 = replace_rank0("y")
     assert_files(m0, "step_10", s10[0])  # from rank 1, which is no placement peer now
     wait(lambda: c.status(0)["restore"]["pending_chunks"] == 0, 30, "restore finished",
          c, (0,))
     wait(lambda: peers(c, 0)["peers"] == [2], 10, "rank 0's peer is rank 2 (block y)",
          c, (0,))
-    s20 = {r: {"model.bin": blob(120 + r, 2 * MiB + 7)} for r in range(3)}
-    for r in range(3):
-        write_step(c.node(r), "step_20", s20[r])
-    for r in range(3):
-        c.wait_replicated(r, "step_20", timeout=30)
-
+    s20 = save_all("step_20", 120)
     # lost again; this replacement is in block x: its placement peer is rank 1 again, which
     # holds rank 0's step_10 only
-    c.kill9(0)
-    c.set_rank_options(0, {"topology": "zone=a,block=x"})
-    m0 = c.restart(0, wipe=True)
+    m0 = replace_rank0("x")
     st = c.status(0)
     assert st["restore"]["step"] == "step_20", st["restore"]
     assert peers(c, 0)["restore"]["decision"]["step"] == 20, peers(c, 0)["restore"]
