@@ -12,6 +12,7 @@ every vid.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -431,3 +432,83 @@ def test_load_and_repair_after_a_crash(host):
     assert h2.vs.alloc_vid() == 1000
     check(h2)
     host.vs = h2.vs  # the fixture closes these descriptors
+
+
+# ---------------------------------------------------------------------- the store full
+
+
+@pytest.fixture
+def full_host() -> Iterator[tuple[Host, str]]:
+    """A Host whose store is on a tmpfs of 4 MiB of its own (root only), and the path of a
+    file to fill that tmpfs with."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    import subprocess
+    d = tempfile.mkdtemp(prefix="mtcfs-t3-versions-full-", dir="/dev/shm")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", d], check=True)
+    try:
+        h = Host(Store(os.path.join(d, "store"), "job", CS))
+        h.vs.load(fresh=True)
+        try:
+            yield h, os.path.join(d, "filler")
+        finally:
+            h.close()
+    finally:
+        subprocess.run(["umount", d], check=False)
+        os.rmdir(d)
+
+
+def _fill(path: str, leave: int) -> None:
+    st = os.statvfs(os.path.dirname(path))
+    room = st.f_bavail * st.f_frsize - leave
+    with open(path, "wb", buffering=0) as f:
+        while room > 0:
+            room -= f.write(b"\xee" * min(room, 1 << 20))
+
+
+def test_a_copy_that_runs_out_of_room_part_way_leaves_no_data_file(full_host):
+    """copy_from of a 1 MiB version with 256 KiB left on the store's filesystem: ENOSPC,
+    and nothing of the copy stays. Before, its partial data file stayed until the next
+    load, holding RAM that size= did not count, and its descriptor stayed cached."""
+    h, filler = full_host
+    ino = inode(10)
+    with h.db.transaction():
+        src = sealed(h, ino, [os.urandom(CS) for _ in range(16)])
+    used0 = h.budget.used
+    _fill(filler, 256 * 1024)
+    free0 = os.statvfs(filler).f_bfree
+    vid = h.vs._next_vid
+    with pytest.raises(OSError) as ei:
+        with h.db.transaction():
+            h.vs.new(ino, copy_from=src)
+    assert ei.value.errno == errno.ENOSPC
+    assert not os.path.exists(h.store.data_path(vid))
+    assert os.statvfs(filler).f_bfree == free0  # its pages are free again
+    assert h.budget.used == used0 and set(h.vs.versions) == {src.vid}
+    assert ino.vid == src.vid and src.current
+    assert all(getattr(v, "vid", None) != vid for v in h.vs.fds._lru)
+    os.unlink(filler)
+    check(h)
+
+
+def test_a_commit_that_fails_for_room_runs_nothing_meant_for_after_it(full_host):
+    """A COMMIT that fails with SQLITE_FULL: ENOSPC (OSError, which the FUSE adapter
+    passes on as such, not EIO), nothing of the transaction is written, and what was to
+    run after its commit (a data file unlinked once its row is deleted) never runs. Before,
+    it ran at the next commit that succeeded: a data file went while the row that names it,
+    rolled back, still did."""
+    h, filler = full_host
+    db = h.db
+    ran: list[int] = []
+    _fill(filler, 0)
+    with pytest.raises(OSError) as ei:
+        with db.transaction():
+            db.execute("INSERT INTO kv(key, value) VALUES ('k', ?)", ("x" * 200_000,))
+            db.after_commit(lambda: ran.append(1))
+    assert ei.value.errno == errno.ENOSPC
+    assert not db.in_transaction and not db.conn.in_transaction
+    os.unlink(filler)
+    with db.transaction():
+        db.execute("INSERT INTO kv(key, value) VALUES ('j', '1')")
+    assert ran == []
+    assert db.get_kv("k") is None and db.get_kv("j") == "1"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -79,6 +80,11 @@ RELEASE_WAIT_S = 1.0
 #: would take over or copy (local writes of verified bytes: milliseconds, unless many
 #: fetches queue for the CPU limiter); EAGAIN after that.
 FILL_WAIT_S = 10.0
+
+#: Seconds before a seal whose record could not be written (the store's filesystem full:
+#: SQLITE_FULL) is tried again, doubled at each failure up to :data:`SEAL_RETRY_MAX_S`.
+SEAL_RETRY_S = 0.5
+SEAL_RETRY_MAX_S = 30.0
 
 
 class Host(Protocol):
@@ -135,6 +141,9 @@ class OpenFiles:
         self.last_write = 0.0
         self._nursery: trio.Nursery | None = None
         self._released: trio.Event | None = None
+        #: vid -> (gen, size, hash, next delay) of a seal hashed but not recorded (the
+        #: store full): tried again later without hashing again if the version is unchanged.
+        self._unrecorded: dict[int, tuple[int, int, HashResult, float]] = {}
 
     @property
     def job_scope(self) -> bool:
@@ -402,9 +411,20 @@ class OpenFiles:
             await self.budget.reserve(need)
         self.vstore.preserve(v, off, end)  # for older versions that read its data file
         self.vstore.note_dirty(v, off, end)  # committed before the bytes change
+        n = 0
         try:
-            n = os.pwrite(self.vstore.fd(v), buf, off)
+            fd = self.vstore.fd(v)
+            while n < len(buf):
+                # tmpfs writes what it has pages for and returns short when it runs out:
+                # go on until the rest fails, so a short count is never taken for the whole
+                n += os.pwrite(fd, memoryview(buf)[n:], off + n)
         except OSError as exc:
+            if n:
+                # Part of it was written: the version is as long as the bytes it holds
+                # (its seal hashes v.size bytes of the data file), never the request's end.
+                v.size = max(v.size, off + n)
+                v.gen += 1
+            self.budget.account(v)
             if exc.errno == errno.ENOSPC:
                 self.counters.enospc += 1
                 raise FsError(errno.ENOSPC, "store directory is full") from None
@@ -565,7 +585,34 @@ class OpenFiles:
             v.seal_error = str(exc)
             self._host.report_error(f"seal of version {v.vid} failed: {exc}")
             return
-        self._announce_seal(v, self._record_seal(v, res, t0))
+        try:
+            ino = self._record_seal(v, res, t0)
+        except (OSError, sqlite3.Error) as exc:
+            self._seal_later(v, v.gen, v.size, res, exc)
+            return
+        self._announce_seal(v, ino)
+
+    def _seal_later(self, v: Version, gen: int, size: int, res: HashResult,
+                    exc: BaseException) -> None:
+        """The seal of ``v`` (hashed: ``res`` for ``gen``/``size``) could not be recorded
+        (``_record_seal`` undid it: the store's filesystem full, SQLITE_FULL): report it
+        and try again later (:data:`SEAL_RETRY_S`, doubling), reusing ``res`` if ``v`` has
+        not changed. Never fatal: the file stays open-unsealed ("writing") meanwhile, its
+        bytes as written."""
+        delay = self._unrecorded.get(v.vid, (0, 0, res, SEAL_RETRY_S))[3]
+        self._unrecorded[v.vid] = (gen, size, res, min(delay * 2, SEAL_RETRY_MAX_S))
+        v.seal_error = str(exc)
+        self._host.report_error(f"seal of version {v.vid} could not be recorded ({exc}); "
+                                f"tried again in {delay:g} s")
+        if self._nursery is not None:
+            self._nursery.start_soon(self._seal_again, v, delay)
+
+    async def _seal_again(self, v: Version, delay: float) -> None:
+        await trio.sleep(delay)
+        if self.versions.get(v.vid) is not v or v.sealed:
+            self._unrecorded.pop(v.vid, None)
+            return
+        self.after_write_close(v)
 
     # ------------------------------------------------------------------ seal
 
@@ -582,6 +629,12 @@ class OpenFiles:
         try:
             while True:
                 gen, size = v.gen, v.size
+                kept = self._unrecorded.get(v.vid)
+                if kept is not None and kept[:2] == (gen, size):
+                    if v.vid not in self.versions or v.dropped or v.writers > allow_writers:
+                        return
+                    res = kept[2]  # hashed before, not recorded (the store was full)
+                    break
                 # A rewrite hashes only the chunks written since it started from a sealed
                 # version (docs/architecture.md, "Rewrites"); its whole-file hash is
                 # computed when asked (file_hash).
@@ -623,7 +676,13 @@ class OpenFiles:
                 if v.gen != gen or v.size != size:
                     continue
                 break
-            ino = self._record_seal(v, res, t0)
+            try:
+                ino = self._record_seal(v, res, t0)
+            except (OSError, sqlite3.Error) as exc:
+                # (the daemon used to die here: an error of a task ends its nursery)
+                self._seal_later(v, gen, size, res, exc)
+                failed = True
+                return
             if self.job_scope and ino is not None and ino.nlink > 0:
                 # scope=job: commit markers are detected when the publish op is applied
                 await self._host._ns_publish(ino, v)
@@ -656,25 +715,46 @@ class OpenFiles:
         if ino is not None and ino.vid == v.vid:
             self._host._emit("sealed", v)
             if not self.job_scope:
-                with self.db.transaction():
-                    self.step_registry.commit_by_marker(ino)
+                try:
+                    with self.db.transaction():
+                        self.step_registry.commit_by_marker(ino)
+                except (OSError, sqlite3.Error) as exc:
+                    self._host.report_error(f"commit by marker {ino.name!r} failed: {exc}")
 
     def _record_seal(self, v: Version, res: HashResult, t0: float) -> Inode | None:
         """Record hashed ``v`` as sealed (``res``: its chunks and whole-file digest): its row
         and its inode's (the times the writeback cache sent meanwhile), the chunk index,
-        the counters, a changed step. Returns its inode, if it still has one."""
+        the counters, a changed step. Returns its inode, if it still has one.
+
+        Raises:
+            OSError, sqlite3.Error: the rows could not be written (ENOSPC: the store's
+                filesystem is full); ``v`` is then as it was, unsealed with its base.
+        """
+        before = (v.seal_error, v.chunks, v.blake3, v.backed_up, v.base_chunks,
+                  v.base_logged, set(v.dirty))
         v.sealed = True
         v.seal_error = ""  # an earlier seal's failure is over
         v.chunks = res.chunks
         v.blake3 = res.file_hash  # "" after a rewrite: computed when asked (file_hash)
         v.backed_up = False
-        self.counters.seal_bytes_hashed += res.hashed
         ino = self.inodes.get(v.ino)
-        with self.db.transaction():
-            self.vstore.drop_base(v)  # its rewrite_dirty rows too
-            self.vstore.write(v)
-            if ino is not None:
-                self.tree.write(ino)
+        try:
+            with self.db.transaction():
+                self.vstore.drop_base(v)  # its rewrite_dirty rows too
+                self.vstore.write(v)
+                if ino is not None:
+                    self.tree.write(ino)
+        except BaseException:
+            # nothing was written: undo, or v looked sealed (backed up, replicated) with
+            # rows that say otherwise and chunks in no index
+            v.sealed = False
+            (v.seal_error, v.chunks, v.blake3, v.backed_up, v.base_chunks, v.base_logged,
+             dirty) = before
+            v.dirty.clear()
+            v.dirty.update(dirty)
+            raise
+        self._unrecorded.pop(v.vid, None)
+        self.counters.seal_bytes_hashed += res.hashed
         self.chunk_index.add_version(v)
         self.counters.seals += 1
         self.counters.seal_seconds.observe(time.monotonic() - t0)
@@ -710,8 +790,11 @@ class OpenFiles:
         if v.chunks == chunks and not v.dropped:
             v.blake3 = digest
             if self.versions.get(v.vid) is v:
-                with self.db.transaction():
-                    self.vstore.write(v)
+                try:
+                    with self.db.transaction():
+                        self.vstore.write(v)
+                except (OSError, sqlite3.Error) as exc:  # (the store full) a cache only
+                    log.warning("blake3 of version %d not recorded: %s", v.vid, exc)
         return digest
 
     async def wait_sealed(self, ino: Inode, grace: float = 2.0) -> Version | None:

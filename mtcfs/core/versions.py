@@ -378,18 +378,26 @@ class VersionStore:
         else:
             fd = store.open_data(v.vid, create=True)
             fds.adopt(v, fd)
-            os.ftruncate(fd, 0)
-            if copy_from is not None and copy_from.size:
-                sfd = fds.lease(copy_from)  # two descriptors in use: neither is evicted
-                dfd = fds.lease(v)
-                try:
-                    copy_extents(sfd, dfd, copy_from.size)
-                    for i, piece in (copy_from.preserved or {}).items():
-                        # a reader of a shared file: its own bytes of the chunks changed
-                        os.pwrite(dfd, piece, i * copy_from.chunk_size)
-                finally:
-                    fds.unlease(v, dfd)
-                    fds.unlease(copy_from, sfd)
+            try:
+                os.ftruncate(fd, 0)
+                if copy_from is not None and copy_from.size:
+                    sfd = fds.lease(copy_from)  # two descriptors in use: neither is evicted
+                    dfd = fds.lease(v)
+                    try:
+                        copy_extents(sfd, dfd, copy_from.size)
+                        for i, piece in (copy_from.preserved or {}).items():
+                            # a reader of a shared file: its own bytes of the chunks changed
+                            os.pwrite(dfd, piece, i * copy_from.chunk_size)
+                    finally:
+                        fds.unlease(v, dfd)
+                        fds.unlease(copy_from, sfd)
+            except BaseException:
+                # The copy stopped part way (ENOSPC of the store's filesystem): v is not
+                # registered, accounted or in a row; its partial data file goes now, not
+                # at the next load (until then it held RAM that size= did not count).
+                fds.drop(v)
+                store.remove_data(v.vid, 0)
+                raise
         if src is not None and src.size:
             v.size = src.size
             v.missing = set(src.missing)

@@ -18,6 +18,7 @@ meaning and sentinel values are commented there.
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -115,6 +116,15 @@ CREATE TABLE IF NOT EXISTS kv (
     value TEXT NOT NULL
 );
 """
+
+
+def _no_room(exc: sqlite3.Error) -> OSError | None:
+    """SQLITE_FULL (the store's filesystem has no room for the database or its WAL) as the
+    writer should see it: OSError ENOSPC, which the FUSE adapter passes on; None for any
+    other error."""
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return OSError(errno.ENOSPC, f"store metadata: {exc}")
+    return None
 
 
 class NewerSchemaError(Exception):
@@ -221,19 +231,41 @@ class MetaDB:
         if self._depth == 0:
             if self._begun:
                 self._begun = False
-                self.conn.execute("COMMIT")
+                try:
+                    self.conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    # Nothing of the transaction is written (SQLite rolls back by itself on
+                    # SQLITE_FULL or an I/O error; else here): what waits for its commit
+                    # must not happen either. Kept, it ran at the next commit: a data file
+                    # unlinked while the row that names it, never deleted, still did.
+                    self._after_commit.clear()
+                    self._deferred.clear()
+                    self._rollback_if_open()
+                    full = _no_room(exc)
+                    if full is not None:
+                        raise full from exc
+                    raise
             todo, self._after_commit = self._after_commit, []
             for fn in todo:
                 fn()
+
+    def _rollback_if_open(self) -> None:
+        if self.conn.in_transaction:
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # (already rolled back by SQLite)
 
     def _abort(self) -> None:
         self._depth -= 1
         if self._depth == 0:
             self._deferred.clear()
+            self._after_commit.clear()  # what the rows still name stays
             if self._begun:
                 self._begun = False
-                self.conn.execute("ROLLBACK")
-            self._after_commit.clear()  # what the rows still name stays
+                # SQLite may have rolled back by itself (a statement that failed with
+                # SQLITE_FULL): a ROLLBACK then fails and would hide the first error.
+                self._rollback_if_open()
 
     @property
     def in_transaction(self) -> bool:
@@ -279,9 +311,21 @@ class MetaDB:
             self._after_commit.append(fn)
 
     def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> sqlite3.Cursor:
+        """Run ``sql`` (in the transaction in progress, begun with its first statement).
+
+        Raises:
+            OSError: ENOSPC when the store's filesystem has no room for it (SQLITE_FULL).
+            sqlite3.Error: any other failure.
+        """
         if self._depth and not self._begun:
             self._begin()
-        return self.conn.execute(sql, params)
+        try:
+            return self.conn.execute(sql, params)
+        except sqlite3.Error as exc:
+            full = _no_room(exc)
+            if full is not None:
+                raise full from exc
+            raise
 
     def get_kv(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()

@@ -1,0 +1,248 @@
+"""ENOSPC in the middle of a rewrite of a sealed file (O_RDWR, no O_TRUNC), on a real mount.
+
+Two ways to run out of room: the backing filesystem of the store (a tmpfs of its own here,
+filled by another process while mtcfs's own ``size=`` still has plenty), and ``size=``
+itself. The promise (README): a closed file is never lost or silently changed; a fault is a
+clear error (ENOSPC to the writer). So: the writer gets ENOSPC (at fsync or close, since
+the kernel's writeback cache sends the data later), the mount stays up, a reader never
+sees a byte nobody wrote, the file afterwards holds its old bytes and, of the failed
+writes, at most a prefix in order; it is sealed once there is room again, its blake3 is of
+those bytes, ``size=`` counts what the store holds, and all of it is the same after a
+clean remount and after a kill -9.
+
+Before the fixes (branch review-enospc): the daemon died (``sqlite3.OperationalError:
+database or disk is full`` from the seal's commit ended its nursery: every process got
+ENOTCONN), or, when the metadata still fitted, a short ``pwrite`` of tmpfs made the
+version longer than its data file and its seal failed for the rest of the mount
+("data file is shorter than ..."), the file left unsealed.
+"""
+
+import errno
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import blake3
+import pytest
+
+from support.mount import Mount, drop_page_cache
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_store():
+    """(root, mounts): a tmpfs of 24 MiB of its own at ``root`` (root only) for the store;
+    the mounts appended to ``mounts`` are cleaned up, then the tmpfs is unmounted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = Path("/dev/shm") / f"mtcfs-enospc-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(d)], check=True)
+    mounts: list[Mount] = []
+    try:
+        yield d, mounts
+    finally:
+        for m in mounts:
+            m.cleanup()
+        subprocess.run(["umount", str(d)], check=False)
+        os.rmdir(d)
+        for m in mounts:
+            if m.mnt.exists():
+                m.mnt.rmdir()
+
+
+def _mount(root: Path, mounts: list, size: str) -> Mount:
+    m = Mount(root, options={"size": size}, store=root / "store",
+              mnt=Path(f"{root}-mnt"))
+    mounts.append(m)
+    return m.start()
+
+
+def _fill(path: Path, leave: int) -> None:
+    """Fill the filesystem of ``path`` with that file, leaving about ``leave`` bytes."""
+    st = os.statvfs(path.parent)
+    room = st.f_bavail * st.f_frsize - leave
+    blk = b"\xee" * MiB
+    with open(path, "wb", buffering=0) as f:
+        while room > 0:
+            room -= f.write(blk[:min(room, MiB)])
+
+
+def _store_bytes(m: Mount) -> int:
+    d = m.store / "data"
+    return sum(os.stat(d / n).st_blocks * 512 for n in os.listdir(d))
+
+
+def _read(p: Path) -> bytes:
+    drop_page_cache(p)
+    return p.read_bytes()
+
+
+def _sealed_hash(m: Mount, rel: str) -> str:
+    m.wait_for(lambda: m.state(rel) != "writing", 30, f"{rel} sealed")
+    return os.getxattr(m.path(rel), "user.mtcfs.blake3").decode()
+
+
+def _rewrite(p: Path, off: int, data: bytes) -> int | None:
+    """Open ``p`` O_RDWR (no O_TRUNC), write ``data`` at ``off``, fsync, close: the errno
+    the writer got (None: none)."""
+    try:
+        fd = os.open(p, os.O_RDWR)
+        try:
+            mv = memoryview(data)
+            while mv:
+                n = os.pwrite(fd, mv, off)
+                mv, off = mv[n:], off + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def _prefix_then_holes(got: bytes, wrote: bytes) -> int:
+    """How much of ``wrote`` ``got`` holds, asserting that the rest of ``got`` is zeros
+    (holes never written): a failed write leaves a prefix of itself, never other bytes."""
+    k = 0
+    while k < len(got) and k < len(wrote) and got[k] == wrote[k]:
+        k += 1
+    assert got[k:] == bytes(len(got) - k), f"bytes nobody wrote after {k} bytes"
+    return k
+
+
+def _check_after(m: Mount, rel: str, expect: bytes) -> None:
+    p = m.path(rel)
+    assert os.stat(p).st_size == len(expect)
+    assert _read(p) == expect
+    assert _sealed_hash(m, rel) == blake3.blake3(expect).hexdigest()
+    assert m.status()["ram"]["used"] == _store_bytes(m)
+
+
+def _sparse(size: int, pieces: dict[int, bytes]) -> bytes:
+    out = bytearray(size)
+    for off, b in pieces.items():
+        out[off:off + len(b)] = b
+    return bytes(out)
+
+
+def _write_sparse(p: Path, size: int, pieces: dict[int, bytes]) -> None:
+    with open(p, "wb") as f:
+        for off, b in pieces.items():
+            f.seek(off)
+            f.write(b)
+        f.truncate(size)
+
+
+def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
+    """A sealed sparse file (1 MiB of data at each end of 32 MiB) is rewritten with 6 MiB
+    into its hole while another process fills the store's tmpfs (1 MiB left): ENOSPC to
+    the writer, the daemon stays up, a reader's old bytes are exact, and the file holds
+    its old data plus a prefix of the new."""
+    root, mounts = small_store
+    m = _mount(root, mounts, "24M")
+    head, tail = os.urandom(MiB), os.urandom(MiB)
+    pieces = {0: head, 31 * MiB: tail}
+    old = _sparse(32 * MiB, pieces)
+    p = m.path("f.bin")
+    _write_sparse(p, len(old), pieces)
+    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    used0 = m.status()["ram"]["used"]
+    enospc0 = m.status()["counters"]["enospc"]
+    new = os.urandom(6 * MiB)
+    filler = root / "filler"
+    with open(p, "rb") as reader:
+        _fill(filler, leave=MiB)
+        err = _rewrite(p, 8 * MiB, new)
+        assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
+        reader.seek(0)
+        assert reader.read(MiB) == head
+        reader.seek(31 * MiB)
+        assert reader.read() == tail
+    assert m.status()["counters"]["enospc"] > enospc0
+    os.unlink(filler)  # room again: the seal, tried again, gets through
+    got = _read(p)
+    assert len(got) == len(old)
+    k = _prefix_then_holes(got[8 * MiB:14 * MiB], new)
+    assert k < len(new)
+    expect = old[:8 * MiB] + new[:k] + old[8 * MiB + k:]
+    assert got == expect
+    _check_after(m, "f.bin", expect)
+    assert m.status()["ram"]["used"] <= used0 + k + 2 * 4096
+    m.stop()
+    m.start()
+    _check_after(m, "f.bin", expect)
+    m.kill9()
+    m.start()
+    _check_after(m, "f.bin", expect)
+
+
+def test_store_filesystem_full_during_a_rewrite_that_extends_the_file(small_store):
+    """The same with writes past the end (6 MiB appended to a sealed 4 MiB file, 1 MiB
+    left on the store's tmpfs): tmpfs writes what it has pages for and returns short. The
+    version must be as long as its data file, not as the request (else its seal failed
+    for the rest of the mount: the file never sealed again until a restart).
+
+    (The kernel's writeback cache trusts its own i_size for a regular file, so until it
+    forgets the inode it shows the file as long as the writer made it, zeros past what
+    reached the daemon: checked here on the daemon's side, after a remount.)"""
+    root, mounts = small_store
+    m = _mount(root, mounts, "24M")
+    old = os.urandom(4 * MiB)
+    p = m.path("f.bin")
+    p.write_bytes(old)
+    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    new = os.urandom(6 * MiB)
+    filler = root / "filler"
+    with open(p, "rb") as reader:
+        _fill(filler, leave=MiB)
+        err = _rewrite(p, len(old), new)
+        assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
+        assert reader.read(len(old)) == old
+    os.unlink(filler)
+    m.wait_for(lambda: m.state("f.bin") != "writing", 30, "the seal")
+    assert not any("shorter" in e for e in m.status()["errors"]), m.status()["errors"]
+    m.stop()
+    m.start()
+    got = _read(m.path("f.bin"))
+    assert got[:len(old)] == old
+    k = _prefix_then_holes(got[len(old):], new)
+    expect = old + new[:k]
+    assert got == expect
+    _check_after(m, "f.bin", expect)
+    m.kill9()
+    m.start()
+    _check_after(m, "f.bin", expect)
+
+
+def test_size_budget_full_during_a_rewrite_into_holes(small_store):
+    """size= runs out (the tmpfs has room): a rewrite of a sparse file writes 6 MiB into
+    its hole with 4 MiB of budget left. ENOSPC to the writer; the file holds its old
+    data plus at most a prefix of the new, and size= counts exactly the store's bytes."""
+    root, mounts = small_store
+    m = _mount(root, mounts, "8M")
+    head, tail = os.urandom(MiB), os.urandom(MiB)
+    pieces = {0: head, 63 * MiB: tail}
+    old = _sparse(64 * MiB, pieces)
+    p = m.path("s.bin")
+    _write_sparse(p, len(old), pieces)
+    assert _sealed_hash(m, "s.bin") == blake3.blake3(old).hexdigest()
+    new = os.urandom(8 * MiB)
+    with open(p, "rb") as reader:
+        err = _rewrite(p, 16 * MiB, new)
+        assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
+        assert reader.read(MiB) == head
+    got = _read(p)
+    k = _prefix_then_holes(got[16 * MiB:24 * MiB], new)
+    expect = old[:16 * MiB] + new[:k] + old[16 * MiB + k:]
+    assert got == expect
+    _check_after(m, "s.bin", expect)
+    assert m.status()["ram"]["used"] <= 8 * MiB
+    m.stop()
+    m.start()
+    _check_after(m, "s.bin", expect)
+    m.kill9()
+    m.start()
+    _check_after(m, "s.bin", expect)
