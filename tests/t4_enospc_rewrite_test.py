@@ -14,7 +14,10 @@ Before the fixes (branch review-enospc): the daemon died (``sqlite3.OperationalE
 database or disk is full`` from the seal's commit ended its nursery: every process got
 ENOTCONN), or, when the metadata still fitted, a short ``pwrite`` of tmpfs made the
 version longer than its data file and its seal failed for the rest of the mount
-("data file is shorter than ..."), the file left unsealed.
+("data file is shorter than ..."), the file left unsealed; an open whose commit failed
+got EIO, and then left the new version current in memory only: never sealed ("writing"
+for the rest of the mount), and the next writer wrote into the data file that the rows,
+still naming the old version, took for the old bytes.
 """
 
 import errno
@@ -71,8 +74,10 @@ def _fill(path: Path, leave: int) -> None:
 
 
 def _store_bytes(m: Mount) -> int:
+    """What the store's data files hold (du: st_blocks; a file with two names once)."""
     d = m.store / "data"
-    return sum(os.stat(d / n).st_blocks * 512 for n in os.listdir(d))
+    sts = {st.st_ino: st for st in (os.stat(d / n) for n in os.listdir(d))}
+    return sum(st.st_blocks * 512 for st in sts.values())
 
 
 def _read(p: Path) -> bytes:
@@ -246,3 +251,42 @@ def test_size_budget_full_during_a_rewrite_into_holes(small_store):
     m.kill9()
     m.start()
     _check_after(m, "s.bin", expect)
+
+
+def test_store_filesystem_full_at_the_open_of_a_rewrite(small_store):
+    """No room at all on the store's filesystem when a sealed file is opened O_RDWR: the
+    open (its rows: the new version, the inode) gets ENOSPC, or succeeds and its writes
+    get ENOSPC; either way the old content stays, sealed, after a remount and a kill -9,
+    and a rewrite once there is room again works."""
+    root, mounts = small_store
+    m = _mount(root, mounts, "24M")
+    old = os.urandom(3 * MiB)
+    p = m.path("f.bin")
+    p.write_bytes(old)
+    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    filler = root / "filler"
+    _fill(filler, leave=0)
+    err = _rewrite(p, MiB, b"Z" * 8192)
+    assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
+    # Tried again while still full: never a byte changed under rows that name the old
+    # version (a crash now must find it intact).
+    assert _rewrite(p, MiB, b"Y" * 8192) == errno.ENOSPC
+    m.kill9()
+    os.unlink(filler)
+    m.start()
+    _check_after(m, "f.bin", old)
+    _fill(filler, leave=0)
+    assert _rewrite(p, MiB, b"Z" * 8192) == errno.ENOSPC
+    os.unlink(filler)
+    got = _read(p)
+    assert got in (old, old[:MiB] + b"Z" * 8192 + old[MiB + 8192:])
+    _check_after(m, "f.bin", got)
+    m.kill9()
+    m.start()
+    _check_after(m, "f.bin", got)
+    assert _rewrite(p, 0, b"A") is None
+    want = b"A" + got[1:]
+    assert _read(p) == want
+    m.stop()
+    m.start()
+    _check_after(m, "f.bin", want)

@@ -144,6 +144,10 @@ class OpenFiles:
         #: vid -> (gen, size, hash, next delay) of a seal hashed but not recorded (the
         #: store full): tried again later without hashing again if the version is unchanged.
         self._unrecorded: dict[int, tuple[int, int, HashResult, float]] = {}
+        #: vids of open versions made current in memory by an open whose transaction then
+        #: failed (the store full): their rows (and their inode's) are written before any
+        #: writer gets them (writable_version) or by their seal.
+        self._rows_unwritten: set[int] = set()
 
     @property
     def job_scope(self) -> bool:
@@ -223,6 +227,14 @@ class OpenFiles:
                 await self._stop_seal(cur)
                 cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
+                if cur.vid in self._rows_unwritten:
+                    # Its open failed at the commit: the rows still name the version it
+                    # replaced, whose data file this one took over. Not a byte changes
+                    # before they name this one (ENOSPC again if there is still no room).
+                    with self.db.transaction():
+                        self.vstore.write(cur)
+                        self.tree.write(ino)
+                    self._rows_unwritten.discard(cur.vid)
                 if trunc and cur.size:
                     self.vstore.drop_base(cur)  # committed before the bytes go
                     self.vstore.unshare(cur, 0)  # older versions still read its file
@@ -258,11 +270,24 @@ class OpenFiles:
                     cur.pins -= 1
                 waits += 1
                 continue  # the state may have moved during the wait: look again
-            with self.db.transaction():
-                v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
-                                      take_over=cur if take else None)
-                self.vstore.set_current(ino, v)
-                self.tree.write(ino)
+            try:
+                with self.db.transaction():
+                    v = self.vstore.new(ino, copy_from=None if trunc or take else cur,
+                                          take_over=cur if take else None)
+                    self.vstore.set_current(ino, v)
+                    self.tree.write(ino)
+            except (OSError, sqlite3.Error) as exc:
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    self.counters.enospc += 1
+                now = self.versions.get(ino.vid) if ino.vid is not None else None
+                if now is not None and now is not cur and not now.sealed:
+                    # The commit failed after the new version became current here (the
+                    # rows still name the old one): it holds the old bytes; seal it as it
+                    # is (its record writes the rows, tried again until there is room),
+                    # and let no writer change it before they are written.
+                    self._rows_unwritten.add(now.vid)
+                    self.after_write_close(now)
+                raise
             return v
         self.counters.enospc += 1
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
@@ -754,6 +779,7 @@ class OpenFiles:
             v.dirty.update(dirty)
             raise
         self._unrecorded.pop(v.vid, None)
+        self._rows_unwritten.discard(v.vid)
         self.counters.seal_bytes_hashed += res.hashed
         self.chunk_index.add_version(v)
         self.counters.seals += 1

@@ -409,7 +409,15 @@ class VersionStore:
                 v.base_logged = True
         self._host.budget.account(v)
         self.versions[v.vid] = v
-        self.write(v)
+        try:
+            self.write(v)
+        except BaseException:
+            # (the store full: ENOSPC) not registered after all, its name gone
+            del self.versions[v.vid]
+            self._host.budget.remove(v)
+            self.fds.drop(v)
+            store.remove_data(v.vid, 0)
+            raise
         if take_over is not None:
             self._share(take_over, v)
             if take_over.handles and take_over.preserved is None:
