@@ -10,7 +10,7 @@ writes, at most a prefix in order; it is sealed once there is room again, its bl
 those bytes, ``size=`` counts what the store holds, and all of it is the same after a
 clean remount and after a kill -9.
 
-Before the fixes (branch review-enospc): the daemon died (``sqlite3.OperationalError:
+Before the fixes (2026-11-25): the daemon died (``sqlite3.OperationalError:
 database or disk is full`` from the seal's commit ended its nursery: every process got
 ENOTCONN), or, when the metadata still fitted, a short ``pwrite`` of tmpfs made the
 version longer than its data file and its seal failed for the rest of the mount
@@ -126,6 +126,17 @@ def _check_after(m: Mount, rel: str, expect: bytes) -> None:
     assert m.status()["ram"]["used"] == _store_bytes(m)
 
 
+def _check_after_restarts(m: Mount, rel: str, expect: bytes) -> None:
+    """:func:`_check_after` now, after a clean remount, and after a kill -9 and a start."""
+    _check_after(m, rel, expect)
+    m.stop()
+    m.start()
+    _check_after(m, rel, expect)
+    m.kill9()
+    m.start()
+    _check_after(m, rel, expect)
+
+
 def _sparse(size: int, pieces: dict[int, bytes]) -> bytes:
     out = bytearray(size)
     for off, b in pieces.items():
@@ -141,6 +152,18 @@ def _write_sparse(p: Path, size: int, pieces: dict[int, bytes]) -> None:
         f.truncate(size)
 
 
+def _sealed_sparse(m: Mount, rel: str, size: int) -> tuple[Path, bytes, bytes, bytes]:
+    """(path, bytes, head, tail): a sealed file of ``size`` bytes on ``m`` with 1 MiB of
+    random data at each end and a hole between."""
+    head, tail = os.urandom(MiB), os.urandom(MiB)
+    pieces = {0: head, size - MiB: tail}
+    old = _sparse(size, pieces)
+    p = m.path(rel)
+    _write_sparse(p, len(old), pieces)
+    assert _sealed_hash(m, rel) == blake3.blake3(old).hexdigest()
+    return p, old, head, tail
+
+
 def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
     """A sealed sparse file (1 MiB of data at each end of 32 MiB) is rewritten with 6 MiB
     into its hole while another process fills the store's tmpfs (1 MiB left): ENOSPC to
@@ -148,12 +171,7 @@ def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
     its old data plus a prefix of the new."""
     root, mounts = small_store
     m = _mount(root, mounts, "24M")
-    head, tail = os.urandom(MiB), os.urandom(MiB)
-    pieces = {0: head, 31 * MiB: tail}
-    old = _sparse(32 * MiB, pieces)
-    p = m.path("f.bin")
-    _write_sparse(p, len(old), pieces)
-    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    p, old, head, tail = _sealed_sparse(m, "f.bin", 32 * MiB)
     used0 = m.status()["ram"]["used"]
     enospc0 = m.status()["counters"]["enospc"]
     new = os.urandom(6 * MiB)
@@ -176,12 +194,7 @@ def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
     assert got == expect
     _check_after(m, "f.bin", expect)
     assert m.status()["ram"]["used"] <= used0 + k + 2 * 4096
-    m.stop()
-    m.start()
-    _check_after(m, "f.bin", expect)
-    m.kill9()
-    m.start()
-    _check_after(m, "f.bin", expect)
+    _check_after_restarts(m, "f.bin", expect)
 
 
 def test_store_filesystem_full_during_a_rewrite_that_extends_the_file(small_store):
@@ -216,10 +229,7 @@ def test_store_filesystem_full_during_a_rewrite_that_extends_the_file(small_stor
     k = _prefix_then_holes(got[len(old):], new)
     expect = old + new[:k]
     assert got == expect
-    _check_after(m, "f.bin", expect)
-    m.kill9()
-    m.start()
-    _check_after(m, "f.bin", expect)
+    _check_after_restarts(m, "f.bin", expect)
 
 
 def test_size_budget_full_during_a_rewrite_into_holes(small_store):
@@ -228,12 +238,7 @@ def test_size_budget_full_during_a_rewrite_into_holes(small_store):
     data plus at most a prefix of the new, and size= counts exactly the store's bytes."""
     root, mounts = small_store
     m = _mount(root, mounts, "8M")
-    head, tail = os.urandom(MiB), os.urandom(MiB)
-    pieces = {0: head, 63 * MiB: tail}
-    old = _sparse(64 * MiB, pieces)
-    p = m.path("s.bin")
-    _write_sparse(p, len(old), pieces)
-    assert _sealed_hash(m, "s.bin") == blake3.blake3(old).hexdigest()
+    p, old, head, tail = _sealed_sparse(m, "s.bin", 64 * MiB)
     new = os.urandom(8 * MiB)
     with open(p, "rb") as reader:
         err = _rewrite(p, 16 * MiB, new)
@@ -245,12 +250,7 @@ def test_size_budget_full_during_a_rewrite_into_holes(small_store):
     assert got == expect
     _check_after(m, "s.bin", expect)
     assert m.status()["ram"]["used"] <= 8 * MiB
-    m.stop()
-    m.start()
-    _check_after(m, "s.bin", expect)
-    m.kill9()
-    m.start()
-    _check_after(m, "s.bin", expect)
+    _check_after_restarts(m, "s.bin", expect)
 
 
 def test_store_filesystem_full_at_the_open_of_a_rewrite(small_store):

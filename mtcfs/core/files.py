@@ -442,7 +442,10 @@ class OpenFiles:
             while n < len(buf):
                 # tmpfs writes what it has pages for and returns short when it runs out:
                 # go on until the rest fails, so a short count is never taken for the whole
-                n += os.pwrite(fd, memoryview(buf)[n:], off + n)
+                k = os.pwrite(fd, memoryview(buf)[n:], off + n)
+                if not k:  # (never seen; a loop that cannot end otherwise)
+                    raise OSError(errno.ENOSPC, "the store's data file took no bytes")
+                n += k
         except OSError as exc:
             if n:
                 # Part of it was written: the version is as long as the bytes it holds
