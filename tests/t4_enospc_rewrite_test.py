@@ -290,3 +290,54 @@ def test_store_filesystem_full_at_the_open_of_a_rewrite(small_store):
     m.stop()
     m.start()
     _check_after(m, "f.bin", want)
+
+
+def _names(m: Mount) -> list[str]:
+    return sorted(os.listdir(m.mnt))
+
+
+def test_a_full_store_refuses_new_names_before_changing_anything(small_store):
+    """The store's filesystem full, then nearly full (512 KiB left, under the 2 MiB kept
+    for the metadata): mkdir, create, rename, symlink and link get ENOSPC and the mount
+    shows no change, now and after a remount; with 512 KiB left unlink and rmdir still
+    work, so room can be freed. Before, on the full filesystem each of them got ENOSPC
+    from the failed commit with the namespace in memory already changed: the new names
+    showed (a file created there and written once room came back was gone at the next
+    start) and the renamed entry stood under its new name until a remount put it back."""
+    root, mounts = small_store
+    m = _mount(root, mounts, "24M")
+    for d in ("a", "b", "gone"):
+        (m.mnt / d).mkdir()
+    (m.mnt / "f.bin").write_bytes(b"f" * 4096)
+    (m.mnt / "old.bin").write_bytes(b"o" * 4096)
+    m.wait_for(lambda: m.state("f.bin") != "writing", 30, "f.bin sealed")
+    before = _names(m)
+    filler = root / "filler"
+    _fill(filler, leave=0)
+    tries = {
+        "mkdir": lambda: (m.mnt / "new").mkdir(),
+        "create": lambda: open(m.mnt / "new.bin", "wb").close(),
+        "rename": lambda: os.rename(m.mnt / "a", m.mnt / "step_1"),
+        "symlink": lambda: os.symlink("f.bin", m.mnt / "lnk"),
+        "link": lambda: os.link(m.mnt / "f.bin", m.mnt / "f2.bin"),
+    }
+    for left in (0, 512 * 1024):
+        os.truncate(filler, os.path.getsize(filler) - left)
+        for what, fn in tries.items():
+            with pytest.raises(OSError) as ei:
+                fn()
+            assert ei.value.errno == errno.ENOSPC, what
+            assert _names(m) == before, f"{what} changed the namespace and got ENOSPC"
+    os.unlink(m.mnt / "old.bin")
+    os.rmdir(m.mnt / "gone")
+    after = sorted(set(before) - {"old.bin", "gone"})
+    assert _names(m) == after
+    os.unlink(filler)
+    (m.mnt / "new").mkdir()
+    after = sorted(after + ["new"])
+    assert _names(m) == after
+    for restart in (m.stop, m.kill9):
+        restart()
+        m.start()
+        assert _names(m) == after
+        assert (m.mnt / "f.bin").read_bytes() == b"f" * 4096

@@ -290,6 +290,22 @@ class JobNamespace:
             res = self._apply_fns[type(op)](self, op, keep)
         return res or {}, keep
 
+    #: ops that add nothing to the namespace: they may use the metadata's reserve (so that
+    #: room can be freed on a full store), see :meth:`check_room`
+    NO_RESERVE_OPS: ClassVar[tuple[type[NsOp], ...]] = (Unlink, Rmdir, SetAttr, Noop)
+
+    def check_room(self, op: NsOp) -> None:
+        """Refuse ``op`` before it changes anything when the store's filesystem is too full
+        for its rows (:meth:`MetaDB.ensure_room`); a commit that failed part way would
+        leave the namespace in memory changed and its rows not (a file created, then lost
+        at the next start). Ops of :attr:`NO_RESERVE_OPS` are not refused.
+
+        Raises:
+            OSError: ENOSPC.
+        """
+        if not isinstance(op, self.NO_RESERVE_OPS):
+            self.db.ensure_room(type(op).__name__.lower())
+
     def apply_at(self, op: NsOp | dict[str, Any], seq: int, epoch: int
                  ) -> tuple[dict[str, Any], list[Version]]:
         """scope=job: apply the op at position ``(epoch, seq)`` of the job's log and record

@@ -67,6 +67,8 @@ class Applier(Protocol):
 
     def apply_op(self, op: NsOp) -> tuple[dict[str, Any], list[Version]]: ...
 
+    def check_room(self, op: NsOp) -> None: ...
+
 
 class LocalLog:
     """scope=node's log: the op is applied at once (no order to agree on, nothing to wait
@@ -89,7 +91,10 @@ class LocalLog:
 
         Raises:
             FsError: the errno with which applying refused it.
+            OSError: ENOSPC when the store's filesystem has no room for the op's rows
+                (checked before anything changes: ``check_room``).
         """
+        self.fs.check_room(op)
         self.applied += 1
         res, _keep = self.fs.apply_op(op)
         return res

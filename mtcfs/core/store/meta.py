@@ -19,6 +19,7 @@ meaning and sentinel values are commented there.
 from __future__ import annotations
 
 import errno
+import os
 import sqlite3
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,6 +27,13 @@ from typing import Any
 #: 2: inodes.rdev and kind 'special' (FIFOs, sockets, device nodes); a version-1 store
 #: gains the column at open (migrated in place, every existing inode rdev 0).
 SCHEMA_VERSION = 2
+
+#: Bytes of the store's filesystem kept for the metadata (SQLite's WAL frames and the pages
+#: a checkpoint adds): an op that adds to the namespace is refused (ENOSPC, before anything
+#: changes) when less is free, so that its commit does not fail half way (docs/reliability.md,
+#: "The store's filesystem full"); ops that only remove or change (unlink, rmdir, setattr)
+#: may use the reserve, so room can always be freed.
+META_RESERVE_BYTES = 2 << 20
 
 SCHEMA = """
 -- One row per inode. kind: 'file' | 'dir' | 'symlink' | 'special' (a FIFO, socket or
@@ -326,6 +334,25 @@ class MetaDB:
             if full is not None:
                 raise full from exc
             raise
+
+    def ensure_room(self, what: str) -> None:
+        """Raise unless the filesystem of the database has :data:`META_RESERVE_BYTES` free.
+
+        Args:
+            what: the operation, for the message.
+
+        Raises:
+            OSError: ENOSPC, one line naming ``what`` and the bytes free.
+        """
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+        except OSError:
+            return  # (cannot be measured: the commit will say)
+        free = st.f_bavail * st.f_frsize
+        if free < META_RESERVE_BYTES:
+            raise OSError(errno.ENOSPC, f"the store's filesystem has {free} bytes free, "
+                          f"under the {META_RESERVE_BYTES} kept for its metadata: {what} "
+                          "refused, nothing changed")
 
     def get_kv(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
