@@ -152,6 +152,14 @@ def _write_sparse(p: Path, size: int, pieces: dict[int, bytes]) -> None:
         f.truncate(size)
 
 
+def _sealed_file(m: Mount, rel: str, data: bytes) -> Path:
+    """``rel`` on ``m`` written with ``data`` and sealed (its blake3 checked); its path."""
+    p = m.path(rel)
+    p.write_bytes(data)
+    assert _sealed_hash(m, rel) == blake3.blake3(data).hexdigest()
+    return p
+
+
 def _sealed_sparse(m: Mount, rel: str, size: int) -> tuple[Path, bytes, bytes, bytes]:
     """(path, bytes, head, tail): a sealed file of ``size`` bytes on ``m`` with 1 MiB of
     random data at each end and a hole between."""
@@ -209,9 +217,7 @@ def test_store_filesystem_full_during_a_rewrite_that_extends_the_file(small_stor
     root, mounts = small_store
     m = _mount(root, mounts, "24M")
     old = os.urandom(4 * MiB)
-    p = m.path("f.bin")
-    p.write_bytes(old)
-    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    p = _sealed_file(m, "f.bin", old)
     new = os.urandom(6 * MiB)
     filler = root / "filler"
     with open(p, "rb") as reader:
@@ -261,9 +267,7 @@ def test_store_filesystem_full_at_the_open_of_a_rewrite(small_store):
     root, mounts = small_store
     m = _mount(root, mounts, "24M")
     old = os.urandom(3 * MiB)
-    p = m.path("f.bin")
-    p.write_bytes(old)
-    assert _sealed_hash(m, "f.bin") == blake3.blake3(old).hexdigest()
+    p = _sealed_file(m, "f.bin", old)
     filler = root / "filler"
     _fill(filler, leave=0)
     err = _rewrite(p, MiB, b"Z" * 8192)

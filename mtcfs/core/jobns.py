@@ -304,7 +304,7 @@ class JobNamespace:
             OSError: ENOSPC.
         """
         if not isinstance(op, self.NO_RESERVE_OPS):
-            self.db.ensure_room(type(op).__name__.lower())
+            self.db.ensure_room(op.KIND)
 
     def apply_at(self, op: NsOp | dict[str, Any], seq: int, epoch: int
                  ) -> tuple[dict[str, Any], list[Version]]:

@@ -126,13 +126,12 @@ CREATE TABLE IF NOT EXISTS kv (
 """
 
 
-def _no_room(exc: sqlite3.Error) -> OSError | None:
-    """SQLITE_FULL (the store's filesystem has no room for the database or its WAL) as the
-    writer should see it: OSError ENOSPC, which the FUSE adapter passes on; None for any
-    other error."""
+def _raise_if_full(exc: sqlite3.Error) -> None:
+    """Raise SQLITE_FULL (the store's filesystem has no room for the database or its WAL)
+    as the writer should see it: OSError ENOSPC, which the FUSE adapter passes on. Returns
+    for any other error (the caller re-raises it)."""
     if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-        return OSError(errno.ENOSPC, f"store metadata: {exc}")
-    return None
+        raise OSError(errno.ENOSPC, f"store metadata: {exc}") from exc
 
 
 class NewerSchemaError(Exception):
@@ -176,6 +175,8 @@ class MetaDB:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        #: the directory whose filesystem :meth:`ensure_room` measures (once, not per op)
+        self._dir = os.path.dirname(os.path.abspath(path))
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         stored = _stored_schema_version(self.conn)
         if stored is not None and stored > SCHEMA_VERSION:
@@ -249,9 +250,7 @@ class MetaDB:
                     self._after_commit.clear()
                     self._deferred.clear()
                     self._rollback_if_open()
-                    full = _no_room(exc)
-                    if full is not None:
-                        raise full from exc
+                    _raise_if_full(exc)
                     raise
             todo, self._after_commit = self._after_commit, []
             for fn in todo:
@@ -330,9 +329,7 @@ class MetaDB:
         try:
             return self.conn.execute(sql, params)
         except sqlite3.Error as exc:
-            full = _no_room(exc)
-            if full is not None:
-                raise full from exc
+            _raise_if_full(exc)
             raise
 
     def ensure_room(self, what: str) -> None:
@@ -345,7 +342,7 @@ class MetaDB:
             OSError: ENOSPC, one line naming ``what`` and the bytes free.
         """
         try:
-            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+            st = os.statvfs(self._dir)
         except OSError:
             return  # (cannot be measured: the commit will say)
         free = st.f_bavail * st.f_frsize
