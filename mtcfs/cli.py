@@ -424,6 +424,11 @@ def format_namespace_status(ns: dict[str, Any]) -> str:
             else:
                 out += (f"; UNAVAILABLE for {ns['unavailable_s']} s: etcd does not answer "
                         f"({ns.get('last_error') or 'no answer'}), namespace calls here wait")
+        if ns.get("waiting_for_room"):
+            out += (f"; WAITING: the store's filesystem is full, the {ns['waiting_for_room']}"
+                    " (free room there; namespace calls here wait)")
+        if ns.get("diverged"):
+            out += f"; DIVERGED from the job's namespace: {ns['diverged']}"
         return out
     role = "this node leads" if ns.get("leading") else f"leader rank {ns.get('leader')}"
     out = (f"  namespace: scope=job, {role}; {ns.get('seq', 0)} ops applied (epoch "

@@ -318,7 +318,11 @@ def _namespace_metrics(out: _Out, ns: Mapping[str, Any]) -> None:
     out.add("mtcfs_namespace_lease_seconds", "gauge",
             "Seconds left of this node's read lease from the leader.", ns.get("lease_s"))
     out.add("mtcfs_namespace_diverged", "gauge",
-            "1 if an op failed here that succeeded on the leader.", ns.get("diverged"))
+            "1 if an op failed here that succeeded on the leader.",
+            int(bool(ns.get("diverged"))))
+    out.add("mtcfs_namespace_waiting_for_room", "gauge",
+            "1 while this node waits at a namespace op its store has no room for.",
+            int(bool(ns.get("waiting_for_room"))))
     out.add("mtcfs_namespace_ops_submitted_total", "counter",
             "Namespace changes made through this mount.", ns.get("ops_submitted", 0))
     out.add("mtcfs_namespace_takeovers_total", "counter",

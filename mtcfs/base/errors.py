@@ -22,4 +22,13 @@ class FsError(OSError):
         super().__init__(err, msg or os.strerror(err))
 
 
+class StoreFull(OSError):
+    """The store's filesystem has no room for the metadata an op would add (ENOSPC),
+    raised before anything changed: the same op can be applied again once there is room
+    (a scope=job node waits at it rather than skip it: docs/reliability.md)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.ENOSPC, msg)
+
+
 ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)

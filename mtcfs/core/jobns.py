@@ -301,7 +301,7 @@ class JobNamespace:
         at the next start). Ops of :attr:`NO_RESERVE_OPS` are not refused.
 
         Raises:
-            OSError: ENOSPC.
+            StoreFull: (an OSError, ENOSPC).
         """
         if not isinstance(op, self.NO_RESERVE_OPS):
             self.db.ensure_room(op.KIND)
@@ -316,9 +316,13 @@ class JobNamespace:
 
         Raises:
             FsError: the op is refused (MalformedOp, EINVAL, for a wire dict that is no op).
+            StoreFull: the store's filesystem has no room for the op's rows
+                (:meth:`check_room`); nothing changed, not even the position: apply it
+                again once there is room.
         """
         if not isinstance(op, NsOp):
             op = from_wire(op)
+        self.check_room(op)
         with self.db.transaction():
             res, keep = self.apply_op(op)
             self.db.set_kv("ns_seq", str(seq))
@@ -617,7 +621,13 @@ class JobNamespace:
         current version when the snapshot still has the file under the same name: its
         writer's close publishes it as if nothing happened. A symlink whose target is
         absolute or leaves the mount is not created (logged; docs/security-local.md).
+
+        Raises:
+            StoreFull: less than the metadata's reserve is free on the store's filesystem
+                (:meth:`MetaDB.ensure_room`); nothing changed. (A snapshot whose rows need
+                more than the reserve can still fail at its commit.)
         """
+        self.db.ensure_room("installing the job's namespace")
         writing: dict[int, tuple[Version, int, bytes, dict[str, Any] | None]] = {}
         for v in self.vstore.versions.values():
             ino = self.tree.inodes.get(v.ino)

@@ -262,7 +262,12 @@ class NamespacePort(FaultInPort, Protocol):
                  epoch: int) -> tuple[dict[str, Any], list[Version]]:
         """Apply op ``seq`` of the log (deterministic): (result for the submitter, versions
         open here whose data to fetch before acknowledging). Raises FsError: the op is
-        refused (the submitter's system call gets that errno)."""
+        refused (the submitter's system call gets that errno); StoreFull: no room for its
+        rows, nothing changed (apply it again later)."""
+        ...
+
+    def ns_check_room(self, op: NsOp) -> None:
+        """Raise StoreFull (ENOSPC) when the store has no room for ``op``'s rows here."""
         ...
 
     def ns_snapshot(self) -> dict[str, Any]:

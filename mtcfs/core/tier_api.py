@@ -248,8 +248,14 @@ class TierApi:
     def ns_apply(self, op: NsOp | dict[str, Any], seq: int, epoch: int
                  ) -> tuple[dict[str, Any], list[Version]]:
         """Apply the op at ``(epoch, seq)`` of the job's log and record that position
-        (:meth:`JobNamespace.apply_at`). Raises FsError: the op is refused."""
+        (:meth:`JobNamespace.apply_at`). Raises FsError: the op is refused; StoreFull:
+        no room for its rows, nothing changed."""
         return self._jobns.apply_at(op, seq, epoch)
+
+    def ns_check_room(self, op: NsOp) -> None:
+        """Raise StoreFull when the store has no room for ``op``'s rows
+        (:meth:`JobNamespace.check_room`)."""
+        self._jobns.check_room(op)
 
     def ns_position(self) -> tuple[int, int]:
         """(epoch, seq) of the last op applied here ((0, 0) when none)."""

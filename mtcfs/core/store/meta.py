@@ -24,6 +24,8 @@ import sqlite3
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from mtcfs.base.errors import StoreFull
+
 #: 2: inodes.rdev and kind 'special' (FIFOs, sockets, device nodes); a version-1 store
 #: gains the column at open (migrated in place, every existing inode rdev 0).
 SCHEMA_VERSION = 2
@@ -339,7 +341,7 @@ class MetaDB:
             what: the operation, for the message.
 
         Raises:
-            OSError: ENOSPC, one line naming ``what`` and the bytes free.
+            StoreFull: (an OSError, ENOSPC) one line naming ``what`` and the bytes free.
         """
         try:
             st = os.statvfs(self._dir)
@@ -347,9 +349,9 @@ class MetaDB:
             return  # (cannot be measured: the commit will say)
         free = st.f_bavail * st.f_frsize
         if free < META_RESERVE_BYTES:
-            raise OSError(errno.ENOSPC, f"the store's filesystem has {free} bytes free, "
-                          f"under the {META_RESERVE_BYTES} kept for its metadata: {what} "
-                          "refused, nothing changed")
+            raise StoreFull(f"the store's filesystem has {free} bytes free, under the "
+                            f"{META_RESERVE_BYTES} kept for its metadata: {what} refused, "
+                            "nothing changed")
 
     def get_kv(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()

@@ -54,7 +54,7 @@ from typing import Any
 import trio
 
 from mtcfs.base import pools
-from mtcfs.base.errors import FsError
+from mtcfs.base.errors import FsError, StoreFull
 from mtcfs.base.ns_ops import NsOp, from_wire
 from mtcfs.core.ports import NamespacePort
 from mtcfs.tiers.coord.messages import pb
@@ -85,6 +85,8 @@ PAGE_OPS = 500
 SEED_WAIT_S = 10.0
 #: Seconds between an idle node's checks that etcd did not lose data.
 CHECK_S = 2.0
+#: Seconds between tries of an op this node has no room for (its store's filesystem full)
+ROOM_RETRY_S = 1.0
 #: Seconds the best candidate to seed may take (its restore from the backup tier included)
 #: before another node seeds instead, and the lease of a candidate record.
 SEED_TAKEOVER_S = 150.0
@@ -149,6 +151,7 @@ class EtcdNamespace:
         self._denied = False          # the last failure: etcd's auth refused a request
         self._lost = False            # etcd lost history: serve nothing until rejoined
         self.diverged = ""            # an op failed here for a local reason
+        self.waiting_for_room = ""    # the op this node waits at: its store has no room
         self._nursery: Any = None
         self.counters = collections.Counter[str]()
 
@@ -169,8 +172,15 @@ class EtcdNamespace:
         Raises:
             FsError: the errno that refused it (decided by its place in etcd's order); EIO
                 when etcd did not take it within ``timeout_s``, refused it (too large), or
-                this node did not apply it within ``timeout_s`` after etcd took it.
+                this node did not apply it within ``timeout_s`` after etcd took it; ENOSPC,
+                before etcd has it, when this node's store has no room for its rows.
         """
+        try:
+            # refused here before etcd has it: committed job-wide, this node could not
+            # apply it (nor anything after it) until there is room
+            self.fs.ns_check_room(op)
+        except StoreFull as exc:
+            raise FsError(errno.ENOSPC, str(exc)) from None
         op = dataclasses.replace(op, rank=self.rank, id=f"{self._boot}.{next(self._ids)}")
         body = json.dumps(op.to_wire(), separators=(",", ":")).encode()
         key = self.op_prefix + f"{self.rank:06d}/{op.id}".encode()
@@ -326,8 +336,9 @@ class EtcdNamespace:
             await self._check_serving(deadline)
             left = deadline - time.monotonic()
             if left <= 0:
+                why = self.waiting_for_room or self._last_error or "no watch event"
                 raise FsError(errno.EIO, f"namespace op at etcd revision {rev} never reached "
-                              f"this node ({self._last_error or 'no watch event'})")
+                              f"this node ({why})")
             with trio.move_on_after(min(left, 0.5)):
                 await self.applied.wait()
 
@@ -362,6 +373,13 @@ class EtcdNamespace:
             # a malformed op is refused (MalformedOp: EINVAL) the same on every node
             res, keep = self.fs.ns_apply(from_wire(wire), rev, self.epoch)
             err, message = 0, ""
+        except StoreFull as exc:  # nothing changed: this node waits here, skips nothing
+            if not self.waiting_for_room:
+                log.warning("the job's namespace op at revision %d waits for room in the "
+                            "store: %s", rev, exc)
+            self.waiting_for_room = f"op at revision {rev} waits for room: {exc}"
+            self.counters["room_waits"] += 1
+            raise
         except FsError as exc:  # refused by the namespace's rules: the same on every node
             res, keep, err, message = {}, [], exc.errno, exc.strerror or ""
             self._moved_past(rev)
@@ -372,6 +390,10 @@ class EtcdNamespace:
             self.counters["ops_failed_locally"] += 1
             self._moved_past(rev)
         self.seq = rev
+        if self.waiting_for_room:
+            log.info("the job's namespace goes on at revision %d: the store has room again",
+                     rev)
+            self.waiting_for_room = ""
         self._since_base += 1
         if rank == self.rank and isinstance(op_id, str) and op_id.startswith(self._boot + "."):
             self.results[op_id] = (err, message, res)
@@ -385,16 +407,27 @@ class EtcdNamespace:
         self.fs.ns_set_position(self.epoch, rev)
 
     def _apply_batch(self, batch: WatchBatch) -> list[Any]:
+        """Apply the batch's new ops in order; the versions to keep. Raises StoreFull at
+        the first op this node has no room for (those before it are applied)."""
         keep: list[Any] = []
-        for ev in batch.events:
-            kv = ev.kv
-            # a new op is a put that created its key; deletes are the trimming of old ops
-            if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
-                    and kv.key.startswith(self.op_prefix):
-                keep += self._apply(kv.create_revision, kv.value)
-        self.applied.set()
-        self.applied = trio.Event()
+        try:
+            for ev in batch.events:
+                kv = ev.kv
+                # a new op is a put that created its key; deletes are the trimming of old ops
+                if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
+                        and kv.key.startswith(self.op_prefix):
+                    keep += self._apply(kv.create_revision, kv.value)
+        except StoreFull:
+            self._keep_soon(keep)
+            raise
+        finally:
+            self.applied.set()
+            self.applied = trio.Event()
         return keep
+
+    def _keep_soon(self, keep: list[Any]) -> None:
+        if keep and self._nursery is not None:
+            self._nursery.start_soon(self._keep, keep)
 
     async def _keep(self, versions: list[Any]) -> None:
         """Copy what this node lacks of files it has open that another node removed or
@@ -414,7 +447,8 @@ class EtcdNamespace:
 
         Raises:
             FsError: EIO when etcd did not answer within ``timeout``, or its keyspace is
-                damaged (ops without a base).
+                damaged (ops without a base); ENOSPC when this node's store had no room
+                for the namespace's rows all that time.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -422,6 +456,11 @@ class EtcdNamespace:
                 await self._catch_up(initial=True)
                 self._ok()
                 return
+            except StoreFull as exc:
+                if time.monotonic() > deadline:
+                    raise FsError(errno.ENOSPC, f"cannot join the job's namespace: {exc}") \
+                        from None
+                await trio.sleep(ROOM_RETRY_S)
             except EtcdError as exc:
                 self._failed(exc)
                 if time.monotonic() > deadline or isinstance(exc, EtcdPermissionDenied):
@@ -457,20 +496,21 @@ class EtcdNamespace:
             self._lost = False
             self._since_base = 0
         keep: list[Any] = []
-        while True:  # the ops after this node's position, a page at a time, all at ``pin``
-            kvs, _at, more, _n = await self._etcd(lambda: self.etcd.range(
-                self.op_prefix, prefix_end(self.op_prefix), sort_create=True,
-                limit=PAGE_OPS, min_create_revision=self.seq + 1, revision=pin))
-            for op_kv in kvs:
-                if op_kv.create_revision > self.seq:
-                    keep += self._apply(op_kv.create_revision, op_kv.value)
-            if not more:
-                break
-        self.applied.set()
-        self.applied = trio.Event()
+        try:
+            while True:  # the ops after this node's position, a page at a time, at ``pin``
+                kvs, _at, more, _n = await self._etcd(lambda: self.etcd.range(
+                    self.op_prefix, prefix_end(self.op_prefix), sort_create=True,
+                    limit=PAGE_OPS, min_create_revision=self.seq + 1, revision=pin))
+                for op_kv in kvs:
+                    if op_kv.create_revision > self.seq:
+                        keep += self._apply(op_kv.create_revision, op_kv.value)
+                if not more:
+                    break
+        finally:  # (StoreFull: what came before that op is applied)
+            self.applied.set()
+            self.applied = trio.Event()
+            self._keep_soon(keep)
         self._watch_from = pin + 1
-        if keep and self._nursery is not None:
-            self._nursery.start_soon(self._keep, keep)
 
     async def _seed(self) -> dict[str, Any]:
         """Create the keyspace's base from this node's namespace (first node to join);
@@ -595,9 +635,18 @@ class EtcdNamespace:
             raise EtcdError(f"the namespace base has {len(parts)} of {base['parts']} parts")
         snap = json.loads(b"".join(kv.value for kv in parts))
         snap["epoch"], snap["seq"] = int(base["incarnation"]), int(base["rev"])
-        self.fs.ns_install(snap)
+        try:
+            self.fs.ns_install(snap)
+        except StoreFull as exc:  # nothing changed: tried again after a pause
+            if not self.waiting_for_room:
+                log.warning("installing the job's namespace base (revision %s) waits for "
+                            "room in the store: %s", base["rev"], exc)
+            self.waiting_for_room = f"the namespace base at revision {base['rev']} waits " \
+                                    f"for room: {exc}"
+            raise
         self.epoch, self.seq = self.fs.ns_position()
         self.diverged = ""
+        self.waiting_for_room = ""
         self.counters["snapshots_installed"] += 1
 
     def reset_position(self) -> None:
@@ -673,14 +722,18 @@ class EtcdNamespace:
                     await self._follow()
                 except EtcdCompacted as exc:
                     log.warning("namespace watch: %s; catching up from etcd's keys", exc)
+                except StoreFull:
+                    pass  # (said by _apply) tried again below, after a pause
                 except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
                     if not isinstance(exc, EtcdError):
                         log.exception("namespace watch failed")
                     self._failed(exc)
-                await trio.sleep(0.5)
+                await trio.sleep(ROOM_RETRY_S if self.waiting_for_room else 0.5)
                 try:
                     await self._catch_up()
                     self._ok()
+                except StoreFull:
+                    self._ok()  # etcd answered: the wait is this node's (status says)
                 except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
                     if not isinstance(exc, EtcdError):
                         log.exception("catching up with the job's namespace failed")
@@ -735,8 +788,7 @@ class EtcdNamespace:
                 keep = self._apply_batch(item)
                 if item.events:
                     self._watch_from = item.events[-1].kv.mod_revision + 1
-                if keep and self._nursery is not None:
-                    self._nursery.start_soon(self._keep, keep)
+                self._keep_soon(keep)
         finally:
             stop.set()
             recv.close()
@@ -761,4 +813,5 @@ class EtcdNamespace:
                 "denied": bool(self._unavailable_since and self._denied),
                 "base_rev": int(self._base.get("rev", 0)) if self._base else None,
                 "ops_since_base": self._since_base, "diverged": self.diverged,
+                "waiting_for_room": self.waiting_for_room,
                 **dict(self.counters)}

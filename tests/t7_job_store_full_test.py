@@ -1,0 +1,102 @@
+"""scope=job: one node's store filesystem fills up while the job goes on changing the
+namespace (another process filled the tmpfs under the store: on a training host /dev/shm is
+shared with data loaders and NCCL).
+
+The promise (README): nothing is lost, a fault is a clear error. The full node cannot write
+the rows of the ops other nodes commit, so it must not skip them: it waits at the first one,
+says so (``mtcfs status``), gives its writers ENOSPC before their op is committed job-wide,
+and once there is room again it applies the ops it waited for and is the same namespace as
+every other node, also after a restart.
+
+Before the fix (2026-11-25): the full node's apply of another node's mkdir failed at its
+SQLite commit (SQLITE_FULL), the node marked itself "diverged" and moved past the op for
+good: the directory never appeared there, not even after room came back or a restart; a
+writer on the full node had its op committed job-wide and got EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+
+JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M"}
+MiB = 1 << 20
+
+
+def _fill(path, leave: int = 0) -> None:
+    """Fill the filesystem of ``path`` with that file, leaving about ``leave`` bytes."""
+    st = os.statvfs(path.parent)
+    room = st.f_bavail * st.f_frsize - leave
+    blk = b"\xee" * MiB
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while room > 0:
+                room -= f.write(blk[:min(room, MiB)])
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def test_a_full_node_waits_for_room_and_then_has_every_op(make_cluster):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    c = make_cluster(2, options=JOB, start=False,
+                     per_rank_options={1: {"coord_timeout": "4s", "size": "20M"}})
+    store1 = c.node(1).store
+    store1.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store1)],
+                   check=True)
+    try:
+        c.start()
+        n0, n1 = c.node(0), c.node(1)
+        n0.path("step_1").mkdir()
+        n0.path("step_1", "a").write_bytes(b"first")
+        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "a")), 30, "step_1 on rank 1")
+
+        filler = store1 / "filler.bin"
+        _fill(filler)
+        # A change made on the full node is refused before etcd has it: nothing committed
+        # job-wide that this node could not apply.
+        with pytest.raises(OSError) as e:
+            n1.path("step_from_1").mkdir()
+        assert e.value.errno == errno.ENOSPC, e.value
+        # The job goes on: rank 0's changes do not wait for rank 1.
+        n0.path("step_2").mkdir()
+        n0.path("step_2", "b").write_bytes(b"small")
+        big = os.urandom(3 * MiB + 5)
+        n0.path("step_2", "c").write_bytes(big)
+        assert "step_from_1" not in os.listdir(n0.mnt)
+
+        ns = n1.wait_for(lambda: (c.status(1)["namespace"].get("waiting_for_room")
+                                  and c.status(1)["namespace"]), 30,
+                         "rank 1 to report that it waits for room")
+        assert "room" in ns["waiting_for_room"], ns
+        assert not ns["diverged"], ns
+        # A read that needs the ops it waits for is a clear error at the deadline, not a
+        # hang and not a stale answer.
+        with pytest.raises(OSError) as e:
+            os.listdir(n1.mnt)
+        assert e.value.errno == errno.EIO, e.value
+
+        filler.unlink()  # room again: rank 1 applies what it waited for
+        n1.wait_for(lambda: not c.status(1)["namespace"].get("waiting_for_room"), 30,
+                    "rank 1 to apply the ops it waited for")
+        for r in (1, 0):
+            n = c.node(r)
+            assert sorted(os.listdir(n.path("step_2"))) == ["b", "c"]
+            assert n.path("step_2", "b").read_bytes() == b"small"
+            assert n.path("step_2", "c").read_bytes() == big
+            assert n.path("step_1", "a").read_bytes() == b"first"
+        assert not c.status(1)["namespace"]["diverged"]
+        n1.path("step_from_1").mkdir()  # room again: a change made there goes through
+        n0.wait_for(lambda: os.path.isdir(n0.path("step_from_1")), 30, "rank 1's mkdir")
+
+        c.restart(1)  # what it applied is in its rows
+        n1 = c.node(1)
+        assert sorted(os.listdir(n1.path("step_2"))) == ["b", "c"]
+        assert n1.path("step_2", "c").read_bytes() == big
+    finally:
+        c.cleanup()
+        subprocess.run(["umount", "-l", str(store1)], check=False)
