@@ -476,7 +476,8 @@ class OpenFiles:
 
         Raises:
             FsError: EIO when the version could not be published (the namespace service is
-                unreachable past its deadline).
+                unreachable past its deadline); ENOSPC when this node's store had no room
+                for the seal's rows or its publish. Either way it is tried again later.
         """
         h = self._handle(fh)
         if final:
@@ -490,7 +491,7 @@ class OpenFiles:
             if not v.sealed and v.writers == 1:
                 await self._seal(v, allow_writers=1)
             if v.seal_error:
-                raise FsError(errno.EIO, v.seal_error)
+                raise FsError(v.seal_errno or errno.EIO, v.seal_error)
 
     def handle_ino(self, fh: int) -> int:
         """The inode number of handle ``fh``'s file. Raises: FsError: EBADF."""
@@ -630,6 +631,7 @@ class OpenFiles:
         delay = self._unrecorded.get(v.vid, (0, 0, res, SEAL_RETRY_S))[3]
         self._unrecorded[v.vid] = (gen, size, res, min(delay * 2, SEAL_RETRY_MAX_S))
         v.seal_error = str(exc)
+        v.seal_errno = getattr(exc, "errno", None) or 0  # (ENOSPC: SQLITE_FULL)
         self._host.report_error(f"seal of version {v.vid} could not be recorded ({exc}); "
                                 f"tried again in {delay:g} s")
         if self._nursery is not None:

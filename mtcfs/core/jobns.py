@@ -76,6 +76,11 @@ EMPTY_BLAKE3 = blake3.blake3(b"").hexdigest()
 #: small file (DCP's ``.metadata``, Orbax's JSON metadata) cause no fetch from its writer.
 INLINE_BYTES = 256 * 1024
 
+#: A publish refused with one of these is tried again (:meth:`JobNamespace._republish`):
+#: EIO, etcd did not answer (the outcome unknown); ENOSPC, this node's store had no room
+#: for the op's rows (refused before etcd had it).
+REPUBLISH_ERRNOS = (errno.EIO, errno.ENOSPC)
+
 
 #: What starts every :func:`publication_id`: no whole-file hash (64 hex characters) does,
 #: so the two kinds of ``Publish.expect`` are never taken for each other.
@@ -200,7 +205,9 @@ class JobNamespace:
         """Publish sealed version ``v`` of ``ino`` job-wide (called by the seal).
 
         Records the failure as ``v.seal_error`` (close(2) then returns EIO) when the
-        namespace service cannot be reached before its deadline.
+        namespace service cannot be reached before its deadline, or ``v.seal_errno``
+        ENOSPC when this node's store has no room for the op's rows; both are published
+        again later (:meth:`_republish`).
         """
         op = Publish(ino=ino.ino, vid=v.vid, size=v.size, chunk_size=v.chunk_size,
                      chunks=tuple(v.chunks), blake3=v.blake3, mtime_ns=ino.mtime_ns,
@@ -214,8 +221,9 @@ class JobNamespace:
             await self._host.ns_log.submit(op)
         except FsError as exc:
             v.seal_error = f"cannot publish {self.tree.path_of(ino)} job-wide: {exc.strerror}"
+            v.seal_errno = exc.errno
             self._host.report_error(v.seal_error)
-            if exc.errno == errno.EIO and self._nursery is not None:
+            if exc.errno in REPUBLISH_ERRNOS and self._nursery is not None:
                 self._nursery.start_soon(self._republish, ino, v,
                                         dataclasses.replace(op, expect=expect))
         finally:
@@ -226,7 +234,8 @@ class JobNamespace:
     async def _republish(self, ino: Inode, v: Version, op: Publish) -> None:
         """Publish again a version whose publication failed because etcd did not answer
         (its close(2) got EIO: the outcome unknown, as for any network filesystem's
-        timeout), until etcd takes or refuses it. The op carries ``expect``, the job's
+        timeout) or this node's store had no room for it (ENOSPC, refused before etcd had
+        it), until etcd takes or refuses it. The op carries ``expect``, the job's
         version it replaces: applied only if the job still has that one, so a newer
         publication by any node wins; taken, every node serves what this node's writer
         closed, as if the first try had taken effect late. Never does this node keep
@@ -249,8 +258,8 @@ class JobNamespace:
                 try:
                     await self._host.ns_log.submit(op)
                 except FsError as exc:
-                    if exc.errno == errno.EIO:
-                        continue  # etcd still away
+                    if exc.errno in REPUBLISH_ERRNOS:
+                        continue  # etcd still away, or still no room here
                     log.info("%s: not published again (%s): the job's newer version stays",
                              self.tree.path_of(ino), exc.strerror)
                     return

@@ -53,6 +53,9 @@ class Version:
     current: bool = True
     sealing: trio.Event | None = None
     seal_error: str = ""
+    #: the errno a close(2) reports for ``seal_error`` (0: EIO): ENOSPC when the store's
+    #: filesystem had no room for the seal's rows or its publish
+    seal_errno: int = 0
     #: scope=job: the rank that wrote this version (-1: this node); its data is faulted in
     #: from that rank and its replicas.
     origin: int = -1

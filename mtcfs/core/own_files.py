@@ -65,7 +65,7 @@ class OwnFiles:
             await self.fs.release(fh)
         v = await self.fs.open_files.wait_sealed(ino)
         if v is not None and v.seal_error:
-            raise FsError(errno.EIO, v.seal_error)
+            raise FsError(v.seal_errno or errno.EIO, v.seal_error)
         old = self.fs.tree.dir(parent).children.get(name)
         await self.fs.rename(parent, tmp, parent, name)
         self.invalidate_name(parent, name, old or 0)
