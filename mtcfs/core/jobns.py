@@ -55,7 +55,7 @@ from mtcfs.core.ns_log import NamespaceLog
 from mtcfs.core.records import StepRecord
 from mtcfs.core.step_registry import StepRegistry
 from mtcfs.core.store import Store
-from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.store.meta import META_FLOOR_BYTES, MetaDB
 from mtcfs.core.symlinks import escapes
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore, copy_extents
@@ -300,19 +300,22 @@ class JobNamespace:
         return res or {}, keep
 
     #: ops that add nothing to the namespace: they may use the metadata's reserve (so that
-    #: room can be freed on a full store), see :meth:`check_room`
+    #: room can be freed on a full store) down to its floor, see :meth:`check_room`
     NO_RESERVE_OPS: ClassVar[tuple[type[NsOp], ...]] = (Unlink, Rmdir, SetAttr, Noop)
 
     def check_room(self, op: NsOp) -> None:
         """Refuse ``op`` before it changes anything when the store's filesystem is too full
         for its rows (:meth:`MetaDB.ensure_room`); a commit that failed part way would
         leave the namespace in memory changed and its rows not (a file created, then lost
-        at the next start). Ops of :attr:`NO_RESERVE_OPS` are not refused.
+        at the next start). Ops of :attr:`NO_RESERVE_OPS` are refused only under
+        :data:`META_FLOOR_BYTES` (their commit would fail the same way).
 
         Raises:
             StoreFull: (an OSError, ENOSPC).
         """
-        if not isinstance(op, self.NO_RESERVE_OPS):
+        if isinstance(op, self.NO_RESERVE_OPS):
+            self.db.ensure_room(op.KIND, META_FLOOR_BYTES)
+        else:
             self.db.ensure_room(op.KIND)
 
     def apply_at(self, op: NsOp | dict[str, Any], seq: int, epoch: int

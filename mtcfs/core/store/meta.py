@@ -36,6 +36,10 @@ SCHEMA_VERSION = 2
 #: "The store's filesystem full"); ops that only remove or change (unlink, rmdir, setattr)
 #: may use the reserve, so room can always be freed.
 META_RESERVE_BYTES = 2 << 20
+#: Bytes an op that may use the reserve still needs free to be tried: below it (a
+#: filesystem another process filled to its last byte) its commit can fail with SQLITE_FULL
+#: after the namespace in memory changed, so it is refused (ENOSPC) like the others.
+META_FLOOR_BYTES = 256 << 10
 
 SCHEMA = """
 -- One row per inode. kind: 'file' | 'dir' | 'symlink' | 'special' (a FIFO, socket or
@@ -334,11 +338,13 @@ class MetaDB:
             _raise_if_full(exc)
             raise
 
-    def ensure_room(self, what: str) -> None:
-        """Raise unless the filesystem of the database has :data:`META_RESERVE_BYTES` free.
+    def ensure_room(self, what: str, need: int = META_RESERVE_BYTES) -> None:
+        """Raise unless the filesystem of the database has ``need`` bytes free.
 
         Args:
             what: the operation, for the message.
+            need: bytes: :data:`META_RESERVE_BYTES`, or :data:`META_FLOOR_BYTES` for an op
+                that may use the reserve.
 
         Raises:
             StoreFull: (an OSError, ENOSPC) one line naming ``what`` and the bytes free.
@@ -348,9 +354,9 @@ class MetaDB:
         except OSError:
             return  # (cannot be measured: the commit will say)
         free = st.f_bavail * st.f_frsize
-        if free < META_RESERVE_BYTES:
+        if free < need:
             raise StoreFull(f"the store's filesystem has {free} bytes free, under the "
-                            f"{META_RESERVE_BYTES} kept for its metadata: {what} refused, "
+                            f"{need} kept for its metadata: {what} refused, "
                             "nothing changed")
 
     def get_kv(self, key: str) -> str | None:
