@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -31,15 +32,14 @@ def _fill(path, leave: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def _job_with_small_store(make_cluster, rank1: dict | None = None):
-    """A started two-node scope=job cluster whose rank 1 has its store on a 24 MiB tmpfs;
-    yields (cluster, store of rank 1). Unmounts everything at the end."""
+def _job_with_small_store(make_cluster, full: int = 1):
+    """A started two-node scope=job cluster whose rank ``full`` has its store on a 24 MiB
+    tmpfs; yields (cluster, that store). Unmounts everything at the end."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     c = make_cluster(2, options=JOB, start=False,
-                     per_rank_options={1: {"coord_timeout": "4s", "size": "20M",
-                                           **(rank1 or {})}})
-    store1 = c.node(1).store
+                     per_rank_options={full: {"coord_timeout": "4s", "size": "20M"}})
+    store1 = c.node(full).store
     store1.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store1)],
                    check=True)
@@ -108,3 +108,66 @@ def test_removing_the_full_nodes_own_files_gives_it_room(make_cluster):
         n1.wait_for(lambda: not _ns(c, 1).get("waiting_for_room"), 30,
                     "rank 1 to free its removed file's room and go on")
         assert os.listdir(n1.mnt) == os.listdir(n0.mnt)
+
+
+def test_a_waiting_node_serves_its_open_files_without_a_second_per_call(make_cluster):
+    """While rank 1 waits for room, the kernel's getattr before each read(2) of a file open
+    there (attributes are never cached in scope=job), and of the root before `mtcfs
+    status`, waited ROOT_FRESH_S (1 s) for a fresh namespace that cannot come before
+    answering from this node's copy: a reader of an open checkpoint shard got one read(2)
+    a second. As with etcd unreachable, those answer at once while the node waits."""
+    with _job_with_small_store(make_cluster) as (c, store1):
+        n0, n1 = c.node(0), c.node(1)
+        n1.path("step_1").mkdir()
+        data = os.urandom(MiB)
+        n1.path("step_1", "shard").write_bytes(data)
+        fd = os.open(n1.path("step_1", "shard"), os.O_RDONLY)
+        try:
+            _fill(store1 / "filler.bin")
+            n0.path("step_2").mkdir()
+            n1.wait_for(lambda: _ns(c, 1).get("waiting_for_room"), 30, "rank 1 to wait")
+            t = time.monotonic()
+            got = b"".join(os.pread(fd, 64 << 10, off) for off in range(0, MiB, 64 << 10))
+            took = time.monotonic() - t
+            assert got == data
+            assert took < 2.0, f"16 reads of an open file took {took:.1f} s"
+            t = time.monotonic()
+            n1.cli("status", str(n1.mnt))
+            assert time.monotonic() - t < 1.0
+        finally:
+            os.close(fd)
+
+
+def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, monkeypatch):
+    """While rank 1 waits for room, rank 0 folds the log three times and deletes the ops
+    rank 1 waits at. Once there is room rank 1 installs the base (it checks room too)
+    and applies what came after it: the same namespace as rank 0, also after a restart.
+    (Passes on bc35589: a check of docs/reliability.md's claim.)"""
+    monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")
+    with _job_with_small_store(make_cluster) as (c, store1):
+        n0, n1 = c.node(0), c.node(1)
+        n0.path("step_1").mkdir()
+        n0.path("step_1", "a").write_bytes(b"first")
+        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "a")), 30, "step_1 on rank 1")
+        filler = store1 / "filler.bin"
+        _fill(filler)
+        for r in range(3):
+            trims = _ns(c, 0).get("log_trims", 0)
+            for i in range(2 + 4 * r, 6 + 4 * r):
+                n0.path(f"step_{i}").mkdir()
+                n0.path(f"step_{i}", "x").write_bytes(b"x%d" % i)
+            n0.wait_for(lambda t=trims: _ns(c, 0).get("log_trims", 0) > t, 30, "a fold")
+        n0.path("step_1", "a").write_bytes(b"second")
+        assert _ns(c, 1)["waiting_for_room"]
+        installed = _ns(c, 1).get("snapshots_installed", 0)
+        filler.unlink()
+        n1.wait_for(lambda: not _ns(c, 1).get("waiting_for_room"), 30, "rank 1 to go on")
+        assert _ns(c, 1)["snapshots_installed"] > installed
+        assert sorted(os.listdir(n1.mnt)) == sorted(os.listdir(n0.mnt))
+        for i in range(2, 14):
+            assert n1.path(f"step_{i}", "x").read_bytes() == b"x%d" % i
+        assert n1.path("step_1", "a").read_bytes() == b"second"
+        c.restart(1)
+        n1 = c.node(1)
+        assert sorted(os.listdir(n1.mnt)) == sorted(os.listdir(n0.mnt))
+        assert n1.path("step_1", "a").read_bytes() == b"second"

@@ -105,11 +105,12 @@ class NamespaceOps:
         elif not self.ns_log.unavailable:
             # The root's attributes, and those of a file open on this node, come from
             # this node's copy when the namespace cannot answer within a second (at
-            # once while it is known to be unavailable): the kernel asks for the root's
-            # before it reads user.mtcfs.control (`mtcfs status` must work on a node cut
-            # off from the job's namespace, to say so), and for an open file's before
-            # every read(2) and write(2) (attributes are never cached in scope=job),
-            # and the data path must go on there. Close-to-open needs an open file's
+            # once while it is known to be unavailable, or this node waits for room in
+            # its store): the kernel asks for the root's before it reads
+            # user.mtcfs.control (`mtcfs status` must work on a node cut off from the
+            # job's namespace, to say so), and for an open file's before every read(2)
+            # and write(2) (attributes are never cached in scope=job), and the data path
+            # must go on there. Close-to-open needs an open file's
             # attributes to be current only at its open. (scope=node: always current.)
             with trio.move_on_after(ROOT_FRESH_S):
                 await self.ns_log.fresh()

@@ -32,8 +32,9 @@ class NamespaceLog(Protocol):
         replicated: True when other nodes change the same namespace (scope=job): the core
             then publishes sealed versions, renumbers files for the kernel, never caches
             attributes.
-        unavailable: True while the log cannot be reached (its last call failed); the core
-            then answers the root's and open files' attributes from its own copy.
+        unavailable: True while this node's copy cannot be made current (the log's last
+            call failed, or the node waits for room in its store for the next op); the
+            core then answers the root's and open files' attributes from its own copy.
     """
 
     replicated: bool

@@ -797,8 +797,9 @@ class EtcdNamespace:
 
     @property
     def unavailable(self) -> bool:
-        """Whether the last call to etcd failed (and none succeeded since)."""
-        return self._unavailable_since is not None
+        """Whether this node's copy cannot be made current now: the last call to etcd
+        failed (and none succeeded since), or the node waits for room for an op."""
+        return self._unavailable_since is not None or bool(self.waiting_for_room)
 
     def _unavailable_s(self) -> float | None:
         if self._unavailable_since is None:
