@@ -138,6 +138,38 @@ def test_a_waiting_node_serves_its_open_files_without_a_second_per_call(make_clu
             os.close(fd)
 
 
+def test_a_change_on_a_waiting_node_is_refused_before_etcd_has_it(make_cluster):
+    """Rank 1 waits at rank 0's mkdir; another process frees a little room (1 MiB: under
+    the reserve, above what a setattr needs). A chmod through a descriptor open on rank 1
+    (no lookup first, so no read that would fail) passed the room check, as a setattr may
+    use the reserve: it was committed job-wide behind the op rank 1 waits at, and the
+    caller got EIO at coord_timeout for a change every node then made. A node that waits
+    can apply nothing it submits: ENOSPC at once, nothing committed."""
+    with _job_with_small_store(make_cluster) as (c, store1):
+        n0, n1 = c.node(0), c.node(1)
+        n1.path("f").write_bytes(b"f")
+        os.chmod(n1.path("f"), 0o644)
+        fd = os.open(n1.path("f"), os.O_RDONLY)
+        try:
+            filler = store1 / "filler.bin"
+            _fill(filler)
+            n0.path("step_2").mkdir()
+            n1.wait_for(lambda: _ns(c, 1).get("waiting_for_room"), 30, "rank 1 to wait")
+            os.truncate(filler, os.path.getsize(filler) - MiB)
+            t = time.monotonic()
+            with pytest.raises(OSError) as e:
+                os.fchmod(fd, 0o600)
+            assert e.value.errno == errno.ENOSPC, e.value
+            assert time.monotonic() - t < 2.0
+        finally:
+            os.close(fd)
+        time.sleep(1)
+        assert os.stat(n0.path("f")).st_mode & 0o777 == 0o644
+        filler.unlink()
+        n1.wait_for(lambda: not _ns(c, 1).get("waiting_for_room"), 30, "rank 1 to go on")
+        assert os.stat(n1.path("f")).st_mode & 0o777 == 0o644
+
+
 def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, monkeypatch):
     """While rank 1 waits for room, rank 0 folds the log three times and deletes the ops
     rank 1 waits at. Once there is room rank 1 installs the base (it checks room too)

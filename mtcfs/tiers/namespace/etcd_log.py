@@ -173,8 +173,12 @@ class EtcdNamespace:
             FsError: the errno that refused it (decided by its place in etcd's order); EIO
                 when etcd did not take it within ``timeout_s``, refused it (too large), or
                 this node did not apply it within ``timeout_s`` after etcd took it; ENOSPC,
-                before etcd has it, when this node's store has no room for its rows.
+                before etcd has it, when this node's store has no room for its rows or
+                this node waits for room for an op before it (it could not apply this one).
         """
+        if self.waiting_for_room:
+            raise FsError(errno.ENOSPC, f"this node's store is full: the job's namespace "
+                          f"{self.waiting_for_room}")
         try:
             # refused here before etcd has it: committed job-wide, this node could not
             # apply it (nor anything after it) until there is room
