@@ -426,7 +426,7 @@ def format_namespace_status(ns: dict[str, Any]) -> str:
                         f"({ns.get('last_error') or 'no answer'}), namespace calls here wait")
         if ns.get("waiting_for_room"):
             out += (f"; WAITING: the store's filesystem is full, the {ns['waiting_for_room']}"
-                    " (free room there; namespace calls here wait)")
+                    " (free room there; reads here wait, changes get ENOSPC)")
         if ns.get("diverged"):
             out += f"; DIVERGED from the job's namespace: {ns['diverged']}"
         return out

@@ -161,6 +161,8 @@ def test_a_change_on_a_waiting_node_is_refused_before_etcd_has_it(make_cluster):
                 os.fchmod(fd, 0o600)
             assert e.value.errno == errno.ENOSPC, e.value
             assert time.monotonic() - t < 2.0
+            text = n1.cli("status", str(n1.mnt)).stdout
+            assert "WAITING" in text and "changes get ENOSPC" in text, text
         finally:
             os.close(fd)
         time.sleep(1)
