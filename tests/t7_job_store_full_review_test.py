@@ -243,12 +243,12 @@ def test_a_file_closed_on_a_full_node_is_the_same_everywhere_once_there_is_room(
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         n1.path("step_1").mkdir()
-        f = open(n1.path("step_1", "w"), "wb", buffering=0)
-        f.write(b"A" * 100000)
+        fd = os.open(n1.path("step_1", "w"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"A" * 100000)
         filler = store1 / "filler.bin"
         _fill(filler)
         with pytest.raises(OSError) as e:
-            f.close()
+            os.close(fd)
         assert e.value.errno == errno.ENOSPC
         time.sleep(2)
         filler.unlink()
