@@ -231,19 +231,16 @@ def test_a_read_on_a_node_does_not_take_its_metadata_reserve(make_cluster):
         n1.wait_for(lambda: os.path.isdir(n1.path("step_2")), 15, "step_2 on rank 1")
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing (fails on dac0c09 too): the writeback "
-                   "that failed with ENOSPC left the writer's bytes in rank 1's page cache; "
-                   "the store and every other node have the empty file")
 def test_a_file_closed_on_a_full_node_is_the_same_everywhere_once_there_is_room(make_cluster):
     """A writer on rank 1 closes its file while rank 1's store is full to the last byte:
     the kernel writes the dirty pages back at close, the store's pwrite fails (ENOSPC:
     nothing reached the data file, which stays empty), close(2) gets ENOSPC, and the seal
-    (retried until its rows fit) records and publishes the empty file. Room comes back;
-    rank 1's kernel still serves the 100,000 bytes from its page cache, and the size,
-    also to new opens, while the store, `user.mtcfs.state` "local" and rank 0 have the
-    empty file. It is the writeback-cache leftover of docs/reliability.md ("The store's
-    filesystem full during a rewrite"), here across opens. Not from bc35589: its parent
-    does the same."""
+    (retried until its rows fit) records and publishes the empty file. Once room comes
+    back both nodes read what the store holds. Before (dac0c09 too), rank 1's kernel kept
+    serving the 100,000 bytes from its page cache, and the size, also to new opens, while
+    the store, `user.mtcfs.state` "local" and rank 0 had the empty file: the
+    writeback-cache leftover of docs/reliability.md, across opens. Now the failed write
+    gives the file a new kernel inode number (``OpenFiles._forget_kernel_copy``)."""
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         n1.path("step_1").mkdir()

@@ -453,6 +453,7 @@ class OpenFiles:
                 v.size = max(v.size, off + n)
                 v.gen += 1
             self.budget.account(v)
+            self._forget_kernel_copy(v)
             if exc.errno == errno.ENOSPC:
                 self.counters.enospc += 1
                 raise FsError(errno.ENOSPC, "store directory is full") from None
@@ -464,6 +465,17 @@ class OpenFiles:
         self.counters.bytes_written += n
         self.last_write = time.monotonic()
         return n
+
+    def _forget_kernel_copy(self, v: Version) -> None:
+        """A write into current ``v`` failed: the kernel's writeback cache holds the bytes
+        (and the size) the writer asked for, which the store does not have. In scope=job
+        the file gets a new kernel inode number (:meth:`InodeTable.renumber`; its entries
+        are never cached there), so the next open starts from what the store holds instead
+        of those pages. (scope=node: the kernel keeps them until it forgets the inode,
+        docs/reliability.md.)"""
+        ino = self.inodes.get(v.ino)
+        if self.job_scope and ino is not None and ino.vid == v.vid:
+            self.tree.renumber(ino)
 
     async def flush(self, fh: int, final: bool = True) -> None:
         """close(2) of one descriptor. Seal happens at release of the last writer, except in
