@@ -6,49 +6,15 @@ fills (on a training host /dev/shm is shared with data loaders and NCCL)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
 import time
 
 import pytest
 
-JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M"}
-MiB = 1 << 20
-
-
-def _fill(path, leave: int = 0) -> None:
-    """Fill the filesystem of ``path`` with that file, leaving about ``leave`` bytes."""
-    st = os.statvfs(path.parent)
-    room = st.f_bavail * st.f_frsize - leave
-    blk = b"\xee" * MiB
-    with open(path, "ab", buffering=0) as f:
-        try:
-            while room > 0:
-                room -= f.write(blk[:min(room, MiB)])
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-
-
-@contextlib.contextmanager
-def _job_with_small_store(make_cluster, full: int = 1):
-    """A started two-node scope=job cluster whose rank ``full`` has its store on a 24 MiB
-    tmpfs; yields (cluster, that store). Unmounts everything at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    c = make_cluster(2, options=JOB, start=False,
-                     per_rank_options={full: {"coord_timeout": "4s", "size": "20M"}})
-    store1 = c.node(full).store
-    store1.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store1)],
-                   check=True)
-    try:
-        c.start()
-        yield c, store1
-    finally:
-        c.cleanup()
-        subprocess.run(["umount", "-l", str(store1)], check=False)
+from support.fullstore import MiB
+from support.fullstore import fill as _fill
+from support.fullstore import job_with_small_store as _job_with_small_store
 
 
 def _ns(c, rank: int) -> dict:

@@ -18,45 +18,21 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 
 import pytest
 
-JOB = {"scope": "job", "replicas": 1, "chunk_size": "1M"}
-MiB = 1 << 20
-
-
-def _fill(path, leave: int = 0) -> None:
-    """Fill the filesystem of ``path`` with that file, leaving about ``leave`` bytes."""
-    st = os.statvfs(path.parent)
-    room = st.f_bavail * st.f_frsize - leave
-    blk = b"\xee" * MiB
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while room > 0:
-                room -= f.write(blk[:min(room, MiB)])
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+from support.fullstore import MiB, fill, job_with_small_store
 
 
 def test_a_full_node_waits_for_room_and_then_has_every_op(make_cluster):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    c = make_cluster(2, options=JOB, start=False,
-                     per_rank_options={1: {"coord_timeout": "4s", "size": "20M"}})
-    store1 = c.node(1).store
-    store1.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store1)],
-                   check=True)
-    try:
-        c.start()
+    with job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         n0.path("step_1").mkdir()
         n0.path("step_1", "a").write_bytes(b"first")
         n1.wait_for(lambda: os.path.exists(n1.path("step_1", "a")), 30, "step_1 on rank 1")
 
         filler = store1 / "filler.bin"
-        _fill(filler)
+        fill(filler)
         # A change made on the full node is refused before etcd has it: nothing committed
         # job-wide that this node could not apply.
         with pytest.raises(OSError) as e:
@@ -97,9 +73,6 @@ def test_a_full_node_waits_for_room_and_then_has_every_op(make_cluster):
         n1 = c.node(1)
         assert sorted(os.listdir(n1.path("step_2"))) == ["b", "c"]
         assert n1.path("step_2", "c").read_bytes() == big
-    finally:
-        c.cleanup()
-        subprocess.run(["umount", "-l", str(store1)], check=False)
 
 
 def test_a_file_closed_on_a_full_node_is_published_once_there_is_room(make_cluster):
@@ -107,21 +80,12 @@ def test_a_file_closed_on_a_full_node_is_published_once_there_is_room(make_clust
     bytes it wrote are not lost: they are published job-wide once there is room, so every
     node reads them (before: the publish was refused for good, and the other node kept the
     empty file)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    c = make_cluster(2, options=JOB, start=False,
-                     per_rank_options={1: {"coord_timeout": "4s", "size": "20M"}})
-    store1 = c.node(1).store
-    store1.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(store1)],
-                   check=True)
-    try:
-        c.start()
+    with job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         n1.path("step_1").mkdir()
         fd = os.open(n1.path("step_1", "w.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
         filler = store1 / "filler.bin"
-        _fill(filler, leave=MiB)  # room for the bytes, not for the reserve
+        fill(filler, leave=MiB)  # room for the bytes, not for the reserve
         os.write(fd, b"payload" * 100)
         with pytest.raises(OSError) as e:
             os.close(fd)
@@ -130,6 +94,3 @@ def test_a_file_closed_on_a_full_node_is_published_once_there_is_room(make_clust
         n0.wait_for(lambda: n0.path("step_1", "w.bin").read_bytes() == b"payload" * 100, 30,
                     "the bytes closed on rank 1 to be published")
         assert n1.path("step_1", "w.bin").read_bytes() == b"payload" * 100
-    finally:
-        c.cleanup()
-        subprocess.run(["umount", "-l", str(store1)], check=False)
