@@ -69,6 +69,9 @@ class Host:
     def chunk_arrived(self, v, idx) -> None:
         self.arrived.append((v.vid, idx))
 
+    def check_data_room(self, nbytes: int) -> None:
+        pass  # (the store's filesystem is never full here)
+
     def report_error(self, msg: str) -> None:
         self.errors.append(msg)
 

@@ -173,28 +173,29 @@ def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, mo
         assert n1.path("step_1", "a").read_bytes() == b"second"
 
 
-@pytest.mark.xfail(strict=True, reason="a fault-in writes its chunks into the store with no "
-                   "regard for the metadata's reserve")
 def test_a_read_on_a_node_does_not_take_its_metadata_reserve(make_cluster):
     """Another process leaves rank 1's store filesystem 5 MiB (above the 2 MiB reserve)
     and changes nothing after. A read on rank 1 of a 4 MiB file rank 0 wrote faults its
     chunks into rank 1's store and leaves 1 MiB: rank 1 then waits at rank 0's next
     mkdir, and since removing that file on rank 0 is an op after it, for ever. The read
-    itself took the room the namespace needs; it must leave the reserve (and fail, or be
-    served without keeping the chunks, when it cannot)."""
+    itself took the room the namespace needs; it must leave the reserve. Now the fault-in
+    of a chunk that would take it is refused (``check_data_room``): the read gets ENOSPC,
+    rank 1 goes on with the job's ops, and once there is room the read returns the file."""
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         n0.path("step_1").mkdir()
         data = os.urandom(4 * MiB)
         n0.path("step_1", "r").write_bytes(data)
         n1.wait_for(lambda: os.path.exists(n1.path("step_1", "r")), 30, "r on rank 1")
-        _fill(store1 / "filler.bin", leave=5 * MiB)
-        try:
+        filler = store1 / "filler.bin"
+        _fill(filler, leave=5 * MiB)
+        with pytest.raises(OSError) as e:
             n1.path("step_1", "r").read_bytes()
-        except OSError as exc:
-            assert exc.errno in (errno.ENOSPC, errno.EIO), exc
+        assert e.value.errno == errno.ENOSPC, e.value
         n0.path("step_2").mkdir()
         n1.wait_for(lambda: os.path.isdir(n1.path("step_2")), 15, "step_2 on rank 1")
+        filler.unlink()
+        assert n1.path("step_1", "r").read_bytes() == data
 
 
 def test_a_file_closed_on_a_full_node_is_the_same_everywhere_once_there_is_room(make_cluster):

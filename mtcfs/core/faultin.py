@@ -34,7 +34,7 @@ from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
-from mtcfs.core.store.meta import MetaDB
+from mtcfs.core.store.meta import META_RESERVE_BYTES, MetaDB
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore
 
@@ -197,6 +197,13 @@ class LocalChunks:
 
     # ------------------------------------------------------------------ the fetcher's and
     # the verifier's callbacks
+
+    def check_data_room(self, nbytes: int) -> None:
+        """Raise StoreFull (ENOSPC) unless ``nbytes`` more bytes of data leave
+        :data:`META_RESERVE_BYTES` free on the store's filesystem: a fault-in must not take
+        the room the namespace's rows need (a scope=job node would then wait at the job's
+        next op until another process freed room: docs/reliability.md)."""
+        self._db.ensure_room(f"a fault-in of {nbytes} bytes", META_RESERVE_BYTES + nbytes)
 
     def chunk_arrived(self, v: Version, idx: int) -> None:
         """The fetcher wrote chunk ``idx`` of the registered version ``v`` (and counted it):

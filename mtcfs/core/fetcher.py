@@ -78,6 +78,7 @@ class Host(Protocol):
                       digest: str | None) -> bytes | None: ...
     def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None: ...
     def chunk_arrived(self, v: Version, idx: int) -> None: ...
+    def check_data_room(self, nbytes: int) -> None: ...
     def report_error(self, msg: str) -> None: ...
 
 
@@ -116,6 +117,9 @@ class FaultIn:
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         #: (vid, chunk index) -> (trio time, error) of fetches that failed lately.
         self._failed: dict[tuple[int, int], tuple[float, str]] = {}
+        #: Bytes of the store's filesystem that chunk writes under way will take (checked
+        #: with each new one: ``Host.check_data_room``).
+        self._claimed = 0
 
     def fetching(self) -> int:
         """Fetches under way now."""
@@ -262,6 +266,9 @@ class FaultIn:
 
         Raises:
             FsError: EIO when ``v`` was replaced and has no descriptor left to write to.
+            OSError: ENOSPC from the store's filesystem; StoreFull (an OSError, ENOSPC)
+                before anything is written when the bytes would take the metadata's reserve
+                (``Host.check_data_room``).
         """
         if idx not in v.missing:
             return
@@ -278,6 +285,7 @@ class FaultIn:
                 self._budget.account(v)
                 self._host.chunk_arrived(v, idx)
             return
+        claimed = 0
         v.filling += 1  # (no await since the check above)
         try:
             if not registered and v.fd < 0:
@@ -291,6 +299,11 @@ class FaultIn:
                 # (docs/usage.md). Held until the bytes are counted: fetches write in
                 # threads, side by side.
                 need = self._budget.new_bytes(v, off, off + length)
+                if need:
+                    # (with the bytes of the fetches side by side that are not written yet)
+                    self._host.check_data_room(need + self._claimed)
+                    claimed = need
+                    self._claimed += claimed
                 if not await self._budget.reserve(need, best_effort=True):
                     self._counters.fault_in_over_size += 1
                     over = self._counters.fault_in_over_size
@@ -322,6 +335,7 @@ class FaultIn:
                     self._budget.account(v)
                     self._host.chunk_arrived(v, idx)
         finally:
+            self._claimed -= claimed
             v.filling -= 1
             if not v.filling and v.fill_done is not None:
                 v.fill_done.set()
