@@ -15,6 +15,7 @@ import pytest
 from support.fullstore import MiB
 from support.fullstore import fill as _fill
 from support.fullstore import job_with_small_store as _job_with_small_store
+from support.fullstore import seed_then_fill
 
 
 def _ns(c, rank: int) -> dict:
@@ -31,12 +32,7 @@ def test_an_unlink_on_a_store_full_to_the_last_byte_waits_and_stays_done(make_cl
     room like any other op, then apply it for good."""
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
-        n0.path("step_1").mkdir()
-        n0.path("step_1", "a").write_bytes(b"first")
-        n0.path("step_1", "b").write_bytes(b"second")
-        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "b")), 30, "step_1 on rank 1")
-        filler = store1 / "filler.bin"
-        _fill(filler)
+        filler = seed_then_fill(c, store1, {"a": b"first", "b": b"second"})
         n0.path("step_1", "a").unlink()
         ns = n1.wait_for(lambda: (_ns(c, 1).get("waiting_for_room") or _ns(c, 1)["diverged"])
                          and _ns(c, 1), 30, "rank 1 to wait for room")
@@ -146,11 +142,7 @@ def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, mo
     monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
-        n0.path("step_1").mkdir()
-        n0.path("step_1", "a").write_bytes(b"first")
-        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "a")), 30, "step_1 on rank 1")
-        filler = store1 / "filler.bin"
-        _fill(filler)
+        filler = seed_then_fill(c, store1, {"a": b"first"})
         for r in range(3):
             trims = _ns(c, 0).get("log_trims", 0)
             for i in range(2 + 4 * r, 6 + 4 * r):
@@ -183,12 +175,8 @@ def test_a_read_on_a_node_does_not_take_its_metadata_reserve(make_cluster):
     rank 1 goes on with the job's ops, and once there is room the read returns the file."""
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
-        n0.path("step_1").mkdir()
         data = os.urandom(4 * MiB)
-        n0.path("step_1", "r").write_bytes(data)
-        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "r")), 30, "r on rank 1")
-        filler = store1 / "filler.bin"
-        _fill(filler, leave=5 * MiB)
+        filler = seed_then_fill(c, store1, {"r": data}, leave=5 * MiB)
         with pytest.raises(OSError) as e:
             n1.path("step_1", "r").read_bytes()
         assert e.value.errno == errno.ENOSPC, e.value

@@ -21,18 +21,13 @@ import os
 
 import pytest
 
-from support.fullstore import MiB, fill, job_with_small_store
+from support.fullstore import MiB, fill, job_with_small_store, seed_then_fill
 
 
 def test_a_full_node_waits_for_room_and_then_has_every_op(make_cluster):
     with job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
-        n0.path("step_1").mkdir()
-        n0.path("step_1", "a").write_bytes(b"first")
-        n1.wait_for(lambda: os.path.exists(n1.path("step_1", "a")), 30, "step_1 on rank 1")
-
-        filler = store1 / "filler.bin"
-        fill(filler)
+        filler = seed_then_fill(c, store1, {"a": b"first"})
         # A change made on the full node is refused before etcd has it: nothing committed
         # job-wide that this node could not apply.
         with pytest.raises(OSError) as e:

@@ -51,3 +51,18 @@ def job_with_small_store(make_cluster: Any, full: int = 1) -> Iterator[tuple[Any
     finally:
         c.cleanup()
         subprocess.run(["umount", "-l", str(store)], check=False)
+
+
+def seed_then_fill(c: Any, store: Path, files: dict[str, bytes], leave: int = 0) -> Path:
+    """Rank 0 writes ``step_1/<name>`` for each of ``files`` (in order); once rank 1 sees
+    the last one, fill ``store``'s filesystem, leaving about ``leave`` bytes. Returns the
+    filler's path (unlink it to give the room back)."""
+    n0, n1 = c.node(0), c.node(1)
+    n0.path("step_1").mkdir()
+    for name, data in files.items():
+        n0.path("step_1", name).write_bytes(data)
+    last = n1.path("step_1", list(files)[-1])
+    n1.wait_for(lambda: os.path.exists(last), 30, f"{last} on rank 1")
+    filler = store / "filler.bin"
+    fill(filler, leave)
+    return filler
