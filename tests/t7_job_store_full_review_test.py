@@ -180,6 +180,8 @@ def test_a_read_on_a_node_does_not_take_its_metadata_reserve(make_cluster):
         with pytest.raises(OSError) as e:
             n1.path("step_1", "r").read_bytes()
         assert e.value.errno == errno.ENOSPC, e.value
+        st = os.statvfs(store1)
+        assert st.f_bavail * st.f_frsize >= 2 * MiB, "the read took the metadata's reserve"
         n0.path("step_2").mkdir()
         n1.wait_for(lambda: os.path.isdir(n1.path("step_2")), 15, "step_2 on rank 1")
         filler.unlink()

@@ -34,7 +34,7 @@ from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode, Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
-from mtcfs.core.store.meta import META_RESERVE_BYTES, MetaDB
+from mtcfs.core.store.meta import META_FLOOR_BYTES, META_RESERVE_BYTES, MetaDB
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore
 
@@ -200,10 +200,14 @@ class LocalChunks:
 
     def check_data_room(self, nbytes: int) -> None:
         """Raise StoreFull (ENOSPC) unless ``nbytes`` more bytes of data leave
-        :data:`META_RESERVE_BYTES` free on the store's filesystem: a fault-in must not take
-        the room the namespace's rows need (a scope=job node would then wait at the job's
-        next op until another process freed room: docs/reliability.md)."""
-        self._db.ensure_room(f"a fault-in of {nbytes} bytes", META_RESERVE_BYTES + nbytes)
+        :data:`META_RESERVE_BYTES` free on the store's filesystem, and
+        :data:`META_FLOOR_BYTES` more for the rows each chunk's arrival writes after it
+        (:meth:`chunk_arrived`; without them a few chunks written side by side left the
+        filesystem 12 KiB under the reserve): a fault-in must not take the room the
+        namespace's ops need (a scope=job node would then wait at the job's next op until
+        another process freed room: docs/reliability.md)."""
+        self._db.ensure_room(f"a fault-in of {nbytes} bytes",
+                             META_RESERVE_BYTES + META_FLOOR_BYTES + nbytes)
 
     def chunk_arrived(self, v: Version, idx: int) -> None:
         """The fetcher wrote chunk ``idx`` of the registered version ``v`` (and counted it):
