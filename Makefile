@@ -81,10 +81,18 @@ bench-passthrough:
 # in 4 KiB-1 MiB blocks at random offsets (Python job, verified; and fio if installed),
 # torch.save of 500 MiB, safetensors save_file of 332 MiB, on tmpfs, the no-op FUSE ceiling
 # and one mtcfs node, with the daemons' CPU per MiB (3 repeats: about 3 minutes).
-# make bench-random ARGS="--size 256M --reps 5 --only rand,fio"
+# make bench-random ARGS="--size 256M --reps 5 --only rand,fio"  (--cached: also mtcfs with
+# direct_writes=no)
 .PHONY: bench-random
 bench-random:
 	$(PYTHON) -m benchmarks.bench_random $(ARGS)
+
+# What direct writes cost small writers (benchmarks/bench_write_sizes.py): a new file written
+# in unbuffered write(2)s of 4 KiB, 64 KiB, 1 MiB and 8 MiB on tmpfs, the no-op, mtcfs and
+# mtcfs with direct_writes=no (about 1 minute).
+.PHONY: bench-write-sizes
+bench-write-sizes:
+	$(PYTHON) -m benchmarks.bench_write_sizes $(ARGS)
 
 # Rewrites of sealed files (benchmarks/bench_rewrite.py, issue 18): 1-byte rewrites of sealed
 # 1 and 2 GiB sparse and dense files on tmpfs, on a mount running BASE's code (before) and on

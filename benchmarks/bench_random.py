@@ -11,7 +11,9 @@ Run ``python -m benchmarks.bench_random [--size 512M] [--files 2] [--reps 3]`` a
   (the plain no-op answers ENOSYS once and is never asked again): the ceiling of a
   filesystem with extended attributes that cannot negotiate ``FUSE_HANDLE_KILLPRIV_V2``
   (the stock pyfuse3, libfuse 3.14; mtcfs asks for it, docs/fuse-build.md);
-- ``mtcfs``: one node, ``scope=node``, store on /dev/shm;
+- ``mtcfs``: one node, ``scope=node``, store on /dev/shm (direct writes on, the default:
+  a file created or truncated is written around the page cache; docs/usage.md);
+- ``mtcfs-cached`` (with ``--cached``): the same with ``direct_writes=no``;
 - ``mtcfs-huge`` (with ``--huge``): the same, its store on a tmpfs the benchmark mounts
   with ``huge=within_size`` (large folios for the data files; docs/benchmarks.md, "Huge
   pages for the store"); skipped with a note where that mount fails.
@@ -65,7 +67,7 @@ from benchmarks.common import (MiB, REPO, BenchResult, Check, cpu_seconds, drop_
                                median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
                                served_mount, wait_until, write_json)
 
-TARGETS = ("tmpfs", "noop", "noop-x", "mtcfs", "mtcfs-huge")
+TARGETS = ("tmpfs", "noop", "noop-x", "mtcfs", "mtcfs-cached", "mtcfs-huge")
 NOOPS = ("noop", "noop-x")  # keep no bytes: nothing to verify
 PAGE = 4096
 BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
@@ -214,7 +216,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
-        only: tuple[str, ...], touch: bool, huge: bool = False) -> BenchResult:
+        only: tuple[str, ...], touch: bool, huge: bool = False,
+        cached: bool = False) -> BenchResult:
     res = BenchResult("random", f"Random writes ({nfiles} x {size // MiB} MiB, 4 KiB-1 MiB "
                       f"blocks, verified) and library saves, median of {reps}",
                       ["target", "rand MiB/s", "rand cpu ms/MiB",
@@ -244,6 +247,11 @@ def run(size: int, nfiles: int, reps: int, torch_size: int, st_size: int,
                 [sys.executable, "-m", "benchmarks.noop_fs", str(mnt)] + extra, mnt, "noop_fs",
                 ["fusermount3", "-u", str(mnt)]))
             dirs[key], pids[key] = mnt, srv.pid
+        if cached:
+            mc = stack.enter_context(mtcfs_mount(root / "mtcfs-cached",
+                                                 {"size": "12G", "direct_writes": "no"}))
+            dirs["mtcfs-cached"] = mc.mnt
+            pids["mtcfs-cached"] = int(mc.status()["pid"])
         huge_store = stack.enter_context(huge_tmpfs(root / "huge-tmpfs", "16G")) if huge \
             else None
         if huge and huge_store is None:
@@ -386,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefault", action="store_true")
     p.add_argument("--huge", action="store_true",
                    help="add mtcfs-huge: mtcfs with its store on a huge=within_size tmpfs")
+    p.add_argument("--cached", action="store_true",
+                   help="add mtcfs-cached: mtcfs with direct_writes=no (every write through "
+                        "the page cache, as before direct writes)")
     p.add_argument("--json", help="output file (default bench-results/random-<time>.json)")
     a = p.parse_args(argv)
     print(f"load average {os.getloadavg()}", flush=True)
     t0 = time.monotonic()
     res = run(a.size, a.files, a.reps, a.torch_size, a.st_size, tuple(a.only.split(",")),
-              not a.no_prefault, a.huge)
+              not a.no_prefault, a.huge, a.cached)
     res.seconds = time.monotonic() - t0
     print(render(res))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -567,7 +567,8 @@ def cmd_status(a: argparse.Namespace) -> None:
               + ("FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before each write)"
                  if fuse.get("killpriv_v2") else
                  "no FUSE_HANDLE_KILLPRIV_V2: a GETXATTR before each write "
-                 "(scripts/build_fuse.sh, docs/fuse-build.md)"))
+                 "(scripts/build_fuse.sh, docs/fuse-build.md)")
+              + (", direct writes" if fuse.get("direct_writes") else ", no direct writes"))
     if (st.get("store_fs") or {}).get("warning"):
         print(f"  store:    {st['store_fs']['warning']}")
     print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "

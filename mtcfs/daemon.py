@@ -72,6 +72,8 @@ class Daemon:
         self.opts = opts
         self.store: Store | None = None
         self.fs: Filesystem | None = None
+        #: The FUSE adapter, once the mount is being served (its direct_writes is in status).
+        self.ops: Operations | None = None
         self.backup_store: Any = None
         self.backup: Any = None
         self.prefetcher: Any = None
@@ -376,7 +378,8 @@ class Daemon:
         # loop ran (systemctl stop at once) killed the daemon by default and left a dead
         # mount (ENOTCONN) behind. Those that arrive meanwhile wait in the receiver.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            ops = Operations(self.fs, self.opts.mountpoint)
+            ops = Operations(self.fs, self.opts.mountpoint, self.opts.direct_writes)
+            self.ops = ops
             pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
             mounted = True
             closed = False
@@ -526,7 +529,8 @@ class Daemon:
             "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
-            "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid},
+            "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid,
+                     "direct_writes": bool(self.ops and self.ops.direct_writes)},
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps),
                     "evict_unsaved": fs.eviction.evict_unsaved,

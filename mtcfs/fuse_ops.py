@@ -73,6 +73,13 @@ def entry(a: Attr, timeout: float | None = None) -> pyfuse3.EntryAttributes:
     return e
 
 
+def direct_io_allow_mmap() -> bool:
+    """Whether this process's FUSE connection negotiated ``FUSE_DIRECT_IO_ALLOW_MMAP`` (only
+    mtcfs's pyfuse3 can; false before INIT and with the stock pyfuse3): a file opened with
+    FOPEN_DIRECT_IO can then still be mapped ``MAP_SHARED`` (else mmap fails with ENODEV)."""
+    return bool(getattr(pyfuse3, "direct_io_allow_mmap", False))
+
+
 def killpriv_v2() -> bool:
     """Whether this process's FUSE connection negotiated ``FUSE_HANDLE_KILLPRIV_V2`` (only
     mtcfs's pyfuse3 can; false before INIT and with the stock pyfuse3)."""
@@ -112,11 +119,23 @@ class Operations(pyfuse3.Operations):
     #: GETXATTR of security.capability before every write(2), and the core clears
     #: set-user-ID/set-group-ID bits itself (NamespaceOps.kills_suidgid, docs/fuse-build.md).
     enable_killpriv_v2 = True
+    #: Ask for FUSE_DIRECT_IO_ALLOW_MMAP (mtcfs's pyfuse3, kernel >= 6.6): direct writes
+    #: (below) are used only when the kernel granted it, so that mmap keeps working.
+    enable_direct_io_allow_mmap = True
     supports_dot_lookup = True
 
-    def __init__(self, fs: Filesystem, mountpoint: str = "") -> None:
+    def __init__(self, fs: Filesystem, mountpoint: str = "", direct_writes: bool = False
+                 ) -> None:
         super().__init__()
         self.fs = fs
+        #: Mount option direct_writes; :attr:`direct_writes` says whether it is in effect.
+        self.want_direct_writes = direct_writes
+        #: Handles that create or truncate a file are opened with FOPEN_DIRECT_IO: each
+        #: write(2) comes here at once, one copy into the store instead of two and no
+        #: dirty-page throttling (docs/usage.md, "Direct writes"). The kernel stamps no
+        #: c/mtime for such a write, and neither does the core: the times a node shows stay
+        #: the times it stores, across a restart too. Decided at INIT.
+        self.direct_writes = False
         self.mountpoint = os.path.abspath(mountpoint) if mountpoint else ""
         self._owners: dict[int, int] = {}  # scope=job: fh -> thread group that opened it
         self._mnt_id: int | None = None
@@ -132,6 +151,7 @@ class Operations(pyfuse3.Operations):
     def init(self) -> None:
         """FUSE INIT arrived: the kernel has negotiated the connection."""
         self.fs.kills_suidgid = killpriv_v2()
+        self.direct_writes = self.want_direct_writes and direct_io_allow_mmap()
         self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
@@ -218,17 +238,28 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        direct = self._direct(flags, created=False)
         fh, keep = await self.fs.open(inode, self._flags(flags))
         self._note_owner(fh, flags, ctx)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        direct = self._direct(flags, created=True)
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
                                      ctx.gid)
         self._note_owner(fh, flags, ctx)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(a)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=direct), self._entry(a)
+
+    def _direct(self, flags: int, created: bool) -> bool:
+        """Open this handle with FOPEN_DIRECT_IO? When direct writes are on, for a handle
+        that writes a file from empty: one that creates it or opens it with O_TRUNC (what
+        torch.save, safetensors, DCP and Orbax do), never an O_APPEND one (a log's small
+        appends would each wait for a round trip) nor a reopen that changes a few bytes
+        (those stay in the writeback cache)."""
+        return (self.direct_writes and flags & os.O_ACCMODE != os.O_RDONLY
+                and not flags & os.O_APPEND and (created or bool(flags & os.O_TRUNC)))
 
     def _note_owner(self, fh: int, flags: int, ctx: Any) -> None:
         """scope=job: remember which process opened a file for writing (see flush)."""

@@ -211,6 +211,9 @@ class MountOptions:
     #: refuse the write with ENOSPC (False); None: False when backup= is set, else True.
     evict_unsaved: bool | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: Write a file's content around the kernel's page cache when the open creates or
+    #: truncates it (``direct_writes=yes|no``; docs/usage.md, "Direct writes").
+    direct_writes: bool = True
     restore: str = "latest"
     allow_other: bool = False
     debug: bool = False
@@ -394,6 +397,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if value not in ("yes", "no"):
                         raise ValueError("expected yes or no")
                     o.evict_unsaved = value == "yes"
+                elif name == "direct_writes" and value:
+                    if value not in ("yes", "no"):
+                        raise ValueError("expected yes or no")
+                    o.direct_writes = value == "yes"
                 elif name == "chunk_size" and value:
                     cs = parse_size(value)
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):
@@ -710,7 +717,7 @@ def _check_coord_tls(o: MountOptions, bad: Callable[[str, str], OptionError]) ->
 
 
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
-          "evict_unsaved",
+          "evict_unsaved", "direct_writes",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "coord", "coord_prefix", "coord_timeout", "coord_ca", "coord_cert", "coord_key",

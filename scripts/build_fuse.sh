@@ -24,12 +24,13 @@ libfuse_url=http://deb.debian.org/debian/pool/main/f/fuse3/fuse3_${libfuse_versi
 libfuse_sha256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
 pyfuse3_version=3.5.0
 pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
-patch_file=$root/third_party/pyfuse3/killpriv-v2.patch
+# Applied in this order; each says what it asks the kernel for and why.
+patches="$root/third_party/pyfuse3/killpriv-v2.patch $root/third_party/pyfuse3/direct-io-allow-mmap.patch"
 
 stamp=$venv/.mtcfs-fuse-built
-want=$( { echo "$libfuse_version $libfuse_config $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat "$patch_file"; } | sha256sum | cut -c1-16)
+want=$( { echo "$libfuse_version $libfuse_config $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat $patches; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'handle_killpriv_v2'))" 2>/dev/null; then
+    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'direct_io_allow_mmap'))" 2>/dev/null; then
   exit 0
 fi
 
@@ -76,13 +77,15 @@ fi
     "pyfuse3==$pyfuse3_version" -d "$work" >>"$log" 2>&1 || fail "could not download pyfuse3 $pyfuse3_version"
 check_sum "$work/pyfuse3-$pyfuse3_version.tar.gz" "$pyfuse3_sha256"
 tar -xzf "$work/pyfuse3-$pyfuse3_version.tar.gz" -C "$work"
-(cd "$work/pyfuse3-$pyfuse3_version" && patch -p1 --quiet < "$patch_file") >>"$log" 2>&1 \
-  || fail "mtcfs's pyfuse3 patch did not apply"
+for p in $patches; do
+  (cd "$work/pyfuse3-$pyfuse3_version" && patch -p1 --quiet < "$p") >>"$log" 2>&1 \
+    || fail "mtcfs's pyfuse3 patch $(basename "$p") did not apply"
+done
 PKG_CONFIG_PATH=$pkg_config_path LDFLAGS=$ldflags \
   "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps \
     "$work/pyfuse3-$pyfuse3_version" >>"$log" 2>&1 || fail "pyfuse3 $pyfuse3_version did not build"
 "$venv/bin/pip" install -q --disable-pip-version-check "trio>=0.15" >>"$log" 2>&1 || true
-"$venv/bin/python" -c "import pyfuse3; assert hasattr(pyfuse3, 'handle_killpriv_v2')" >>"$log" 2>&1 \
+"$venv/bin/python" -c "import pyfuse3; assert hasattr(pyfuse3, 'direct_io_allow_mmap')" >>"$log" 2>&1 \
   || fail "the built pyfuse3 does not import"
 echo "$want" > "$stamp"
 echo "setup: pyfuse3 $pyfuse3_version built against libfuse $(PKG_CONFIG_PATH=$pkg_config_path pkg-config --modversion fuse3)"

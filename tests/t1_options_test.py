@@ -26,6 +26,12 @@ def test_read_timeout():
     assert parse_mount_options("j", "/m", ["read_timeout=2m"]).read_timeout == 120
 
 
+def test_direct_writes():
+    assert parse_mount_options("j", "/m", []).direct_writes is True
+    assert parse_mount_options("j", "/m", ["direct_writes=no"]).direct_writes is False
+    assert parse_mount_options("j", "/m", ["direct_writes=yes"]).direct_writes is True
+
+
 def test_checkpoint_count_interval():
     o = parse_mount_options("j", "/m", ["backup=file:///b,backup_interval=5ckpt"])
     assert o.backup_interval.checkpoints == 5 and o.backup_interval.seconds is None
@@ -43,7 +49,7 @@ def test_sizes(text, bytes_):
     ("backup_interval=often", "backup_interval=often"), ("chunk_size=3M", "chunk_size=3M"),
     ("allow_other=1", "allow_other=1"), ("restore=yesterday", "restore=yesterday"),
     ("read_timeout=0.5", "read_timeout=0.5"), ("read_timeout=2h", "read_timeout=2h"),
-    ("read_timeout=soon", "read_timeout=soon")])
+    ("read_timeout=soon", "read_timeout=soon"), ("direct_writes=1", "direct_writes=1")])
 def test_bad_option_names_the_option(opt, word):
     with pytest.raises(OptionError) as ei:
         parse_mount_options("j", "/m", [opt])
