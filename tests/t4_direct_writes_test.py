@@ -5,8 +5,9 @@ FOPEN_DIRECT_IO: each write(2) reaches the daemon at once instead of waiting in 
 kernel's page cache. What a user can check: the bytes, a shared mmap of such a file
 (which Linux refuses on a direct-I/O file unless the mount negotiated
 FUSE_DIRECT_IO_ALLOW_MMAP), ENOSPC at the write(2) that does not fit, the file's times
-(the same before and after a restart), and the option that turns it off. The libraries' own saves through the
-mount (torch.save, safetensors, DCP, Orbax) are in t5_*; the speed in docs/benchmarks.md.
+(the same before and after a restart), and the option that turns it off. The libraries'
+own saves through the mount (torch.save, safetensors, DCP, Orbax) are in t5_*; the speed
+in docs/benchmarks.md.
 """
 
 from __future__ import annotations
