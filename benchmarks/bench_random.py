@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import json
 import random
@@ -62,10 +61,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (MiB, REPO, BenchResult, Check, cpu_seconds, drop_caches, log,
-                               machine_info,
-                               median, mtcfs_mount, mtcfs_state, prefault, scratch_dir,
-                               served_mount, wait_until, write_json)
+from benchmarks.common import (MiB, BenchResult, Check, cpu_seconds, drop_caches, log, median,
+                               mtcfs_mount, mtcfs_state, prefault, scratch_dir, served_mount,
+                               wait_until)
 
 TARGETS = ("tmpfs", "noop", "noop-x", "mtcfs", "mtcfs-cached", "mtcfs-huge")
 NOOPS = ("noop", "noop-x")  # keep no bytes: nothing to verify
@@ -381,7 +379,7 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.run import render
+    from benchmarks.run import report
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_random", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=_size, default=512 * MiB, help="bytes per file (512M)")
@@ -404,11 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a.size, a.files, a.reps, a.torch_size, a.st_size, tuple(a.only.split(",")),
               not a.no_prefault, a.huge, a.cached)
     res.seconds = time.monotonic() - t0
-    print(render(res))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(a.json) if a.json else REPO / "bench-results" / f"random-{stamp}.json"
-    write_json(out, {"machine": machine_info(), "result": res.to_json()})
-    print(f"\nresults: {out}")
+    report(res, "random", a.json)
     return 0
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (MiB, REPO, BenchResult, machine_info, median, mtcfs_mount,
-                               scratch_dir, served_mount, write_json)
+from benchmarks.common import (MiB, BenchResult, median, mtcfs_mount, scratch_dir,
+                               served_mount)
 
 SIZES = ((4096, 32 * MiB), (64 * 1024, 256 * MiB), (MiB, 256 * MiB), (8 * MiB, 256 * MiB))
 
@@ -71,7 +70,7 @@ def run(reps: int) -> BenchResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.run import render
+    from benchmarks.run import report
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_write_sizes",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     res = run(a.reps)
     res.seconds = time.monotonic() - t0
-    print(render(res))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(a.json) if a.json else REPO / "bench-results" / f"write-sizes-{stamp}.json"
-    write_json(out, {"machine": machine_info(), "result": res.to_json()})
-    print(f"\nresults: {out}")
+    report(res, "write-sizes", a.json)
     return 0
 
 

@@ -50,6 +50,17 @@ def render(res: BenchResult) -> str:
     return "\n".join(out)
 
 
+def report(res: BenchResult, key: str, json_path: str | None) -> Path:
+    """Print ``res`` as a table, write it with the machine's description to ``json_path``
+    (default ``bench-results/<key>-<timestamp>.json``) and say where; that path."""
+    print(render(res))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(json_path) if json_path else REPO / "bench-results" / f"{key}-{stamp}.json"
+    write_json(out, {"machine": machine_info(), "result": res.to_json()})
+    print(f"\nresults: {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
     p.add_argument("--quick", action="store_true", help="small sizes, no 8 GiB run (< 2 min)")
