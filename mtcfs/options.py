@@ -312,6 +312,13 @@ def default_store(job: str) -> str:
     return os.path.join("/dev/shm/mtcfs", job)
 
 
+def _yes_no(value: str) -> bool:
+    """A ``yes|no`` option's value. Raises ValueError (named by the caller): anything else."""
+    if value not in ("yes", "no"):
+        raise ValueError("expected yes or no")
+    return value == "yes"
+
+
 def _int(name: str, value: str, lo: int, hi: int) -> int:
     """The integer option ``name=value`` (plain decimal digits) in ``lo..hi``.
 
@@ -394,13 +401,9 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                 elif name == "keep" and value:
                     o.keep = _int(name, value, 1, MAX_KEEP)
                 elif name == "evict_unsaved" and value:
-                    if value not in ("yes", "no"):
-                        raise ValueError("expected yes or no")
-                    o.evict_unsaved = value == "yes"
+                    o.evict_unsaved = _yes_no(value)
                 elif name == "direct_writes" and value:
-                    if value not in ("yes", "no"):
-                        raise ValueError("expected yes or no")
-                    o.direct_writes = value == "yes"
+                    o.direct_writes = _yes_no(value)
                 elif name == "chunk_size" and value:
                     cs = parse_size(value)
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):

@@ -378,10 +378,7 @@ class EtcdNamespace:
             res, keep = self.fs.ns_apply(from_wire(wire), rev, self.epoch)
             err, message = 0, ""
         except StoreFull as exc:  # nothing changed: this node waits here, skips nothing
-            if not self.waiting_for_room:
-                log.warning("the job's namespace op at revision %d waits for room in the "
-                            "store: %s", rev, exc)
-            self.waiting_for_room = f"op at revision {rev} waits for room: {exc}"
+            self._wait_for_room(f"op at revision {rev}", exc)
             self.counters["room_waits"] += 1
             raise
         except FsError as exc:  # refused by the namespace's rules: the same on every node
@@ -410,9 +407,17 @@ class EtcdNamespace:
         """An op that changed nothing still moves this node's position."""
         self.fs.ns_set_position(self.epoch, rev)
 
-    def _apply_batch(self, batch: WatchBatch) -> list[Any]:
-        """Apply the batch's new ops in order; the versions to keep. Raises StoreFull at
-        the first op this node has no room for (those before it are applied)."""
+    def _wait_for_room(self, what: str, exc: StoreFull) -> None:
+        """``what`` (the op or base this node stops at) could not be applied for lack of
+        room: say so once in the log, and in status until it is applied."""
+        if not self.waiting_for_room:
+            log.warning("the job's namespace: %s waits for room in the store: %s", what, exc)
+        self.waiting_for_room = f"{what} waits for room: {exc}"
+
+    def _apply_batch(self, batch: WatchBatch) -> None:
+        """Apply the batch's new ops in order, and keep what they removed of files open
+        here (:meth:`_keep`). Raises StoreFull at the first op this node has no room for
+        (those before it are applied)."""
         keep: list[Any] = []
         try:
             for ev in batch.events:
@@ -421,13 +426,10 @@ class EtcdNamespace:
                 if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
                         and kv.key.startswith(self.op_prefix):
                     keep += self._apply(kv.create_revision, kv.value)
-        except StoreFull:
-            self._keep_soon(keep)
-            raise
         finally:
             self.applied.set()
             self.applied = trio.Event()
-        return keep
+            self._keep_soon(keep)
 
     def _keep_soon(self, keep: list[Any]) -> None:
         if keep and self._nursery is not None:
@@ -642,11 +644,7 @@ class EtcdNamespace:
         try:
             self.fs.ns_install(snap)
         except StoreFull as exc:  # nothing changed: tried again after a pause
-            if not self.waiting_for_room:
-                log.warning("installing the job's namespace base (revision %s) waits for "
-                            "room in the store: %s", base["rev"], exc)
-            self.waiting_for_room = f"the namespace base at revision {base['rev']} waits " \
-                                    f"for room: {exc}"
+            self._wait_for_room(f"the namespace base at revision {base['rev']}", exc)
             raise
         self.epoch, self.seq = self.fs.ns_position()
         self.diverged = ""
@@ -789,10 +787,9 @@ class EtcdNamespace:
                 # (no revision check here: a watch's header comes from whichever member
                 # serves it, which may lag; only linearizable reads prove a loss)
                 self._ok()
-                keep = self._apply_batch(item)
+                self._apply_batch(item)
                 if item.events:
                     self._watch_from = item.events[-1].kv.mod_revision + 1
-                self._keep_soon(keep)
         finally:
             stop.set()
             recv.close()
