@@ -87,12 +87,20 @@ bench-passthrough:
 bench-random:
 	$(PYTHON) -m benchmarks.bench_random $(ARGS)
 
-# What direct writes cost small writers (benchmarks/bench_write_sizes.py): a new file written
-# in unbuffered write(2)s of 4 KiB, 64 KiB, 1 MiB and 8 MiB on tmpfs, the no-op, mtcfs and
-# mtcfs with direct_writes=no (about 1 minute).
+# What direct writes cost small writers (benchmarks/bench_write_sizes.py): a thread's first
+# and next new file written in unbuffered write(2)s of 4 KiB to 8 MiB on tmpfs, the no-op,
+# mtcfs and mtcfs with direct_writes=no (about 3 minutes).
+# make bench-write-sizes ARGS="--base DIR"  (mtcfs-base: the code of the tree in DIR)
 .PHONY: bench-write-sizes
 bench-write-sizes:
 	$(PYTHON) -m benchmarks.bench_write_sizes $(ARGS)
+
+# Small writers beside large ones (benchmarks/bench_small_writers.py): GNU tar -x, torch.save
+# of 6,000 small tensors and of 62 large ones, on tmpfs, the no-op, mtcfs and mtcfs with
+# direct_writes=no (about 3 minutes). ARGS="--base DIR" as above.
+.PHONY: bench-small-writers
+bench-small-writers:
+	$(PYTHON) -m benchmarks.bench_small_writers $(ARGS)
 
 # Rewrites of sealed files (benchmarks/bench_rewrite.py, issue 18): 1-byte rewrites of sealed
 # 1 and 2 GiB sparse and dense files on tmpfs, on a mount running BASE's code (before) and on

@@ -1,15 +1,19 @@
 """Sequential writes of a new file in ``write(2)``s of one size, unbuffered
 (``make bench-write-sizes``): what direct writes cost small writers and give large ones.
 
-``python -m benchmarks.bench_write_sizes [--reps 3] [--json OUT]``
+``python -m benchmarks.bench_write_sizes [--reps 3] [--base DIR] [--json OUT]``
 
-For each size (4 KiB, 64 KiB, 1 MiB, 8 MiB) a new file is opened ``O_CREAT|O_TRUNC``,
-written with ``os.write`` calls of that size (32 MiB in all for 4 KiB, 256 MiB for the
-others), closed and removed; MiB/s from the open to the close, median of ``--reps``. On
-tmpfs, the no-op FUSE ceiling (``noop_fs.py``: writeback cache, data discarded), mtcfs
-with direct writes (the default: every such write(2) is a round trip to the daemon) and
-mtcfs with ``direct_writes=no`` (through the page cache). Why: docs/usage.md, "Direct
-writes"; figures in docs/benchmarks.md.
+For each size (4 KiB to 8 MiB) a new thread opens a new file ``O_CREAT|O_TRUNC``, writes
+it with ``os.write`` calls of that size (32 MiB in all for 4 KiB, 256 MiB for the
+others), closes and removes it, then does the same with a second file: MiB/s from the
+open to the close, of the thread's **first** file and of its **next**, median of
+``--reps``. Direct writes are chosen per thread from what it wrote before
+(mtcfs/direct_writes.py): the first file of a thread is written direct whatever its
+pieces, the next one through the page cache when those were small. On tmpfs, the no-op
+FUSE ceiling (``noop_fs.py``: writeback cache, data discarded), mtcfs (direct writes on,
+the default), mtcfs with ``direct_writes=no`` (through the page cache) and, with
+``--base DIR``, ``mtcfs-base``: the code of another tree (a ``git worktree``) with its
+default options. Why: docs/usage.md, "Direct writes"; figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ import argparse
 import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import (MiB, BenchResult, median, mtcfs_mount, scratch_dir,
-                               served_mount)
+from benchmarks.common import (MiB, BenchResult, git_state, median, mtcfs_mount,
+                               scratch_dir, served_mount)
 
-SIZES = ((4096, 32 * MiB), (64 * 1024, 256 * MiB), (MiB, 256 * MiB), (8 * MiB, 256 * MiB))
+KiB = 1024
+SIZES = ((4 * KiB, 32 * MiB), (64 * KiB, 256 * MiB), (128 * KiB, 256 * MiB),
+         (256 * KiB, 256 * MiB), (512 * KiB, 256 * MiB), (MiB, 256 * MiB), (8 * MiB, 256 * MiB))
 
 
 def one(path: Path, bs: int, total: int) -> float:
@@ -42,9 +49,21 @@ def one(path: Path, bs: int, total: int) -> float:
     return dt
 
 
-def run(reps: int) -> BenchResult:
+def first_and_next(d: Path, bs: int, total: int) -> tuple[float, float]:
+    """Seconds for a new thread's first file and for its next one (see :func:`one`)."""
+    out: list[float] = []
+    t = threading.Thread(target=lambda: out.extend(one(d / "f", bs, total) for _ in range(2)))
+    t.start()
+    t.join()
+    if len(out) != 2:
+        raise RuntimeError(f"the writer thread failed in {d}")
+    return out[0], out[1]
+
+
+def run(reps: int, base: Path | None = None) -> BenchResult:
     res = BenchResult("write-sizes", f"New file, unbuffered write(2)s of one size, MiB/s, "
-                      f"median of {reps}", ["target"] + [f"{bs // 1024} KiB" for bs, _ in SIZES])
+                      f"median of {reps}; a thread's first file, then its next",
+                      ["target", "file"] + [f"{bs // KiB} KiB" for bs, _ in SIZES])
     with scratch_dir("/dev/shm", "wsizes") as root, contextlib.ExitStack() as stack:
         dirs: dict[str, Path] = {"tmpfs": root / "tmpfs"}
         dirs["tmpfs"].mkdir()
@@ -59,12 +78,20 @@ def run(reps: int) -> BenchResult:
         mc = stack.enter_context(mtcfs_mount(root / "cached",
                                              {"size": "4G", "direct_writes": "no"}))
         dirs["mtcfs-cached"] = mc.mnt
+        if base is not None:
+            mb = stack.enter_context(mtcfs_mount(root / "base", {"size": "4G"}, tree=base))
+            dirs["mtcfs-base"] = mb.mnt
+            res.notes.append(f"mtcfs-base: the code of {base} ({git_state(base)})")
         for name, d in dirs.items():
-            row = [name]
+            firsts, nexts = [name, "first"], [name, "next"]
             for bs, total in SIZES:
-                row.append(f"{total / MiB / median([one(d / 'f', bs, total) for _ in range(reps)]):.0f}")
-            res.rows.append(row)
-            print("  ".join(row), flush=True)
+                pairs = [first_and_next(d, bs, total) for _ in range(reps)]
+                firsts.append(f"{total / MiB / median([p[0] for p in pairs]):.0f}")
+                nexts.append(f"{total / MiB / median([p[1] for p in pairs]):.0f}")
+            for row in (firsts, nexts):
+                res.rows.append(row)
+                print("  ".join(row), flush=True)
+        res.notes.append(f"mtcfs: {m.status()['fuse']}")
     res.notes.append(f"load average {os.getloadavg()}")
     return res
 
@@ -75,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--base", type=Path,
+                   help="also mount the code of this tree (a git worktree) as mtcfs-base")
     p.add_argument("--json", help="output file (default bench-results/write-sizes-<time>.json)")
     a = p.parse_args(argv)
     t0 = time.monotonic()
-    res = run(a.reps)
+    res = run(a.reps, a.base)
     res.seconds = time.monotonic() - t0
     report(res, "write-sizes", a.json)
     return 0

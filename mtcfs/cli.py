@@ -568,7 +568,9 @@ def cmd_status(a: argparse.Namespace) -> None:
                  if fuse.get("killpriv_v2") else
                  "no FUSE_HANDLE_KILLPRIV_V2: a GETXATTR before each write "
                  "(scripts/build_fuse.sh, docs/fuse-build.md)")
-              + (", direct writes" if fuse.get("direct_writes") else ", no direct writes"))
+              + (", direct writes" if fuse.get("direct_writes") else ", no direct writes")
+              + (f" ({fuse['small_writer_threads']} threads writing small pieces use the page "
+                 "cache)" if fuse.get("small_writer_threads") else ""))
     if (st.get("store_fs") or {}).get("warning"):
         print(f"  store:    {st['store_fs']['warning']}")
     print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "

@@ -72,7 +72,7 @@ class Daemon:
         self.opts = opts
         self.store: Store | None = None
         self.fs: Filesystem | None = None
-        #: The FUSE adapter, once the mount is being served (its direct_writes is in status).
+        #: The FUSE adapter, once the mount is being served (its direct writes are in status).
         self.ops: Operations | None = None
         self.backup_store: Any = None
         self.backup: Any = None
@@ -530,7 +530,7 @@ class Daemon:
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
             "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid,
-                     "direct_writes": bool(self.ops and self.ops.direct_writes)},
+                     **(self.ops.direct.status() if self.ops else {"direct_writes": False})},
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps),
                     "evict_unsaved": fs.eviction.evict_unsaved,

@@ -23,6 +23,7 @@ from mtcfs.base import procfs
 from mtcfs.base.errors import ENOATTR, FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.model import Attr
+from mtcfs.direct_writes import DirectWrites
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +129,12 @@ class Operations(pyfuse3.Operations):
                  ) -> None:
         super().__init__()
         self.fs = fs
-        #: Mount option direct_writes; :attr:`direct_writes` says whether it is in effect.
-        self.want_direct_writes = direct_writes
-        #: Handles that create or truncate a file are opened with FOPEN_DIRECT_IO: each
-        #: write(2) comes here at once, one copy into the store instead of two and no
-        #: dirty-page throttling (docs/usage.md, "Direct writes"). The kernel stamps no
-        #: c/mtime for such a write, and neither does the core: the times a node shows stay
-        #: the times it stores, across a restart too. Decided at INIT.
-        self.direct_writes = False
+        #: Mount option direct_writes: handles that create or truncate a file are opened
+        #: with FOPEN_DIRECT_IO unless their thread writes small pieces (direct_writes.py;
+        #: docs/usage.md, "Direct writes"). The kernel stamps no c/mtime for such a write,
+        #: and neither does the core: the times a node shows stay the times it stores,
+        #: across a restart too. In effect from INIT, when the kernel grants the flag.
+        self.direct = DirectWrites(direct_writes)
         self.mountpoint = os.path.abspath(mountpoint) if mountpoint else ""
         self._owners: dict[int, int] = {}  # scope=job: fh -> thread group that opened it
         self._mnt_id: int | None = None
@@ -151,7 +150,7 @@ class Operations(pyfuse3.Operations):
     def init(self) -> None:
         """FUSE INIT arrived: the kernel has negotiated the connection."""
         self.fs.kills_suidgid = killpriv_v2()
-        self.direct_writes = self.want_direct_writes and direct_io_allow_mmap()
+        self.direct.on = self.direct.wanted and direct_io_allow_mmap()
         self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
@@ -238,31 +237,25 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        direct = self._direct(flags, created=False)
+        direct = self.direct.choose(flags, False, ctx.pid)
         fh, keep = await self.fs.open(inode, self._flags(flags))
-        self._note_owner(fh, flags, ctx)
+        self._opened(fh, flags, ctx, direct)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        direct = self._direct(flags, created=True)
+        direct = self.direct.choose(flags, True, ctx.pid)
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
                                      ctx.gid)
-        self._note_owner(fh, flags, ctx)
+        self._opened(fh, flags, ctx, direct)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=direct), self._entry(a)
 
-    def _direct(self, flags: int, created: bool) -> bool:
-        """Open this handle with FOPEN_DIRECT_IO? When direct writes are on, for a handle
-        that writes a file from empty: one that creates it or opens it with O_TRUNC (what
-        torch.save, safetensors, DCP and Orbax do), never an O_APPEND one (a log's small
-        appends would each wait for a round trip) nor a reopen that changes a few bytes
-        (those stay in the writeback cache)."""
-        return (self.direct_writes and flags & os.O_ACCMODE != os.O_RDONLY
-                and not flags & os.O_APPEND and (created or bool(flags & os.O_TRUNC)))
-
-    def _note_owner(self, fh: int, flags: int, ctx: Any) -> None:
-        """scope=job: remember which process opened a file for writing (see flush)."""
+    def _opened(self, fh: int, flags: int, ctx: Any, direct: bool) -> None:
+        """Handle ``fh`` is open: note it if direct; in scope=job, remember which process
+        opened a file for writing (see flush)."""
+        if direct:
+            self.direct.opened(fh, ctx.pid)
         if self.fs.job_scope and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
             self._owners[fh] = procfs.tgid(ctx.pid)
 
@@ -278,6 +271,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.direct.wrote(fh, len(buf))
         return await self.fs.write(fh, off, buf)
 
     @_errno_out
@@ -303,6 +297,7 @@ class Operations(pyfuse3.Operations):
     @_errno_out
     async def release(self, fh: int) -> None:
         self._owners.pop(fh, None)
+        self.direct.released(fh)
         await self.fs.release(fh)
 
     @_errno_out

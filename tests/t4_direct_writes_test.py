@@ -15,14 +15,16 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import subprocess
+import threading
 import time
-import types
 
 import pyfuse3
 import pytest
 
-from mtcfs.fuse_ops import Operations
+from mtcfs.direct_writes import CAP, FLIP, MAX_THREADS, DirectWrites
 
+KiB = 1024
 MiB = 1024 * 1024
 
 #: mtcfs's pyfuse3 (third_party/pyfuse3/direct-io-allow-mmap.patch) is installed.
@@ -32,26 +34,105 @@ needs_patched = pytest.mark.skipif(
                         "direct writes stay off (scripts/build_fuse.sh; docs/fuse-build.md)")
 
 
-def _ops(direct_writes: bool) -> Operations:
-    fs = types.SimpleNamespace(job_scope=False, subscribe=lambda cb: None)
-    ops = Operations(fs, "", direct_writes=direct_writes)  # type: ignore[arg-type]
-    ops.direct_writes = direct_writes  # as INIT decides when the kernel grants the flag
-    return ops
+def _policy(on: bool = True) -> DirectWrites:
+    p = DirectWrites(on)
+    p.on = on  # as INIT decides when the kernel grants the flag
+    return p
+
+
+NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 def test_which_handles_are_opened_direct():
-    ops = _ops(True)
+    p = _policy()
     wr, rw, ro = os.O_WRONLY, os.O_RDWR, os.O_RDONLY
-    assert ops._direct(wr | os.O_CREAT | os.O_TRUNC, created=True)
-    assert ops._direct(rw | os.O_CREAT | os.O_EXCL, created=True)
-    assert ops._direct(wr | os.O_TRUNC, created=False)            # an overwrite in place
-    assert not ops._direct(wr | os.O_CREAT | os.O_APPEND, created=True)  # a log's appends
-    assert not ops._direct(rw, created=False)                     # a rewrite of a few bytes
-    assert not ops._direct(ro | os.O_TRUNC, created=False)        # nothing written through it
-    assert not ops._direct(ro, created=False)
-    off = _ops(False)
-    assert not off._direct(wr | os.O_CREAT | os.O_TRUNC, created=True)
-    assert not off._direct(wr | os.O_TRUNC, created=False)
+    assert p.choose(NEW, created=True, tid=1)
+    assert p.choose(rw | os.O_CREAT | os.O_EXCL, created=True, tid=1)
+    assert p.choose(wr | os.O_TRUNC, created=False, tid=1)            # an overwrite in place
+    assert not p.choose(wr | os.O_CREAT | os.O_APPEND, created=True, tid=1)  # a log's appends
+    assert not p.choose(rw, created=False, tid=1)                     # a rewrite of a few bytes
+    assert not p.choose(ro | os.O_TRUNC, created=False, tid=1)        # nothing written through it
+    assert not p.choose(ro, created=False, tid=1)
+    off = _policy(False)
+    assert not off.choose(NEW, created=True, tid=1)
+    assert not off.choose(wr | os.O_TRUNC, created=False, tid=1)
+
+
+def _write_file(p: DirectWrites, fh: int, tid: int, sizes: list[int]) -> bool:
+    """Open handle ``fh`` for a new file as thread ``tid``, send it write requests of
+    ``sizes``, close it; whether it was opened direct."""
+    direct = p.choose(NEW, created=True, tid=tid)
+    if direct:
+        p.opened(fh, tid)
+    for n in sizes:
+        p.wrote(fh, n)
+    p.released(fh)
+    return direct
+
+
+def test_a_thread_writing_small_pieces_gets_the_page_cache_for_its_next_files():
+    """GNU tar's 10 KiB records: the first file stays direct (FUSE cannot change an open
+    handle), every later file of that thread goes through the page cache; another thread
+    is not affected."""
+    p = _policy()
+    assert _write_file(p, 10, tid=7, sizes=[10 * KiB] * 3277)   # 32 MiB in 10 KiB records
+    assert not _write_file(p, 11, tid=7, sizes=[10 * KiB] * 100)
+    assert not _write_file(p, 12, tid=7, sizes=[MiB] * 64)      # remembered: no way back
+    assert _write_file(p, 13, tid=8, sizes=[MiB] * 8)
+    assert p.status() == {"direct_writes": True, "direct_handles_opened": 2,
+                          "small_writer_threads": 1, "small_writer_opens": 2}
+
+
+def test_the_flip_comes_at_flip_small_writes_beyond_each_files_first():
+    p = _policy()
+    fh = 1
+    for _ in range(FLIP):   # files of one small write each: one round trip either way
+        assert _write_file(p, fh, tid=3, sizes=[4 * KiB])
+        fh += 1
+    assert _write_file(p, fh, tid=3, sizes=[4 * KiB] * FLIP)  # FLIP - 1 count
+    assert _write_file(p, fh + 1, tid=3, sizes=[300 * KiB] * 50)  # neither small nor large
+    assert _write_file(p, fh + 2, tid=3, sizes=[4 * KiB] * 2)  # the FLIP-th
+    assert not p.choose(NEW, created=True, tid=3)
+    assert p.choose(NEW, created=True, tid=4)
+
+
+def test_files_written_whole_or_in_large_pieces_stay_direct():
+    """What direct writes are for: torch.save of large tensors (a 64-byte header, then
+    8 MiB sent as 1 MiB requests), safetensors, DCP's 1 MiB buffered writes with a small
+    tail, many small files written in one write(2) each (the create cycle of
+    bench_namespace), and a state dict of large tensors with some small ones (norms)."""
+    p = _policy()
+    fh = 100
+    for _ in range(3):   # three saves
+        llm = []
+        for i in range(300):
+            llm += [64, *([MiB] * 8)] if i % 5 else [64, 8 * KiB]
+        assert _write_file(p, fh, tid=1, sizes=llm)
+        fh += 1
+    for _ in range(2000):
+        assert _write_file(p, fh, tid=1, sizes=[4 * KiB])
+        fh += 1
+    assert _write_file(p, fh, tid=1, sizes=[MiB] * 40 + [300])
+    assert p.status()["small_writer_threads"] == 0
+
+
+def test_a_long_past_of_large_writes_does_not_hide_a_run_of_small_ones():
+    """The score is capped: after 10 GiB of 1 MiB writes, a thread that starts writing
+    10 KiB pieces flips after CAP + FLIP of them, not after 10,000."""
+    p = _policy()
+    assert _write_file(p, 1, tid=5, sizes=[MiB] * 10240)
+    assert _write_file(p, 2, tid=5, sizes=[10 * KiB] * (CAP + FLIP + 1))
+    assert not p.choose(NEW, created=True, tid=5)
+
+
+def test_threads_are_remembered_up_to_a_bound():
+    p = _policy()
+    for tid in range(MAX_THREADS + 10):
+        _write_file(p, tid, tid=tid, sizes=[4 * KiB] * (FLIP + 1))
+    assert p.status()["small_writer_threads"] == MAX_THREADS
+    assert p.choose(NEW, created=True, tid=0)          # the oldest, forgotten
+    assert not p.choose(NEW, created=True, tid=MAX_THREADS + 9)
+    assert len(p._scores) <= MAX_THREADS
 
 
 @needs_patched
@@ -151,3 +232,89 @@ def test_an_overwrite_in_place_moves_the_mtime_this_node_shows(mount):
         f.write(b"y" * 100)
     assert os.stat(path).st_mtime_ns > t0
     assert path.read_bytes() == b"y" * 100
+
+
+def _write_in_pieces(path, data: bytes, piece: int) -> bool:
+    """Create ``path`` and write ``data`` in write(2)s of ``piece`` bytes, the first after
+    the clock moved; whether the file's mtime moved with the writes (it does through the
+    page cache, where the kernel stamps each write; not through a direct handle)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        created = os.fstat(fd).st_mtime_ns
+        time.sleep(0.05)  # the clock, not a race: past the coarse clock's tick
+        for off in range(0, len(data), piece):
+            os.write(fd, data[off:off + piece])
+        return os.fstat(fd).st_mtime_ns != created
+    finally:
+        os.close(fd)
+
+
+def _in_thread(fn) -> None:
+    """Run ``fn`` in a new thread of this process (FUSE requests carry its thread id)."""
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            err.append(exc)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    if err:
+        raise err[0]
+
+
+@needs_patched
+def test_small_pieces_move_the_writing_thread_to_the_page_cache(mount):
+    """A thread that writes a new file in 4 KiB write(2)s (each a round trip when direct)
+    gets the page cache for its next files; a thread writing 1 MiB pieces beside it keeps
+    direct writes; every byte arrives either way."""
+    small, big = os.urandom(FLIP * 4 * 4096), os.urandom(8 * MiB)
+    stamped: dict[str, bool] = {}
+
+    def small_writer():
+        for name, data, piece in (("a", small, 4096), ("b", small, 4096), ("c", big, MiB)):
+            stamped[name] = _write_in_pieces(mount.path(f"{name}.bin"), data, piece)
+
+    def big_writer():
+        for name in ("d", "e"):
+            stamped[name] = _write_in_pieces(mount.path(f"{name}.bin"), big, MiB)
+
+    before = mount.status()["fuse"].get("direct_handles_opened", 0)
+    _in_thread(small_writer)
+    moved = mount.status()["fuse"].get("small_writer_threads")
+    _in_thread(big_writer)
+    # a: direct, then its thread moved; b, c: through the page cache; d, e: direct
+    assert stamped == {"a": False, "b": True, "c": True, "d": False, "e": False}
+    for name, data in (("a", small), ("b", small), ("c", big), ("d", big), ("e", big)):
+        assert mount.path(f"{name}.bin").read_bytes() == data
+    st = mount.status()["fuse"]
+    assert moved == 1
+    assert (st["direct_handles_opened"] - before, st["small_writer_threads"],
+            st["small_writer_opens"]) == (3, 1, 2)
+    assert "1 threads writing small pieces use the page cache" in mount.cli(
+        "status", str(mount.mnt)).stdout
+
+
+@needs_patched
+def test_gnu_tar_extracts_through_the_page_cache_after_its_first_file(mount, tmp_path):
+    """GNU tar writes each file in 10 KiB records: its first file is written direct (10 KiB
+    a round trip), the rest through the page cache; the tree comes out bit-exact."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"shard{i}.bin": os.urandom(MiB + 1000 * i) for i in range(6)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    archive = tmp_path / "ckpt.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(src), "."], check=True)
+    dest = mount.path("restored")
+    dest.mkdir()
+    before = mount.status()["fuse"]["direct_handles_opened"]
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(dest)], check=True, timeout=120)
+    st = mount.status()["fuse"]
+    assert st["direct_handles_opened"] - before == 1
+    assert (st["small_writer_threads"], st["small_writer_opens"]) == (1, len(files) - 1)
+    for name, data in files.items():
+        assert (dest / name).read_bytes() == data
