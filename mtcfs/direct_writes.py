@@ -18,7 +18,9 @@ write costs one round trip either way) ``-1``. A thread whose score falls to
 as this mount remembers it (:data:`MAX_THREADS`, least recently seen forgotten first).
 The handle that was open when it flipped stays direct: FUSE cannot change it. The score
 is kept within ``±``:data:`CAP`, so a long past of large writes does not hide a run of
-small ones.
+small ones. A request from a process outside the daemon's PID namespace carries thread
+id 0 (a training pod beside a DaemonSet's daemon without ``hostPID``): such threads
+cannot be told apart, so they are not scored and their files stay direct.
 
 The thresholds come from ``make bench-write-sizes`` (one write(2) size per file, direct
 against the page cache, docs/benchmarks.md): direct writes lose below 256 KiB (128 KiB
@@ -100,9 +102,11 @@ class DirectWrites:
         return True
 
     def opened(self, fh: int, tid: int) -> None:
-        """Handle ``fh``, which :meth:`choose` opened direct for thread ``tid``, is open."""
-        self._handles[fh] = _Direct(tid)
+        """Handle ``fh``, which :meth:`choose` opened direct for thread ``tid``, is open
+        (thread 0, one outside the daemon's PID namespace, is never scored)."""
         self.opened_direct += 1
+        if tid:
+            self._handles[fh] = _Direct(tid)
 
     def wrote(self, fh: int, nbytes: int) -> None:
         """A write request of ``nbytes`` arrived on handle ``fh`` (any handle)."""
@@ -131,10 +135,6 @@ class DirectWrites:
     def released(self, fh: int) -> None:
         """Handle ``fh`` is closed for good."""
         self._handles.pop(fh, None)
-
-    def is_direct(self, fh: int) -> bool:
-        """Whether handle ``fh`` was opened direct."""
-        return fh in self._handles
 
     def status(self) -> dict[str, Any]:
         """The ``fuse`` part of ``mtcfs status`` for direct writes."""

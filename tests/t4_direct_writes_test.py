@@ -125,6 +125,15 @@ def test_a_long_past_of_large_writes_does_not_hide_a_run_of_small_ones():
     assert not p.choose(NEW, created=True, tid=5)
 
 
+def test_threads_outside_the_daemons_pid_namespace_stay_direct():
+    """FUSE gives thread id 0 for a process the daemon's PID namespace cannot see (a pod
+    beside a DaemonSet's daemon): one such small writer must not move all of them."""
+    p = _policy()
+    assert _write_file(p, 1, tid=0, sizes=[4 * KiB] * 1000)
+    assert _write_file(p, 2, tid=0, sizes=[4 * KiB] * 1000)
+    assert p.status()["small_writer_threads"] == 0
+
+
 def test_threads_are_remembered_up_to_a_bound():
     p = _policy()
     for tid in range(MAX_THREADS + 10):
