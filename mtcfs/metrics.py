@@ -209,6 +209,17 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
     out.add("mtcfs_suspect_peers", "gauge",
             "Peers asked last for chunks because they failed a fetch lately.",
             len(reads.get("suspect_peers") or []))
+    fuse = status.get("fuse") or {}
+    out.add("mtcfs_direct_writes", "gauge", "1 if handles that create or truncate a file are"
+            " opened FOPEN_DIRECT_IO (mount option direct_writes, granted by the kernel).",
+            fuse.get("direct_writes"))
+    out.add("mtcfs_direct_handles_opened_total", "counter", "Handles opened FOPEN_DIRECT_IO"
+            " (direct writes).", fuse.get("direct_handles_opened"))
+    out.add("mtcfs_small_writer_threads", "gauge", "Threads whose new files go through the"
+            " page cache because they wrote earlier ones in small pieces (direct_writes.py).",
+            fuse.get("small_writer_threads"))
+    out.add("mtcfs_small_writer_opens_total", "counter", "Handles opened through the page"
+            " cache because their thread writes small pieces.", fuse.get("small_writer_opens"))
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
     for key, snap in sorted((status.get("histograms") or {}).items()):

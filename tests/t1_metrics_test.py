@@ -14,6 +14,8 @@ from mtcfs.metrics import prometheus_text
 
 STATUS = {
     "job": "llama", "node": "host-a", "ram": {"capacity": 100, "used": 40, "checkpoints": 2},
+    "fuse": {"libfuse": "3.17.2", "killpriv_v2": True, "direct_writes": True,
+             "direct_handles_opened": 12, "small_writer_threads": 2, "small_writer_opens": 5},
     "errors": ["x"],
     "counters": {"bytes_written": 7, "enospc": 0, "fault_waits": 3, "fault_timeouts": 1},
     "histograms": {"seal_seconds": {"bounds": [0.1, 1.0], "counts": [2, 0, 1], "sum": 7.25,
@@ -58,6 +60,9 @@ def test_metrics_cover_ram_backup_restore_and_peers():
         return s[(name, frozenset(job | {(k, str(v)) for k, v in labels.items()}))]
 
     assert get("mtcfs_ram_used_bytes") == 40 and get("mtcfs_errors") == 1
+    assert get("mtcfs_direct_writes") == 1 and get("mtcfs_direct_handles_opened_total") == 12
+    assert get("mtcfs_small_writer_threads") == 2
+    assert get("mtcfs_small_writer_opens_total") == 5
     assert get("mtcfs_bytes_written_total") == 7
     assert get("mtcfs_backup_failures_total") == 1 and get("mtcfs_backup_pending") == 1
     assert get("mtcfs_restore_chunks_total", tier="peers") == 5
