@@ -125,9 +125,9 @@ class DirectWrites:
         if len(self._scores) > MAX_THREADS:
             self._scores.popitem(last=False)
         if score <= -FLIP and h.tid not in self._cached:
-            log.info("thread %d writes new files in small pieces (%d requests under %d "
-                     "KiB): its next files go through the page cache", h.tid, FLIP,
-                     SMALL // KiB)
+            log.info("thread %d writes new files in small pieces (its direct write "
+                     "requests mostly under %d KiB): its next files go through the page "
+                     "cache", h.tid, SMALL // KiB)
             self._cached[h.tid] = None
             if len(self._cached) > MAX_THREADS:
                 self._cached.popitem(last=False)
