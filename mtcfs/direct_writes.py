@@ -1,12 +1,13 @@
 """Which handles write around the kernel's page cache (mount option ``direct_writes``).
 
-A handle that creates a file or opens it ``O_TRUNC`` for writing is opened with FUSE's
-``FOPEN_DIRECT_IO``: each ``write(2)`` reaches the daemon at once, one copy of each byte
-instead of two and no dirty-page throttling. That makes a save of large tensors faster
-than the page cache can (docs/benchmarks.md, "Direct writes"), but every request is a
-round trip the writer waits for (~70-110 us here), where the page cache would have
-gathered many small writes into one 1 MiB request: GNU tar's 10 KiB records, HDF5, an
-SQLite database, or ``torch.save`` of thousands of small tensors run 3-12x slower direct.
+A write-only handle that creates a file or opens it ``O_TRUNC`` is opened with FUSE's
+``FOPEN_DIRECT_IO`` (:meth:`DirectWrites.choose` says which): each ``write(2)`` reaches
+the daemon at once, one copy of each byte instead of two and no dirty-page throttling.
+That makes a save of large tensors faster than the page cache can (docs/benchmarks.md,
+"Direct writes"), but every request is a round trip the writer waits for (~70-110 us
+here), where the page cache would have gathered many small writes into one 1 MiB
+request: GNU tar's 10 KiB records or ``torch.save`` of thousands of small tensors ran
+3-6x slower direct.
 
 FUSE cannot change an open file's mode, so the choice is made at each open, from what the
 opening **thread** (FUSE requests carry the thread id) wrote through its earlier direct
@@ -54,6 +55,9 @@ CAP = 64
 #: forgotten first.
 MAX_THREADS = 4096
 
+#: What :meth:`DirectWrites.choose` decides for a handle.
+DIRECT, CACHED, SMALL_WRITER = "direct", "cached", "small writer"
+
 
 @dataclass
 class _Direct:
@@ -82,31 +86,41 @@ class DirectWrites:
         self.opened_direct = 0
         self.opened_cached = 0
 
-    def choose(self, flags: int, created: bool, tid: int) -> bool:
-        """Open this handle with FOPEN_DIRECT_IO? For a handle that writes a file from
-        empty (it creates it, or opens it ``O_TRUNC`` for writing; what torch.save,
-        safetensors, DCP and Orbax do), never an ``O_APPEND`` one (a log's appends) nor a
-        reopen that changes a few bytes, and not for a thread that writes small pieces.
+    def choose(self, flags: int, empty: bool, tid: int) -> str:
+        """How to open a handle that is now open in the core: :data:`DIRECT`
+        (FOPEN_DIRECT_IO), :data:`SMALL_WRITER` (through the page cache, because thread
+        ``tid`` writes small pieces) or :data:`CACHED` (not a handle direct writes are
+        for). Direct: a write-only handle (``O_WRONLY``, what ``open(path, "wb")``,
+        torch.save and safetensors use) of a file it leaves empty (it created it, or
+        truncated it), not ``O_APPEND`` (a log's appends). Never an ``O_RDWR`` one: through
+        a direct handle reads go around the page cache too (a hole that another handle's
+        unwritten pages extend reads as end of file), and a shared mapping of the file
+        beside its write(2)s could lose bytes of a page both touch (review tests in
+        tests/t4_direct_writes_test.py); nor a reopen that changes a few bytes.
 
         Args:
-            flags: the open(2) flags; created: the open creates the file; tid: the
-                thread that opens it (the FUSE request's pid).
+            flags: the open(2) flags.
+            empty: the file is empty now that the open is done (created or truncated by
+                it; an ``O_CREAT`` open that found a file with content is not).
+            tid: the thread that opens it (the FUSE request's pid).
         """
-        if not (self.on and flags & os.O_ACCMODE != os.O_RDONLY and not flags & os.O_APPEND
-                and (created or flags & os.O_TRUNC)):
-            return False
+        if not (self.on and flags & os.O_ACCMODE == os.O_WRONLY
+                and not flags & os.O_APPEND and empty):
+            return CACHED
         if tid in self._cached:
             self._cached.move_to_end(tid)
-            self.opened_cached += 1
-            return False
-        return True
+            return SMALL_WRITER
+        return DIRECT
 
-    def opened(self, fh: int, tid: int) -> None:
-        """Handle ``fh``, which :meth:`choose` opened direct for thread ``tid``, is open
-        (thread 0, one outside the daemon's PID namespace, is never scored)."""
-        self.opened_direct += 1
-        if tid:
-            self._handles[fh] = _Direct(tid)
+    def opened(self, fh: int, tid: int, choice: str) -> None:
+        """Handle ``fh`` is open as :meth:`choose` said for thread ``tid`` (thread 0, one
+        outside the daemon's PID namespace, is never scored)."""
+        if choice == DIRECT:
+            self.opened_direct += 1
+            if tid:
+                self._handles[fh] = _Direct(tid)
+        elif choice == SMALL_WRITER:
+            self.opened_cached += 1
 
     def wrote(self, fh: int, nbytes: int) -> None:
         """A write request of ``nbytes`` arrived on handle ``fh`` (any handle)."""

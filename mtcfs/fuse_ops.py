@@ -23,7 +23,7 @@ from mtcfs.base import procfs
 from mtcfs.base.errors import ENOATTR, FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.model import Attr
-from mtcfs.direct_writes import DirectWrites
+from mtcfs.direct_writes import DIRECT, DirectWrites
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class Operations(pyfuse3.Operations):
                  ) -> None:
         super().__init__()
         self.fs = fs
-        #: Mount option direct_writes: handles that create or truncate a file are opened
-        #: with FOPEN_DIRECT_IO unless their thread writes small pieces (direct_writes.py;
+        #: Mount option direct_writes: write-only handles that create or truncate a file are
+        #: opened FOPEN_DIRECT_IO unless their thread writes small pieces (direct_writes.py;
         #: docs/usage.md, "Direct writes"). The kernel stamps no c/mtime for such a write,
         #: and neither does the core: the times a node shows stay the times it stores,
         #: across a restart too. In effect from INIT, when the kernel grants the flag.
@@ -237,25 +237,27 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        direct = self.direct.choose(flags, False, ctx.pid)
         fh, keep = await self.fs.open(inode, self._flags(flags))
-        self._opened(fh, flags, ctx, direct)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
+        choice = self.direct.choose(flags, bool(flags & os.O_TRUNC), ctx.pid)
+        self._opened(fh, flags, ctx, choice)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=choice == DIRECT)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        direct = self.direct.choose(flags, True, ctx.pid)
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
                                      ctx.gid)
-        self._opened(fh, flags, ctx, direct)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=direct), self._entry(a)
+        # (in scope=job another node may have created the name since the kernel's lookup:
+        # the core then opened that file, which may have content)
+        choice = self.direct.choose(flags, a.size == 0, ctx.pid)
+        self._opened(fh, flags, ctx, choice)
+        return (pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=choice == DIRECT),
+                self._entry(a))
 
-    def _opened(self, fh: int, flags: int, ctx: Any, direct: bool) -> None:
-        """Handle ``fh`` is open: note it if direct; in scope=job, remember which process
-        opened a file for writing (see flush)."""
-        if direct:
-            self.direct.opened(fh, ctx.pid)
+    def _opened(self, fh: int, flags: int, ctx: Any, choice: str) -> None:
+        """Handle ``fh`` is open: tell direct writes what was chosen for it; in scope=job,
+        remember which process opened a file for writing (see flush)."""
+        self.direct.opened(fh, ctx.pid, choice)
         if self.fs.job_scope and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
             self._owners[fh] = procfs.tgid(ctx.pid)
 
