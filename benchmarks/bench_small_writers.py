@@ -22,7 +22,6 @@ options. Figures in docs/benchmarks.md, "Direct writes for large pieces only".
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -34,8 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (MiB, BenchResult, git_state, median, mtcfs_mount, scratch_dir,
-                               served_mount)
+from benchmarks.common import MiB, BenchResult, median, scratch_dir, write_targets
 
 
 def tensors(count: int, numel: Callable[[int], int]) -> dict[str, Any]:
@@ -89,21 +87,7 @@ def run(reps: int, base: Path | None = None) -> BenchResult:
         archive = root / "ckpt.tar"
         subprocess.run(["tar", "-cf", str(archive), "-C", str(src), "."], check=True)
         shutil.rmtree(src)
-        dirs: dict[str, Path] = {"tmpfs": root / "tmpfs"}
-        dirs["tmpfs"].mkdir()
-        mnt = root / "noop"
-        mnt.mkdir()
-        stack.enter_context(served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(mnt)],
-                                         mnt, "noop_fs", ["fusermount3", "-u", str(mnt)]))
-        dirs["noop"] = mnt
-        m = stack.enter_context(mtcfs_mount(root / "direct", {"size": "4G"}))
-        dirs["mtcfs"] = m.mnt
-        dirs["mtcfs-cached"] = stack.enter_context(
-            mtcfs_mount(root / "cached", {"size": "4G", "direct_writes": "no"})).mnt
-        if base is not None:
-            dirs["mtcfs-base"] = stack.enter_context(
-                mtcfs_mount(root / "base", {"size": "4G"}, tree=base)).mnt
-            res.notes.append(f"mtcfs-base: the code of {base} ({git_state(base)})")
+        dirs, m = write_targets(stack, root, base, res.notes)
         got: dict[str, dict[str, list[float]]] = {n: {} for n in dirs}
         names = list(dirs)
         for rep in range(reps):
@@ -128,20 +112,8 @@ def run(reps: int, base: Path | None = None) -> BenchResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.run import report
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_small_writers",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--base", type=Path,
-                   help="also mount the code of this tree (a git worktree) as mtcfs-base")
-    p.add_argument("--json", help="output file (default bench-results/small-writers-<time>.json)")
-    a = p.parse_args(argv)
-    t0 = time.monotonic()
-    res = run(a.reps, a.base)
-    res.seconds = time.monotonic() - t0
-    report(res, "small-writers", a.json)
-    return 0
+    from benchmarks.run import reps_base_main
+    return reps_base_main(argv, "benchmarks.bench_small_writers", __doc__, "small-writers", run)
 
 
 if __name__ == "__main__":

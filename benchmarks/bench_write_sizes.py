@@ -18,7 +18,6 @@ default options. Why: docs/usage.md, "Direct writes"; figures in docs/benchmarks
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -26,8 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import (MiB, BenchResult, git_state, median, mtcfs_mount,
-                               scratch_dir, served_mount)
+from benchmarks.common import MiB, BenchResult, median, scratch_dir, write_targets
 
 KiB = 1024
 SIZES = ((4 * KiB, 32 * MiB), (64 * KiB, 256 * MiB), (128 * KiB, 256 * MiB),
@@ -65,23 +63,8 @@ def run(reps: int, base: Path | None = None) -> BenchResult:
                       f"median of {reps}; a thread's first file, then its next",
                       ["target", "file"] + [f"{bs // KiB} KiB" for bs, _ in SIZES])
     with scratch_dir("/dev/shm", "wsizes") as root, contextlib.ExitStack() as stack:
-        dirs: dict[str, Path] = {"tmpfs": root / "tmpfs"}
-        dirs["tmpfs"].mkdir()
-        mnt = root / "noop"
-        mnt.mkdir()
-        stack.enter_context(served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(mnt)],
-                                         mnt, "noop_fs", ["fusermount3", "-u", str(mnt)]))
-        dirs["noop"] = mnt
-        m = stack.enter_context(mtcfs_mount(root / "direct", {"size": "4G"}))
-        dirs["mtcfs"] = m.mnt
+        dirs, m = write_targets(stack, root, base, res.notes)
         res.notes.append(f"mtcfs direct writes: {m.status()['fuse'].get('direct_writes')}")
-        mc = stack.enter_context(mtcfs_mount(root / "cached",
-                                             {"size": "4G", "direct_writes": "no"}))
-        dirs["mtcfs-cached"] = mc.mnt
-        if base is not None:
-            mb = stack.enter_context(mtcfs_mount(root / "base", {"size": "4G"}, tree=base))
-            dirs["mtcfs-base"] = mb.mnt
-            res.notes.append(f"mtcfs-base: the code of {base} ({git_state(base)})")
         for name, d in dirs.items():
             firsts, nexts = [name, "first"], [name, "next"]
             for bs, total in SIZES:
@@ -97,20 +80,8 @@ def run(reps: int, base: Path | None = None) -> BenchResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.run import report
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_write_sizes",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--base", type=Path,
-                   help="also mount the code of this tree (a git worktree) as mtcfs-base")
-    p.add_argument("--json", help="output file (default bench-results/write-sizes-<time>.json)")
-    a = p.parse_args(argv)
-    t0 = time.monotonic()
-    res = run(a.reps, a.base)
-    res.seconds = time.monotonic() - t0
-    report(res, "write-sizes", a.json)
-    return 0
+    from benchmarks.run import reps_base_main
+    return reps_base_main(argv, "benchmarks.bench_write_sizes", __doc__, "write-sizes", run)
 
 
 if __name__ == "__main__":

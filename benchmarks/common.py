@@ -344,6 +344,32 @@ def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
             shutil.rmtree(m.store, ignore_errors=True)
 
 
+def write_targets(stack: contextlib.ExitStack, root: Path, base: Path | None,
+                  notes: list[str]) -> tuple[dict[str, Path], Mount]:
+    """The targets of the direct-writes benchmarks (bench_write_sizes, bench_small_writers),
+    mounted under ``root`` on ``stack`` (unmounted when it closes): ``tmpfs``, ``noop``
+    (the FUSE ceiling), ``mtcfs`` (direct writes on, the default), ``mtcfs-cached``
+    (``direct_writes=no``) and, with ``base``, ``mtcfs-base`` (the code of that tree with
+    its default options; said in ``notes``). Returns {name: directory} and the mtcfs mount
+    (for its status)."""
+    dirs: dict[str, Path] = {"tmpfs": root / "tmpfs"}
+    dirs["tmpfs"].mkdir()
+    mnt = root / "noop"
+    mnt.mkdir()
+    stack.enter_context(served_mount([sys.executable, "-m", "benchmarks.noop_fs", str(mnt)],
+                                     mnt, "noop_fs", ["fusermount3", "-u", str(mnt)]))
+    dirs["noop"] = mnt
+    m = stack.enter_context(mtcfs_mount(root / "direct", {"size": "4G"}))
+    dirs["mtcfs"] = m.mnt
+    dirs["mtcfs-cached"] = stack.enter_context(
+        mtcfs_mount(root / "cached", {"size": "4G", "direct_writes": "no"})).mnt
+    if base is not None:
+        dirs["mtcfs-base"] = stack.enter_context(
+            mtcfs_mount(root / "base", {"size": "4G"}, tree=base)).mnt
+        notes.append(f"mtcfs-base: the code of {base} ({git_state(base)})")
+    return dirs, m
+
+
 @contextlib.contextmanager
 def served_mount(cmd: list[str], mnt: Path, what: str,
                  unmount: list[str]) -> Iterator[subprocess.Popen[str]]:

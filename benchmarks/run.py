@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import (GiB, MiB, REPO, BenchResult, git_state, human, machine_info,
@@ -59,6 +60,24 @@ def report(res: BenchResult, key: str, json_path: str | None) -> Path:
     write_json(out, {"machine": machine_info(), "result": res.to_json()})
     print(f"\nresults: {out}")
     return out
+
+
+def reps_base_main(argv: list[str] | None, module: str, doc: str | None, key: str,
+                   run: Callable[[int, Path | None], BenchResult]) -> int:
+    """The command line of a benchmark run as ``run(reps, base)`` (``--reps``, ``--base``,
+    ``--json``): parse, time, :func:`report` under ``key``; the exit status."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--base", type=Path,
+                   help="also mount the code of this tree (a git worktree) as mtcfs-base")
+    p.add_argument("--json", help=f"output file (default bench-results/{key}-<time>.json)")
+    a = p.parse_args(argv)
+    t0 = time.monotonic()
+    res = run(a.reps, a.base)
+    res.seconds = time.monotonic() - t0
+    report(res, key, a.json)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
