@@ -12,6 +12,7 @@ and the mount must then say so in ``mtcfs status``. The side-by-side POSIX behav
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -45,7 +46,10 @@ def mnt():
         m.start()
         yield m
     finally:
-        m.cleanup()
+        try:
+            m.cleanup()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)  # the store (on /dev/shm: RAM)
 
 
 def _getxattrs(m: Mount) -> int:
