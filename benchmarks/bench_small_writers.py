@@ -27,13 +27,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import MiB, BenchResult, median, scratch_dir, write_targets
+from benchmarks.common import (MiB, BenchResult, first_and_next, median, scratch_dir,
+                               write_targets)
 
 
 def tensors(count: int, numel: Callable[[int], int]) -> dict[str, Any]:
@@ -53,24 +53,14 @@ def tar_x(archive: Path, d: Path) -> float:
     return dt
 
 
-def saves(d: Path, sd: dict[str, Any]) -> tuple[float, float]:
-    """Seconds of a new thread's first ``torch.save`` of ``sd`` into ``d`` and its next
-    (each file removed after its save)."""
+def save(path: Path, sd: dict[str, Any]) -> float:
+    """Seconds of one ``torch.save`` of ``sd`` to new file ``path`` (removed after)."""
     import torch
-    out: list[float] = []
-
-    def run() -> None:
-        for i in range(2):
-            t0 = time.perf_counter()
-            torch.save(sd, d / f"s{i}.pt")
-            out.append(time.perf_counter() - t0)
-            (d / f"s{i}.pt").unlink()
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if len(out) != 2:
-        raise RuntimeError(f"torch.save failed in {d}")
-    return out[0], out[1]
+    t0 = time.perf_counter()
+    torch.save(sd, path)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
 
 
 def run(reps: int, base: Path | None = None) -> BenchResult:
@@ -96,7 +86,8 @@ def run(reps: int, base: Path | None = None) -> BenchResult:
                 g = got[name]
                 g.setdefault("tar", []).append(tar_x(archive, d))
                 for key, sd in (("small", small), ("large", large)):
-                    first, nxt = saves(d, sd)
+                    first, nxt = first_and_next(
+                        lambda i: save(d / f"s{i}.pt", sd))
                     g.setdefault(f"{key} first", []).append(first)
                     g.setdefault(f"{key} next", []).append(nxt)
                 print(f"  rep {rep + 1} {name}: " + ", ".join(

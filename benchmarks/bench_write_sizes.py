@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import MiB, BenchResult, median, scratch_dir, write_targets
+from benchmarks.common import (MiB, BenchResult, first_and_next, median, scratch_dir,
+                               write_targets)
 
 KiB = 1024
 SIZES = ((4 * KiB, 32 * MiB), (64 * KiB, 256 * MiB), (128 * KiB, 256 * MiB),
@@ -47,28 +47,17 @@ def one(path: Path, bs: int, total: int) -> float:
     return dt
 
 
-def first_and_next(d: Path, bs: int, total: int) -> tuple[float, float]:
-    """Seconds for a new thread's first file and for its next one (see :func:`one`)."""
-    out: list[float] = []
-    t = threading.Thread(target=lambda: out.extend(one(d / "f", bs, total) for _ in range(2)))
-    t.start()
-    t.join()
-    if len(out) != 2:
-        raise RuntimeError(f"the writer thread failed in {d}")
-    return out[0], out[1]
-
-
 def run(reps: int, base: Path | None = None) -> BenchResult:
     res = BenchResult("write-sizes", f"New file, unbuffered write(2)s of one size, MiB/s, "
                       f"median of {reps}; a thread's first file, then its next",
                       ["target", "file"] + [f"{bs // KiB} KiB" for bs, _ in SIZES])
     with scratch_dir("/dev/shm", "wsizes") as root, contextlib.ExitStack() as stack:
         dirs, m = write_targets(stack, root, base, res.notes)
-        res.notes.append(f"mtcfs direct writes: {m.status()['fuse'].get('direct_writes')}")
         for name, d in dirs.items():
             firsts, nexts = [name, "first"], [name, "next"]
             for bs, total in SIZES:
-                pairs = [first_and_next(d, bs, total) for _ in range(reps)]
+                pairs = [first_and_next(lambda _: one(d / "f", bs, total))
+                         for _ in range(reps)]
                 firsts.append(f"{total / MiB / median([p[0] for p in pairs]):.0f}")
                 nexts.append(f"{total / MiB / median([p[1] for p in pairs]):.0f}")
             for row in (firsts, nexts):

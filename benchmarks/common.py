@@ -344,6 +344,23 @@ def mtcfs_mount(root: Path, options: dict[str, str], job: str = "bench",
             shutil.rmtree(m.store, ignore_errors=True)
 
 
+def first_and_next(fn: Callable[[int], float]) -> tuple[float, float]:
+    """``fn(0)`` then ``fn(1)`` (each returns its seconds) in a new thread: the first and
+    the next file of a thread mtcfs has not seen write (direct writes are chosen per
+    thread, mtcfs/direct_writes.py).
+
+    Raises:
+        RuntimeError: ``fn`` raised in the thread (its traceback is printed there).
+    """
+    out: list[float] = []
+    t = threading.Thread(target=lambda: out.extend(fn(i) for i in range(2)))
+    t.start()
+    t.join()
+    if len(out) != 2:
+        raise RuntimeError("the writer thread failed")
+    return out[0], out[1]
+
+
 def write_targets(stack: contextlib.ExitStack, root: Path, base: Path | None,
                   notes: list[str]) -> tuple[dict[str, Path], Mount]:
     """The targets of the direct-writes benchmarks (bench_write_sizes, bench_small_writers),
