@@ -610,6 +610,11 @@ def cmd_status(a: argparse.Namespace) -> None:
         print(format_namespace_status(st["namespace"]))
     if st.get("mtc"):
         print(format_mtc_status(st["mtc"]))
+    rej = st.get("rejected_records") or {}
+    if rej.get("total"):
+        last = rej["last"][-1]
+        print(f"  etcd:     {rej['total']} records refused and skipped (bad form); last: "
+              f"{last['key']} ({last['kind']}): {last['why']}")
     if st["errors"]:
         print("  errors:")
         for e in st["errors"][-10:]:

@@ -20,7 +20,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mtcfs.base import pools
+from mtcfs.base import pools, untrusted
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
@@ -540,6 +540,7 @@ class Daemon:
             "fds": {"open": len(fs.fds), "limit": fs.fds.limit, "opens": fs.fds.opens,
                     "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
+            "rejected_records": untrusted.REJECTED.snapshot(),
             "reads": {"deadline_s": fs.fetcher.fetch_deadline_s, "failed": fs.counters.fault_errors,
                       "last_failure": fs.fetcher.last_fault_error,
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",

@@ -220,6 +220,11 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
             fuse.get("small_writer_threads"))
     out.add("mtcfs_small_writer_opens_total", "counter", "Handles opened through the page"
             " cache because their thread writes small pieces.", fuse.get("small_writer_opens"))
+    rejected = status.get("rejected_records") or {}
+    for kind, n in sorted((rejected.get("by_kind") or {}).items()):
+        out.add("mtcfs_rejected_records_total", "counter", "Records read back from etcd that"
+                " did not parse as their kind and were skipped (mtcfs/base/untrusted.py).",
+                n, {"kind": kind})
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
     for key, snap in sorted((status.get("histograms") or {}).items()):
