@@ -9,11 +9,16 @@ Subcommands talk to the daemon over its control socket:
 ``status``, ``checkpoints``, ``restore``, ``seal``, ``gc``, ``verify``, ``backup``, ``umount``.
 Only root and the user who mounted may use it, for every subcommand (the daemon checks the
 caller's uid; docs/security-local.md): anyone else gets a one-line refusal and exit 1.
+The other way round, a subcommand talks only to the daemon of a real ``fuse.mtcfs`` mount
+(its line in /proc/self/mountinfo), through a socket of the user who mounted it, served by
+that user or root (:func:`find_control_socket`); else, and for an answer it cannot read,
+one line and exit 1. ``umount`` acts only on a ``fuse.mtcfs`` mount.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -22,10 +27,13 @@ import select
 import shutil
 import signal
 import subprocess
+import stat
 import sys
 import math
+import threading
 import time
-from typing import Any, NoReturn
+from collections.abc import Iterator
+from typing import Any, NamedTuple, NoReturn
 
 from tqdm import tqdm
 
@@ -300,37 +308,145 @@ class NoDaemon(Exception):
     """No mtcfs daemon answers for a path (the message is the one-line error)."""
 
 
-def find_control_socket(path: str) -> tuple[str, str]:
-    """Find the daemon serving ``path``: returns (socket path, mount root).
+#: The filesystem type of an mtcfs mount in /proc/self/mountinfo.
+FSTYPE = "fuse.mtcfs"
+#: The mount root's virtual xattr naming the control socket (core/xattrs.py).
+CONTROL_XATTR = "user.mtcfs.control"
+#: How long the mount's root may take to answer that xattr (a stopped or stuck daemon
+#: never does; the wait is in a thread, so the command ends anyway).
+XATTR_TIMEOUT_S = 30.0
+
+
+class ControlEndpoint(NamedTuple):
+    """The daemon of one mtcfs mount, as :func:`find_control_socket` found and checked it.
+
+    Attributes:
+        sock: its control socket's path.
+        root: the mount point.
+        uids: the uids the process serving ``sock`` may run as (the mount's user, root).
+        owner: the uid of the user who mounted (mountinfo's ``user_id=``).
+        path: the path asked about, absolute, as a path below ``root``.
+    """
+
+    sock: str
+    root: str
+    uids: frozenset[int]
+    owner: int
+    path: str
+
+
+def _root_xattr(root: str) -> bytes:
+    """The control xattr of mount point ``root``, waited for at most
+    :data:`XATTR_TIMEOUT_S` seconds (the getxattr runs in a daemon thread, which a stuck
+    FUSE mount may hold until the process ends).
 
     Raises:
-        NoDaemon: ``path`` is not on an mtcfs mount, or its mount's root cannot be read
-            (the message names the errno: EACCES for another user on a mount without
-            ``allow_other``, ENOTCONN for a daemon that is gone, EIO, ...).
+        NoDaemon: no answer in time, or the getxattr failed (the message names the errno).
     """
-    cur = os.path.abspath(path)
-    mtcfs_roots = {mp for mp, fstype in mountinfo.mounts() if fstype == "fuse.mtcfs"}
-    while True:
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def get() -> None:
         try:
-            sock = os.getxattr(cur, "user.mtcfs.control").decode()
-            return sock, cur
+            box["value"] = os.getxattr(root, CONTROL_XATTR)
         except OSError as exc:
-            if cur in mtcfs_roots:
-                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-                raise NoDaemon(f"cannot read the mtcfs mount at {cur}: {exc.strerror} "
-                               f"({name})") from None
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            raise NoDaemon(f"{path} is not on an mtcfs mount")
-        cur = parent
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=get, name="getxattr", daemon=True).start()
+    if not done.wait(XATTR_TIMEOUT_S):
+        raise NoDaemon(f"the mtcfs mount at {root} does not answer (nothing in "
+                       f"{XATTR_TIMEOUT_S:g} s): its daemon is stopped or stuck; "
+                       f"`mtcfs umount --force {root}` clears it")
+    if "error" in box:
+        exc = box["error"]
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        raise NoDaemon(f"cannot read the mtcfs mount at {root}: {exc.strerror} ({name})")
+    value: bytes = box["value"]
+    return value
 
 
-def control_socket(path: str) -> tuple[str, str]:
+def _checked_socket(raw: bytes, root: str, owner: int) -> str:
+    """The socket path ``raw`` (mount ``root``'s xattr), if it may be the socket of the
+    daemon of a mount by uid ``owner``: an absolute path outside the mount, of a socket
+    (not a symlink) that ``owner`` owns, in a directory that ``owner`` or root owns and no
+    one else may write.
+
+    Raises:
+        NoDaemon: it is not; the message says why.
+    """
+    sock = os.fsdecode(raw)
+
+    def refuse(why: str) -> NoDaemon:
+        return NoDaemon(f"refusing {sock}, the control socket the mtcfs mount at {root} "
+                        f"names: {why}")
+    if not sock.startswith("/") or "\0" in sock or len(raw) > 4096:
+        raise refuse("not an absolute path")
+    sock = os.path.normpath(sock)
+    if sock == root or sock.startswith(root.rstrip("/") + "/"):
+        raise refuse("it is inside the mount itself")
+    try:
+        st = os.lstat(sock)
+        parent = os.path.dirname(sock)
+        dst = os.stat(parent)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise NoDaemon(str(control.denied(sock))) from None
+        raise NoDaemon(f"cannot reach the mtcfs daemon at {sock}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise refuse("it is not a socket")
+    if st.st_uid != owner:
+        raise refuse(f"it is owned by uid {st.st_uid}, not by uid {owner}, the user who "
+                     "mounted it")
+    if dst.st_uid not in (owner, 0):
+        raise refuse(f"its directory {parent} is owned by uid {dst.st_uid}, not by uid "
+                     f"{owner}, the user who mounted it, or root")
+    if dst.st_mode & 0o022:
+        raise refuse(f"its directory {parent} may be written by other users (mode "
+                     f"{stat.S_IMODE(dst.st_mode):04o})")
+    return sock
+
+
+def find_control_socket(path: str) -> ControlEndpoint:
+    """Find the daemon serving ``path`` and check that it is that mount's.
+
+    ``path`` must be, or be below, the mount point of a ``fuse.mtcfs`` mount in
+    /proc/self/mountinfo (by its text first, so a stuck mount is not touched; through its
+    symlinks resolved only when its text is on no mtcfs mount), the deepest mount that
+    holds it. The socket is the one the mount root's ``user.mtcfs.control`` names, and only
+    if it passes :func:`_checked_socket` for the mount's user (``user_id=``, which the
+    kernel takes from the process that mounted). The connection then checks the serving
+    process's uid (:attr:`ControlEndpoint.uids`).
+
+    Raises:
+        NoDaemon: ``path`` is not on an mtcfs mount; its mount's root cannot be read or
+            does not answer (the message names the errno: EACCES for another user on a
+            mount without ``allow_other``, ENOTCONN for a daemon that is gone, ...); or the
+            socket it names fails a check.
+    """
+    p = os.path.abspath(path)
+    entry = mountinfo.entry_of(p)
+    if entry is None or entry.fstype != FSTYPE:
+        real = os.path.realpath(p)
+        if real != p:
+            p, entry = real, mountinfo.entry_of(real)
+    if entry is None or entry.fstype != FSTYPE:
+        raise NoDaemon(f"{path} is not on an mtcfs mount")
+    root, owner = entry.mount_point, entry.owner
+    if owner is None:
+        raise NoDaemon(f"the mtcfs mount at {root} has no user_id= in /proc/self/mountinfo: "
+                       "not a FUSE mount")
+    sock = _checked_socket(_root_xattr(root), root, owner)
+    return ControlEndpoint(sock, root, frozenset({owner, 0}), owner, p)
+
+
+def control_socket(path: str) -> ControlEndpoint:
     """:func:`find_control_socket`, or exit 1 with its one-line error."""
     try:
         return find_control_socket(path)
     except NoDaemon as exc:
-        _die(str(exc))
+        _die(control.printable(str(exc)))
 
 
 def _human(n: float | None) -> str:
@@ -368,11 +484,20 @@ class ProgressBar:
             self._bar.close()
 
 
-def _request(sock: str, cmd: str, label: str | None = None, **args: Any) -> Any:
+def _request(daemon: ControlEndpoint | str, cmd: str, label: str | None = None,
+             expect: type | None = None, **args: Any) -> Any:
+    """Send ``cmd`` with ``args`` to ``daemon`` (or a socket path: then served by root or
+    this uid only) and return its result, showing progress under ``label``.
+
+    Exits 1 with one line on stderr when the daemon cannot be reached, is refused
+    (control.request's checks), reports an error, or answers a result that is not an
+    ``expect`` (dict or list).
+    """
+    sock, uids = (daemon, None) if isinstance(daemon, str) else (daemon.sock, daemon.uids)
     bar = ProgressBar(label) if label else None
     result = None
     try:
-        for msg in control.request(sock, cmd, **args):
+        for msg in control.request(sock, cmd, peer_uids=uids, **args):
             if "progress" in msg and bar:
                 bar.update(*msg["progress"])
             elif "result" in msg:
@@ -380,10 +505,49 @@ def _request(sock: str, cmd: str, label: str | None = None, **args: Any) -> Any:
     except control.ControlError as exc:
         if bar:
             bar.close()
-        _die(str(exc))
+        _die(control.printable(str(exc)))
     if bar:
         bar.close()
+    if expect is not None and not isinstance(result, expect):
+        _die(f"the daemon's answer to '{cmd}' is malformed: "
+             f"{type(result).__name__} where {_KIND[expect]} belongs")
     return result
+
+
+_KIND: dict[type, str] = {dict: "a JSON object", list: "a JSON array"}
+
+
+@contextlib.contextmanager
+def _answer_of(cmd: str) -> Iterator[None]:
+    """Around the reading of a daemon's answer to ``cmd``: a field missing or of the wrong
+    type exits 1 with one line naming it, not with a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+            RecursionError) as exc:
+        _die(control.printable(f"the daemon's answer to '{cmd}' is malformed "
+                               f"({type(exc).__name__}: {exc})", 300))
+
+
+def _field(res: dict[str, Any], key: str, kind: type) -> Any:
+    """``res[key]`` if it is a ``kind`` (a float may be an int; a bool is no number).
+
+    Raises:
+        KeyError: it is missing. TypeError: it is of another type.
+    """
+    v = res[key]
+    ok = (isinstance(v, (int, float)) if kind is float else isinstance(v, kind)) and not (
+        isinstance(v, bool) and kind in (int, float))
+    if not ok:
+        raise TypeError(f"{key} is {type(v).__name__}, not {kind.__name__}")
+    return v
+
+
+def _emit(lines: list[str]) -> None:
+    """Print ``lines`` (built in full first: a malformed answer prints nothing), each made
+    printable (the daemon's strings reach a terminal)."""
+    for line in lines:
+        print(control.printable(line, 1 << 20))
 
 
 def _print_json(obj: Any) -> None:
@@ -530,8 +694,10 @@ def format_peer_status(p: dict[str, Any] | None) -> list[str]:
 
 def cmd_metrics(a: argparse.Namespace) -> None:
     from mtcfs.metrics import prometheus_text
-    sock, _ = control_socket(a.mountpoint)
-    sys.stdout.write(prometheus_text(_request(sock, "status")))
+    st = _request(control_socket(a.mountpoint), "status", expect=dict)
+    with _answer_of("status"):
+        text = prometheus_text(st)
+    sys.stdout.write(text)
 
 
 def format_scrub_status(sc: dict) -> str:
@@ -553,173 +719,211 @@ def format_scrub_status(sc: dict) -> str:
             f"start; {sc['unverified_chunks']} chunks not yet verified since start")
 
 
-def cmd_status(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
-    st = _request(sock, "status")
-    if a.json:
-        _print_json(st)
-        return
+def status_lines(st: dict[str, Any]) -> list[str]:
+    """The lines of ``mtcfs status`` from the daemon's status dict.
+
+    Raises:
+        KeyError, TypeError, ValueError, ...: a field is missing or of the wrong type.
+    """
+    out: list[str] = []
     ram = st["ram"]
-    print(f"job {st['job']} at {st['mountpoint']} (pid {st['pid']}, store {st['store']})")
+    out.append(f"job {st['job']} at {st['mountpoint']} (pid {st['pid']}, store {st['store']})")
     fuse = st.get("fuse") or {}
     if fuse:
-        print(f"  FUSE:     libfuse {fuse.get('libfuse') or 'unknown'}, "
-              + ("FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before each write)"
-                 if fuse.get("killpriv_v2") else
-                 "no FUSE_HANDLE_KILLPRIV_V2: a GETXATTR before each write "
-                 "(scripts/build_fuse.sh, docs/fuse-build.md)")
-              + (", direct writes" if fuse.get("direct_writes") else ", no direct writes")
-              + (f" ({fuse['small_writer_threads']} threads writing small pieces use the page "
-                 "cache)" if fuse.get("small_writer_threads") else ""))
+        out.append(f"  FUSE:     libfuse {fuse.get('libfuse') or 'unknown'}, "
+                   + ("FUSE_HANDLE_KILLPRIV_V2 (no GETXATTR before each write)"
+                      if fuse.get("killpriv_v2") else
+                      "no FUSE_HANDLE_KILLPRIV_V2: a GETXATTR before each write "
+                      "(scripts/build_fuse.sh, docs/fuse-build.md)")
+                   + (", direct writes" if fuse.get("direct_writes") else ", no direct writes")
+                   + (f" ({fuse['small_writer_threads']} threads writing small pieces use the page "
+                      "cache)" if fuse.get("small_writer_threads") else ""))
     if (st.get("store_fs") or {}).get("warning"):
-        print(f"  store:    {st['store_fs']['warning']}")
-    print(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
-          f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
+        out.append(f"  store:    {st['store_fs']['warning']}")
+    out.append(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
+               f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
     if ram.get("deleted_unsaved"):
-        print(f"  WARNING: {len(ram['deleted_unsaved'])} checkpoint(s) no other tier held were"
-              f" deleted under memory pressure (evict_unsaved=yes), last: "
-              f"{', '.join(ram['deleted_unsaved'][-5:])}")
+        out.append(f"  WARNING: {len(ram['deleted_unsaved'])} checkpoint(s) no other tier held were"
+                   f" deleted under memory pressure (evict_unsaved=yes), last: "
+                   f"{', '.join(ram['deleted_unsaved'][-5:])}")
     b = st.get("backup")
     if b:
         last = "never" if not b["last_finished"] else time.strftime(
             "%H:%M:%S", time.localtime(b["last_finished"]))
-        print(f"  backup:   {b['url']} every {b['interval']}; last {b['last_step'] or '-'} at "
-              f"{last}; uploading {b['uploading'] or '-'}; pending "
-              f"{', '.join(b['pending']) or '-'}; failures {b['failures']}")
+        out.append(f"  backup:   {b['url']} every {b['interval']}; last {b['last_step'] or '-'} at "
+                   f"{last}; uploading {b['uploading'] or '-'}; pending "
+                   f"{', '.join(b['pending']) or '-'}; failures {b['failures']}")
         if b.get("last_error"):
-            print(f"            last error: {b['last_error']}")
+            out.append(f"            last error: {b['last_error']}")
     else:
-        print("  backup:   none configured")
+        out.append("  backup:   none configured")
     reads = st.get("reads") or {}
     if reads.get("failed"):
-        print(f"  reads:    {reads['failed']} chunk fetches failed with EIO (no source within "
-              f"{reads['deadline_s']:g} s); last: {reads['last_failure']}")
+        out.append(f"  reads:    {reads['failed']} chunk fetches failed with EIO (no source within "
+                   f"{reads['deadline_s']:g} s); last: {reads['last_failure']}")
     if reads.get("suspect_peers"):
-        print(f"  reads:    asked last (failed a fetch lately): ranks "
-              f"{', '.join(map(str, reads['suspect_peers']))}")
+        out.append(f"  reads:    asked last (failed a fetch lately): ranks "
+                   f"{', '.join(map(str, reads['suspect_peers']))}")
     if st.get("scrub"):
-        print(format_scrub_status(st["scrub"]))
+        out.append(format_scrub_status(st["scrub"]))
     r = st.get("restore")
     if r and (r.get("step") or r["pending_chunks"]):
-        print(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "
-              f"({_human(r['pending_bytes'])}) still to fetch, {r['corrupt_chunks']} corrupt")
+        out.append(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "
+                   f"({_human(r['pending_bytes'])}) still to fetch, {r['corrupt_chunks']} corrupt")
     if "peers" in st:
         for line in format_peer_status(st["peers"]):
-            print(line)
+            out.append(line)
     if st.get("namespace"):
-        print(format_namespace_status(st["namespace"]))
+        out.append(format_namespace_status(st["namespace"]))
     if st.get("mtc"):
-        print(format_mtc_status(st["mtc"]))
+        out.append(format_mtc_status(st["mtc"]))
     rej = st.get("rejected_records") or {}
     if rej.get("total"):
         last = rej["last"][-1]
-        print(f"  etcd:     {rej['total']} records refused and skipped (bad form); last: "
-              f"{last['key']} ({last['kind']}): {last['why']}")
+        out.append(f"  etcd:     {rej['total']} records refused and skipped (bad form); last: "
+                   f"{last['key']} ({last['kind']}): {last['why']}")
     if st["errors"]:
-        print("  errors:")
+        out.append("  errors:")
         for e in st["errors"][-10:]:
-            print(f"    {e}")
+            out.append(f"    {e}")
+    return out
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    daemon = control_socket(a.mountpoint)
+    st = _request(daemon, "status", expect=dict)
+    if a.json:
+        _print_json(st)
+        return
+    with _answer_of("status"):
+        lines = status_lines(st)
+    _emit(lines)
 
 
 def cmd_checkpoints(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
-    rows = _request(sock, "checkpoints")
+    rows = _request(control_socket(a.mountpoint), "checkpoints", expect=list)
     if a.json:
         _print_json(rows)
         return
     if not rows:
         print("no checkpoints")
         return
-    print(f"{'STEP':<24} {'SIZE':>10} {'FILES':>6}  {'RAM':<9} {'PEERS':<6} {'BACKUP':<9} "
-          "COMMITTED BY")
-    for r in rows:
-        files = "-" if r["files"] is None else str(r["files"])
-        print(f"{r['step']:<24} {_human(r['bytes']):>10} {files:>6}  {r['ram']:<9} "
-              f"{r.get('peers', '-'):<6} {r['backup']:<9} {r['committed_by']}")
+    with _answer_of("checkpoints"):
+        out = [f"{'STEP':<24} {'SIZE':>10} {'FILES':>6}  {'RAM':<9} {'PEERS':<6} "
+               f"{'BACKUP':<9} COMMITTED BY"]
+        for r in rows:
+            files = "-" if r["files"] is None else str(r["files"])
+            out.append(f"{r['step']:<24} {_human(r['bytes']):>10} {files:>6}  {r['ram']:<9} "
+                       f"{r.get('peers', '-'):<6} {r['backup']:<9} {r['committed_by']}")
+    _emit(out)
 
 
 def cmd_restore(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
+    daemon = control_socket(a.mountpoint)
     t0 = time.monotonic()
-    res = _request(sock, "restore", label="restore", step=a.step, wait=not a.no_wait)
+    res = _request(daemon, "restore", label="restore", expect=dict, step=a.step,
+                   wait=not a.no_wait)
     res["seconds"] = round(time.monotonic() - t0, 3)
     if a.json:
         _print_json(res)
-    elif res.get("imported"):
-        print(f"restored {res['step']} ({_human(res['bytes'])}) in {res['seconds']:.2f}s")
-    else:
-        print(f"{res['step']} is already here")
+        return
+    with _answer_of("restore"):
+        step = _field(res, "step", str)
+        line = (f"restored {step} ({_human(_field(res, 'bytes', int))}) in "
+                f"{res['seconds']:.2f}s" if res.get("imported") else f"{step} is already here")
+    _emit([line])
 
 
 def cmd_seal(a: argparse.Namespace) -> None:
-    sock, root = control_socket(a.path)
-    rel = os.path.relpath(os.path.abspath(a.path), root)
-    res = _request(sock, "seal", path=rel)
+    daemon = control_socket(a.path)
+    res = _request(daemon, "seal", expect=dict,
+                   path=os.path.relpath(daemon.path, daemon.root))
     if a.json:
         _print_json(res)
-    else:
-        print(f"checkpoint {res['step']} sealed")
+        return
+    with _answer_of("seal"):
+        line = f"checkpoint {_field(res, 'step', str)} sealed"
+    _emit([line])
 
 
 def cmd_gc(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
-    res = _request(sock, "gc")
+    res = _request(control_socket(a.mountpoint), "gc", expect=dict)
     if a.json:
         _print_json(res)
-    else:
-        print(f"evicted from RAM: {', '.join(res['evicted']) or 'nothing'}")
+        return
+    with _answer_of("gc"):
+        evicted = _field(res, "evicted", list)
+        if not all(isinstance(e, str) for e in evicted):
+            raise TypeError("evicted holds what is not a step name")
+        out = [f"evicted from RAM: {', '.join(evicted) or 'nothing'}"]
         if res.get("backup_retention"):
-            print(f"backup retention: {res['backup_retention']}")
+            out.append(f"backup retention: {res['backup_retention']}")
+    _emit(out)
 
 
 def cmd_verify(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
-    res = _request(sock, "verify", label="verify")
-    bad = res["mismatches"]
+    res = _request(control_socket(a.mountpoint), "verify", label="verify", expect=dict)
+    with _answer_of("verify"):
+        bad = _field(res, "mismatches", list)
+        out = [f"MISMATCH {m}" for m in bad] or ["all chunks match their hashes"]
     if a.json:
         _print_json(res)
-    elif bad:
-        for m in bad:
-            print(f"MISMATCH {m}")
     else:
-        print("all chunks match their hashes")
+        _emit(out)
     if bad:
         sys.exit(1)
 
 
 def cmd_backup(a: argparse.Namespace) -> None:
-    sock, _ = control_socket(a.mountpoint)
-    res = _request(sock, "backup", step=a.step)
+    res = _request(control_socket(a.mountpoint), "backup", expect=dict, step=a.step)
     if a.json:
         _print_json(res)
-    else:
-        print(f"backed up {res['last_step']}: {_human(res['last_bytes_logical'])}, "
-              f"{_human(res['last_bytes_uploaded'])} uploaded in {res['last_seconds']:.2f}s")
+        return
+    with _answer_of("backup"):
+        line = (f"backed up {_field(res, 'last_step', str)}: "
+                f"{_human(_field(res, 'last_bytes_logical', int))}, "
+                f"{_human(_field(res, 'last_bytes_uploaded', int))} uploaded in "
+                f"{_field(res, 'last_seconds', float):.2f}s")
+    _emit([line])
+
+
+def _daemon_pid(mnt: str) -> int | None:
+    """The pid of the daemon of mtcfs mount ``mnt`` (from its status, through every check
+    of :func:`find_control_socket`), or None when it cannot be had in 10 s."""
+    try:
+        daemon = find_control_socket(mnt)
+        st = control.call(daemon.sock, "status", timeout=10, peer_uids=daemon.uids)
+    except (NoDaemon, control.ControlError, OSError):
+        return None
+    pid = st.get("pid") if isinstance(st, dict) else None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 1 else None
 
 
 def cmd_umount(a: argparse.Namespace) -> None:
     mnt = os.path.abspath(a.mountpoint)
-    pid = None
-    if not a.force:  # asking a stuck daemon would hang
-        try:
-            sock, _ = find_control_socket(mnt)
-            pid = control.call(sock, "status", timeout=10)["pid"]
-        except (NoDaemon, control.ControlError, OSError):
-            pass
+    entry = mountinfo.entry_at(mnt)  # by text: a stuck mount is not touched
+    if entry is None and os.path.realpath(mnt) != mnt:  # named through a symlink
+        mnt = os.path.realpath(mnt)
+        entry = mountinfo.entry_at(mnt)
+    if entry is None:
+        _die(f"{mnt} is not mounted")
+    if entry.fstype != FSTYPE:
+        _die(control.printable(f"{mnt} is not an mtcfs mount (it is {entry.fstype}): mtcfs "
+                               "umount leaves it alone"))
     if a.force:
         # The daemon is dead or stuck: abort its FUSE connection, detach the mount.
-        if not mountinfo.is_mounted(mnt):
-            _die(f"{mnt} is not mounted")
         mountinfo.force_unmount(mnt)  # a live daemon sees its session end and exits
         return
+    pid = _daemon_pid(mnt)  # not with --force: asking a stuck daemon would hang
     tool = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
     args = [tool, "-u", mnt] if "fusermount" in tool else [tool, mnt]
     if a.lazy:
         args.insert(1, "-z")
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
-        _die(f"cannot unmount {mnt}: {r.stderr.strip() or r.stdout.strip()}"
-             " (files still open? `mtcfs umount --force` aborts a dead or stuck daemon)")
+        _die(control.printable(
+            f"cannot unmount {mnt}: {r.stderr.strip() or r.stdout.strip()} (files still "
+            "open? `mtcfs umount --force` aborts a dead or stuck daemon)"))
     if pid:
         deadline = time.monotonic() + a.timeout
         while time.monotonic() < deadline:

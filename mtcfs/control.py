@@ -10,6 +10,13 @@ Who may use it (docs/security-local.md): root and the daemon's own user only. Th
 file is mode 0600 from the moment it exists (bound inside a private 0700 directory, then
 renamed into place), and every connection's peer uid is read with ``SO_PEERCRED``: any
 other uid gets ``{"ok": false, "errno": EACCES}`` and nothing it sent is read.
+
+The client side checks the other way: :func:`request` reads the uid of the process
+serving the socket (``SO_PEERCRED``) before it sends a byte, and talks only to the uids it
+is given (the CLI: the mount's user and root); every answer line is parsed under a size
+limit and checked to be of the protocol's form, so a malformed or hostile answer is a
+:class:`ControlError` with a one-line message, never an exception of another kind. Which
+socket belongs to which mount is the CLI's part (``mtcfs.cli.find_control_socket``).
 """
 
 from __future__ import annotations
@@ -186,48 +193,125 @@ async def _one(stream: trio.SocketStream, handler: Handler, allowed: frozenset[i
         await stream.send_all(json.dumps(reply, default=str).encode() + b"\n")
 
 
-def request(sock_path: str, cmd: str, timeout: float | None = None,
-            **args: Any) -> Iterator[dict[str, Any]]:
-    """Send one request (blocking client). Yields progress dicts, then returns the result
-    as the generator's final ``{"result": ...}`` item.
+#: The longest answer line a client reads (a longer one is refused, not read into memory).
+MAX_REPLY = 64 << 20
+
+
+def denied(sock_path: str) -> ControlError:
+    """The error of a caller whom the socket's file modes keep out (EACCES)."""
+    return ControlError(
+        f"permission denied: only root and the user who mounted it may use this "
+        f"mount's control socket ({sock_path}; you are uid {os.geteuid()})", errno.EACCES)
+
+
+def printable(text: str, limit: int = 2000) -> str:
+    """``text`` as one printable line of at most ``limit`` characters (another program's
+    words for a terminal: a newline, tab or carriage return becomes a space, any other
+    control character ``?``)."""
+    out = "".join(c if c.isprintable() else " " if c in "\n\r\t" else "?"
+                  for c in text[:limit])
+    return out + "..." if len(text) > limit else out
+
+
+def _uid_names(uids: frozenset[int]) -> str:
+    """``{0}`` -> "root", ``{0, 1000}`` -> "uid 1000 or root"."""
+    names = [f"uid {u}" for u in sorted(uids) if u != 0] + (["root"] if 0 in uids else [])
+    return " or ".join(names)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _answer(line: bytes) -> dict[str, Any]:
+    """One answer line as a JSON object, checked to be of the protocol's form.
 
     Raises:
-        ControlError: the daemon is not reachable or reported an error.
+        ControlError: it is too long, not JSON, not an object, or a progress line whose
+            value is not two counts.
     """
+    if len(line) > MAX_REPLY:
+        raise ControlError(f"the mtcfs daemon's answer is longer than {MAX_REPLY} bytes")
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ControlError(f"the mtcfs daemon's answer is not JSON ({printable(str(exc), 80)})"
+                           ) from None
+    if not isinstance(msg, dict):
+        raise ControlError(f"the mtcfs daemon's answer is not a JSON object but "
+                           f"{type(msg).__name__}")
+    if "progress" in msg:
+        p = msg["progress"]
+        if not (isinstance(p, list) and len(p) == 2 and all(map(_is_count, p))):
+            raise ControlError("the mtcfs daemon's answer has a malformed progress line")
+    return msg
+
+
+def request(sock_path: str, cmd: str, timeout: float | None = None,
+            peer_uids: frozenset[int] | None = None, **args: Any) -> Iterator[dict[str, Any]]:
+    """Send one request (blocking client). Yields progress dicts ``{"progress": [done,
+    total]}`` (two counts), then the result as the generator's final ``{"result": ...}``
+    item (any JSON value: the caller checks its shape).
+
+    Args:
+        sock_path: the control socket.
+        timeout: seconds for each socket operation (None: no limit).
+        peer_uids: the uids the process serving the socket may run as (``SO_PEERCRED`` of
+            the connection, read before a byte is sent). None: root and this process's
+            effective uid.
+
+    Raises:
+        ControlError: the daemon is not reachable, is served by another uid, reported an
+            error, or answered what is not of the protocol's form (not JSON, an answer line
+            over :data:`MAX_REPLY` bytes, ...). Its message is one printable line.
+    """
+    allowed = allowed_uids() if peer_uids is None else peer_uids
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
         s.connect(sock_path)
+        uid = peer_uid(s)
     except OSError as exc:
         s.close()
         if exc.errno in (errno.EACCES, errno.EPERM):
-            raise ControlError(
-                f"permission denied: only root and the user who mounted it may use this "
-                f"mount's control socket ({sock_path}; you are uid {os.geteuid()})",
-                errno.EACCES) from None
-        raise ControlError(f"cannot reach the mtcfs daemon at {sock_path}: {exc.strerror}",
-                           exc.errno or 0) from None
+            raise denied(sock_path) from None
+        raise ControlError(f"cannot reach the mtcfs daemon at {sock_path}: "
+                           f"{exc.strerror or exc}", exc.errno or 0) from None
+    if uid not in allowed:
+        s.close()
+        raise ControlError(f"refusing the control socket {sock_path}: the process serving it "
+                           f"runs as uid {uid}, not as {_uid_names(allowed)}", errno.EPERM)
     with s, s.makefile("rb") as f:
         try:
             s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before it read the request: its reply is still to be read
-        for line in f:
-            msg = json.loads(line)
-            if "progress" in msg:
-                yield msg
-                continue
-            if not msg.get("ok"):
-                raise ControlError(msg.get("error", "unknown error"), msg.get("errno", 0))
-            yield {"result": msg.get("result")}
-            return
+        try:
+            while line := f.readline(MAX_REPLY + 1):
+                msg = _answer(line)
+                if "progress" in msg:
+                    yield msg
+                    continue
+                if msg.get("ok") is not True:
+                    error, code = msg.get("error"), msg.get("errno")
+                    raise ControlError(
+                        printable(error) if isinstance(error, str) and error else
+                        "the mtcfs daemon reported an error and did not say which",
+                        code if isinstance(code, int) and not isinstance(code, bool) and
+                        0 <= code < 4096 else 0)
+                yield {"result": msg.get("result")}
+                return
+        except OSError as exc:  # a timeout, a reset connection
+            raise ControlError(f"the mtcfs daemon's answer did not arrive: "
+                               f"{exc.strerror or exc}", exc.errno or 0) from None
     raise ControlError("the mtcfs daemon closed the connection")
 
 
-def call(sock_path: str, cmd: str, timeout: float | None = None, **args: Any) -> Any:
+def call(sock_path: str, cmd: str, timeout: float | None = None,
+         peer_uids: frozenset[int] | None = None, **args: Any) -> Any:
     """Like :func:`request` but ignores progress and returns the result."""
     result = None
-    for msg in request(sock_path, cmd, timeout=timeout, **args):
+    for msg in request(sock_path, cmd, timeout=timeout, peer_uids=peer_uids, **args):
         if "result" in msg:
             result = msg["result"]
     return result
