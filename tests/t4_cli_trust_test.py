@@ -361,6 +361,7 @@ def test_a_real_mount_with_a_space_in_its_name(make_mount, capsys, monkeypatch):
     monkeypatch.setattr(cli, "XATTR_TIMEOUT_S", 0.5)
     os.kill(m.pid, signal.SIGSTOP)
     try:
+        m.wait_for(lambda: all_stopped(m.pid), 10, "every thread of the daemon to stop")
         code, out, err = run(capsys, "status", str(m.mnt))
         assert (code, out) == (1, "")
         assert one_line(err) == (
@@ -374,6 +375,18 @@ def test_a_real_mount_with_a_space_in_its_name(make_mount, capsys, monkeypatch):
     assert (r.returncode, r.stderr) == (0, "")
     assert not is_mounted(str(m.mnt))
     m.pid = None
+
+
+def all_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T in /proc/PID/task/*/stat)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return all(st == "T" for st in states)
 
 
 def test_umount_force_leaves_other_filesystems_alone(shm_dir):
