@@ -118,7 +118,7 @@ def cmd_mount(argv: list[str]) -> None:
     opts.mountpoint = os.path.abspath(opts.mountpoint)
     from mtcfs.core.store import StoreError, check_size, check_store_dir, filesystem_warning
     try:  # before anything is created: a foreign directory is never touched
-        check_store_dir(opts.store, opts.mountpoint)
+        check_store_dir(opts.store, opts.mountpoint, opts.job)
         check_size(opts.store, opts.size, opts.given.get("size"))
     except StoreError as exc:
         _die(str(exc), EXIT_USAGE)

@@ -21,10 +21,14 @@ import fcntl
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
+import urllib.parse
+from typing import Any
 
 from mtcfs.base import mountinfo
+from mtcfs.base.untrusted import BadRecord, field_float, field_int, field_str, json_object
 from mtcfs.base.failpoints import failpoint
 from mtcfs.core.store.meta import MetaDB, NewerSchemaError
 from mtcfs.core.store.reaper import REAP_MIN_BYTES, Reaper
@@ -33,24 +37,256 @@ STORE_FORMAT = 1
 log = logging.getLogger("mtcfs.core.store")
 
 #: Names mtcfs itself may have put into a store directory before its STORE marker: the
-#: daemon's log (opened before the store), and ``lock`` and an empty ``data/`` left by a
-#: daemon of an older version that crashed at its first start. Anything else without the
+#: daemon's log (opened before the store), ``lock``, the marker's temporary, an empty
+#: ``data/`` and ``reap/``, and the metadata (a new store's marker is written last, after
+#: its metadata; a daemon of an older version wrote it first). Anything else without the
 #: marker is someone else's directory.
-_OWN_BEFORE_MARKER = {"mtcfs.log", "lock", "STORE.tmp", "data"}
+_OWN_BEFORE_MARKER = {"mtcfs.log", "lock", "STORE.tmp", "data", "reap", "meta.sqlite3",
+                      "meta.sqlite3-wal", "meta.sqlite3-shm"}
+#: Of those, the ones that are directories (every other one is a regular file).
+_OWN_DIRS = {"data", "reap"}
+
+#: Largest STORE marker accepted, in bytes (mtcfs writes about 100).
+MARKER_MAX_BYTES = 4096
+#: Tables an existing store's metadata must hold (the others are added in place).
+_REQUIRED_TABLES = ("inodes", "dentries", "versions", "kv")
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 class StoreError(Exception):
-    """The store directory cannot be used (locked by another daemon, other job, bad format)."""
+    """The store directory cannot be used (locked by another daemon, other job, bad format,
+    damaged); nothing in it was created, changed or deleted by the check that raised it."""
 
 
-def check_store_dir(path: str, mountpoint: str | None = None) -> None:
+def _recover_hint(path: str) -> str:
+    return (f"nothing was touched: move it aside (mv {path} {path}.damaged) and mount on an "
+            "empty store (the job's checkpoints come back from its peer or backup tier)")
+
+
+def _kind(st: os.stat_result) -> str:
+    m = st.st_mode
+    if stat.S_ISLNK(m):
+        return "a symbolic link"
+    if stat.S_ISDIR(m):
+        return "a directory"
+    if stat.S_ISREG(m):
+        return "a file"
+    return "not a regular file"
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    """The STORE marker of store directory ``path``, checked; None when there is none.
+
+    Read without following a symbolic link and without changing anything. A valid marker is
+    a regular file of at most :data:`MARKER_MAX_BYTES` holding a strict JSON object with
+    ``format`` (integer), ``job`` (string), ``chunk_size`` (positive integer) and, if
+    present, ``created`` (a finite number, seconds).
+
+    Raises:
+        StoreError: one line naming the path and what is wrong (another format included).
+    """
+    full = os.path.join(path, "STORE")
+    st = _lstat(full)
+    if st is None:
+        return None
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"it is {_kind(st)}"
+    elif st.st_size > MARKER_MAX_BYTES:
+        why = f"it has {st.st_size} bytes, more than {MARKER_MAX_BYTES}"
+    else:
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                body = os.read(fd, MARKER_MAX_BYTES + 1)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StoreError(f"store={path} refused: its STORE marker cannot be read: "
+                             f"{exc.strerror or exc}") from None
+        try:
+            info = json_object(body, MARKER_MAX_BYTES)
+            field_int(info, "format", 0)
+            field_str(info, "job", 256)
+            field_int(info, "chunk_size", 1)
+            field_float(info, "created", default=0.0)
+        except BadRecord as exc:
+            why = str(exc)
+        else:
+            if info["format"] != STORE_FORMAT:
+                raise StoreError(f"store={path} refused: it has unsupported format "
+                                 f"{info['format']} (this mtcfs reads {STORE_FORMAT}); nothing "
+                                 "was changed")
+            return info
+    raise StoreError(f"store={path} refused: its STORE entry is not an mtcfs store marker "
+                     f"({why}); nothing was touched: if it is someone else's directory give "
+                     f"an empty or new one, if it is a damaged store move it aside (mv {path} "
+                     f"{path}.damaged) and mount on an empty store")
+
+
+def _check_metadata(path: str, conn: sqlite3.Connection, marked: bool) -> None:
+    """Refuse metadata that does not check out (read only): an existing store's must hold
+    mtcfs's tables and its schema version; without a root directory (a store whose first
+    start stopped before it made one) it must list nothing and ``data/`` must hold no data
+    file. ``marked``: the directory has a STORE marker.
+
+    Raises:
+        StoreError: one line.
+    """
+    meta = os.path.join(path, "meta.sqlite3")
+    try:
+        tables = {r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
+        if not marked and not tables:
+            return  # a new store whose first start stopped before its schema
+        missing = [t for t in _REQUIRED_TABLES if t not in tables]
+        if missing:
+            raise StoreError(f"store={path} refused: damaged, {meta} lacks mtcfs's tables "
+                             f"({', '.join(missing)}); {_recover_hint(path)}")
+        row = conn.execute("SELECT value FROM kv WHERE key='schema_version'").fetchone()
+        if row is None or not str(row[0]).isdigit():
+            raise StoreError(f"store={path} refused: damaged, {meta} records no schema "
+                             f"version; {_recover_hint(path)}")
+        has_root = conn.execute("SELECT 1 FROM inodes WHERE ino=1").fetchone() is not None
+        lost = conn.execute("SELECT ino, vid FROM inodes WHERE vid IS NOT NULL AND vid NOT IN"
+                            " (SELECT vid FROM versions) LIMIT 1").fetchone()
+        if lost is not None:
+            # (one transaction writes an inode's vid and its version's row: never a crash's)
+            raise StoreError(f"store={path} refused: damaged, {meta} names version {lost[1]}"
+                             f" of inode {lost[0]} but has no row for it; "
+                             f"{_recover_hint(path)}")
+        if has_root and not marked:
+            raise StoreError(f"store={path} refused: damaged, it has metadata but no STORE "
+                             f"marker; {_recover_hint(path)}")
+        if not has_root:
+            listed = [t for t in ("inodes", "dentries", "versions", "steps") if t in tables
+                      and conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()]
+            if listed or _data_names(path):
+                what = (f"its {', '.join(listed)} rows" if listed else "the data files in "
+                        f"{os.path.join(path, 'data')}")
+                raise StoreError(f"store={path} refused: damaged, {meta} has no root "
+                                 f"directory but {what} remain; {_recover_hint(path)}")
+    except sqlite3.Error as exc:
+        raise StoreError(f"store={path} refused: damaged, {meta} cannot be read ({exc}); "
+                         f"{_recover_hint(path)}") from None
+
+
+def _data_names(path: str) -> list[str]:
+    """Names in ``<path>/data`` that are version numbers (plain decimal digits)."""
+    try:
+        names = os.listdir(os.path.join(path, "data"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if n.isascii() and n.isdigit() and n == str(int(n))]
+
+
+def _open_metadata_readonly(path: str, locked: bool) -> sqlite3.Connection | None:
+    """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing, or None when
+    one cannot be had without creating SQLite's ``-shm`` file (a ``-wal`` without it) and
+    ``locked`` is False (``locked``: the caller holds the store's lock and opens it next)."""
+    meta = os.path.join(path, "meta.sqlite3")
+    wal = os.path.exists(meta + "-wal")
+    if wal and not locked and not os.path.exists(meta + "-shm"):
+        return None
+    # No WAL: the database file is all there is (immutable: no -wal/-shm created). A WAL and
+    # its index: a read-only connection reads them as they are.
+    mode = "mode=ro" if wal else "mode=ro&immutable=1"
+    return sqlite3.connect(f"file:{urllib.parse.quote(meta)}?{mode}", uri=True)
+
+
+def check_store_contents(path: str, *, marked: bool, deep: bool = True,
+                         locked: bool = False) -> None:
+    """Refuse a store directory whose own files do not check out, touching nothing.
+
+    Checked, never following a symbolic link: ``meta.sqlite3`` (with a STORE marker it must
+    be a non-empty SQLite database; then, when ``deep``, :func:`_check_metadata`), its
+    ``-wal``/``-shm``, ``lock``, ``mtcfs.log``, ``STORE.tmp`` are regular files; ``data/``
+    and ``reap/`` are directories (not links); every version-numbered entry in ``data/`` is
+    a regular file. A missing ``data/`` is fine (its versions' chunks become missing).
+    ``locked``: the caller holds the store's lock (the metadata may then be read even when
+    that makes SQLite create its ``-shm`` index).
+
+    Raises:
+        StoreError: one line naming the entry and how to recover.
+    """
+    for name in sorted(_OWN_BEFORE_MARKER):
+        full = os.path.join(path, name)
+        st = _lstat(full)
+        if st is None:
+            continue
+        want_dir = name in _OWN_DIRS
+        ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+        if not ok:
+            raise StoreError(f"store={path} refused: damaged, {full} is {_kind(st)}, not "
+                             f"{'a directory' if want_dir else 'a file'} of mtcfs's; "
+                             f"{_recover_hint(path)}")
+    meta = os.path.join(path, "meta.sqlite3")
+    st = _lstat(meta)
+    if marked and (st is None or st.st_size == 0):
+        raise StoreError(f"store={path} refused: damaged, it has a STORE marker but "
+                         f"{meta} is {'missing' if st is None else 'empty'}; "
+                         f"{_recover_hint(path)}")
+    if st is not None and st.st_size > 0:
+        try:
+            with open(meta, "rb", opener=_nofollow) as f:
+                header = f.read(len(_SQLITE_HEADER))
+        except OSError as exc:
+            raise StoreError(f"store={path} refused: {meta} cannot be read: "
+                             f"{exc.strerror or exc}") from None
+        if header != _SQLITE_HEADER:
+            raise StoreError(f"store={path} refused: damaged, {meta} is not a SQLite "
+                             f"database; {_recover_hint(path)}")
+    data = os.path.join(path, "data")
+    if os.path.isdir(data):
+        with os.scandir(data) as it:
+            for e in it:
+                n = e.name
+                if (n.isascii() and n.isdigit() and n == str(int(n))
+                        and not e.is_file(follow_symlinks=False)):
+                    raise StoreError(f"store={path} refused: damaged, data/{n} is "
+                                     f"{_kind(e.stat(follow_symlinks=False))}, not a data "
+                                     f"file; {_recover_hint(path)}")
+    if deep and st is not None and st.st_size > 0:
+        try:
+            conn = _open_metadata_readonly(path, locked)
+        except sqlite3.Error as exc:
+            raise StoreError(f"store={path} refused: damaged, {meta} cannot be opened "
+                             f"({exc}); {_recover_hint(path)}") from None
+        if conn is not None:
+            try:
+                _check_metadata(path, conn, marked)
+            finally:
+                conn.close()
+
+
+def _nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = None,
+                    *, deep: bool = True, locked: bool = False) -> dict[str, Any] | None:
     """Refuse a store directory that mtcfs must not write into, touching nothing.
 
-    Refused: ``/``; the mount point or a path inside it; a path inside any mtcfs mount; a
-    path that exists and is not a directory; an existing directory that holds anything but
-    an mtcfs store (no ``STORE`` marker and something besides what mtcfs itself creates
-    before the marker, see ``_OWN_BEFORE_MARKER``). A missing directory is fine (it is
-    created).
+    Refused: ``/``; the mount point or a path inside it; a mount point inside the store
+    (as given or resolved: the daemon would serve its own files through its own mount); a
+    path inside any mtcfs mount; a path that exists and is not a directory; an existing
+    directory that holds anything but an mtcfs store (no ``STORE`` marker and something
+    besides what mtcfs itself creates before the marker, see ``_OWN_BEFORE_MARKER``); a
+    ``STORE`` entry that is not a valid marker (:func:`read_marker`); a store of another
+    ``job`` (if given); a store whose own files do not check out
+    (:func:`check_store_contents`: a marker without metadata is a damaged store, not a new
+    one). A missing directory is fine (it is created). ``deep`` and ``locked``: see
+    :func:`check_store_contents`.
+
+    Returns:
+        The store's marker (a dict), or None when it has none (a new store).
 
     Raises:
         StoreError: the reason, in one line naming the path.
@@ -69,16 +305,25 @@ def check_store_dir(path: str, mountpoint: str | None = None) -> None:
         mnt = os.path.abspath(mountpoint)
         if within(p, mnt) or within(os.path.realpath(p), os.path.realpath(mnt)):
             raise StoreError(f"store={path} refused: it is the mount point {mnt} or inside it")
+        if within(mnt, p) or within(os.path.realpath(mnt), os.path.realpath(p)):
+            raise StoreError(f"mount point {mountpoint} refused: it is inside the store "
+                             f"{path} (the daemon would read its own files through its own "
+                             "mount); give a mount point outside the store")
     if not os.path.lexists(p):
-        return
+        return None
     if not os.path.isdir(p):
         raise StoreError(f"store={path} refused: it exists and is not a directory")
-    if os.path.exists(os.path.join(p, "STORE")):
-        return
+    marker = read_marker(p)
+    if marker is not None:
+        if job is not None and marker["job"] != job:
+            raise StoreError(f"store={path} refused: it belongs to job {marker['job']!r}, not "
+                             f"{job!r}; nothing was changed: give this job's store")
+        check_store_contents(p, marked=True, deep=deep, locked=locked)
+        return marker
     foreign = []
     for name in sorted(os.listdir(p)):
         full = os.path.join(p, name)
-        if name not in _OWN_BEFORE_MARKER or (name == "data" and (
+        if name not in _OWN_BEFORE_MARKER or (name in _OWN_DIRS and (
                 not os.path.isdir(full) or os.path.islink(full) or os.listdir(full))):
             foreign.append(name)
     if foreign:
@@ -86,6 +331,8 @@ def check_store_dir(path: str, mountpoint: str | None = None) -> None:
                          f"mtcfs store (no STORE marker; it holds {', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}); nothing was touched: give "
                          "an empty or new directory")
+    check_store_contents(p, marked=False, deep=deep, locked=locked)
+    return None
 
 
 class Store:
@@ -100,9 +347,10 @@ class Store:
         mountpoint: the mount point it is for; the store may not be it or inside it.
 
     Raises:
-        StoreError: another daemon holds the store, it belongs to another job/format, or
-            the directory is not for a store (:func:`check_store_dir`; then nothing in it
-            was created, changed or deleted).
+        StoreError: another daemon holds the store, it belongs to another job/format, it
+            is damaged (a marker without its metadata, a data file or ``reap/`` that is a
+            link...), or the directory is not for a store (:func:`check_store_dir`; then
+            nothing in it was created, changed or deleted).
     """
 
     def __init__(self, path: str, job: str, chunk_size: int, *, lock_wait: float = 5.0,
@@ -110,9 +358,10 @@ class Store:
         self.path = os.path.abspath(path)
         self.data_dir = os.path.join(self.path, "data")
         self._lock_fd = -1
-        check_store_dir(self.path, mountpoint)  # before anything is created in it
+        check_store_dir(self.path, mountpoint, job)  # before anything is created in it
         os.makedirs(self.path, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = os.open(os.path.join(self.path, "lock"),
+                                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # A daemon that was just unmounted may still be closing the store: give it a moment
         # (`umount` returns before the daemon exits), then refuse.
         deadline = time.monotonic() + lock_wait
@@ -127,7 +376,8 @@ class Store:
                                      ) from None
                 time.sleep(0.05)
         try:
-            check_store_dir(self.path, mountpoint)  # again, now that no one else creates it
+            # again, now that no one else changes it: marker, metadata, data/ and reap/
+            info = check_store_dir(self.path, mountpoint, job, locked=True)
         except StoreError:
             self.close()
             raise
@@ -135,24 +385,7 @@ class Store:
         # are there (docs/security-local.md); a directory made beforehand is closed too.
         if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
             os.chmod(self.path, 0o700)
-        marker = os.path.join(self.path, "STORE")
-        if os.path.exists(marker):
-            with open(marker) as f:
-                info = json.load(f)
-            if info.get("format") != STORE_FORMAT:
-                self.close()
-                raise StoreError(f"store {self.path} has unsupported format {info.get('format')}")
-            if info.get("job") != job:
-                self.close()
-                raise StoreError(f"store {self.path} belongs to job {info.get('job')!r}, not {job!r}")
-            self.created = False
-        else:
-            tmp = marker + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"format": STORE_FORMAT, "job": job, "chunk_size": chunk_size,
-                           "created": time.time()}, f)
-            os.replace(tmp, marker)
-            self.created = True
+        self.created = info is None
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.reaper = Reaper(os.path.join(self.path, "reap"))
         self.reaper.sweep()  # what a crash left to free
@@ -164,6 +397,18 @@ class Store:
         except NewerSchemaError as e:
             self.close()
             raise StoreError(f"store {self.path} refused: {e}") from None
+        if info is None:
+            # The marker last: a marker without its metadata is never one of mtcfs's (a
+            # damaged store, refused), and a start that stops before it leaves a store
+            # without a marker and with empty metadata, which the next start takes as new.
+            marker = os.path.join(self.path, "STORE")
+            tmp = marker + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": STORE_FORMAT, "job": job, "chunk_size": chunk_size,
+                           "created": time.time()}, f)
+            os.replace(tmp, marker)
 
     @property
     def control_socket(self) -> str:
@@ -177,8 +422,9 @@ class Store:
         return os.path.join(self.data_dir, str(vid))
 
     def open_data(self, vid: int, *, create: bool = False) -> int:
-        """Open the data file of version ``vid`` read-write; returns the fd."""
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        """Open the data file of version ``vid`` read-write; returns the fd. A symbolic link
+        there is never followed (OSError ELOOP)."""
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
         return os.open(self.data_path(vid), flags, 0o600)
 
     def remove_data(self, vid: int, allocated: int = 0) -> None:

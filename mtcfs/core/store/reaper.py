@@ -17,10 +17,13 @@ and the RAM budget.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
 import queue
+import re
+import stat
 import threading
 
 from mtcfs.base.failpoints import failpoint
@@ -29,6 +32,8 @@ log = logging.getLogger("mtcfs.core.store")
 
 #: Data files from this size (bytes allocated) on are freed by the reaper thread.
 REAP_MIN_BYTES = 8 << 20
+#: The names :meth:`Reaper.take` gives: ``<vid>.<sequence>``.
+_REAP_NAME = re.compile(r"[0-9]+\.[0-9]+")
 
 
 class Reaper:
@@ -37,26 +42,43 @@ class Reaper:
     Args:
         path: the reap directory (created, mode 0700; must be on the data directory's
             filesystem, so that :meth:`take` is a rename).
+
+    Raises:
+        OSError: ENOTDIR, ``path`` exists and is not a directory (a symbolic link to one
+            included: its files are not the store's to delete).
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         os.makedirs(path, mode=0o700, exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise OSError(errno.ENOTDIR, f"{path} is not a directory of the store's")
         self._seq = itertools.count()
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def sweep(self) -> int:
-        """Unlink everything in the reap directory now (what a crash left); returns how many."""
+        """Unlink what a crash left to free in the reap directory now: the regular files
+        named as :meth:`take` names them. Anything else there is not mtcfs's: left alone
+        and named in the log, never deleted or followed. Returns how many were freed."""
         n = 0
-        for name in os.listdir(self.path):
+        strays = []
+        with os.scandir(self.path) as it:
+            entries = list(it)
+        for e in entries:
+            if not (_REAP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)):
+                strays.append(e.name)
+                continue
             try:
-                os.unlink(os.path.join(self.path, name))
+                os.unlink(e.path)
                 n += 1
             except FileNotFoundError:
                 pass
         if n:
             log.info("freed %d data file(s) a previous daemon left to free", n)
+        if strays:
+            log.warning("%s holds entries that are not data files of mtcfs's, left alone: %s",
+                        self.path, ", ".join(sorted(strays)[:20]))
         return n
 
     def take(self, src: str) -> None:
