@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from mtcfs.base.failpoints import failpoint
 from mtcfs.core.entries import Entries
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import ROOT_INO, Inode
@@ -75,6 +76,7 @@ class Reclaim:
                 if inodes[v.ino].nlink > 1:
                     continue
                 self._vstore.drop_data(v)  # core/versions.py; it stays, all missing
+            failpoint("core.evict_in_transaction")  # tests: a crash before that commit
 
     def delete_step(self, s: StepRecord) -> None:
         """Delete step ``s``: its directory and everything below (:meth:`delete_dir_tree`)."""

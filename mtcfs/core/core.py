@@ -334,6 +334,12 @@ class Filesystem(NamespaceOps):
             self.step_registry.drop_stale()
         # what counts against size=: core/budget.py
         self.budget.measure_all(self.versions.values(), self.store.data_path)
+        with db.transaction():  # chunks the rows list whose bytes are gone: missing
+            for v, gone in self.vstore.check_present():  # core/versions.py
+                log.warning("store check: version %d (inode %d): chunks %s are listed as "
+                            "held but their bytes are not in its data file (a crash during "
+                            "an eviction, or a damaged store): marked missing, fetched again"
+                            " when read", v.vid, v.ino, gone)
         self.eviction.loaded(_now_ns(), previous_crash=self.previous_crash)
         for v in self.versions.values():
             self.chunk_index.add_version(v)

@@ -239,11 +239,9 @@ class LocalChunks:
                     self._chunk_index.forget(r.chunks[i], r.vid)
                     with self._db.transaction():
                         self.vstore.write(r)
-            fd = self._fds.lease(v)
-            try:
-                punch_hole(fd, off, length)
-            finally:
-                self._fds.unlease(v, fd)
+            punch = True
+        else:
+            punch = False
         self._counters.corrupt_chunks += 1
         ino = self.tree.inodes.get(v.ino)
         path = self.tree.path_of(ino) if ino is not None and ino.vid == v.vid else None
@@ -252,12 +250,27 @@ class LocalChunks:
                           f"(bytes {off}..{off + length}) does not match {v.chunks[idx][:16]}; "
                           "dropped, to be fetched from another tier")
         if registered:
-            self._budget.account(v)  # the punched hole no longer counts against size=
             self._chunk_index.forget(v.chunks[idx], v.vid)
             with self._db.transaction():
                 self.vstore.write(v)
-            if self.fetcher.chunk_source is not None and self._nursery is not None:
-                self._nursery.start_soon(self._repair, v, idx)  # repair now, unread
+        if punch:
+            # Its bytes go once the row that says the chunk is missing is committed (the
+            # order of eviction, core/versions.py: drop_data): a crash in between leaves a
+            # missing chunk, never a present one whose bytes are gone.
+            self._db.after_commit(lambda: self._drop_bytes(v, off, length, registered))
+        if registered and self.fetcher.chunk_source is not None and self._nursery is not None:
+            self._nursery.start_soon(self._repair, v, idx)  # repair now, unread
+
+    def _drop_bytes(self, v: Version, off: int, length: int, registered: bool) -> None:
+        """The bytes ``[off, off+length)`` of a corrupt chunk of ``v`` leave its data file
+        (after the row saying it is missing committed), and no longer count against size=."""
+        fd = self._fds.lease(v)
+        try:
+            punch_hole(fd, off, length)
+        finally:
+            self._fds.unlease(v, fd)
+        if registered:
+            self._budget.account(v)  # the punched hole no longer counts against size=
 
     async def _repair(self, v: Version, idx: int) -> None:
         """Fetch a chunk found corrupt, as a read would (bounded by the fault-in

@@ -63,7 +63,7 @@ from typing import Any, Protocol
 
 import blake3
 
-from mtcfs.base.chunking import chunk_count, chunk_hash, chunk_span
+from mtcfs.base.chunking import chunk_count, chunk_hash, chunk_span, zero_chunk_hash
 from mtcfs.base.failpoints import failpoint
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.chunkmap import ChunkIndex
@@ -131,6 +131,21 @@ def copy_extents(src: int, dst: int, size: int) -> None:
             pos += n
         off = end
     os.ftruncate(dst, size)
+
+
+def _is_hole(fd: int, off: int, length: int) -> bool:
+    """Whether ``[off, off+length)`` of ``fd`` holds no data extent (reads as zeros; past
+    the end of the file included).
+
+    Raises:
+        OSError: of ``lseek`` but ENXIO (no data past ``off``).
+    """
+    try:
+        return os.lseek(fd, off, os.SEEK_DATA) >= off + length
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return True
+        raise
 
 
 def read_data(fds: FdCache, v: Version, off: int, length: int) -> bytes:
@@ -264,6 +279,48 @@ class VersionStore:
                 self.write(v)
                 unsealed.append(v)
         return unsealed
+
+    def check_present(self) -> list[tuple[Version, list[int]]]:
+        """The store check at load, in the caller's transaction, after the budget measured
+        every data file (``Version.alloc``): the chunks a sealed version's row lists as
+        present whose bytes its data file does not hold become missing (their rows
+        written; fetched again when read, like an evicted chunk), and are returned as
+        ``(version, chunk indices)``.
+
+        A chunk counts as gone when its whole range is a hole (``SEEK_DATA``) and its
+        digest is not that of zeros (a sparse file's chunk of zeros is a hole, and right).
+        Only versions whose file holds fewer bytes than their present chunks span are
+        looked at (one ``lseek`` per chunk): nothing costs more than the measure in the
+        usual case. Such a store came from a crash of an mtcfs that freed an evicted
+        step's bytes before the rows said "missing" (issue 39), or a damaged disk; the
+        first-read verification would catch it too, but only at the first read, and
+        ``mtcfs verify`` would report mismatches. An unreadable data file is left to
+        that verification."""
+        out: list[tuple[Version, list[int]]] = []
+        for v in self.versions.values():
+            if not v.sealed or not v.chunks:
+                continue
+            if v.alloc >= (v.size if not v.missing else sum(
+                    chunk_span(i, v.size, v.chunk_size)[1]
+                    for i in range(len(v.chunks)) if i not in v.missing)):
+                continue
+            present = [i for i in range(len(v.chunks)) if i not in v.missing]
+            try:
+                fd = self._store.open_data(v.vid)
+            except OSError:
+                continue
+            try:
+                gone = [i for i in present if _is_hole(fd, *chunk_span(i, v.size, v.chunk_size))
+                        and v.chunks[i] != zero_chunk_hash(chunk_span(i, v.size, v.chunk_size)[1])]
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if gone:
+                v.missing.update(gone)
+                self.write(v)
+                out.append((v, gone))
+        return out
 
     def write(self, v: Version) -> None:
         """Write ``v``'s row (its persistent fields) in the caller's transaction."""
@@ -679,17 +736,40 @@ class VersionStore:
     def drop_data(self, v: Version) -> None:
         """Drop a sealed ``v``'s data from RAM (eviction; in the caller's transaction): its
         last copies handed to :attr:`chunk_keeper`, its chunks forgotten by the index and
-        all missing, its pages freed; it stays registered (faulted in again on read)."""
+        all missing, its pages freed; it stays registered (faulted in again on read).
+
+        Its row, every chunk missing, is written in the caller's transaction; its bytes go
+        only once that transaction has committed (:meth:`MetaDB.after_commit`). A kill -9
+        before the commit leaves the row and the bytes as they were; after it, chunks
+        marked missing whose bytes may still be there (fetched again when read). Never a
+        row that lists a chunk as present over bytes that are gone (issue 39: the data file
+        was truncated before the commit, and a kill rolled the row back over zeros)."""
         self._hand_over_last_copies(v)
         # first, so that other local copies take over at once
         self._host.chunk_index.forget_version(v)
-        self.unshare(v, v.size)  # older versions still read its file: keep it for them
-        fd = self.fd(v)
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, v.size)
         v.missing = set(range(chunk_count(v.size, v.chunk_size)))
-        self._host.budget.account(v)
         self.write(v)
+        self._host.db.after_commit(functools.partial(self._free_dropped, v))
+
+    def _free_dropped(self, v: Version) -> None:
+        """The second half of :meth:`drop_data`, after the commit: ``v``'s pages freed (its
+        file handed to the older versions that still read it, if any). Nothing if ``v`` was
+        freed meanwhile (its file goes with it), got a chunk back, or is read in a thread
+        (its bytes stay, their chunks missing: fetched again when read). An error of the
+        data file is logged: the committed rows are right, only RAM is not given back."""
+        if self.versions.get(v.vid) is not v or v.pins or \
+                len(v.missing) != chunk_count(v.size, v.chunk_size):
+            return
+        try:
+            self.unshare(v, v.size)  # older versions still read its file: keep it for them
+            fd = self.fd(v)
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, v.size)
+        except OSError as exc:
+            log.warning("evicted version %d: its data could not be freed (%s); its chunks "
+                        "are missing and fetched again when read", v.vid, exc)
+        self._host.budget.account(v)
+        failpoint("core.evict_after_commit")  # tests: a crash with some files dropped
 
     # ------------------------------------------------------------------ freeing
 
