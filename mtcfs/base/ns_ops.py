@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from mtcfs.base.errors import FsError
+from mtcfs.base.untrusted import INT64_MAX, MAX_RECORD_BYTES, BadRecord, json_type
 
 __all__ = [
     "OP_TYPES",
@@ -63,24 +64,51 @@ __all__ = [
 ]
 
 
-class MalformedOp(FsError):
-    """A wire dict that is no valid op: not a dict, an unknown kind, a field missing or of
-    the wrong type. Its errno is EINVAL, the answer every node gives to such an op (the
-    same everywhere, so it is a refusal, not a divergence)."""
+class MalformedOp(FsError, BadRecord):
+    """A wire dict that is no valid op: not a dict, an unknown kind, a field missing, of
+    the wrong type or out of its range. Its errno is EINVAL, the answer every node gives to
+    such an op (the same everywhere, so it is a refusal, not a divergence); it is also a
+    :class:`mtcfs.base.untrusted.BadRecord` (a ValueError), the error of every strict
+    decoder of what is read back from etcd."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(errno.EINVAL, message)
+        FsError.__init__(self, errno.EINVAL, message)
+
+
+#: Bounds of the wire's integer fields, inclusive (ints of the wire are int64 at most:
+#: SQLite's INTEGER; a larger one would be refused at the commit on some node).
+INT64_MIN = -(1 << 63)
+UINT32_MAX = (1 << 32) - 1
+#: Longest name or symlink target on the wire, in bytes once encoded (PATH_MAX: FUSE sends
+#: no longer name; names over NAME_MAX are the namespace's to refuse, ENAMETOOLONG).
+MAX_NAME_BYTES = 4096
+#: Longest id, hash or ``expect`` string, and longest chunk digest, in characters.
+MAX_TEXT = 256
+MAX_DIGEST = 128
+#: Largest inline ``data`` on the wire, base64 characters (a record is at most
+#: untrusted.MAX_RECORD_BYTES in all).
+MAX_DATA_B64 = MAX_RECORD_BYTES
 
 
 # Wire codecs of a field: (to wire, from wire, optional: omitted from the wire when None).
-def _int_in(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("an integer")
-    return v
+# A decoder raises TypeError("<what the field must be>").
+def _int_range(lo: int, hi: int, what: str = "an integer") -> Any:
+    def decode(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(what)
+        if not lo <= v <= hi:
+            raise TypeError(f"{what} in {lo}..{hi}")
+        return v
+    return decode
 
 
-def _opt_int_in(v: Any) -> int | None:
-    return None if v is None else _int_in(v)
+_int_in = _int_range(0, INT64_MAX)
+
+
+def _opt(decode: Any) -> Any:
+    def opt(v: Any) -> Any:
+        return None if v is None else decode(v)
+    return opt
 
 
 def _bool_in(v: Any) -> bool:
@@ -89,14 +117,24 @@ def _bool_in(v: Any) -> bool:
     return v
 
 
-def _str_in(v: Any) -> str:
+def _str_in(v: Any, max_len: int = MAX_TEXT) -> str:
     if not isinstance(v, str):
         raise TypeError("a string")
+    if len(v) > max_len:
+        raise TypeError(f"a string of at most {max_len} characters")
     return v
 
 
 def _name_in(v: Any) -> bytes:
-    return _str_in(v).encode(errors="surrogateescape")
+    if not isinstance(v, str):
+        raise TypeError("a string")
+    try:
+        b = v.encode(errors="surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no file name decodes to
+        raise TypeError("a file name (surrogate-escaped bytes)") from None
+    if len(b) > MAX_NAME_BYTES or b"\x00" in b:
+        raise TypeError(f"a file name of at most {MAX_NAME_BYTES} bytes without NUL")
+    return b
 
 
 def _name_out(v: bytes) -> str:
@@ -106,12 +144,15 @@ def _name_out(v: bytes) -> str:
 def _chunks_in(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
         raise TypeError("a list of strings")
+    for d in v:
+        if not 0 < len(d) <= MAX_DIGEST or not d.isascii() or not d.isalnum():
+            raise TypeError(f"a list of digests (letters and digits, at most {MAX_DIGEST})")
     return tuple(v)
 
 
 def _b64_in(v: Any) -> bytes:
     try:
-        return base64.b64decode(_str_in(v))
+        return base64.b64decode(_str_in(v, MAX_DATA_B64), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise TypeError(f"base64 ({exc})") from None
 
@@ -122,7 +163,14 @@ def _same(v: Any) -> Any:
 
 _CODECS: dict[str, tuple[Any, Any, bool]] = {
     "int": (_same, _int_in, False),
-    "opt_int": (_same, _opt_int_in, False),
+    "ino": (_same, _int_range(1, INT64_MAX), False),
+    "chunk_size": (_same, _int_range(1, INT64_MAX), False),
+    "mode": (_same, _int_range(0, 0o177777), False),
+    "id32": (_same, _int_range(0, UINT32_MAX), False),
+    "time": (_same, _int_range(INT64_MIN, INT64_MAX), False),
+    "opt_mode": (_same, _opt(_int_range(0, 0o177777)), False),
+    "opt_id32": (_same, _opt(_int_range(0, UINT32_MAX)), False),
+    "opt_time": (_same, _opt(_int_range(INT64_MIN, INT64_MAX)), False),
     "bool": (_same, _bool_in, False),
     "str": (_same, _str_in, False),
     "name": (_name_out, _name_in, False),
@@ -182,8 +230,8 @@ class Mkdir(NsOp):
     """A directory ``name`` in directory ``parent``. Result: ``{"ino"}``."""
 
     KIND = "mkdir"
-    WIRE = (("parent", "int"), ("name", "name"), ("mode", "int"), ("uid", "int"),
-            ("gid", "int"))
+    WIRE = (("parent", "ino"), ("name", "name"), ("mode", "mode"), ("uid", "id32"),
+            ("gid", "id32"))
     parent: int
     name: bytes
     mode: int
@@ -197,8 +245,8 @@ class Create(NsOp):
     an existing file is the result). Result: ``{"ino", "existed"}``."""
 
     KIND = "create"
-    WIRE = (("parent", "int"), ("name", "name"), ("mode", "int"), ("uid", "int"),
-            ("gid", "int"), ("excl", "bool"))
+    WIRE = (("parent", "ino"), ("name", "name"), ("mode", "mode"), ("uid", "id32"),
+            ("gid", "id32"), ("excl", "bool"))
     parent: int
     name: bytes
     mode: int
@@ -212,8 +260,8 @@ class Symlink(NsOp):
     """A symlink ``name`` -> ``target`` in ``parent``. Result: ``{"ino"}``."""
 
     KIND = "symlink"
-    WIRE = (("parent", "int"), ("name", "name"), ("target", "name"), ("uid", "int"),
-            ("gid", "int"))
+    WIRE = (("parent", "ino"), ("name", "name"), ("target", "name"), ("uid", "id32"),
+            ("gid", "id32"))
     parent: int
     name: bytes
     target: bytes
@@ -227,8 +275,8 @@ class Mknod(NsOp):
     devices). Result: ``{"ino"}``."""
 
     KIND = "mknod"
-    WIRE = (("parent", "int"), ("name", "name"), ("mode", "int"), ("rdev", "int"),
-            ("uid", "int"), ("gid", "int"))
+    WIRE = (("parent", "ino"), ("name", "name"), ("mode", "mode"), ("rdev", "int"),
+            ("uid", "id32"), ("gid", "id32"))
     parent: int
     name: bytes
     mode: int
@@ -242,7 +290,7 @@ class Link(NsOp):
     """A hard link ``new_name`` in ``new_parent`` to inode ``ino`` (never a directory)."""
 
     KIND = "link"
-    WIRE = (("ino", "int"), ("new_parent", "int"), ("new_name", "name"))
+    WIRE = (("ino", "ino"), ("new_parent", "ino"), ("new_name", "name"))
     ino: int
     new_parent: int
     new_name: bytes
@@ -253,7 +301,7 @@ class Unlink(NsOp):
     """Remove the non-directory ``name`` from ``parent``."""
 
     KIND = "unlink"
-    WIRE = (("parent", "int"), ("name", "name"))
+    WIRE = (("parent", "ino"), ("name", "name"))
     parent: int
     name: bytes
 
@@ -263,7 +311,7 @@ class Rmdir(NsOp):
     """Remove the empty directory ``name`` from ``parent``."""
 
     KIND = "rmdir"
-    WIRE = (("parent", "int"), ("name", "name"))
+    WIRE = (("parent", "ino"), ("name", "name"))
     parent: int
     name: bytes
 
@@ -274,8 +322,8 @@ class Rename(NsOp):
     (1) or 0 (anything else is refused with EINVAL when applied)."""
 
     KIND = "rename"
-    WIRE = (("parent", "int"), ("name", "name"), ("new_parent", "int"), ("new_name", "name"),
-            ("flags", "int"))
+    WIRE = (("parent", "ino"), ("name", "name"), ("new_parent", "ino"), ("new_name", "name"),
+            ("flags", "id32"))
     parent: int
     name: bytes
     new_parent: int
@@ -289,8 +337,8 @@ class SetAttr(NsOp):
     nanoseconds since the epoch."""
 
     KIND = "setattr"
-    WIRE = (("ino", "int"), ("mode", "opt_int"), ("uid", "opt_int"), ("gid", "opt_int"),
-            ("mtime_ns", "opt_int"), ("atime_ns", "opt_int"))
+    WIRE = (("ino", "ino"), ("mode", "opt_mode"), ("uid", "opt_id32"), ("gid", "opt_id32"),
+            ("mtime_ns", "opt_time"), ("atime_ns", "opt_time"))
     ino: int
     mode: int | None = None
     uid: int | None = None
@@ -313,8 +361,8 @@ class Publish(NsOp):
     core/jobns.py: ``publication_id``, or an older mtcfs's whole-file blake3)."""
 
     KIND = "publish"
-    WIRE = (("ino", "int"), ("vid", "int"), ("size", "int"), ("chunk_size", "int"),
-            ("chunks", "chunks"), ("blake3", "str"), ("mtime_ns", "int"), ("data", "data"),
+    WIRE = (("ino", "ino"), ("vid", "int"), ("size", "int"), ("chunk_size", "chunk_size"),
+            ("chunks", "chunks"), ("blake3", "str"), ("mtime_ns", "time"), ("data", "data"),
             ("expect", "omit_str"))
     ino: int
     vid: int
@@ -341,18 +389,22 @@ OP_TYPES: dict[str, type[NsOp]] = {
 
 
 def from_wire(wire: Any) -> NsOp:
-    """The op of a wire dict (as :meth:`NsOp.to_wire` makes, or as read from etcd).
+    """The op of a wire dict (as :meth:`NsOp.to_wire` makes, or as read from etcd): the
+    one strict decoder of an op. Integers are int64 at most, inode numbers positive, modes
+    16 bits, uids, gids and rename flags 32 bits; names and targets are strings of at most
+    :data:`MAX_NAME_BYTES` bytes (surrogate-escaped) without NUL; ids and hashes at most
+    :data:`MAX_TEXT` characters; chunk digests letters and digits.
 
     Raises:
-        MalformedOp: (an FsError, EINVAL) ``wire`` is not a dict, names no known kind, or
-            lacks a field or has one of the wrong type.
+        MalformedOp: (an FsError, EINVAL, and a BadRecord) ``wire`` is not a dict, names no
+            known kind, or lacks a field or has one of the wrong type or out of range.
     """
     if not isinstance(wire, dict):
-        raise MalformedOp(f"a namespace op is a JSON object, not {type(wire).__name__}")
+        raise MalformedOp(f"a namespace op is a JSON object, not {json_type(wire)}")
     kind = wire.get("op")
     cls = OP_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise MalformedOp(f"unknown namespace op {kind!r}")
+        raise MalformedOp(f"unknown namespace op {kind!r:.60}")
     return cls._from_fields(wire)
 
 

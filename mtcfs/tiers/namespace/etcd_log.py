@@ -14,7 +14,8 @@ Keys, under ``<prefix>`` (``/mtcfs/<job>/`` unless ``coord_prefix=``):
   the node that submits it in a transaction that also sets ``ns/last``: create-if-absent,
   so a retried submit never adds an op twice. Its create revision is its place in the order.
 * ``ns/last``: the key of the newest op; its mod revision is the newest op's revision (the
-  read barrier reads this one key).
+  read barrier reads this one key). The watch covers it too, so a write to it by anyone
+  else (a revision with no op) reaches every node like an op and never holds a read up.
 * ``ns/base``: ``{"incarnation", "rev", "parts", "tag"}``: the namespace as it was after
   the op at revision ``rev``, a snapshot in ``parts`` keys ``ns/snap/<tag>/<i>``. Created
   once per keyspace by the first node that joins (``rev`` 0: its own namespace, or what it
@@ -30,7 +31,14 @@ after its seq.
 Reads (``fresh``): before a lookup or open answers, the node reads ``ns/last`` from etcd
 (linearizably; one read shared by the reads that wait at the same time) and waits until it
 applied that op: close-to-open holds job-wide (docs/consistency.md), at the cost of one
-round trip to etcd per read that the kernel does not answer from its cache.
+round trip to etcd per read that the kernel does not answer from its cache. The wait is
+for this node's watch to pass that revision (``_current``), whatever was written there.
+
+Records read back are decoded strictly (mtcfs/tiers/namespace/records.py): a malformed op
+is skipped by every node alike (its place in the order changes nothing) and reported
+(untrusted.REJECTED, ``mtcfs status``); a malformed base or snapshot is refused with a
+clear error (the node does not join, or keeps what it has); a malformed seeding candidate
+is left out of the election.
 
 etcd losing its data under a running job (a member restored from an old snapshot, a wiped
 data directory) shows as its revision going below this node's: the node stops serving
@@ -53,15 +61,17 @@ from typing import Any
 
 import trio
 
-from mtcfs.base import pools
+from mtcfs.base import pools, untrusted
 from mtcfs.base.errors import FsError, StoreFull
-from mtcfs.base.ns_ops import NsOp, from_wire
+from mtcfs.base.ns_ops import NsOp
+from mtcfs.base.untrusted import BadRecord
 from mtcfs.core.ports import NamespacePort
 from mtcfs.tiers.coord.messages import pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, EtcdUnavailable, WatchBatch, absent,
     delete_op, get_op, mod_is, prefix_end, put_op,
 )
+from mtcfs.tiers.namespace import records
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +110,15 @@ class EtcdLost(EtcdError):
     """etcd's revision went below one this node already saw: etcd lost its data."""
 
 
+class DamagedKeyspace(EtcdError):
+    """A record of the namespace in etcd does not decode (a base, a snapshot): refused."""
+
+
+#: Most seconds between restarts of the watch after failures that are not etcd's (a bug, a
+#: record that made it raise): the first after 0.5 s, each next one after twice that.
+RESTART_MAX_S = 10.0
+
+
 class EtcdNamespace:
     """The ``ns_log`` of a scope=job core, with etcd as the log: a
     :class:`mtcfs.core.ns_log.NamespaceLog` whose ops are ordered job-wide.
@@ -132,6 +151,10 @@ class EtcdNamespace:
         self.snap_prefix = p + b"ns/snap/"
         self.cand_prefix = p + b"ns/seeders/"
         self.epoch, self.seq = fs.ns_position()
+        # the etcd revision up to which this node applied every op (>= seq: revisions with
+        # no op, such as a write to ns/last by someone else, count once the watch passed)
+        self._current = self.seq
+        self._refused: set[tuple[bytes, int]] = set()  # (key, mod revision) reported
         self.results: collections.OrderedDict[str, tuple[int | None, str, dict[str, Any]]] = \
             collections.OrderedDict()
         self.applied = trio.Event()
@@ -310,10 +333,19 @@ class EtcdNamespace:
             self._barrier_running, self._barrier_next = self._barrier_next, None
 
     def _newest_op(self) -> tuple[int, int]:
-        """(revision of the newest op: ``ns/last``'s mod revision, 0 when none; the store's
-        revision), read linearizably (in a worker thread)."""
+        """(revision of the newest op: ``ns/last``'s mod revision; the store's revision),
+        read linearizably (in a worker thread). Without ``ns/last`` (no op yet, or someone
+        deleted it), the create revision of the newest key under ``ns/op/``, 0 when none.
+
+        Whatever wrote ``ns/last``, its revision is one the watch delivers (it covers the
+        key), so waiting for it never outlasts the watch."""
         kv, rev = self.etcd.get(self.last_key)
-        return (kv.mod_revision if kv is not None else 0), rev
+        if kv is not None:
+            return kv.mod_revision, rev
+        kvs, rev, _more, _n = self.etcd.range(
+            self.op_prefix, prefix_end(self.op_prefix), keys_only=True, limit=1,
+            sort_create=True, descending=True)
+        return (kvs[0].create_revision if kvs else 0), rev
 
     def _checked(self, got: tuple[int, int], floor: int) -> int:
         newest, rev = got
@@ -336,7 +368,7 @@ class EtcdNamespace:
         self._seen_rev = max(self._seen_rev, rev)
 
     async def _wait_applied(self, rev: int, deadline: float) -> None:
-        while self.seq < rev:
+        while self._current < rev:
             await self._check_serving(deadline)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -361,21 +393,66 @@ class EtcdNamespace:
 
     # ------------------------------------------------------------------ applying
 
-    def _apply(self, rev: int, body: bytes) -> list[Any]:
-        """Apply one op at revision ``rev``; returns the versions to keep (open here)."""
+    def _reject(self, kind: str, key: bytes, mod_rev: int, why: str) -> None:
+        """Report record ``key`` (as written at ``mod_rev``) as refused, once."""
+        if (key, mod_rev) in self._refused:
+            return
+        if len(self._refused) >= 4096:
+            self._refused.clear()
+        self._refused.add((key, mod_rev))
+        untrusted.REJECTED.reject(kind, key, f"{why} (revision {mod_rev})")
+
+    def _decode_base(self, kv: Any) -> dict[str, Any]:
+        """The base record ``kv`` (records.decode_base).
+
+        Raises:
+            DamagedKeyspace: it does not decode (reported).
+        """
         try:
-            wire = json.loads(body)
-        except ValueError:
-            log.error("namespace op at revision %d is not JSON: skipped", rev)
-            self._moved_past(rev)
-            self.seq = rev
-            return []
-        env = wire if isinstance(wire, dict) else {}
-        rank, op_id = env.get("rank"), env.get("id")
+            return records.decode_base(kv.value)
+        except BadRecord as exc:
+            self._reject("ns_base", kv.key, kv.mod_revision, str(exc))
+            raise DamagedKeyspace(f"the job's namespace base {kv.key.decode(errors='replace')}"
+                                  f" in etcd is malformed ({exc}): refused; fix or delete "
+                                  "the job's prefix") from None
+
+    def _ours(self, kvs: Any, tag: str) -> bool:
+        """Whether the base read back (``kvs``: none or one) is the one with ``tag``."""
+        try:
+            return bool(kvs) and records.decode_base(kvs[0].value)["tag"] == tag
+        except BadRecord:
+            return False
+
+    def _envelope(self, key: bytes, body: bytes) -> tuple[int | None, str | None]:
+        """(rank, id) of the op at ``key`` when its body names them and they are the ones
+        its key says (the key a submit writes: ``ns/op/<rank>/<id>``); else (None, None)."""
+        try:
+            wire = untrusted.json_value(body)
+        except BadRecord:
+            return None, None
+        if not isinstance(wire, dict):
+            return None, None
+        rank, op_id = wire.get("rank"), wire.get("id")
+        if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 10**6 and \
+                isinstance(op_id, str) and \
+                key == self.op_prefix + f"{rank:06d}/{op_id}".encode(errors="replace"):
+            return rank, op_id
+        return None, None
+
+    def _apply(self, rev: int, body: bytes, key: bytes = b"") -> list[Any]:
+        """Apply one op at revision ``rev`` (stored at ``key``); returns the versions to
+        keep (open here). An op that does not decode (records.decode_op) changes nothing,
+        on every node alike: it is reported and this node's position moves past it (its
+        submitter, if it is this node, gets EINVAL)."""
+        rank, op_id = self._envelope(key, body)
         err: int | None
         try:
-            # a malformed op is refused (MalformedOp: EINVAL) the same on every node
-            res, keep = self.fs.ns_apply(from_wire(wire), rev, self.epoch)
+            try:
+                op = records.decode_op(body)
+            except BadRecord as exc:
+                self._reject("ns_op", key, rev, str(exc))
+                raise FsError(errno.EINVAL, f"malformed namespace op: {exc}") from None
+            res, keep = self.fs.ns_apply(op, rev, self.epoch)
             err, message = 0, ""
         except StoreFull as exc:  # nothing changed: this node waits here, skips nothing
             self._wait_for_room(f"op at revision {rev}", exc)
@@ -391,6 +468,7 @@ class EtcdNamespace:
             self.counters["ops_failed_locally"] += 1
             self._moved_past(rev)
         self.seq = rev
+        self._current = max(self._current, rev)
         if self.waiting_for_room:
             log.info("the job's namespace goes on at revision %d: the store has room again",
                      rev)
@@ -419,13 +497,30 @@ class EtcdNamespace:
         here (:meth:`_keep`). Raises StoreFull at the first op this node has no room for
         (those before it are applied)."""
         keep: list[Any] = []
+        created: dict[int, bytes] = {}  # revision -> key of the op created there
         try:
             for ev in batch.events:
                 kv = ev.kv
-                # a new op is a put that created its key; deletes are the trimming of old ops
-                if ev.type == 0 and kv.version == 1 and kv.create_revision > self.seq \
-                        and kv.key.startswith(self.op_prefix):
-                    keep += self._apply(kv.create_revision, kv.value)
+                if kv.key.startswith(self.op_prefix):
+                    # a new op is a put that created its key; deletes are the trimming of
+                    # old ops; a put over an op already ordered is no op (reported)
+                    if ev.type == 0 and kv.version == 1:
+                        created[kv.create_revision] = kv.key
+                        if kv.create_revision > self.seq:
+                            keep += self._apply(kv.create_revision, kv.value, kv.key)
+                    elif ev.type == 0:
+                        self._reject("ns_op", kv.key, kv.mod_revision,
+                                     "an op written again after it was ordered: ignored")
+                elif kv.key == self.last_key:
+                    # a submit sets it to the key of its op, in the op's transaction
+                    if ev.type != 0:
+                        self._reject("ns_last", kv.key, kv.mod_revision, "deleted")
+                    elif created.get(kv.mod_revision) != kv.value:
+                        self._reject("ns_last", kv.key, kv.mod_revision,
+                                     f"{kv.value[:60]!r} is not the key of the op written "
+                                     "with it")
+                # (other keys between ns/last and ns/op/ are no one's: only the revision)
+                self._current = max(self._current, kv.mod_revision)
         finally:
             self.applied.set()
             self.applied = trio.Event()
@@ -453,7 +548,8 @@ class EtcdNamespace:
 
         Raises:
             FsError: EIO when etcd did not answer within ``timeout``, or its keyspace is
-                damaged (ops without a base); ENOSPC when this node's store had no room
+                damaged (ops without a base; at once: a base or snapshot that does not
+                decode, or etcd's auth refusing); ENOSPC when this node's store had no room
                 for the namespace's rows all that time.
         """
         deadline = time.monotonic() + timeout
@@ -469,7 +565,9 @@ class EtcdNamespace:
                 await trio.sleep(ROOM_RETRY_S)
             except EtcdError as exc:
                 self._failed(exc)
-                if time.monotonic() > deadline or isinstance(exc, EtcdPermissionDenied):
+                # (a malformed base does not mend itself: refused at once)
+                if time.monotonic() > deadline or isinstance(exc, (EtcdPermissionDenied,
+                                                                   DamagedKeyspace)):
                     raise FsError(errno.EIO, f"cannot join the job's namespace in etcd: "
                                   f"{exc}") from None
                 await trio.sleep(0.5)
@@ -493,10 +591,10 @@ class EtcdNamespace:
             kv, pin = await self._etcd(lambda: self.etcd.get(self.base_key))
             if kv is None:
                 raise EtcdError("the job's namespace base vanished right after it was seeded")
-        base = json.loads(kv.value)
+        base = self._decode_base(kv)
         self._base, self._base_mod, self._base_create = base, kv.mod_revision, \
             kv.create_revision
-        inc, brev = int(base["incarnation"]), int(base["rev"])
+        inc, brev = base["incarnation"], base["rev"]
         if self.epoch != inc or self.seq < brev or self._lost:
             await self._install(base, at=pin)
             self._lost = False
@@ -509,13 +607,14 @@ class EtcdNamespace:
                     limit=PAGE_OPS, min_create_revision=self.seq + 1, revision=pin))
                 for op_kv in kvs:
                     if op_kv.create_revision > self.seq:
-                        keep += self._apply(op_kv.create_revision, op_kv.value)
+                        keep += self._apply(op_kv.create_revision, op_kv.value, op_kv.key)
                 if not more:
                     break
         finally:  # (StoreFull: what came before that op is applied)
             self.applied.set()
             self.applied = trio.Event()
             self._keep_soon(keep)
+        self._current = pin  # every op up to ``pin`` is applied (nothing else counts)
         self._watch_from = pin + 1
 
     async def _seed(self) -> dict[str, Any]:
@@ -552,11 +651,10 @@ class EtcdNamespace:
         if not r.succeeded:
             kvs = r.responses[0].response_range.kvs
             # (a retried transaction whose first try committed finds its own base: ours)
-            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+            if not self._ours(kvs, tag):
                 await self._delete_parts(tag)
                 if kvs:
-                    theirs: dict[str, Any] = json.loads(kvs[0].value)
-                    return theirs
+                    return self._decode_base(kvs[0])
                 raise EtcdError(f"the job's namespace in etcd has ops but no base (under "
                                 f"{self.op_prefix.decode()!r}): damaged keyspace, not "
                                 "seeded over; delete the job's prefix to start afresh")
@@ -594,11 +692,16 @@ class EtcdNamespace:
             while True:
                 kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
                 if kv is not None:
-                    base: dict[str, Any] = json.loads(kv.value)
-                    return base
+                    return self._decode_base(kv)
                 kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(
                     self.cand_prefix, prefix_end(self.cand_prefix)))
-                cands = [json.loads(c.value) for c in kvs] or [me]
+                cands = []
+                for c in kvs:
+                    try:
+                        cands.append(records.decode_candidate(c.value))
+                    except BadRecord as exc:  # left out of the election
+                        self._reject("ns_seeder", c.key, c.mod_revision, str(exc))
+                cands = cands or [me]
                 best = max(cands, key=lambda c: (c["newest_step"], c["entries"], -c["rank"]))
                 waited = time.monotonic() - start
                 if best["rank"] == self.rank and (len(cands) >= self.nodes
@@ -636,17 +739,24 @@ class EtcdNamespace:
         p = self.snap_prefix + f"{base['tag']}/".encode()
         kvs, _at, _more, _n = await self._etcd(lambda: self.etcd.range(p, prefix_end(p),
                                                                         revision=at))
-        parts = sorted(kvs, key=lambda kv: int(kv.key.rsplit(b"/", 1)[1]))
-        if len(parts) != int(base["parts"]):
-            raise EtcdError(f"the namespace base has {len(parts)} of {base['parts']} parts")
-        snap = json.loads(b"".join(kv.value for kv in parts))
-        snap["epoch"], snap["seq"] = int(base["incarnation"]), int(base["rev"])
+        try:
+            parts = sorted(kvs, key=lambda kv: records.snap_part_index(kv.key, p,
+                                                                       base["parts"]))
+            if len(parts) != base["parts"]:
+                raise BadRecord(f"{len(parts)} of its {base['parts']} parts")
+            snap = records.decode_snapshot(b"".join(kv.value for kv in parts))
+        except BadRecord as exc:
+            self._reject("ns_snapshot", p, at, str(exc))
+            raise DamagedKeyspace(f"the job's namespace snapshot {p.decode(errors='replace')}"
+                                  f" in etcd is malformed ({exc}): not installed") from None
+        snap["epoch"], snap["seq"] = base["incarnation"], base["rev"]
         try:
             self.fs.ns_install(snap)
         except StoreFull as exc:  # nothing changed: tried again after a pause
             self._wait_for_room(f"the namespace base at revision {base['rev']}", exc)
             raise
         self.epoch, self.seq = self.fs.ns_position()
+        self._current = self.seq
         self.diverged = ""
         self.waiting_for_room = ""
         self.counters["snapshots_installed"] += 1
@@ -654,6 +764,7 @@ class EtcdNamespace:
     def reset_position(self) -> None:
         """Take (epoch, seq) from the core after its namespace was replaced."""
         self.epoch, self.seq = self.fs.ns_position()
+        self._current = self.seq
 
     # ------------------------------------------------------------------ trimming the log
 
@@ -667,7 +778,11 @@ class EtcdNamespace:
         kv, _rev = await self._etcd(lambda: self.etcd.get(self.base_key))
         if kv is None or kv.mod_revision != self._base_mod:  # another node folded it
             if kv is not None:
-                self._base, self._base_mod = json.loads(kv.value), kv.mod_revision
+                try:
+                    self._base = self._decode_base(kv)
+                except DamagedKeyspace:
+                    pass  # the next fold replaces it (compared with its mod revision)
+                self._base_mod = kv.mod_revision
             self._since_base = 0
             return
         rev = self.seq
@@ -685,10 +800,14 @@ class EtcdNamespace:
         if not r.succeeded:
             kvs = r.responses[0].response_range.kvs
             # (a retried transaction whose first try committed finds its own base: ours)
-            if not (kvs and json.loads(kvs[0].value).get("tag") == tag):
+            if not self._ours(kvs, tag):
                 await self._delete_parts(tag)
                 if kvs:
-                    self._base, self._base_mod = json.loads(kvs[0].value), kvs[0].mod_revision
+                    try:
+                        self._base = self._decode_base(kvs[0])
+                    except DamagedKeyspace:
+                        pass  # the next fold replaces it
+                    self._base_mod = kvs[0].mod_revision
                 self._since_base = 0
                 return
             new_mod = kvs[0].mod_revision
@@ -715,11 +834,16 @@ class EtcdNamespace:
     # ------------------------------------------------------------------ run
 
     async def run(self) -> None:
-        """Apply the job's ops as etcd delivers them, for ever."""
+        """Apply the job's ops as etcd delivers them, for ever. The watch (its thread
+        ``mtcfs-ns-watch``) is restarted after any failure, after a catch-up from etcd's
+        keys; after failures that are not etcd's (a bug) at most once per ``pause`` seconds,
+        doubling up to :data:`RESTART_MAX_S` while they go on, each logged."""
+        pause = 0.5
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(self._trim_loop)
             while True:
+                bug = False
                 try:
                     await self._follow()
                 except EtcdCompacted as exc:
@@ -728,9 +852,12 @@ class EtcdNamespace:
                     pass  # (said by _apply) tried again below, after a pause
                 except Exception as exc:  # noqa: BLE001 (EtcdError, or a bug: retried)
                     if not isinstance(exc, EtcdError):
-                        log.exception("namespace watch failed")
+                        bug = True
+                        log.exception("namespace watch failed; restarted in %.1f s", pause)
                     self._failed(exc)
-                await trio.sleep(ROOM_RETRY_S if self.waiting_for_room else 0.5)
+                await trio.sleep(ROOM_RETRY_S if self.waiting_for_room else
+                                 pause if bug else 0.5)
+                pause = min(pause * 2, RESTART_MAX_S) if bug else 0.5
                 try:
                     await self._catch_up()
                     self._ok()
@@ -763,8 +890,11 @@ class EtcdNamespace:
         start = self._watch_from or self.seq + 1
 
         def pump() -> None:
+            # (it only passes batches on: whatever they hold is decoded by the loop, and
+            # any failure, its own included, is handed to it, which restarts the watch)
             try:
-                for batch in self.etcd.watch(self.op_prefix, prefix_end(self.op_prefix),
+                # ns/last up to the ops' end: ns/last's writes reach this node too
+                for batch in self.etcd.watch(self.last_key, prefix_end(self.op_prefix),
                                              start, stop=stop):
                     trio.from_thread.run(send.send, batch, trio_token=token)
             except BaseException as exc:  # noqa: BLE001 (handed to the loop)
