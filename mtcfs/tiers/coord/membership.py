@@ -24,8 +24,15 @@ keepalive request per member every TTL/3, and one watch per :class:`MemberView` 
 members' prefix, so a membership change is delivered once per view (N events per change
 when each of N daemons keeps its own).
 
+Records read back are decoded strictly (:meth:`MemberRecord.decode`, the key's rank the
+body's): one that does not decode is no member's, left out of the view and reported
+(``untrusted.REJECTED``, kind ``member``); at the registering rank's own key it holds the
+rank for nobody, so registration takes it at once.
+
 Threads: :meth:`Membership.join` blocks; the keepalive loop and the watch run in daemon
-threads; every wait is bounded. Trio code calls the async wrappers (``ajoin``,
+threads under :func:`mtcfs.base.untrusted.supervise` (any exception: logged, restarted
+after a pause, bounded; the view is read again before the watch resumes); every wait is
+bounded. Trio code calls the async wrappers (``ajoin``,
 ``await_for``, ``aleave``), which run the blocking calls in worker threads.
 """
 

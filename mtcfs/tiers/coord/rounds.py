@@ -19,6 +19,12 @@ asks after the decision of the round it joins takes that decision. The round wai
 every rank's entry up to ``wait_s``; past it, the caller gets :class:`RoundTimeout` naming
 the ranks that never asked (a decision without them could name a step they lack).
 
+Records read back are decoded strictly (:func:`decode_round_number`,
+:func:`decode_round_entry`, :func:`decode_round_decision`) and one that does not decode is
+refused (``untrusted.REJECTED``): a round number is replaced (compare-and-set) by its own
+mod revision, above every round opened before, and the ranks follow that round; an entry
+counts as not joined (a rank puts its own back); a decision is taken again.
+
 Load: per restore, per rank, about four small transactions and a poll every 0.1–0.5 s while
 waiting; a poll counts the round's entries (one number), and reads them only to name the
 missing ranks once, and when the count is complete (docs/benchmarks.md, "Coordination at

@@ -27,6 +27,12 @@ a missing rank constrains nothing (it lowers nothing), and the decision lists it
 no record at all the decision is ``step: null`` (start from scratch, or from the backup
 tier's own newest step). An empty record (a rank that holds nothing) does constrain: the
 intersection is then empty and the decision is ``null``.
+
+Records read back are decoded strictly (:func:`decode_step_record`,
+:func:`decode_decision`). A step record that does not decode counts as no record (refused:
+``untrusted.REJECTED``, kind ``steps``); a decision that does not decode counts as no
+decision (kind ``restore``): it is decided again and replaced with a compare-and-set on
+its mod revision, so every member reads the same replacement.
 """
 
 from __future__ import annotations
