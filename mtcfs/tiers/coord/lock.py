@@ -21,12 +21,22 @@ import uuid
 
 import trio
 
+from mtcfs.base import untrusted
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import Etcd, EtcdError, absent, get_op, put_op, value_is
 
 log = logging.getLogger(__name__)
 
 TTL_S = 10
+#: Longest holder name shown (a lock key's value, written by whoever holds it).
+MAX_HOLDER_LEN = 200
+
+
+def holder_name(value: bytes) -> str:
+    """A lock key's value as a one-line name for logs and messages: undecodable bytes and
+    control characters replaced, at most :data:`MAX_HOLDER_LEN` characters."""
+    text = value[:4 * MAX_HOLDER_LEN].decode(errors="replace")
+    return "".join(c if c.isprintable() else "?" for c in text)[:MAX_HOLDER_LEN]
 
 
 class LockTimeout(EtcdError):
@@ -61,7 +71,7 @@ class EtcdLock:
     def holder(self) -> str | None:
         """The current holder's token (None: free)."""
         kv, _rev = self.etcd.get(self.key)
-        return kv.value.decode() if kv is not None else None
+        return holder_name(kv.value) if kv is not None else None
 
     def fence(self) -> pb.Compare:
         """A compare that holds only while this holder owns the key (for its txns)."""
@@ -91,7 +101,7 @@ class EtcdLock:
                     break  # an earlier attempt got through
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    who = kvs[0].value.decode() if kvs else "?"
+                    who = holder_name(kvs[0].value) if kvs else "?"
                     raise LockTimeout(f"lock {self.key.decode()} held by {who} for the "
                                       f"whole {timeout:g} s wait")
                 # keep our own lease alive while we wait (a long wait outlives the TTL)
@@ -107,9 +117,19 @@ class EtcdLock:
         self.lease = lease
         self._lost.clear()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._keepalive, daemon=True,
-                                        name=f"lock-{self.key.decode()}")
+        self._thread = threading.Thread(
+            target=untrusted.supervise, daemon=True,
+            args=(f"lock {self.key.decode(errors='replace')} keepalive", self._keepalive_run,
+                  self._stop),
+            kwargs={"on_give_up": lambda exc: self._lost.set()},
+            name=f"lock-{self.key.decode(errors='replace')}")
         self._thread.start()
+
+    def _keepalive_run(self) -> None:
+        """:meth:`_keepalive` under :func:`untrusted.supervise` (an error restarts it);
+        once the lock is lost it stays parked until :meth:`release`."""
+        self._keepalive()
+        self._stop.wait()
 
     def _keepalive(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)

@@ -24,8 +24,15 @@ keepalive request per member every TTL/3, and one watch per :class:`MemberView` 
 members' prefix, so a membership change is delivered once per view (N events per change
 when each of N daemons keeps its own).
 
+Records read back are decoded strictly (:meth:`MemberRecord.decode`, the key's rank the
+body's): one that does not decode is no member's, left out of the view and reported
+(``untrusted.REJECTED``, kind ``member``); at the registering rank's own key it holds the
+rank for nobody, so registration takes it at once.
+
 Threads: :meth:`Membership.join` blocks; the keepalive loop and the watch run in daemon
-threads; every wait is bounded. Trio code calls the async wrappers (``ajoin``,
+threads under :func:`mtcfs.base.untrusted.supervise` (any exception: logged, restarted
+after a pause, bounded; the view is read again before the watch resumes); every wait is
+bounded. Trio code calls the async wrappers (``ajoin``,
 ``await_for``, ``aleave``), which run the blocking calls in worker threads.
 """
 
@@ -41,10 +48,14 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import untrusted
+from mtcfs.base.limits import MAX_NODES
+from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
     put_op,
 )
+from mtcfs.tiers.coord.keys import rank_key, rank_of_key
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,15 @@ TTL_S = 10
 PROGRESS_S = 30.0
 #: Seconds the member view waits before it watches again after etcd's auth refused it.
 DENIED_PAUSE_S = 10.0
+#: Largest member record accepted, bytes (one is ~200 bytes; labels are at most 64 x 256).
+MAX_MEMBER_BYTES = 64 * 1024
+#: Longest Peer address a record may name (``host:port``: a DNS name is at most 253).
+MAX_ADDRESS_LEN = 300
+#: Longest boot id a record may carry (this code writes 16 hex digits).
+MAX_BOOT_LEN = 64
+#: Latest ``since`` (Unix time, s) a record may carry: year 5138, a time the C library
+#: can still format.
+MAX_SINCE = 1e11
 
 
 class RankTaken(EtcdError):
@@ -76,16 +96,47 @@ class MemberRecord:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, body: bytes) -> "MemberRecord":
-        d = json.loads(body)
-        return cls(rank=int(d["rank"]), address=str(d.get("address", "")),
-                   labels=dict(d.get("labels") or {}), boot=str(d.get("boot", "")),
-                   incarnation=int(d.get("incarnation", 0)),
-                   since=float(d.get("since", 0.0)))
+    def decode(cls, body: bytes | str, rank: int | None = None) -> "MemberRecord":
+        """The record in ``body`` (what :meth:`encode` writes; unknown fields are ignored).
+
+        Args:
+            body: the value read from etcd.
+            rank: the rank the record's key names; the body must name the same.
+
+        Raises:
+            BadRecord: not a JSON object of at most :data:`MAX_MEMBER_BYTES`; ``rank``
+                missing or not an integer in ``0..MAX_NODES-1`` (or not ``rank``);
+                ``address`` or ``boot`` not a short printable string; ``labels`` not an
+                object of short printable strings; ``incarnation`` not an integer >= 0;
+                ``since`` not a finite number >= 0 (one line).
+        """
+        d = untrusted.json_object(body, MAX_MEMBER_BYTES)
+        got = untrusted.field_int(d, "rank", 0, MAX_NODES - 1)
+        if rank is not None and got != rank:
+            raise BadRecord(f"the record names rank {got}, its key rank {rank}")
+        rec = cls(rank=got,
+                  address=_printable(untrusted.field_str(d, "address", MAX_ADDRESS_LEN,
+                                                         default=""), "address"),
+                  labels=dict(untrusted.field_str_map(d, "labels", default=None) or {}),
+                  boot=_printable(untrusted.field_str(d, "boot", MAX_BOOT_LEN, default=""),
+                                  "boot"),
+                  incarnation=untrusted.field_int(d, "incarnation", default=0),
+                  since=untrusted.field_float(d, "since", 0.0, MAX_SINCE, default=0.0))
+        for k, v in rec.labels.items():
+            _printable(k, "a label's name")
+            _printable(v, f"label {k}")
+        return rec
+
+
+def _printable(s: str, what: str) -> str:
+    """``s`` if it holds no control character (it is logged and shown in status)."""
+    if not s.isprintable():
+        raise BadRecord(f"{what} holds a control character")
+    return s
 
 
 def member_key(prefix: str, rank: int) -> bytes:
-    return f"{prefix}members/{rank:06d}".encode()
+    return f"{prefix}members/".encode() + rank_key(rank)
 
 
 class Membership:
@@ -145,7 +196,10 @@ class Membership:
             EtcdError: etcd did not answer (one line).
         """
         self._register(1.5 * self.ttl_s if wait_s is None else wait_s)
-        t = threading.Thread(target=self._keepalive_loop, daemon=True,
+        t = threading.Thread(target=untrusted.supervise, daemon=True,
+                             args=(f"rank {self.rank}'s lease keepalive", self._keepalive_run,
+                                   self._stop),
+                             kwargs={"on_give_up": self._keepalive_gave_up},
                              name=f"member-{self.rank}-keepalive")
         self._threads.append(t)
         t.start()
@@ -168,10 +222,13 @@ class Membership:
                     continue  # expired between the compare and the read
                 kv = kvs[0]
                 try:
-                    holder = MemberRecord.decode(kv.value)
-                except (ValueError, KeyError):
-                    holder = MemberRecord(rank=self.rank)
-                if holder.boot == self.record.boot or kv.lease == lease or (
+                    holder: MemberRecord | None = MemberRecord.decode(kv.value, self.rank)
+                except BadRecord as exc:
+                    # not a member's record (no daemon of ours wrote it): nobody holds the
+                    # rank through it, so it is replaced at once, as a dead holder's is
+                    untrusted.REJECTED.reject("member", kv.key, str(exc))
+                    holder = None
+                if holder is None or holder.boot == self.record.boot or kv.lease == lease or (
                         self.address_is_mine and holder.address == self.record.address):
                     # (or the record names the address this daemon listens on now: its
                     # holder cannot be listening there any more, so it is dead)
@@ -238,6 +295,15 @@ class Membership:
         ttl = self.etcd.keepalive(self.lease)
         self.counters["keepalives"] += 1
         return ttl
+
+    def _keepalive_run(self) -> None:
+        """The keepalive loop (under :func:`untrusted.supervise`: an error restarts it);
+        after a :class:`RankTaken` it stays parked until :meth:`leave`."""
+        self._keepalive_loop()
+        self._stop.wait()
+
+    def _keepalive_gave_up(self, exc: BaseException) -> None:
+        self.error = f"lease keepalive stopped after repeated failures: {exc}"
 
     def _keepalive_loop(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
@@ -322,14 +388,18 @@ class MemberView:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._view_rev = 0
+        self._runs = 0  # how many times the watch loop was started
+        #: why the watch stopped for good ("" while it runs)
+        self.error = ""
 
     def start(self) -> None:
         """Load the members once, then follow them with a watch (a daemon thread)."""
         if self._thread is not None:
             return
         self._load_view()
-        self._thread = threading.Thread(target=self._watch_loop, daemon=True,
-                                        name="member-view-watch")
+        self._thread = threading.Thread(
+            target=untrusted.supervise, args=("membership watch", self._watch_run, self._stop),
+            kwargs={"on_give_up": self._gave_up}, daemon=True, name="member-view-watch")
         self._thread.start()
 
     def stop(self) -> None:
@@ -338,19 +408,41 @@ class MemberView:
             self._thread.join(timeout=self._progress_s + 2)
         self._thread = None
 
+    def _gave_up(self, exc: BaseException) -> None:
+        self.error = f"membership watch stopped after repeated failures: {exc}"
+
+    def _decode(self, kv: Any) -> MemberRecord | None:
+        """The record of ``kv`` (a key under ``members/``), or None when the key or the
+        value is not a member's (skipped, and reported as a refused record)."""
+        try:
+            return MemberRecord.decode(kv.value, rank_of_key(kv.key, self.members_prefix))
+        except BadRecord as exc:
+            untrusted.REJECTED.reject("member", kv.key, str(exc))
+            return None
+
     def _load_view(self) -> None:
         kvs, rev, _more, _n = self.etcd.range(self.members_prefix,
                                               prefix_end(self.members_prefix))
         view = {}
         for kv in kvs:
-            try:
-                rec = MemberRecord.decode(kv.value)
-            except (ValueError, KeyError):
-                continue
-            view[rec.rank] = rec
+            rec = self._decode(kv)
+            if rec is not None:
+                view[rec.rank] = rec
         with self._cond:
             self._view, self._view_rev = view, rev
             self._cond.notify_all()
+
+    def _watch_run(self) -> None:
+        """:meth:`_watch_loop` under :func:`untrusted.supervise`: after a failure (events
+        of the batch that failed may be lost) the view is read again before the watch."""
+        if self._runs:
+            try:
+                self._load_view()
+            except EtcdError as exc:
+                self.counters["etcd_errors"] += 1
+                log.warning("membership reload: %s", exc)
+        self._runs += 1
+        self._watch_loop()
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
@@ -383,16 +475,21 @@ class MemberView:
             for ev in events:
                 self.counters["watch_events"] += 1
                 try:
-                    rank = int(ev.kv.key[len(self.members_prefix):])
-                except ValueError:
+                    rank = rank_of_key(ev.kv.key, self.members_prefix)
+                except BadRecord as exc:
+                    if ev.type != 1:
+                        untrusted.REJECTED.reject("member", ev.kv.key, str(exc))
                     continue
                 if ev.type == 1:  # DELETE (lease expired or revoked)
                     self._view.pop(rank, None)
+                    continue
+                rec = self._decode(ev.kv)
+                if rec is None:
+                    # what the key holds now is no member's record: the rank is not in
+                    # the view (as a reload of every record would find)
+                    self._view.pop(rank, None)
                 else:
-                    try:
-                        self._view[rank] = MemberRecord.decode(ev.kv.value)
-                    except (ValueError, KeyError):
-                        continue
+                    self._view[rank] = rec
             if events:
                 self._view_rev = max(self._view_rev, events[-1].kv.mod_revision)
             self._cond.notify_all()

@@ -19,6 +19,12 @@ asks after the decision of the round it joins takes that decision. The round wai
 every rank's entry up to ``wait_s``; past it, the caller gets :class:`RoundTimeout` naming
 the ranks that never asked (a decision without them could name a step they lack).
 
+Records read back are decoded strictly (:func:`decode_round_number`,
+:func:`decode_round_entry`, :func:`decode_round_decision`) and one that does not decode is
+refused (``untrusted.REJECTED``): a round number is replaced (compare-and-set) by its own
+mod revision, above every round opened before, and the ranks follow that round; an entry
+counts as not joined (a rank puts its own back); a decision is taken again.
+
 Load: per restore, per rank, about four small transactions and a poll every 0.1–0.5 s while
 waiting; a poll counts the round's entries (one number), and reads them only to name the
 missing ranks once, and when the count is complete (docs/benchmarks.md, "Coordination at
@@ -36,10 +42,14 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import untrusted
+from mtcfs.base.limits import MAX_NODES, MAX_STEP
+from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdError, EtcdUnavailable, absent, get_op, mod_is, prefix_end, put_op,
 )
+from mtcfs.tiers.coord.keys import rank_key, rank_of_key
 
 #: Seconds a round waits for every rank's entry.
 WAIT_S = 600.0
@@ -52,8 +62,81 @@ POLLS_PER_S = 250.0
 NAME_EVERY_S = 5.0
 
 
+#: Largest round entry or decision accepted, bytes (an entry lists the steps a rank can
+#: restore: RAM, peers and the backup tier).
+MAX_ENTRY_BYTES = 1 << 20
+#: Most steps a round entry may list.
+MAX_ENTRY_STEPS = 1 << 16
+#: Longest nonce an entry may carry (this code writes 32 hex digits).
+MAX_NONCE_LEN = 64
+#: Most digits of a round number (int64).
+_ROUND_DIGITS = 19
+
+
 class RoundTimeout(EtcdError):
     """Not every rank joined the round in time (one line names the missing ranks)."""
+
+
+def decode_round_number(body: bytes) -> int:
+    """The round number ``<area>/round`` holds: ASCII digits, ``1..2**63-1``.
+
+    Raises:
+        BadRecord: anything else (one line).
+    """
+    if not body or len(body) > _ROUND_DIGITS or not all(0x30 <= c <= 0x39 for c in body):
+        raise BadRecord(f"not a round number ({len(body)} bytes, not 1-{_ROUND_DIGITS} "
+                        "ASCII digits)")
+    k = int(body)
+    if not 1 <= k <= untrusted.INT64_MAX:
+        raise BadRecord(f"round {k} is outside 1..{untrusted.INT64_MAX}")
+    return k
+
+
+def encode_round_entry(rank: int, steps: Iterable[int], nonce: str, at: float) -> bytes:
+    """A round entry's JSON (what :func:`decode_round_entry` reads; steps ascending)."""
+    return json.dumps({"rank": rank, "steps": sorted(set(int(s) for s in steps)),
+                       "nonce": nonce, "at": at}, separators=(",", ":")).encode()
+
+
+def decode_round_entry(body: bytes | str, rank: int | None = None) -> tuple[list[int], str]:
+    """(steps, nonce) of a rank's round entry (``{"rank", "steps", "nonce", "at"}``).
+
+    Args:
+        body: the value read from etcd; rank: the rank its key names (the body must name
+            the same), None: not checked.
+
+    Raises:
+        BadRecord: not a JSON object of at most :data:`MAX_ENTRY_BYTES`; ``rank`` missing,
+            not a rank or not ``rank``; ``steps`` missing or not an array of at most
+            :data:`MAX_ENTRY_STEPS` integers in ``0..MAX_STEP``; ``nonce`` not a string of
+            at most 64 characters; ``at`` not a finite number >= 0 (one line).
+    """
+    d = untrusted.json_object(body, MAX_ENTRY_BYTES)
+    got = untrusted.field_int(d, "rank", 0, MAX_NODES - 1)
+    if rank is not None and got != rank:
+        raise BadRecord(f"the entry names rank {got}, its key rank {rank}")
+    steps = untrusted.field_int_list(d, "steps", 0, MAX_STEP, MAX_ENTRY_STEPS)
+    nonce = untrusted.field_str(d, "nonce", MAX_NONCE_LEN, default="")
+    untrusted.field_float(d, "at", default=0.0)
+    return steps, nonce
+
+
+def decode_round_decision(body: bytes | str) -> int | None:
+    """The step a round's decision (``{"round", "step", "decided_by", "at"}``) restores
+    (None: nothing in common).
+
+    Raises:
+        BadRecord: not a JSON object of at most :data:`MAX_ENTRY_BYTES`; ``step`` missing,
+            or neither null nor an integer in ``0..MAX_STEP``; ``round`` not an integer
+            >= 1; ``decided_by`` not a rank; ``at`` not a finite number >= 0 (one line).
+    """
+    d = untrusted.json_object(body, MAX_ENTRY_BYTES)
+    if "step" not in d:
+        raise BadRecord("step is missing")
+    untrusted.field_int(d, "round", 1, default=1)
+    untrusted.field_int(d, "decided_by", 0, MAX_NODES - 1, default=0)
+    untrusted.field_float(d, "at", default=0.0)
+    return None if d["step"] is None else untrusted.field_int(d, "step", 0, MAX_STEP)
 
 
 class RestoreRounds:
@@ -79,7 +162,25 @@ class RestoreRounds:
         return f"{self.base}round-{k}/".encode()
 
     def _entry(self, k: int) -> bytes:
-        return self._entries(k) + f"{self.rank:06d}".encode()
+        return self._entries(k) + rank_key(self.rank)
+
+    def _entry_body(self, steps: Iterable[int], nonce: str) -> bytes:
+        return encode_round_entry(self.rank, steps, nonce, round(time.time(), 3))
+
+    def _round_of(self, kv: Any) -> int | None:
+        """The round number ``kv`` (``<area>/round``) holds; None when it does not decode:
+        then it is replaced (compare-and-set on its mod revision, so every rank writes
+        the same) by that mod revision, a number above every round opened before (each
+        round number was written at a revision at least as high), and the caller reads
+        it again."""
+        try:
+            return decode_round_number(kv.value)
+        except BadRecord as exc:
+            untrusted.REJECTED.reject("round", kv.key, str(exc))
+        self.etcd.txn([mod_is(self.round_key, kv.mod_revision)],
+                      [put_op(self.round_key, str(int(kv.mod_revision)).encode())],
+                      retry=True)
+        return None
 
     def _decision(self, k: int) -> bytes:
         return f"{self.base}decision-{k}".encode()
@@ -94,17 +195,19 @@ class RestoreRounds:
         # the nonce tells this restore's own entry (an attempt etcd applied whose answer was
         # lost, then retried) from an entry of an earlier restart of this rank
         nonce = nonce or uuid.uuid4().hex
-        body = json.dumps({"rank": self.rank, "steps": sorted(set(int(s) for s in steps)),
-                           "nonce": nonce, "at": round(time.time(), 3)},
-                          separators=(",", ":")).encode()
+        body = self._entry_body(steps, nonce)
         deadline = time.monotonic() + timeout
         while True:
+            if time.monotonic() > deadline:
+                raise EtcdError(f"could not join a restore round within {timeout:g} s")
             kv, _rev = self.etcd.get(self.round_key)
             if kv is None:
                 self.etcd.txn([absent(self.round_key)], [put_op(self.round_key, b"1")],
                               retry=True)
                 continue
-            k = int(kv.value)
+            k = self._round_of(kv)
+            if k is None:
+                continue
             r = self.etcd.txn([mod_is(self.round_key, kv.mod_revision),
                                absent(self._entry(k))], [put_op(self._entry(k), body)],
                               [get_op(self._entry(k))], retry=True)
@@ -158,13 +261,22 @@ class RestoreRounds:
                 key=entries, range_end=prefix_end(entries), count_only=True)),
                 get_op(self.round_key)], retry=True)
             got = r.responses[0].response_range.kvs
+            bad = 0  # mod revision of a decision that does not decode (replaced below)
             if got:
-                self.waiting_for = []
-                return _step_of(got[0].value)
+                try:
+                    step = decode_round_decision(got[0].value)
+                    self.waiting_for = []
+                    return step
+                except BadRecord as exc:
+                    untrusted.REJECTED.reject("round_decision", got[0].key, str(exc))
+                    bad = int(got[0].mod_revision)
             current = r.responses[2].response_range.kvs
-            if current and int(current[0].value) > k:
-                k = self.join(steps, nonce=nonce)  # undecided, left behind: follow the job
-                continue
+            if current:
+                now = self._round_of(current[0])
+                if now is None or now > k:
+                    # undecided, left behind (or the round number was replaced): follow
+                    k = self.join(steps, nonce=nonce)
+                    continue
             if int(r.responses[1].response_range.count) < self.nodes and \
                     time.monotonic() < min(deadline, named + name_every):
                 time.sleep(pause * random.uniform(0.8, 1.2))
@@ -174,23 +286,36 @@ class RestoreRounds:
             named = time.monotonic()
             kvs, _rev, _more, _n = self.etcd.range(entries, prefix_end(entries))
             joined: dict[int, set[int]] = {}
+            mine_bad = 0  # mod revision of this rank's own entry when it does not decode
             for kv in kvs:
                 try:
-                    rank = int(kv.key[len(entries):])
-                    joined[rank] = {int(x) for x in json.loads(kv.value).get("steps", [])}
-                except (ValueError, TypeError, AttributeError):
+                    rank = rank_of_key(kv.key, entries)
+                    got_steps, _nonce = decode_round_entry(kv.value, rank)
+                except BadRecord as exc:
+                    untrusted.REJECTED.reject("round_entry", kv.key, str(exc))
+                    if kv.key == self._entry(k):
+                        mine_bad = int(kv.mod_revision)
                     continue
+                if rank < self.nodes:
+                    joined[rank] = set(got_steps)
+            if mine_bad:
+                # this rank's entry was overwritten: put it back (the others wait for it)
+                self.etcd.txn([mod_is(self._entry(k), mine_bad)],
+                              [put_op(self._entry(k), self._entry_body(steps, nonce))],
+                              retry=True)
             self.waiting_for = [x for x in range(self.nodes) if x not in joined]
             if not self.waiting_for:
                 common = set.intersection(*joined.values()) if joined else set()
-                body = json.dumps({"round": k, "step": max(common) if common else None,
+                step = max(common) if common else None
+                body = json.dumps({"round": k, "step": step,
                                    "decided_by": self.rank, "at": round(time.time(), 3)},
                                   separators=(",", ":")).encode()
-                w = self.etcd.txn([absent(dkey)], [put_op(dkey, body)], [get_op(dkey)],
+                guard = mod_is(dkey, bad) if bad else absent(dkey)
+                w = self.etcd.txn([guard], [put_op(dkey, body)], [get_op(dkey)],
                                   retry=True)
                 if w.succeeded:
                     self.waiting_for = []
-                    return _step_of(body)
+                    return step
                 continue
             if time.monotonic() >= deadline:
                 raise RoundTimeout(f"restore round {k}: rank(s) {self.waiting_for[:10]} did "
@@ -206,12 +331,8 @@ class RestoreRounds:
 
 
 def _nonce_of(body: bytes) -> str:
+    """The nonce of an entry ("" when it does not decode: not this restore's)."""
     try:
-        return str(json.loads(body).get("nonce", ""))
-    except (ValueError, AttributeError):
+        return decode_round_entry(body)[1]
+    except BadRecord:
         return ""
-
-
-def _step_of(body: bytes) -> int | None:
-    step: Any = json.loads(body).get("step")
-    return None if step is None else int(step)

@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 
+from mtcfs.base import untrusted
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import (
     Etcd,
@@ -45,6 +46,7 @@ from mtcfs.tiers.coord.etcd import (
     prefix_end,
     put_op,
 )
+from mtcfs.tiers.coord.lock import holder_name
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,12 @@ class RWHold:
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._released = False
-        self._thread = threading.Thread(target=self._keepalive, daemon=True,
-                                        name=f"rwlock-{key.decode(errors='replace')}")
+        self._thread = threading.Thread(
+            target=untrusted.supervise, daemon=True,
+            args=(f"{mode} lock key {key.decode(errors='replace')} keepalive",
+                  self._keepalive_run, self._stop),
+            kwargs={"on_give_up": lambda exc: self._lost.set()},
+            name=f"rwlock-{key.decode(errors='replace')}")
         self._thread.start()
 
     @property
@@ -120,6 +126,12 @@ class RWHold:
     def fence(self) -> pb.Compare:
         """A compare that holds only while this hold's key exists (for its own txns)."""
         return create_is(self.key, self.create_revision)
+
+    def _keepalive_run(self) -> None:
+        """:meth:`_keepalive` under :func:`untrusted.supervise` (an error restarts it);
+        once the hold is lost it stays parked until :meth:`release`."""
+        self._keepalive()
+        self._stop.wait()
 
     def _keepalive(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
@@ -225,7 +237,7 @@ class EtcdRWLock:
                     raise RWLockTimeout(
                         f"{mode} lock {self.prefix.decode()} not granted within {timeout:g} s: "
                         f"{len(earlier)} earlier holder(s), the first {what} by "
-                        f"{first.value.decode(errors='replace')}")
+                        f"{holder_name(first.value)}")
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, POLL_MAX_S)
         except BaseException:
@@ -237,4 +249,4 @@ class EtcdRWLock:
         kvs, _rev, _more, _n = self.etcd.range(self.prefix, prefix_end(self.prefix),
                                                sort_create=True)
         return [("exclusive" if kv.key[len(self.prefix):].startswith(b"write-") else "shared",
-                 kv.value.decode(errors="replace")) for kv in kvs]
+                 holder_name(kv.value)) for kv in kvs]

@@ -187,6 +187,10 @@ async def _read_decision(tier: PeerTier, wait_s: float) -> int | None:
     except (EtcdError, trio.TooSlowError) as exc:
         log.warning("no restore decision from etcd: %s", exc or f"none within {wait_s:g} s")
         return None
+    except Exception as exc:  # noqa: BLE001 -- never the end of a restore (issue 39)
+        log.warning("no restore decision from etcd (%s: %s): restoring without one",
+                    type(exc).__name__, exc)
+        return None
 
 
 async def _job_latest(tier: PeerTier, restorable: dict[str, int],
