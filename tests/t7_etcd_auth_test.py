@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from types import SimpleNamespace
 import pytest
 
 from mtcfs.options import OptionError, parse_mount_options
+from mtcfs.tiers.coord.membership import Membership, RankTaken
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdPermissionDenied, EtcdTls, EtcdUnavailable, absent, prefix_end, put_op,
 )
@@ -162,6 +164,55 @@ def test_one_jobs_certificate_cannot_read_or_change_another_jobs_keys(secure_etc
     finally:
         a.close()
         b.close()
+
+
+def test_another_jobs_keepalive_does_not_keep_a_dead_rank_from_its_replacement(secure_etcd):
+    """etcd 3.4's roles do not confine leases: job A's certificate can renew a lease of job
+    B's (the limit docs/security-etcd.md states). A rank of B whose daemon died (no
+    revoke) while A renews its lease no longer blocks B's replacement for that rank: the
+    replacement takes the record over after its wait, the dead holder cannot write it
+    back, and the lease A renewed is revoked. A LIVE holder still keeps its rank: a second
+    daemon for it is refused (RankTaken, one line) and the holder's record is back."""
+    e = secure_etcd
+    pb_ = _prefix("jobB").decode()
+    b1, b2, b3 = (Etcd(e.cluster.endpoints, timeout_s=5.0, tls=_tls(e, "jobB"))
+                  for _ in range(3))
+    a = Etcd(e.cluster.endpoints, timeout_s=5.0, tls=_tls(e, "jobA"))
+    stop = threading.Event()
+    renewed: list[int] = []
+    dead = Membership(b1, pb_, 21, "10.0.0.1:7470", ttl_s=2)
+    replacement = Membership(b2, pb_, 21, "10.0.0.9:7470", ttl_s=2)
+    try:
+        dead.join()
+        dead.stop()  # as kill -9: renewals stop, the lease is not revoked
+        assert a.keepalive(dead.lease) > 0  # the other job CAN renew it (etcd 3.4)
+
+        def renew() -> None:
+            while not stop.wait(0.3):
+                renewed.append(a.keepalive(dead.lease))
+        t = threading.Thread(target=renew, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        replacement.join(wait_s=3)  # before: RankTaken for as long as A renews
+        assert time.monotonic() - t0 < 3 + 3 + 2
+        assert replacement.view()[21].address == "10.0.0.9:7470"
+        _wait(lambda: renewed and renewed[-1] <= 0, 5, "the dead holder's lease revoked")
+        time.sleep(1.0)  # (a dead holder never writes back: nothing to wait for)
+        assert replacement.view()[21].address == "10.0.0.9:7470" and not replacement.error
+        # a live holder is not taken over
+        second = Membership(b3, pb_, 21, "10.0.0.8:7470", ttl_s=2, watch=False)
+        with pytest.raises(RankTaken) as got:
+            second.join(wait_s=1)
+        assert "\n" not in str(got.value) and "10.0.0.9:7470" in str(got.value)
+        _wait(lambda: replacement.view()[21].address == "10.0.0.9:7470", 5,
+              "the live holder's record back")
+        assert not replacement.error
+    finally:
+        stop.set()
+        replacement.leave()
+        dead.leave()
+        for c in (a, b1, b2, b3):
+            c.close()
 
 
 # ---------------------------------------------------------------------- outsiders

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -77,6 +79,12 @@ MAX_BOOT_LEN = 64
 MAX_SINCE = 1e11
 
 
+def defend_s(ttl_s: float) -> float:
+    """Seconds a registration that took a rank over waits for its holder to write its
+    record back (the holder's view sees the change within a watch round trip)."""
+    return max(3.0, ttl_s / 2)
+
+
 class RankTaken(EtcdError):
     """Another live member holds this rank (two daemons started as the same rank)."""
 
@@ -91,6 +99,11 @@ class MemberRecord:
     boot: str = ""
     incarnation: int = 0
     since: float = 0.0
+    #: its holder watches its own key and writes it back when another daemon takes it
+    #: over (a member with a view); False in records of daemons from before the field
+    defends: bool = False
+    #: the boot id of the holder this record took the rank from ("" when it was free)
+    takes_over: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
@@ -108,7 +121,8 @@ class MemberRecord:
                 missing or not an integer in ``0..MAX_NODES-1`` (or not ``rank``);
                 ``address`` or ``boot`` not a short printable string; ``labels`` not an
                 object of short printable strings; ``incarnation`` not an integer >= 0;
-                ``since`` not a finite number >= 0 (one line).
+                ``since`` not a finite number >= 0; ``defends`` not a boolean;
+                ``takes_over`` not a short printable string (one line).
         """
         d = untrusted.json_object(body, MAX_MEMBER_BYTES)
         got = untrusted.field_int(d, "rank", 0, MAX_NODES - 1)
@@ -121,11 +135,22 @@ class MemberRecord:
                   boot=_printable(untrusted.field_str(d, "boot", MAX_BOOT_LEN, default=""),
                                   "boot"),
                   incarnation=untrusted.field_int(d, "incarnation", default=0),
-                  since=untrusted.field_float(d, "since", 0.0, MAX_SINCE, default=0.0))
+                  since=untrusted.field_float(d, "since", 0.0, MAX_SINCE, default=0.0),
+                  defends=_field_bool(d, "defends"),
+                  takes_over=_printable(untrusted.field_str(d, "takes_over", MAX_BOOT_LEN,
+                                                            default=""), "takes_over"))
         for k, v in rec.labels.items():
             _printable(k, "a label's name")
             _printable(v, f"label {k}")
         return rec
+
+
+def _field_bool(d: dict[str, Any], key: str) -> bool:
+    """``d[key]`` if it is a JSON boolean (False when absent)."""
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise BadRecord(f"{key} is a JSON {untrusted.json_type(v)}, not a boolean")
+    return v
 
 
 def _printable(s: str, what: str) -> str:
@@ -183,7 +208,13 @@ class Membership:
         self.members_view: MemberView | None = (
             view if view is not None else MemberView(etcd, prefix, progress_s) if watch
             else None)
+        # only a member that sees its own key change can answer a takeover
+        self.record.defends = self.members_view is not None
         self._stop = threading.Event()
+        #: set to run the keepalive loop at once (the view saw this rank's key change)
+        self._wake = threading.Event()
+        #: when a gap of more than the TTL between two renewals last ended (monotonic)
+        self._gap_ended = -math.inf
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ registration
@@ -202,9 +233,15 @@ class Membership:
                              kwargs={"on_give_up": self._keepalive_gave_up},
                              name=f"member-{self.rank}-keepalive")
         self._threads.append(t)
+        if self.members_view is not None:
+            self.members_view.listen(self._on_view_change)
         t.start()
         if self._own_view and self.members_view is not None:
             self.members_view.start()
+
+    def _on_view_change(self, ranks: set[int]) -> None:
+        if self.rank in ranks:
+            self._wake.set()
 
     def _register(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -238,6 +275,23 @@ class Membership:
                     if r2.succeeded:
                         break
                     continue
+                if time.monotonic() >= deadline and holder.defends:
+                    # Its lease outlived the wait. A lease can be kept alive by anyone
+                    # etcd lets renew it (any authenticated user, whatever its roles:
+                    # docs/security-etcd.md), so ask the holder itself: take the record
+                    # over; a live holder writes it back at once, a dead one cannot.
+                    taken = self._take_over(kv, holder, lease)
+                    if taken:
+                        break
+                    if taken is None:  # the key changed meanwhile: look again
+                        if self.etcd.keepalive(lease) <= 0:
+                            lease, _ttl = self.etcd.grant(self.ttl_s)
+                        continue
+                    raise RankTaken(
+                        f"rank {self.rank} is held by another live member (boot "
+                        f"{holder.boot}, address {holder.address or '?'}), which wrote its "
+                        f"record back when this daemon took it over: two daemons started "
+                        f"as the same rank?")
                 if time.monotonic() >= deadline:
                     raise RankTaken(
                         f"rank {self.rank} is held by another live member (boot "
@@ -261,9 +315,90 @@ class Membership:
             except EtcdError:
                 pass
 
+    def _take_over(self, kv: Any, holder: MemberRecord, lease: int) -> bool | None:
+        """Write this member's record over ``holder``'s (``kv``, whose lease outlived the
+        registration's wait) with ``takes_over`` naming it, then watch the key for
+        :data:`DEFEND_S`: a live holder (its view sees the change) writes its record back.
+
+        Returns:
+            True: the record stayed this member's (the holder is gone; its lease, kept
+            alive by someone else, holds no key now and is revoked if etcd lets us);
+            False: the holder wrote its record back; None: the key changed before the
+            takeover, or to a third record during it.
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        mine = MemberRecord(**{**asdict(self.record), "takes_over": holder.boot,
+                               "since": time.time()})
+        r = self.etcd.txn([mod_is(self.key, kv.mod_revision)],
+                          [put_op(self.key, mine.encode(), lease)], retry=True)
+        if not r.succeeded:
+            return None
+        log.warning("rank %d: its record's holder (boot %s, address %s) kept its lease past "
+                    "the wait: taking the rank over, unless it answers within %.0f s",
+                    self.rank, holder.boot, holder.address or "?", defend_s(self.ttl_s))
+        end = time.monotonic() + defend_s(self.ttl_s)
+        renew_at = time.monotonic()
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(0.1, left))
+            if time.monotonic() >= renew_at:  # the wait may outlast the lease's TTL
+                if self.etcd.keepalive(lease) <= 0:
+                    return None
+                renew_at = time.monotonic() + self.ttl_s / 3
+            cur, _rev = self.etcd.get(self.key)
+            if cur is None:
+                return None
+            try:
+                now = MemberRecord.decode(cur.value, self.rank)
+            except BadRecord:
+                return None
+            if now.boot == holder.boot:
+                return False
+            if now.boot != self.record.boot:
+                return None
+        if kv.lease:
+            try:
+                self.etcd.revoke(kv.lease)  # holds no key now: nobody need keep it alive
+            except EtcdError:
+                pass
+        log.warning("rank %d: taken over from boot %s, which did not answer", self.rank,
+                    holder.boot)
+        return True
+
+    def _defend(self) -> bool:
+        """If the view shows this rank's record taken over from this member (another
+        daemon's registration outwaited its lease: it takes the rank unless the holder
+        answers), write this member's record back, unless this member could not renew
+        its lease for more than a TTL lately (then the other daemon may rightly think it
+        dead, and it keeps the rank). Returns False when the rank was given up."""
+        view = self.members_view
+        if view is None:
+            return True
+        rec = view.record(self.rank)
+        if rec is None or rec.boot == self.record.boot or rec.takes_over != self.record.boot:
+            return True
+        if time.monotonic() - self._gap_ended < 3 * self.ttl_s:
+            self.error = (f"rank {self.rank} was taken over by another daemon (boot "
+                          f"{rec.boot}, address {rec.address or '?'}) after this one could "
+                          f"not renew its lease for more than {self.ttl_s} s; this daemon "
+                          f"no longer holds it")
+            log.error("rank %d: %s", self.rank, self.error)
+            return False
+        self.record.since = time.time()
+        self.etcd.put(self.key, self.record.encode(), lease=self.lease)
+        log.warning("rank %d: another daemon (boot %s, address %s) tried to take this rank "
+                    "over; its record is written back", self.rank, rec.boot,
+                    rec.address or "?")
+        return True
+
     def leave(self) -> None:
         """Stop renewing and revoke the lease (the record goes at once)."""
         self._stop.set()
+        self._wake.set()
         self._join_threads()  # first: a renewal in flight must not see the revoke
         if self.lease:
             try:
@@ -276,6 +411,7 @@ class Membership:
     def stop(self) -> None:
         """Stop renewing without revoking (as a killed daemon: the lease expires)."""
         self._stop.set()
+        self._wake.set()
         self._join_threads()
 
     def _join_threads(self) -> None:
@@ -308,12 +444,21 @@ class Membership:
     def _keepalive_loop(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
         last_ok = time.monotonic()
-        while not self._stop.wait(every):
+        while True:
+            self._wake.wait(every)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 ttl = self.renew()
                 self.connected = True
                 if ttl > 0:
-                    last_ok = self._renewed = time.monotonic()
+                    now = time.monotonic()
+                    if now - last_ok > self.ttl_s:
+                        self._gap_ended = now
+                    last_ok = self._renewed = now
+                    if not self._defend():
+                        return
                     continue
                 if self._stop.is_set():
                     return  # leaving: the lease was revoked on purpose
@@ -389,6 +534,7 @@ class MemberView:
         self._thread: threading.Thread | None = None
         self._view_rev = 0
         self._runs = 0  # how many times the watch loop was started
+        self._listeners: list[Callable[[set[int]], None]] = []
         #: why the watch stopped for good ("" while it runs)
         self.error = ""
 
@@ -470,7 +616,19 @@ class MemberView:
                 self.connected = False
                 log.warning("membership reload: %s", exc)
 
+    def listen(self, fn: Callable[[set[int]], None]) -> None:
+        """Call ``fn(ranks)`` from the watch thread after each batch of events, with the
+        ranks whose records it changed (``fn`` must be quick and must not raise)."""
+        self._listeners.append(fn)
+
     def _apply(self, events: Any, revision: int) -> None:
+        changed: set[int] = set()
+        self._apply_events(events, changed)
+        for fn in list(self._listeners):
+            if changed:
+                fn(changed)
+
+    def _apply_events(self, events: Any, changed: set[int]) -> None:
         with self._cond:
             for ev in events:
                 self.counters["watch_events"] += 1
@@ -480,6 +638,7 @@ class MemberView:
                     if ev.type != 1:
                         untrusted.REJECTED.reject("member", ev.kv.key, str(exc))
                     continue
+                changed.add(rank)
                 if ev.type == 1:  # DELETE (lease expired or revoked)
                     self._view.pop(rank, None)
                     continue
@@ -502,6 +661,11 @@ class MemberView:
     def alive(self, rank: int) -> bool:
         with self._cond:
             return rank in self._view
+
+    def record(self, rank: int) -> MemberRecord | None:
+        """``rank``'s record as the watch last saw it (None: not a live member)."""
+        with self._cond:
+            return self._view.get(rank)
 
     def address(self, rank: int) -> str | None:
         with self._cond:
