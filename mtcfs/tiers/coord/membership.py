@@ -15,9 +15,16 @@ Registration is a create-if-absent transaction. When the key exists:
   within the TTL finds its previous life's record; registration waits (``wait_s``, by
   default 1.5 x TTL) for that lease to expire, then takes the rank; at once when the
   record names the address this daemon has bound (``address_is_mine``: the holder
-  cannot be listening there, so it is dead). When the other holder
-  still renews after the wait, two daemons were started as the same rank: registration
-  refuses with :class:`RankTaken` (one line naming the holder).
+  cannot be listening there, so it is dead). When the other holder's lease is still
+  renewed after the wait, that proves little (etcd lets any authenticated user renew any
+  lease: docs/security-etcd.md), so the holder is asked: registration writes its record
+  over the holder's with ``takes_over`` naming it (:meth:`Membership._take_over`). A live
+  holder's view sees the change and its keepalive writes its record back
+  (:meth:`Membership._defend`): two daemons were started as the same rank, and
+  registration refuses with :class:`RankTaken` (one line naming the holder). A dead
+  holder cannot: after :func:`defend_s` the rank is the newcomer's. A holder whose record
+  says it cannot answer (``defends`` false: no view, or a daemon from before the field)
+  is refused at once after the wait, as before.
 
 Load on etcd (docs/benchmarks.md, "Coordination at scale"): one key per member, one
 keepalive request per member every TTL/3, and one watch per :class:`MemberView` over the
