@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mtcfs.base import untrusted
 from mtcfs.base.limits import MAX_NODES, MAX_STEP
-from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord.etcd import put_op
 from mtcfs.tiers.coord.keys import rank_of_key
 from mtcfs.tiers.coord.lock import MAX_HOLDER_LEN, EtcdLock, holder_name
@@ -43,18 +41,7 @@ from mtcfs.tiers.coord.steps import (
     StepRecord, StepRecords, decode_decision, decode_step_record,
 )
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
-
-
-def fuzz(short: int) -> settings:
-    """``short`` examples in the suite (derandomized), MTCFS_FUZZ_EXAMPLES in the long form."""
-    long = os.environ.get("MTCFS_FUZZ_EXAMPLES")
-    return settings(max_examples=int(long) if long else short, deadline=None, database=None,
-                    derandomize=not long, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def one_line(message: str) -> None:
-    assert message.strip() and len(message.splitlines()) == 1, repr(message)
+from support.fuzzing import decoded_or_bad, fuzz, one_line
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -125,15 +112,6 @@ def _valid_member(r: MemberRecord) -> None:
     time.localtime(r.since)  # what status and RankTaken's message do with it
 
 
-def _decode_or_bad(fn, *args):
-    """``fn(*args)``, or None when it raised BadRecord (with a one-line message)."""
-    try:
-        return fn(*args)
-    except BadRecord as exc:
-        one_line(str(exc))
-        return None
-
-
 # -- the decoders, fuzzed -------------------------------------------------------------------
 
 @fuzz(200)
@@ -143,7 +121,7 @@ def _decode_or_bad(fn, *args):
 @example(b'{"rank":1,"labels":5}', 1)
 @example(b'{"rank":1,"address":"127.0.0.1:1"}', 3)
 def test_member_record_decodes_or_is_refused(body, key_rank):
-    rec = _decode_or_bad(MemberRecord.decode, body, key_rank)
+    rec = decoded_or_bad(MemberRecord.decode, body, key_rank)
     if rec is not None:
         _valid_member(rec)
         assert key_rank is None or rec.rank == key_rank
@@ -167,7 +145,7 @@ def test_member_record_round_trips(rec):
 @example(b'{"rank":1,"steps":[1.0]}', 1)
 @example(b'{"rank":1,"steps":[-1]}', 1)
 def test_step_record_decodes_or_is_refused(body, key_rank):
-    rec = _decode_or_bad(decode_step_record, body, key_rank)
+    rec = decoded_or_bad(decode_step_record, body, key_rank)
     if rec is not None:
         assert key_rank is None or rec.rank == key_rank
         assert len(rec.steps) <= 1024
@@ -190,7 +168,7 @@ def test_step_record_round_trips(rec):
 @example(b'{"step":1e400}')
 @example(b'{"step":true}')
 def test_restore_decision_decodes_or_is_refused(body):
-    d = _decode_or_bad(decode_decision, body)
+    d = decoded_or_bad(decode_decision, body)
     if d is not None:
         assert d["step"] is None or (type(d["step"]) is int and 0 <= d["step"] <= MAX_STEP)
         assert all(0 <= r < MAX_NODES for r in d["missing"])
@@ -215,7 +193,7 @@ def test_restore_decision_round_trips(decision):
                  st.sampled_from([b"0", b"1", b" 1", b"1 ", b"+1", b"1_0", b"\xd9\xa3",
                                   b"9" * 19, b"9" * 20, str(untrusted.INT64_MAX).encode()])))
 def test_round_number_decodes_or_is_refused(body):
-    k = _decode_or_bad(decode_round_number, body)
+    k = decoded_or_bad(decode_round_number, body)
     if k is not None:
         assert 1 <= k <= untrusted.INT64_MAX and body == str(k).encode().rjust(len(body), b"0")
 
@@ -223,7 +201,7 @@ def test_round_number_decodes_or_is_refused(body):
 @fuzz(150)
 @given(bodies(ENTRY), st.one_of(st.none(), st.integers(0, 3)))
 def test_round_entry_decodes_or_is_refused(body, key_rank):
-    got = _decode_or_bad(decode_round_entry, body, key_rank)
+    got = decoded_or_bad(decode_round_entry, body, key_rank)
     if got is not None:
         steps, nonce = got
         assert all(type(s) is int and 0 <= s <= MAX_STEP for s in steps)
@@ -241,7 +219,7 @@ def test_round_entry_round_trips(rank, steps, nonce, at):
 @fuzz(150)
 @given(bodies(ROUND_DECISION))
 def test_round_decision_decodes_or_is_refused(body):
-    step = _decode_or_bad(decode_round_decision, body)
+    step = decoded_or_bad(decode_round_decision, body)
     assert step is None or (type(step) is int and 0 <= step <= MAX_STEP)
 
 
@@ -251,7 +229,7 @@ def test_round_decision_decodes_or_is_refused(body):
                  st.sampled_from([b"/p/members/", b"/p/members/00000\xd9\xa3",
                                   b"/p/other/000001", b"/p/members/ 00001"])))
 def test_rank_of_key(key):
-    r = _decode_or_bad(rank_of_key, key, b"/p/members/")
+    r = decoded_or_bad(rank_of_key, key, b"/p/members/")
     if r is not None:
         assert 0 <= r < MAX_NODES and key == b"/p/members/" + f"{r:06d}".encode()
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mtcfs.base.errors import FsError
@@ -29,18 +28,7 @@ from mtcfs.base.ns_ops import (
 )
 from mtcfs.base.untrusted import INT64_MAX, BadRecord
 from mtcfs.tiers.namespace import records
-
-
-def fuzz(short: int) -> settings:
-    """``short`` examples in the suite (derandomized), MTCFS_FUZZ_EXAMPLES in the long form."""
-    long = os.environ.get("MTCFS_FUZZ_EXAMPLES")
-    return settings(max_examples=int(long) if long else short, deadline=None, database=None,
-                    derandomize=not long, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def one_line(message: str) -> None:
-    assert message.strip() and len(message.splitlines()) == 1, repr(message)
+from support.fuzzing import decoded_or_bad, fuzz, one_line
 
 
 # -- strategies -----------------------------------------------------------------------------
@@ -123,14 +111,6 @@ def check_op(op: NsOp) -> None:
             assert INT64_MIN <= v <= INT64_MAX, (name, v)
         if codec == "name":
             assert isinstance(v, bytes) and len(v) <= MAX_NAME_BYTES and b"\0" not in v
-
-
-def decoded_or_bad(fn, *args):
-    try:
-        return fn(*args)
-    except BadRecord as exc:
-        one_line(str(exc))
-        return None
 
 
 # -- ops ------------------------------------------------------------------------------------

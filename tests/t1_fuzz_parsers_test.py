@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import threading
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mtcfs import options as mopts
@@ -35,19 +34,7 @@ from mtcfs.tiers.mtc.config import (
     KNOWN_KEYS, MAX_BACKUP_MINUTES, ReplicatorConfig, ReplicatorConfigError,
     parse_replicator_yaml,
 )
-
-
-def fuzz(short: int) -> settings:
-    """``short`` examples in the suite (derandomized), MTCFS_FUZZ_EXAMPLES in the long form
-    (random; ``--hypothesis-seed=N`` repeats a run)."""
-    long = os.environ.get("MTCFS_FUZZ_EXAMPLES")
-    return settings(max_examples=int(long) if long else short, deadline=None, database=None,
-                    derandomize=not long, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def one_line(message: str) -> None:
-    assert message.strip() and len(message.splitlines()) == 1, repr(message)
+from support.fuzzing import fuzz, one_line
 
 
 # -- mount options --------------------------------------------------------------------------
