@@ -16,22 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from support.mount import MTCFS, Mount, force_unmount, is_mounted
+from support.mount import MTCFS, Mount, force_unmount, is_mounted, one_line_error
 
 
 def _mtcfs(job: str, mnt: Path, opts: str, timeout: float = 60) -> subprocess.CompletedProcess:
     mnt.mkdir(parents=True, exist_ok=True)
     return subprocess.run(MTCFS + [job, str(mnt), "-o", opts], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -104,7 +95,7 @@ def test_foreign_store_directory_is_refused_and_untouched(shm_dir, leftovers):
     mnt = shm_dir / "mnt"
     leftovers.append(mnt)
     r = _mtcfs("job", mnt, f"store={foreign},size=64M")
-    _one_line_error(r, 2, str(foreign), "not an mtcfs store")
+    one_line_error(r, 2, str(foreign), "not an mtcfs store")
     assert _tree(foreign) == before  # nothing deleted, nothing created
     assert not is_mounted(str(mnt))
 
@@ -116,7 +107,7 @@ def test_store_at_root_or_in_the_mount_is_refused(shm_dir, leftovers, where):
     store = {"/": Path("/"), "mountpoint": mnt, "inside": mnt / "s"}[where]
     root_before = sorted(os.listdir("/"))
     r = _mtcfs("job", mnt, f"store={store},size=64M")
-    _one_line_error(r, 2, "store=")
+    one_line_error(r, 2, "store=")
     assert sorted(os.listdir("/")) == root_before
     assert not is_mounted(str(mnt)) and not (mnt / "s").exists()
 
@@ -126,7 +117,7 @@ def test_store_inside_another_mtcfs_mount_is_refused(make_mount, shm_dir, leftov
     mnt2 = shm_dir / "mnt2"
     leftovers.append(mnt2)
     r = _mtcfs("job", mnt2, f"store={m.mnt}/store2,size=64M")
-    _one_line_error(r, 2, "inside the mtcfs mount", str(m.mnt))
+    one_line_error(r, 2, "inside the mtcfs mount", str(m.mnt))
     assert not (m.mnt / "store2").exists() and not is_mounted(str(mnt2))
 
 
@@ -151,15 +142,15 @@ def test_size_larger_than_the_store_filesystem_is_refused(shm_dir, leftovers):
     mnt = shm_dir / "mnt"
     leftovers.append(mnt)
     r = _mtcfs("job", mnt, f"store={shm_dir}/s,size={total_gib + 2}G")
-    _one_line_error(r, 2, f"size={total_gib + 2}G", "larger than", "/dev/shm")
+    one_line_error(r, 2, f"size={total_gib + 2}G", "larger than", "/dev/shm")
     assert not (shm_dir / "s").exists() and not is_mounted(str(mnt))
     r = _mtcfs("job", mnt, f"store={shm_dir}/s,size=99999999999999999999999999P")
-    _one_line_error(r, 2, "size=99999999999999999999999999P")
+    one_line_error(r, 2, "size=99999999999999999999999999P")
     r = _mtcfs("job", mnt, f"store={shm_dir}/s,size=4G,size=8G")
-    _one_line_error(r, 2, "size=8G", "given twice")
+    one_line_error(r, 2, "size=8G", "given twice")
     for opt in ("size=", "store="):
         r = _mtcfs("job", mnt, f"{opt},size=64M" if opt == "store=" else f"store={shm_dir}/s,{opt}")
-        _one_line_error(r, 2, opt, "needs a value")
+        one_line_error(r, 2, opt, "needs a value")
     assert not (shm_dir / "s").exists() and not is_mounted(str(mnt))
 
 
@@ -225,7 +216,7 @@ def test_a_mount_that_does_not_come_up_in_time_leaves_no_daemon(shm_dir, leftove
     t0 = time.monotonic()
     r = _mtcfs("job", mnt, f"store={shm_dir}/s,size=64M,mount_timeout=1s", timeout=60)
     took = time.monotonic() - t0
-    line = _one_line_error(r, 1, "mount_timeout=1s", "stopped")
+    line = one_line_error(r, 1, "mount_timeout=1s", "stopped")
     assert took < 4.5, (took, line)  # the daemon would have waited 5 s for the lock
     held.release()
     _assert_nothing_left(mnt, shm_dir / "s")
@@ -275,6 +266,6 @@ def test_store_written_by_a_newer_mtcfs_is_refused_untouched(make_mount, shm_dir
     db.close()
     before = db_path.read_bytes()
     r = _mtcfs(m.job, m.mnt, m.option_string())
-    _one_line_error(r, 1, str(m.store), "schema 99", "newer mtcfs")
+    one_line_error(r, 1, str(m.store), "schema 99", "newer mtcfs")
     assert not is_mounted(str(m.mnt))
     assert db_path.read_bytes() == before

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from support.mount import MTCFS, Mount, force_unmount, is_mounted
+from support.mount import MTCFS, Mount, force_unmount, is_mounted, one_line_error
 
 JOB = "trustjob"
 
@@ -36,15 +36,6 @@ JOB = "trustjob"
 def _mtcfs(job: str, mnt: Path, opts: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(MTCFS + [job, str(mnt), "-o", opts], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
@@ -141,7 +132,7 @@ def _refused_untouched(store: Path, mnt: Path, leftovers: list, *words: str,
     leftovers.append(mnt)
     r = _mtcfs(job, mnt, f"store={store},size=256M")
     assert not is_mounted(str(mnt)), f"mount succeeded: {r.stderr}"
-    line = _one_line_error(r, 2, *words)
+    line = one_line_error(r, 2, *words)
     assert _snapshot(store) == before
     return line
 
@@ -301,7 +292,7 @@ def test_mount_point_inside_the_store_is_refused(store, shm_dir, leftovers, wher
     # Never write into it: on code that accepts it, the first write hangs in D state.
     assert not is_mounted(str(mnt)) and not is_mounted(str(store / "data")), \
         f"mount succeeded: {r.stderr}"
-    _one_line_error(r, 2, "mount point", "inside the store")
+    one_line_error(r, 2, "mount point", "inside the store")
     assert _snapshot(store) == before
 
 

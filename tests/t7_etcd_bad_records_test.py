@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
 from mtcfs.tiers.coord.etcd import Etcd
 from support.etcd import shared_etcd
+from support.poll import wait_with_logs as _wait
 
 MiB = 1 << 20
 
@@ -44,24 +44,6 @@ def etcd():
 
 def _prefix(cluster) -> str:
     return cluster.coord_prefix + "/"
-
-
-def _wait(pred, timeout: float, what: str, cluster, ranks=()):
-    """Poll ``pred`` until it returns something true; on timeout fail with the logs."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            last = pred()
-        except (OSError, RuntimeError) as exc:  # a status call during a restart
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        if time.monotonic() > deadline:
-            logs = "".join(f"\n--- log of rank {r} ---\n{cluster.node(r).log()[-3000:]}"
-                           for r in ranks)
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last: {last!r}){logs}")
-        time.sleep(0.1)
 
 
 def _alive(cluster, rank: int) -> list[bool]:

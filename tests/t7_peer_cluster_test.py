@@ -25,6 +25,7 @@ from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
 from mtcfs.tiers.peer.limits import MAX_MESSAGE_BYTES
 from mtcfs.tiers.peer.tls import server_name
+from support.poll import wait_with_logs as wait
 from support.prom import value as metric
 
 MiB = 1 << 20
@@ -74,24 +75,6 @@ def unreachable(cluster, rank: int, peer: int) -> dict | None:
     """The link ``rank`` -> ``peer`` if status shows it unreachable and behind, else None."""
     row = link(cluster, rank, peer)
     return row if row["state"] == "unreachable" and row["lag_steps"] >= 1 else None
-
-
-def wait(pred, timeout: float, what: str, cluster=None, ranks=()):
-    """Poll ``pred`` until it returns something true; on timeout fail with the logs."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            last = pred()
-        except (OSError, RuntimeError) as exc:  # a status call during a restart
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        if time.monotonic() > deadline:
-            logs = "".join(f"\n--- log of rank {r} ---\n{cluster.node(r).log()[-3000:]}"
-                           for r in ranks) if cluster is not None else ""
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last: {last!r}){logs}")
-        time.sleep(0.1)
 
 
 def timed_write(mount, rel: str, size: int) -> float:

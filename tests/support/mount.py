@@ -142,3 +142,15 @@ class Mount:
             return (self.store / "mtcfs.log").read_text()
         except OSError:
             return ""
+
+
+def one_line_error(r: "subprocess.CompletedProcess[str]", code: int, *words: str) -> str:
+    """The one line of ``r``'s stderr, after asserting that ``r`` (a command run with
+    ``text=True``) exited ``code`` with exactly one line on stderr holding every word of
+    ``words``."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]

@@ -27,6 +27,31 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str,
         time.sleep(interval)
 
 
+def wait_with_logs(pred: Callable[[], T], timeout: float, what: str, cluster: Any = None,
+                   ranks: tuple[int, ...] | list[int] = ()) -> T:
+    """Call ``pred`` every 0.1 s until it returns something true and return that; an
+    OSError or RuntimeError it raises (a status call during a restart) counts as not yet.
+
+    Raises:
+        TimeoutError: not within ``timeout`` seconds; names ``what``, the last value and,
+            for each of ``ranks`` of ``cluster``, the end of that rank's daemon log.
+    """
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = pred()
+        except (OSError, RuntimeError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            logs = "".join(f"\n--- log of rank {r} ---\n{cluster.node(r).log()[-3000:]}"
+                           for r in ranks) if cluster is not None else ""
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s (last: {last!r}){logs}")
+        time.sleep(0.1)
+
+
 def err(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """The errno ``fn(*args)`` fails with, 0 if it succeeds."""
     try:
