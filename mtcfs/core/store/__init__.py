@@ -17,14 +17,18 @@ reads chunks straight from the data files.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import stat
+import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 from mtcfs.base import mountinfo
@@ -187,18 +191,39 @@ def _data_names(path: str) -> list[str]:
     return [n for n in names if n.isascii() and n.isdigit() and n == str(int(n))]
 
 
-def _open_metadata_readonly(path: str, locked: bool) -> sqlite3.Connection | None:
-    """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing, or None when
-    one cannot be had without creating SQLite's ``-shm`` file (a ``-wal`` without it) and
-    ``locked`` is False (``locked``: the caller holds the store's lock and opens it next)."""
+@contextlib.contextmanager
+def _metadata_readonly(path: str, locked: bool) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing in ``path``.
+
+    Without a WAL the database file is all there is (opened immutable: no ``-wal``/``-shm``
+    created); a WAL and its index are read as they are. A WAL without its index (a store
+    copied or restored without ``-shm``) cannot be read without SQLite creating that index
+    next to it: unless ``locked`` (the caller holds the store's lock and opens it next), the
+    database and its WAL are read from a private copy, removed afterwards.
+
+    Raises:
+        sqlite3.Error, OSError: it cannot be opened or copied.
+    """
     meta = os.path.join(path, "meta.sqlite3")
     wal = os.path.exists(meta + "-wal")
+    tmp = None
     if wal and not locked and not os.path.exists(meta + "-shm"):
-        return None
-    # No WAL: the database file is all there is (immutable: no -wal/-shm created). A WAL and
-    # its index: a read-only connection reads them as they are.
+        tmp = tempfile.mkdtemp(prefix="mtcfs-check-")
+        for suffix in ("", "-wal"):  # both regular files (checked, never followed)
+            with open(meta + suffix, "rb", opener=_nofollow) as src, \
+                    open(os.path.join(tmp, "meta.sqlite3" + suffix), "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        meta = os.path.join(tmp, "meta.sqlite3")
     mode = "mode=ro" if wal else "mode=ro&immutable=1"
-    return sqlite3.connect(f"file:{urllib.parse.quote(meta)}?{mode}", uri=True)
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(meta)}?{mode}", uri=True)
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_store_contents(path: str, *, marked: bool, deep: bool = True,
@@ -255,15 +280,11 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
                                      f"file; {_recover_hint(path)}")
     if deep and st is not None and st.st_size > 0:
         try:
-            conn = _open_metadata_readonly(path, locked)
-        except sqlite3.Error as exc:
+            with _metadata_readonly(path, locked) as conn:
+                _check_metadata(path, conn, marked)
+        except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"store={path} refused: damaged, {meta} cannot be opened "
                              f"({exc}); {_recover_hint(path)}") from None
-        if conn is not None:
-            try:
-                _check_metadata(path, conn, marked)
-            finally:
-                conn.close()
 
 
 def _nofollow(path: str, flags: int) -> int:

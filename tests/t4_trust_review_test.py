@@ -1,0 +1,133 @@
+"""A review of issue 39's store and CLI checks (items 1, 6, 7 and 8), as an unlucky operator
+and a hostile local user would try them: each test here failed on the merged code.
+
+- A store left by a crash and then copied or restored without SQLite's ``-shm`` index (its
+  WAL kept): the mount command's check skipped its metadata, so a damaged one was refused
+  only by the daemon, with exit 1 (docs/usage.md: exit 2) and a ``-shm`` created in it.
+
+Real mounts through the ``mtcfs`` command; one crash-left store is made once per module and
+copied for each test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from support.mount import MTCFS, Mount, force_unmount, is_mounted
+
+JOB = "reviewjob"
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry below and including ``root``, never following a symlink: its type and
+    mode, and a file's bytes or a link's target."""
+    out: dict[str, tuple] = {}
+
+    def one(p: str) -> None:
+        st = os.lstat(p)
+        rel = os.path.relpath(p, root)
+        if stat.S_ISLNK(st.st_mode):
+            out[rel] = ("link", os.readlink(p))
+        elif stat.S_ISREG(st.st_mode):
+            out[rel] = ("file", stat.S_IMODE(st.st_mode), Path(p).read_bytes())
+        else:
+            out[rel] = ("dir" if stat.S_ISDIR(st.st_mode) else "other", st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                for name in os.listdir(p):
+                    one(os.path.join(p, name))
+
+    one(str(root))
+    return out
+
+
+def _mount_cmd(mnt: Path, store: Path) -> subprocess.CompletedProcess:
+    mnt.mkdir(exist_ok=True)
+    try:
+        return subprocess.run(MTCFS + [JOB, str(mnt), "-o", f"store={store},size=256M"],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        if is_mounted(str(mnt)):  # accepted what it should refuse: clear it, touch nothing
+            subprocess.run(MTCFS + ["umount", str(mnt)], capture_output=True, timeout=60)
+            if is_mounted(str(mnt)):
+                force_unmount(str(mnt))
+
+
+@pytest.fixture(scope="module")
+def crashed():
+    """A store left by kill -9 just after ``step_1`` was written (its WAL and -shm there).
+    Yields (store directory, {name: bytes})."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing")
+    root = Path(tempfile.mkdtemp(prefix="mtcfs-review-", dir="/dev/shm"))
+    m = Mount(root / "m", job=JOB, options={"size": "256M"})
+    files = {"a.bin": os.urandom(70_000), "b.bin": os.urandom(5_000)}
+    try:
+        m.start()
+        m.path("step_1").mkdir()
+        for name, body in files.items():
+            m.path("step_1", name).write_bytes(body)
+        for name in files:
+            m.wait_state(f"step_1/{name}", "local", timeout=20)
+        m.kill9()
+        assert os.path.exists(m.store / "meta.sqlite3-wal")
+        yield m.store, files
+    finally:
+        try:
+            m.cleanup()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _copy_without_shm(src: Path, dst: Path) -> None:
+    """``src`` copied as a backup tool that skips SQLite's ``-shm`` index would."""
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("*-shm", "control.sock"))
+    os.chmod(dst, 0o700)
+
+
+# ------------------------------------------------- a WAL without its -shm (copied, restored)
+
+def test_restored_store_with_a_wal_and_no_shm_mounts_with_every_file(crashed, shm_dir):
+    src, files = crashed
+    store = shm_dir / "store"
+    _copy_without_shm(src, store)
+    m = Mount(shm_dir / "m", job=JOB, store=store, options={"size": "256M"})
+    try:
+        m.start()
+        for name, body in files.items():
+            assert m.path("step_1", name).read_bytes() == body
+        m.stop()
+    finally:
+        m.cleanup()
+
+
+def test_damaged_store_with_a_wal_and_no_shm_is_refused_exit_2_untouched(crashed, shm_dir):
+    # The damage (every version row gone) is in the WAL only; the copy has no -shm. Before:
+    # the mount command skipped the metadata (reading it would create -shm), the daemon
+    # refused it after its lock: exit 1, and a -shm created in the store.
+    src, _ = crashed
+    work = shm_dir / "work"
+    shutil.copytree(src, work, symlinks=True, ignore=shutil.ignore_patterns("control.sock"))
+    c = sqlite3.connect(work / "meta.sqlite3", isolation_level=None)
+    try:
+        c.execute("PRAGMA wal_autocheckpoint=0")
+        c.execute("DELETE FROM versions")
+        store = shm_dir / "store"
+        _copy_without_shm(work, store)  # while the change is in the WAL only
+    finally:
+        c.close()
+    assert not (store / "meta.sqlite3-shm").exists()
+    assert (store / "meta.sqlite3-wal").stat().st_size > 0
+    before = _snapshot(store)
+    r = _mount_cmd(shm_dir / "mnt", store)
+    lines = r.stderr.strip().splitlines()
+    assert (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
+    assert "damaged" in lines[0] and "has no row" in lines[0], lines[0]
+    assert _snapshot(store) == before
