@@ -131,3 +131,37 @@ def test_damaged_store_with_a_wal_and_no_shm_is_refused_exit_2_untouched(crashed
     assert (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
     assert "damaged" in lines[0] and "has no row" in lines[0], lines[0]
     assert _snapshot(store) == before
+
+
+# ------------------------------------------------- a store another local user can replace
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("how", ["parent-of-another-user", "parent-writable-by-all",
+                                 "store-of-another-user"])
+def test_store_another_user_can_replace_is_refused_untouched(crashed, shm_dir, how):
+    parent = shm_dir / "parent"
+    parent.mkdir()
+    store = parent / "store"
+    if how == "parent-of-another-user":  # /dev/shm/mtcfs made by a local user beforehand
+        os.chown(parent, NOBODY, NOBODY)
+    elif how == "parent-writable-by-all":
+        os.chmod(parent, 0o777)
+    else:  # a store (a real one) whose directory that user owns
+        shutil.copytree(crashed[0], store, symlinks=True,
+                        ignore=shutil.ignore_patterns("control.sock"))
+        os.chown(store, NOBODY, NOBODY)
+    before = _snapshot(parent)
+    r = _mtcfs_refused(shm_dir / "mnt", store)
+    assert "another user could replace" in r, r
+    assert ("uid 65534" if "another-user" in how else "written by other users") in r, r
+    assert _snapshot(parent) == before
+
+
+def _mtcfs_refused(mnt: Path, store: Path) -> str:
+    """Mount ``store`` on ``mnt``: exit 2 and one line, which it returns."""
+    r = _mount_cmd(mnt, store)
+    lines = r.stderr.strip().splitlines()
+    assert (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
+    return lines[0]

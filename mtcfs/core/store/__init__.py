@@ -291,6 +291,34 @@ def _nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
+def _open_to_others(p: str) -> str | None:
+    """Why another user could replace store directory ``p`` (absolute) or what is in it, or
+    None. Each existing element of ``p`` and of the path it resolves to (``p`` itself and a
+    symbolic link included) must be owned by root or this process's user, and no directory
+    above ``p`` may be writable by others without the sticky bit (``/dev/shm`` has it), nor
+    by a group other than root's and this process's. Read only."""
+    me, my_gid = os.geteuid(), os.getegid()
+    real = os.path.realpath(p)
+    for path in (p, real) if real != p else (p,):
+        parts = [part for part in path.split("/") if part]
+        for i in range(len(parts) + 1):
+            q = "/" + "/".join(parts[:i])
+            try:
+                lst, st = os.lstat(q), os.stat(q)
+            except OSError:
+                break  # missing (made by the daemon), not a directory...: checked later
+            for s in (lst, st):
+                if s.st_uid not in (0, me):
+                    return f"{q} is owned by uid {s.st_uid}"
+            m = st.st_mode
+            if i == len(parts) or m & stat.S_ISVTX:
+                continue  # the store itself is made 0700 when the daemon opens it
+            if m & 0o002 or (m & 0o020 and st.st_gid not in (0, my_gid)):
+                return (f"{q} may be written by other users (mode {stat.S_IMODE(m):04o}, "
+                        f"group {st.st_gid}, no sticky bit)")
+    return None
+
+
 def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = None,
                     *, deep: bool = True, locked: bool = False) -> dict[str, Any] | None:
     """Refuse a store directory that mtcfs must not write into, touching nothing.
@@ -330,6 +358,11 @@ def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = 
             raise StoreError(f"mount point {mountpoint} refused: it is inside the store "
                              f"{path} (the daemon would read its own files through its own "
                              "mount); give a mount point outside the store")
+    why = _open_to_others(p)
+    if why:
+        raise StoreError(f"store={path} refused: {why}, so another user could replace what "
+                         "the daemon reads and deletes there; nothing was touched: give a "
+                         "store whose parents only root or you can change")
     if not os.path.lexists(p):
         return None
     if not os.path.isdir(p):
