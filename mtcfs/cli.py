@@ -335,20 +335,30 @@ class ControlEndpoint(NamedTuple):
     path: str
 
 
-def _root_xattr(root: str) -> bytes:
-    """The control xattr of mount point ``root``, waited for at most
-    :data:`XATTR_TIMEOUT_S` seconds (the getxattr runs in a daemon thread, which a stuck
-    FUSE mount may hold until the process ends).
+def _root_xattr(root: str, device: str) -> bytes:
+    """The control xattr of mount point ``root``, read from the filesystem of device
+    ``device`` (``"major:minor"``, its mountinfo line) only, waited for at most
+    :data:`XATTR_TIMEOUT_S` seconds (the open and getxattr run in a daemon thread, which a
+    stuck FUSE mount may hold until the process ends).
 
     Raises:
-        NoDaemon: no answer in time, or the getxattr failed (the message names the errno).
+        NoDaemon: no answer in time, the getxattr failed (the message names the errno), or
+            ``root`` now leads to another filesystem (a mount above it covers it).
     """
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def get() -> None:
         try:
-            box["value"] = os.getxattr(root, CONTROL_XATTR)
+            # One descriptor for both: what is checked is what is read.
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                box["device"] = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+                if box["device"] == device:
+                    box["value"] = os.getxattr(fd, CONTROL_XATTR)
+            finally:
+                os.close(fd)
         except OSError as exc:
             box["error"] = exc
         finally:
@@ -363,6 +373,10 @@ def _root_xattr(root: str) -> bytes:
         exc = box["error"]
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         raise NoDaemon(f"cannot read the mtcfs mount at {root}: {exc.strerror} ({name})")
+    if "value" not in box:
+        raise NoDaemon(f"the mtcfs mount at {root} is covered by another mount (the path "
+                       f"leads to device {box['device']}, not to the mount's {device}): "
+                       "refusing to ask what answers there")
     value: bytes = box["value"]
     return value
 
@@ -437,7 +451,7 @@ def find_control_socket(path: str) -> ControlEndpoint:
     if owner is None:
         raise NoDaemon(f"the mtcfs mount at {root} has no user_id= in /proc/self/mountinfo: "
                        "not a FUSE mount")
-    sock = _checked_socket(_root_xattr(root), root, owner)
+    sock = _checked_socket(_root_xattr(root, entry.device), root, owner)
     return ControlEndpoint(sock, root, frozenset({owner, 0}), owner, p)
 
 

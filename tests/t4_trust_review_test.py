@@ -15,8 +15,10 @@ import os
 import shutil
 import sqlite3
 import stat
+import socket
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,65 @@ def _mtcfs_refused(mnt: Path, store: Path) -> str:
     lines = r.stderr.strip().splitlines()
     assert (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
     return lines[0]
+
+
+# ------------------------------------------------- a mount covered by another one
+
+def _serve_once_per_connection(sock: Path, reply: bytes, got: list[bytes]) -> socket.socket:
+    """A root daemon of another kind at ``sock``: each connection's request goes to ``got``,
+    then ``reply`` is sent. Returns the listening socket (close it to stop)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(4)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                c.settimeout(10)
+                try:
+                    got.append(c.recv(65536))
+                    c.sendall(reply)
+                except OSError:
+                    pass
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_a_covered_mount_is_not_answered_for_by_what_covers_it(shm_dir):
+    # Root's mtcfs mount at P/a/ckpt; something else is then mounted on P/a (here a bind
+    # mount; a user's own FUSE filesystem with allow_other does the same), holding a ckpt
+    # directory whose user.mtcfs.control names another root daemon's socket. mountinfo
+    # still lists the mtcfs mount at P/a/ckpt. Before: `mtcfs status P/a/ckpt` printed that
+    # other daemon's answer (exit 0), which got root's request.
+    m = Mount(shm_dir / "m", job=JOB, mnt=shm_dir / "p" / "a" / "ckpt",
+              options={"size": "256M"})
+    cover = shm_dir / "cover"
+    (cover / "ckpt").mkdir(parents=True)
+    private = shm_dir / "other"
+    private.mkdir(mode=0o700)
+    got: list[bytes] = []
+    srv = _serve_once_per_connection(
+        private / "control.sock",
+        b'{"ok": true, "result": {"job": "impostor", "pid": 1, "mountpoint": "/x"}}\n', got)
+    os.setxattr(cover / "ckpt", "user.mtcfs.control", os.fsencode(private / "control.sock"))
+    covered = False
+    try:
+        m.start()
+        subprocess.run(["mount", "--bind", str(cover), str(shm_dir / "p" / "a")], check=True)
+        covered = True
+        r = subprocess.run(MTCFS + ["status", str(m.mnt), "--json"], capture_output=True,
+                           text=True, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert (r.returncode, r.stdout, len(lines)) == (1, "", 1), (r.returncode, r.stdout,
+                                                                    r.stderr)
+        assert str(m.mnt) in lines[0] and "covered" in lines[0], lines[0]
+        assert got == []
+    finally:
+        if covered:
+            subprocess.run(["umount", "-l", str(shm_dir / "p" / "a")], capture_output=True)
+        srv.close()
+        m.cleanup()
