@@ -54,6 +54,8 @@ _OWN_DIRS = {"data", "reap"}
 MARKER_MAX_BYTES = 4096
 #: Tables an existing store's metadata must hold (the others are added in place).
 _REQUIRED_TABLES = ("inodes", "dentries", "versions", "kv")
+#: Every table of mtcfs's metadata (mtcfs.core.store.meta.SCHEMA).
+_MTCFS_TABLES = {"inodes", "dentries", "versions", "rewrite_dirty", "xattrs", "steps", "kv"}
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
@@ -148,8 +150,12 @@ def _check_metadata(path: str, conn: sqlite3.Connection, marked: bool) -> None:
     try:
         tables = {r[0] for r in conn.execute(
             "SELECT name FROM sqlite_master WHERE type='table'")}
-        if not marked and not tables:
-            return  # a new store whose first start stopped before its schema
+        if not marked and tables <= _MTCFS_TABLES and not _data_names(path) and not any(
+                conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()
+                for t in sorted(tables - {"kv"})):
+            # a first start that stopped before its marker: its schema made so far (one
+            # table at a time) and no schema version yet, nothing in it anyone's
+            return
         missing = [t for t in _REQUIRED_TABLES if t not in tables]
         if missing:
             raise StoreError(f"store={path} refused: damaged, {meta} lacks mtcfs's tables "
