@@ -198,27 +198,36 @@ def _data_names(path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _metadata_readonly(path: str, locked: bool) -> Iterator[sqlite3.Connection]:
+def _metadata_readonly(path: str, locked: bool) -> Iterator[sqlite3.Connection | None]:
     """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing in ``path``.
 
     Without a WAL the database file is all there is (opened immutable: no ``-wal``/``-shm``
     created); a WAL and its index are read as they are. A WAL without its index (a store
     copied or restored without ``-shm``) cannot be read without SQLite creating that index
     next to it: unless ``locked`` (the caller holds the store's lock and opens it next), the
-    database and its WAL are read from a private copy, removed afterwards.
+    database and its WAL are read from a private copy, removed afterwards; None when no copy
+    can be made (the daemon's check after its lock then reads it).
 
     Raises:
-        sqlite3.Error, OSError: it cannot be opened or copied.
+        sqlite3.Error: it cannot be opened.
     """
     meta = os.path.join(path, "meta.sqlite3")
     wal = os.path.exists(meta + "-wal")
     tmp = None
     if wal and not locked and not os.path.exists(meta + "-shm"):
-        tmp = tempfile.mkdtemp(prefix="mtcfs-check-")
-        for suffix in ("", "-wal"):  # both regular files (checked, never followed)
-            with open(meta + suffix, "rb", opener=_nofollow) as src, \
-                    open(os.path.join(tmp, "meta.sqlite3" + suffix), "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+        try:
+            tmp = tempfile.mkdtemp(prefix="mtcfs-check-")
+            for suffix in ("", "-wal"):  # both regular files (checked, never followed)
+                with open(meta + suffix, "rb", opener=_nofollow) as src, \
+                        open(os.path.join(tmp, "meta.sqlite3" + suffix), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        except OSError as exc:  # no room for a copy: the daemon checks it after its lock
+            log.warning("the metadata of %s is checked once it is locked (no private copy: "
+                        "%s)", path, exc)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            yield None
+            return
         meta = os.path.join(tmp, "meta.sqlite3")
     mode = "mode=ro" if wal else "mode=ro&immutable=1"
     try:
@@ -287,7 +296,8 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
     if deep and st is not None and st.st_size > 0:
         try:
             with _metadata_readonly(path, locked) as conn:
-                _check_metadata(path, conn, marked)
+                if conn is not None:
+                    _check_metadata(path, conn, marked)
         except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"store={path} refused: damaged, {meta} cannot be opened "
                              f"({exc}); {_recover_hint(path)}") from None
