@@ -273,3 +273,39 @@ def test_the_store_check_knows_every_table_of_the_schema():
     c.executescript(SCHEMA)
     assert {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")} \
         == _MTCFS_TABLES
+
+
+# ------------------------------------------------- a mount point inside the store, by a bind mount
+
+def test_mount_point_inside_the_store_through_a_bind_mount_is_refused(crashed, shm_dir):
+    # T is a shared tmpfs (mounts below it propagate to its bind mounts, as under systemd);
+    # the store is T/store, given as B, a bind mount of it; the mount point T/store/data.
+    # Never written through: on code that accepts it, the first write hangs in D state.
+    t, b = shm_dir / "t", shm_dir / "b"
+    t.mkdir()
+    b.mkdir()
+    mnt = t / "store" / "data"
+    mounted: list[Path] = []
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "review", str(t)],
+                       check=True)
+        mounted.append(t)
+        subprocess.run(["mount", "--make-shared", str(t)], check=True)
+        shutil.copytree(crashed[0], t / "store", symlinks=True,
+                        ignore=shutil.ignore_patterns("control.sock"))
+        subprocess.run(["mount", "--bind", str(t / "store"), str(b)], check=True)
+        mounted.append(b)
+        before = _snapshot(t / "store")
+        r = subprocess.run(MTCFS + [JOB, str(mnt), "-o", f"store={b},size=32M"],
+                           capture_output=True, text=True, timeout=60)
+        accepted = is_mounted(str(mnt)) or is_mounted(str(b / "data"))
+        for p in (mnt, b / "data"):
+            if is_mounted(str(p)):
+                force_unmount(str(p))
+        lines = r.stderr.strip().splitlines()
+        assert not accepted and (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
+        assert "mount point" in lines[0] and "inside the store" in lines[0], lines[0]
+        assert _snapshot(t / "store") == before
+    finally:
+        for p in reversed(mounted):
+            subprocess.run(["umount", "-l", str(p)], capture_output=True)

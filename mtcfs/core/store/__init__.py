@@ -335,6 +335,27 @@ def _open_to_others(p: str) -> str | None:
     return None
 
 
+def _below_same_directory(inner: str, outer: str) -> bool:
+    """Whether ``inner`` or one of its existing parents is the very directory ``outer`` is
+    (same device and inode), whatever the paths (a bind mount of it). Read only."""
+    try:
+        want = os.stat(outer)
+    except OSError:
+        return False
+    cur = os.path.realpath(inner)
+    while True:
+        try:
+            st = os.stat(cur)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return False
+        cur = parent
+
+
 def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = None,
                     *, deep: bool = True, locked: bool = False) -> dict[str, Any] | None:
     """Refuse a store directory that mtcfs must not write into, touching nothing.
@@ -370,10 +391,13 @@ def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = 
         mnt = os.path.abspath(mountpoint)
         if within(p, mnt) or within(os.path.realpath(p), os.path.realpath(mnt)):
             raise StoreError(f"store={path} refused: it is the mount point {mnt} or inside it")
-        if within(mnt, p) or within(os.path.realpath(mnt), os.path.realpath(p)):
+        if within(mnt, p) or within(os.path.realpath(mnt), os.path.realpath(p)) or \
+                _below_same_directory(mnt, p):  # a bind mount of the store, say
             raise StoreError(f"mount point {mountpoint} refused: it is inside the store "
                              f"{path} (the daemon would read its own files through its own "
                              "mount); give a mount point outside the store")
+        if _below_same_directory(p, mnt):
+            raise StoreError(f"store={path} refused: it is the mount point {mnt} or inside it")
     why = _open_to_others(p)
     if why:
         raise StoreError(f"store={path} refused: {why}, so another user could replace what "
