@@ -308,3 +308,27 @@ def test_mount_point_inside_the_store_through_a_bind_mount_is_refused(crashed, s
     finally:
         for p in reversed(mounted):
             subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+# ------------------------------------------------- entries of the store that another user made
+
+@pytest.mark.parametrize("how", ["new-store-data-planted", "store-data-of-another-user"])
+def test_store_entries_of_another_user_are_refused_untouched(crashed, shm_dir, how):
+    if how == "new-store-data-planted":
+        # store= is the root of a tmpfs mounted for it (mode 1777, root's); before the first
+        # mount another user made data/ there, empty.
+        store = shm_dir / "ram"
+        store.mkdir()
+        os.chmod(store, 0o1777)
+        for name in ("data", "reap"):
+            (store / name).mkdir()
+            os.chown(store / name, NOBODY, NOBODY)
+    else:
+        store = shm_dir / "store"
+        shutil.copytree(crashed[0], store, symlinks=True,
+                        ignore=shutil.ignore_patterns("control.sock"))
+        os.chown(store / "data", NOBODY, NOBODY)
+    before = _snapshot(store)
+    line = _mtcfs_refused(shm_dir / "mnt", store)
+    assert "data" in line and f"uid {NOBODY}" in line, line
+    assert _snapshot(store) == before

@@ -87,6 +87,21 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
+def _check_owner(path: str, full: str, st: os.stat_result) -> None:
+    """Refuse an entry ``full`` of store ``path`` that neither this process's user nor root
+    owns (another user made it, in a store directory others could write, and could change
+    what the daemon keeps there).
+
+    Raises:
+        StoreError: one line.
+    """
+    if st.st_uid not in (0, os.geteuid()):
+        raise StoreError(f"store={path} refused: {full} is owned by uid {st.st_uid}, not by "
+                         f"the daemon's user (uid {os.geteuid()}) or root: another user made "
+                         "it and could change what the daemon keeps there; nothing was "
+                         "touched: remove it or give another store")
+
+
 def read_marker(path: str) -> dict[str, Any] | None:
     """The STORE marker of store directory ``path``, checked; None when there is none.
 
@@ -103,6 +118,7 @@ def read_marker(path: str) -> dict[str, Any] | None:
     if st is None:
         return None
     why = None
+    _check_owner(path, full, st)
     if not stat.S_ISREG(st.st_mode):
         why = f"it is {_kind(st)}"
     elif st.st_size > MARKER_MAX_BYTES:
@@ -267,6 +283,7 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
             raise StoreError(f"store={path} refused: damaged, {full} is {_kind(st)}, not "
                              f"{'a directory' if want_dir else 'a file'} of mtcfs's; "
                              f"{_recover_hint(path)}")
+        _check_owner(path, full, st)
     meta = os.path.join(path, "meta.sqlite3")
     st = _lstat(meta)
     if marked and (st is None or st.st_size == 0):
