@@ -11,6 +11,8 @@ copied for each test.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -332,3 +335,60 @@ def test_store_entries_of_another_user_are_refused_untouched(crashed, shm_dir, h
     line = _mtcfs_refused(shm_dir / "mnt", store)
     assert "data" in line and f"uid {NOBODY}" in line, line
     assert _snapshot(store) == before
+
+
+def test_a_store_directory_others_may_write_is_closed_before_it_is_checked(shm_dir):
+    # store= is the 1777 root of a tmpfs mounted for it. The daemon is held (failpoint)
+    # after its check under the lock; uid 65534 then tries to make data/ in it. Before: the
+    # directory was made 0700 only after that check, so data/ was made and the daemon kept
+    # its data files there. Now it is closed before the lock is even taken.
+    os.chmod(shm_dir, 0o755)  # others may reach it, as /dev/shm's children
+    store = shm_dir / "ram"
+    store.mkdir()
+    os.chmod(store, 0o1777)
+    mnt = shm_dir / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, MTCFS_FAILPOINTS="store.checked=sleep(2)")
+    cmd = subprocess.Popen(MTCFS + [JOB, str(mnt), "-o", f"store={store},size=32M"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the daemon holds the store's lock
+            assert time.monotonic() < deadline and cmd.poll() is None, cmd.poll()
+            try:
+                fd = os.open(store / "lock", os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                break
+            finally:
+                os.close(fd)
+        pid = os.fork()
+        if pid == 0:  # uid 65534 tries to make data/ in the store
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                os.mkdir(store / "data")
+                code = 0
+            except OSError as exc:
+                code = 13 if exc.errno == errno.EACCES else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out, err = cmd.communicate(timeout=60)
+        assert (cmd.returncode, err) == (0, ""), (cmd.returncode, err)
+        assert os.waitstatus_to_exitcode(status) == 13  # EACCES: the store was closed
+        assert os.stat(store / "data").st_uid == 0
+    finally:
+        if cmd.poll() is None:
+            cmd.kill()
+            cmd.wait()
+        if is_mounted(str(mnt)):
+            subprocess.run(MTCFS + ["umount", str(mnt)], capture_output=True, timeout=60)
+            if is_mounted(str(mnt)):
+                force_unmount(str(mnt))

@@ -471,6 +471,12 @@ class Store:
         self._lock_fd = -1
         check_store_dir(self.path, mountpoint, job)  # before anything is created in it
         os.makedirs(self.path, mode=0o700, exist_ok=True)
+        # Only its user may enter it: file data, metadata, the log and the control socket
+        # are there (docs/security-local.md); a directory made beforehand is closed too, at
+        # once: what another user makes in it before is refused by the check below, and
+        # after, nothing can be.
+        if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
+            os.chmod(self.path, 0o700)
         self._lock_fd = os.open(os.path.join(self.path, "lock"),
                                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # A daemon that was just unmounted may still be closing the store: give it a moment
@@ -492,10 +498,7 @@ class Store:
         except StoreError:
             self.close()
             raise
-        # Only its user may enter it: file data, metadata, the log and the control socket
-        # are there (docs/security-local.md); a directory made beforehand is closed too.
-        if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
-            os.chmod(self.path, 0o700)
+        failpoint("store.checked")  # tests: what another user may do now
         self.created = info is None
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.reaper = Reaper(os.path.join(self.path, "reap"))
