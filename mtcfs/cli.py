@@ -69,6 +69,28 @@ def _mount_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OwnLogFile(logging.FileHandler):
+    """The daemon's log file in its store: opened without following a symbolic link,
+    without blocking (a FIFO), and used only if it is a regular file of this process's
+    user with one name (another user may have put a link there, in a store directory
+    others could write, before the store is checked and closed).
+
+    Raises:
+        OSError: at construction, it is not (ELOOP for a link, EPERM else).
+    """
+
+    def _open(self) -> Any:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{self.baseFilename} is not the daemon's own log file "
+                          f"(a {stat.filemode(st.st_mode)} of uid {st.st_uid} with "
+                          f"{st.st_nlink} names): refusing to write to it")
+        return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+
 def _setup_logging(debug: bool, path: str | None) -> None:
     """Log to ``path``, else to stderr. On stderr under systemd (``$JOURNAL_STREAM`` set:
     stderr is the journal), no timestamp (journald stamps each line) and each line starts
@@ -76,7 +98,7 @@ def _setup_logging(debug: bool, path: str | None) -> None:
     ``journalctl -p warning`` filters it."""
     handlers: list[logging.Handler] = []
     if path:
-        handlers.append(logging.FileHandler(path))
+        handlers.append(_OwnLogFile(path))
         fmt: logging.Formatter = logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s: %(message)s")
     else:

@@ -392,3 +392,36 @@ def test_a_store_directory_others_may_write_is_closed_before_it_is_checked(shm_d
             subprocess.run(MTCFS + ["umount", str(mnt)], capture_output=True, timeout=60)
             if is_mounted(str(mnt)):
                 force_unmount(str(mnt))
+
+
+# ------------------------------------------------- the daemon's log in its store
+
+def test_the_daemons_log_never_follows_a_link_planted_in_its_store(shm_dir):
+    # (in-process) The mount command's child opens <store>/mtcfs.log before the store is
+    # checked under its lock and closed: in a store directory others may write, another
+    # user can put a link there after the command's check. Before: it was followed, and
+    # root's log lines were appended to the file it names.
+    import logging
+
+    from mtcfs import cli
+    victim = shm_dir / "victim"
+    victim.write_bytes(b"root:x:0:0\n")
+    log = shm_dir / "mtcfs.log"
+    log.symlink_to(victim)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    raised = None
+    try:
+        try:
+            cli._setup_logging(False, str(log))
+            logging.getLogger("mtcfs").warning("a line of root's log")
+        except OSError as exc:
+            raised = exc
+    finally:
+        for h in root.handlers:
+            if h not in saved[0]:
+                h.close()
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert victim.read_bytes() == b"root:x:0:0\n"
+    assert raised is not None and "mtcfs.log" in str(raised), raised
