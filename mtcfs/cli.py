@@ -69,6 +69,28 @@ def _mount_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OwnLogFile(logging.FileHandler):
+    """The daemon's log file in its store: opened without following a symbolic link,
+    without blocking (a FIFO), and used only if it is a regular file of this process's
+    user with one name (another user may have put a link there, in a store directory
+    others could write, before the store is checked and closed).
+
+    Raises:
+        OSError: at construction, it is not (ELOOP for a link, EPERM else).
+    """
+
+    def _open(self) -> Any:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{self.baseFilename} is not the daemon's own log file "
+                          f"(a {stat.filemode(st.st_mode)} of uid {st.st_uid} with "
+                          f"{st.st_nlink} names): refusing to write to it")
+        return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+
 def _setup_logging(debug: bool, path: str | None) -> None:
     """Log to ``path``, else to stderr. On stderr under systemd (``$JOURNAL_STREAM`` set:
     stderr is the journal), no timestamp (journald stamps each line) and each line starts
@@ -76,7 +98,7 @@ def _setup_logging(debug: bool, path: str | None) -> None:
     ``journalctl -p warning`` filters it."""
     handlers: list[logging.Handler] = []
     if path:
-        handlers.append(logging.FileHandler(path))
+        handlers.append(_OwnLogFile(path))
         fmt: logging.Formatter = logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s: %(message)s")
     else:
@@ -335,20 +357,30 @@ class ControlEndpoint(NamedTuple):
     path: str
 
 
-def _root_xattr(root: str) -> bytes:
-    """The control xattr of mount point ``root``, waited for at most
-    :data:`XATTR_TIMEOUT_S` seconds (the getxattr runs in a daemon thread, which a stuck
-    FUSE mount may hold until the process ends).
+def _root_xattr(root: str, device: str) -> bytes:
+    """The control xattr of mount point ``root``, read from the filesystem of device
+    ``device`` (``"major:minor"``, its mountinfo line) only, waited for at most
+    :data:`XATTR_TIMEOUT_S` seconds (the open and getxattr run in a daemon thread, which a
+    stuck FUSE mount may hold until the process ends).
 
     Raises:
-        NoDaemon: no answer in time, or the getxattr failed (the message names the errno).
+        NoDaemon: no answer in time, the getxattr failed (the message names the errno), or
+            ``root`` now leads to another filesystem (a mount above it covers it).
     """
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def get() -> None:
         try:
-            box["value"] = os.getxattr(root, CONTROL_XATTR)
+            # One descriptor for both: what is checked is what is read.
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                box["device"] = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+                if box["device"] == device:
+                    box["value"] = os.getxattr(fd, CONTROL_XATTR)
+            finally:
+                os.close(fd)
         except OSError as exc:
             box["error"] = exc
         finally:
@@ -363,6 +395,10 @@ def _root_xattr(root: str) -> bytes:
         exc = box["error"]
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         raise NoDaemon(f"cannot read the mtcfs mount at {root}: {exc.strerror} ({name})")
+    if "value" not in box:
+        raise NoDaemon(f"the mtcfs mount at {root} is covered by another mount (the path "
+                       f"leads to device {box['device']}, not to the mount's {device}): "
+                       "refusing to ask what answers there")
     value: bytes = box["value"]
     return value
 
@@ -437,7 +473,7 @@ def find_control_socket(path: str) -> ControlEndpoint:
     if owner is None:
         raise NoDaemon(f"the mtcfs mount at {root} has no user_id= in /proc/self/mountinfo: "
                        "not a FUSE mount")
-    sock = _checked_socket(_root_xattr(root), root, owner)
+    sock = _checked_socket(_root_xattr(root, entry.device), root, owner)
     return ControlEndpoint(sock, root, frozenset({owner, 0}), owner, p)
 
 

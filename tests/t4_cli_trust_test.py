@@ -172,7 +172,10 @@ def fake_mount(shm_dir, monkeypatch):
         with open("/proc/self/mountinfo") as f:
             real = f.read()
         esc = str(d).replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
-        path.write_text(real + f"9999 1 0:9999 / {esc} rw,nosuid,nodev,relatime - fuse.mtcfs "
+        # the device the directory is on (the CLI reads the xattr from that device only)
+        dev = os.stat(d if d.exists() else d.parent).st_dev
+        path.write_text(real + f"9999 1 {os.major(dev)}:{os.minor(dev)} / {esc} rw,nosuid,"
+                        "nodev,relatime - fuse.mtcfs "
                         f"fake rw,user_id={user_id},group_id={user_id},default_permissions\n")
         monkeypatch.setattr(mountinfo, "MOUNTINFO", str(path))
         return d

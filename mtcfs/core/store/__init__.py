@@ -17,14 +17,18 @@ reads chunks straight from the data files.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import stat
+import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 from mtcfs.base import mountinfo
@@ -50,6 +54,8 @@ _OWN_DIRS = {"data", "reap"}
 MARKER_MAX_BYTES = 4096
 #: Tables an existing store's metadata must hold (the others are added in place).
 _REQUIRED_TABLES = ("inodes", "dentries", "versions", "kv")
+#: Every table of mtcfs's metadata (mtcfs.core.store.meta.SCHEMA).
+_MTCFS_TABLES = {"inodes", "dentries", "versions", "rewrite_dirty", "xattrs", "steps", "kv"}
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
@@ -81,6 +87,21 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
+def _check_owner(path: str, full: str, st: os.stat_result) -> None:
+    """Refuse an entry ``full`` of store ``path`` that neither this process's user nor root
+    owns (another user made it, in a store directory others could write, and could change
+    what the daemon keeps there).
+
+    Raises:
+        StoreError: one line.
+    """
+    if st.st_uid not in (0, os.geteuid()):
+        raise StoreError(f"store={path} refused: {full} is owned by uid {st.st_uid}, not by "
+                         f"the daemon's user (uid {os.geteuid()}) or root: another user made "
+                         "it and could change what the daemon keeps there; nothing was "
+                         "touched: remove it or give another store")
+
+
 def read_marker(path: str) -> dict[str, Any] | None:
     """The STORE marker of store directory ``path``, checked; None when there is none.
 
@@ -97,6 +118,7 @@ def read_marker(path: str) -> dict[str, Any] | None:
     if st is None:
         return None
     why = None
+    _check_owner(path, full, st)
     if not stat.S_ISREG(st.st_mode):
         why = f"it is {_kind(st)}"
     elif st.st_size > MARKER_MAX_BYTES:
@@ -144,8 +166,12 @@ def _check_metadata(path: str, conn: sqlite3.Connection, marked: bool) -> None:
     try:
         tables = {r[0] for r in conn.execute(
             "SELECT name FROM sqlite_master WHERE type='table'")}
-        if not marked and not tables:
-            return  # a new store whose first start stopped before its schema
+        if not marked and tables <= _MTCFS_TABLES and not _data_names(path) and not any(
+                conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()
+                for t in sorted(tables - {"kv"})):
+            # a first start that stopped before its marker: its schema made so far (one
+            # table at a time) and no schema version yet, nothing in it anyone's
+            return
         missing = [t for t in _REQUIRED_TABLES if t not in tables]
         if missing:
             raise StoreError(f"store={path} refused: damaged, {meta} lacks mtcfs's tables "
@@ -187,18 +213,48 @@ def _data_names(path: str) -> list[str]:
     return [n for n in names if n.isascii() and n.isdigit() and n == str(int(n))]
 
 
-def _open_metadata_readonly(path: str, locked: bool) -> sqlite3.Connection | None:
-    """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing, or None when
-    one cannot be had without creating SQLite's ``-shm`` file (a ``-wal`` without it) and
-    ``locked`` is False (``locked``: the caller holds the store's lock and opens it next)."""
+@contextlib.contextmanager
+def _metadata_readonly(path: str, locked: bool) -> Iterator[sqlite3.Connection | None]:
+    """A read-only connection to ``<path>/meta.sqlite3`` that creates nothing in ``path``.
+
+    Without a WAL the database file is all there is (opened immutable: no ``-wal``/``-shm``
+    created); a WAL and its index are read as they are. A WAL without its index (a store
+    copied or restored without ``-shm``) cannot be read without SQLite creating that index
+    next to it: unless ``locked`` (the caller holds the store's lock and opens it next), the
+    database and its WAL are read from a private copy, removed afterwards; None when no copy
+    can be made (the daemon's check after its lock then reads it).
+
+    Raises:
+        sqlite3.Error: it cannot be opened.
+    """
     meta = os.path.join(path, "meta.sqlite3")
     wal = os.path.exists(meta + "-wal")
+    tmp = None
     if wal and not locked and not os.path.exists(meta + "-shm"):
-        return None
-    # No WAL: the database file is all there is (immutable: no -wal/-shm created). A WAL and
-    # its index: a read-only connection reads them as they are.
+        try:
+            tmp = tempfile.mkdtemp(prefix="mtcfs-check-")
+            for suffix in ("", "-wal"):  # both regular files (checked, never followed)
+                with open(meta + suffix, "rb", opener=_nofollow) as src, \
+                        open(os.path.join(tmp, "meta.sqlite3" + suffix), "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        except OSError as exc:  # no room for a copy: the daemon checks it after its lock
+            log.warning("the metadata of %s is checked once it is locked (no private copy: "
+                        "%s)", path, exc)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            yield None
+            return
+        meta = os.path.join(tmp, "meta.sqlite3")
     mode = "mode=ro" if wal else "mode=ro&immutable=1"
-    return sqlite3.connect(f"file:{urllib.parse.quote(meta)}?{mode}", uri=True)
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(meta)}?{mode}", uri=True)
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_store_contents(path: str, *, marked: bool, deep: bool = True,
@@ -227,6 +283,7 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
             raise StoreError(f"store={path} refused: damaged, {full} is {_kind(st)}, not "
                              f"{'a directory' if want_dir else 'a file'} of mtcfs's; "
                              f"{_recover_hint(path)}")
+        _check_owner(path, full, st)
     meta = os.path.join(path, "meta.sqlite3")
     st = _lstat(meta)
     if marked and (st is None or st.st_size == 0):
@@ -255,19 +312,65 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
                                      f"file; {_recover_hint(path)}")
     if deep and st is not None and st.st_size > 0:
         try:
-            conn = _open_metadata_readonly(path, locked)
-        except sqlite3.Error as exc:
+            with _metadata_readonly(path, locked) as conn:
+                if conn is not None:
+                    _check_metadata(path, conn, marked)
+        except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"store={path} refused: damaged, {meta} cannot be opened "
                              f"({exc}); {_recover_hint(path)}") from None
-        if conn is not None:
-            try:
-                _check_metadata(path, conn, marked)
-            finally:
-                conn.close()
 
 
 def _nofollow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _open_to_others(p: str) -> str | None:
+    """Why another user could replace store directory ``p`` (absolute) or what is in it, or
+    None. Each existing element of ``p`` and of the path it resolves to (``p`` itself and a
+    symbolic link included) must be owned by root or this process's user, and no directory
+    above ``p`` may be writable by others without the sticky bit (``/dev/shm`` has it), nor
+    by a group other than root's and this process's. Read only."""
+    me, my_gid = os.geteuid(), os.getegid()
+    real = os.path.realpath(p)
+    for path in (p, real) if real != p else (p,):
+        parts = [part for part in path.split("/") if part]
+        for i in range(len(parts) + 1):
+            q = "/" + "/".join(parts[:i])
+            try:
+                lst, st = os.lstat(q), os.stat(q)
+            except OSError:
+                break  # missing (made by the daemon), not a directory...: checked later
+            for s in (lst, st):
+                if s.st_uid not in (0, me):
+                    return f"{q} is owned by uid {s.st_uid}"
+            m = st.st_mode
+            if i == len(parts) or m & stat.S_ISVTX:
+                continue  # the store itself is made 0700 when the daemon opens it
+            if m & 0o002 or (m & 0o020 and st.st_gid not in (0, my_gid)):
+                return (f"{q} may be written by other users (mode {stat.S_IMODE(m):04o}, "
+                        f"group {st.st_gid}, no sticky bit)")
+    return None
+
+
+def _below_same_directory(inner: str, outer: str) -> bool:
+    """Whether ``inner`` or one of its existing parents is the very directory ``outer`` is
+    (same device and inode), whatever the paths (a bind mount of it). Read only."""
+    try:
+        want = os.stat(outer)
+    except OSError:
+        return False
+    cur = os.path.realpath(inner)
+    while True:
+        try:
+            st = os.stat(cur)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return False
+        cur = parent
 
 
 def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = None,
@@ -305,10 +408,18 @@ def check_store_dir(path: str, mountpoint: str | None = None, job: str | None = 
         mnt = os.path.abspath(mountpoint)
         if within(p, mnt) or within(os.path.realpath(p), os.path.realpath(mnt)):
             raise StoreError(f"store={path} refused: it is the mount point {mnt} or inside it")
-        if within(mnt, p) or within(os.path.realpath(mnt), os.path.realpath(p)):
+        if within(mnt, p) or within(os.path.realpath(mnt), os.path.realpath(p)) or \
+                _below_same_directory(mnt, p):  # a bind mount of the store, say
             raise StoreError(f"mount point {mountpoint} refused: it is inside the store "
                              f"{path} (the daemon would read its own files through its own "
                              "mount); give a mount point outside the store")
+        if _below_same_directory(p, mnt):
+            raise StoreError(f"store={path} refused: it is the mount point {mnt} or inside it")
+    why = _open_to_others(p)
+    if why:
+        raise StoreError(f"store={path} refused: {why}, so another user could replace what "
+                         "the daemon reads and deletes there; nothing was touched: give a "
+                         "store whose parents only root or you can change")
     if not os.path.lexists(p):
         return None
     if not os.path.isdir(p):
@@ -360,6 +471,12 @@ class Store:
         self._lock_fd = -1
         check_store_dir(self.path, mountpoint, job)  # before anything is created in it
         os.makedirs(self.path, mode=0o700, exist_ok=True)
+        # Only its user may enter it: file data, metadata, the log and the control socket
+        # are there (docs/security-local.md); a directory made beforehand is closed too, at
+        # once: what another user makes in it before is refused by the check below, and
+        # after, nothing can be.
+        if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
+            os.chmod(self.path, 0o700)
         self._lock_fd = os.open(os.path.join(self.path, "lock"),
                                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # A daemon that was just unmounted may still be closing the store: give it a moment
@@ -381,10 +498,7 @@ class Store:
         except StoreError:
             self.close()
             raise
-        # Only its user may enter it: file data, metadata, the log and the control socket
-        # are there (docs/security-local.md); a directory made beforehand is closed too.
-        if stat.S_IMODE(os.stat(self.path).st_mode) & 0o077:
-            os.chmod(self.path, 0o700)
+        failpoint("store.checked")  # tests: what another user may do now
         self.created = info is None
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.reaper = Reaper(os.path.join(self.path, "reap"))
