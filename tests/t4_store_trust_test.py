@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from support.mount import MTCFS, Mount, force_unmount, is_mounted, one_line_error
+from support.tree import snapshot
 
 JOB = "trustjob"
 
@@ -36,28 +37,6 @@ JOB = "trustjob"
 def _mtcfs(job: str, mnt: Path, opts: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(MTCFS + [job, str(mnt), "-o", opts], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every entry below and including ``root``, never following a symlink: its type and mode,
-    and a file's bytes or a link's target."""
-    out: dict[str, tuple] = {}
-
-    def one(p: str) -> None:
-        st = os.lstat(p)
-        rel = os.path.relpath(p, root)
-        if stat.S_ISLNK(st.st_mode):
-            out[rel] = ("link", os.readlink(p))
-        elif stat.S_ISREG(st.st_mode):
-            out[rel] = ("file", stat.S_IMODE(st.st_mode), Path(p).read_bytes())
-        else:
-            out[rel] = ("dir" if stat.S_ISDIR(st.st_mode) else "other", st.st_mode)
-            if stat.S_ISDIR(st.st_mode):
-                for name in os.listdir(p):
-                    one(os.path.join(p, name))
-
-    one(str(root))
-    return out
 
 
 def _kill_mount(mnt: Path) -> None:
@@ -127,13 +106,13 @@ def _refused_untouched(store: Path, mnt: Path, leftovers: list, *words: str,
                        job: str = JOB) -> str:
     """Mount ``store`` on ``mnt``: it must be refused (exit 2, one line naming ``words``) with
     the store byte for byte as it was. Returns the line."""
-    before = _snapshot(store)
+    before = snapshot(store)
     mnt.mkdir(exist_ok=True)
     leftovers.append(mnt)
     r = _mtcfs(job, mnt, f"store={store},size=256M")
     assert not is_mounted(str(mnt)), f"mount succeeded: {r.stderr}"
     line = one_line_error(r, 2, *words)
-    assert _snapshot(store) == before
+    assert snapshot(store) == before
     return line
 
 
@@ -285,7 +264,7 @@ def test_mount_point_inside_the_store_is_refused(store, shm_dir, leftovers, wher
     else:  # a path outside the store that resolves into it
         mnt = shm_dir / "elsewhere"
         mnt.symlink_to(store / "data")
-    before = _snapshot(store)
+    before = snapshot(store)
     leftovers.append(mnt)
     leftovers.append(store / "data")
     r = _mtcfs(JOB, mnt, f"store={store},size=256M")
@@ -293,7 +272,7 @@ def test_mount_point_inside_the_store_is_refused(store, shm_dir, leftovers, wher
     assert not is_mounted(str(mnt)) and not is_mounted(str(store / "data")), \
         f"mount succeeded: {r.stderr}"
     one_line_error(r, 2, "mount point", "inside the store")
-    assert _snapshot(store) == before
+    assert snapshot(store) == before
 
 
 # ---------------------------------------------------------------------- item 7

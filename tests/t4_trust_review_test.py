@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sqlite3
-import stat
 import socket
 import subprocess
 import tempfile
@@ -28,30 +27,9 @@ from pathlib import Path
 import pytest
 
 from support.mount import MTCFS, Mount, force_unmount, is_mounted
+from support.tree import snapshot
 
 JOB = "reviewjob"
-
-
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every entry below and including ``root``, never following a symlink: its type and
-    mode, and a file's bytes or a link's target."""
-    out: dict[str, tuple] = {}
-
-    def one(p: str) -> None:
-        st = os.lstat(p)
-        rel = os.path.relpath(p, root)
-        if stat.S_ISLNK(st.st_mode):
-            out[rel] = ("link", os.readlink(p))
-        elif stat.S_ISREG(st.st_mode):
-            out[rel] = ("file", stat.S_IMODE(st.st_mode), Path(p).read_bytes())
-        else:
-            out[rel] = ("dir" if stat.S_ISDIR(st.st_mode) else "other", st.st_mode)
-            if stat.S_ISDIR(st.st_mode):
-                for name in os.listdir(p):
-                    one(os.path.join(p, name))
-
-    one(str(root))
-    return out
 
 
 def _mount_cmd(mnt: Path, store: Path) -> subprocess.CompletedProcess:
@@ -131,12 +109,12 @@ def test_damaged_store_with_a_wal_and_no_shm_is_refused_exit_2_untouched(crashed
         c.close()
     assert not (store / "meta.sqlite3-shm").exists()
     assert (store / "meta.sqlite3-wal").stat().st_size > 0
-    before = _snapshot(store)
+    before = snapshot(store)
     r = _mount_cmd(shm_dir / "mnt", store)
     lines = r.stderr.strip().splitlines()
     assert (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
     assert "damaged" in lines[0] and "has no row" in lines[0], lines[0]
-    assert _snapshot(store) == before
+    assert snapshot(store) == before
 
 
 # ------------------------------------------------- a store another local user can replace
@@ -158,11 +136,11 @@ def test_store_another_user_can_replace_is_refused_untouched(crashed, shm_dir, h
         shutil.copytree(crashed[0], store, symlinks=True,
                         ignore=shutil.ignore_patterns("control.sock"))
         os.chown(store, NOBODY, NOBODY)
-    before = _snapshot(parent)
+    before = snapshot(parent)
     r = _mtcfs_refused(shm_dir / "mnt", store)
     assert "another user could replace" in r, r
     assert ("uid 65534" if "another-user" in how else "written by other users") in r, r
-    assert _snapshot(parent) == before
+    assert snapshot(parent) == before
 
 
 def _mtcfs_refused(mnt: Path, store: Path) -> str:
@@ -297,7 +275,7 @@ def test_mount_point_inside_the_store_through_a_bind_mount_is_refused(crashed, s
                         ignore=shutil.ignore_patterns("control.sock"))
         subprocess.run(["mount", "--bind", str(t / "store"), str(b)], check=True)
         mounted.append(b)
-        before = _snapshot(t / "store")
+        before = snapshot(t / "store")
         r = subprocess.run(MTCFS + [JOB, str(mnt), "-o", f"store={b},size=32M"],
                            capture_output=True, text=True, timeout=60)
         accepted = is_mounted(str(mnt)) or is_mounted(str(b / "data"))
@@ -307,7 +285,7 @@ def test_mount_point_inside_the_store_through_a_bind_mount_is_refused(crashed, s
         lines = r.stderr.strip().splitlines()
         assert not accepted and (r.returncode, len(lines)) == (2, 1), (r.returncode, r.stderr)
         assert "mount point" in lines[0] and "inside the store" in lines[0], lines[0]
-        assert _snapshot(t / "store") == before
+        assert snapshot(t / "store") == before
     finally:
         for p in reversed(mounted):
             subprocess.run(["umount", "-l", str(p)], capture_output=True)
@@ -331,10 +309,10 @@ def test_store_entries_of_another_user_are_refused_untouched(crashed, shm_dir, h
         shutil.copytree(crashed[0], store, symlinks=True,
                         ignore=shutil.ignore_patterns("control.sock"))
         os.chown(store / "data", NOBODY, NOBODY)
-    before = _snapshot(store)
+    before = snapshot(store)
     line = _mtcfs_refused(shm_dir / "mnt", store)
     assert "data" in line and f"uid {NOBODY}" in line, line
-    assert _snapshot(store) == before
+    assert snapshot(store) == before
 
 
 def test_a_store_directory_others_may_write_is_closed_before_it_is_checked(shm_dir):
