@@ -520,20 +520,29 @@ class ProgressBar:
             self._bar.close()
 
 
+#: Seconds the daemon has to answer the commands that only read its state (for each read
+#: of the socket): a daemon that accepts and never answers (a stuck one, or a user's own
+#: FUSE filesystem calling itself fuse.mtcfs) ends the command with one line, not never.
+#: The others (seal, restore, gc, verify, backup) may rightly take long: no limit.
+QUICK_ANSWER_S: dict[str, float] = {"status": 60.0, "checkpoints": 60.0}
+
+
 def _request(daemon: ControlEndpoint | str, cmd: str, label: str | None = None,
              expect: type | None = None, **args: Any) -> Any:
     """Send ``cmd`` with ``args`` to ``daemon`` (or a socket path: then served by root or
     this uid only) and return its result, showing progress under ``label``.
 
     Exits 1 with one line on stderr when the daemon cannot be reached, is refused
-    (control.request's checks), reports an error, or answers a result that is not an
+    (control.request's checks), reports an error, does not answer ``status`` or
+    ``checkpoints`` within :data:`QUICK_ANSWER_S`, or answers a result that is not an
     ``expect`` (dict or list).
     """
     sock, uids = (daemon, None) if isinstance(daemon, str) else (daemon.sock, daemon.uids)
     bar = ProgressBar(label) if label else None
     result = None
     try:
-        for msg in control.request(sock, cmd, peer_uids=uids, **args):
+        for msg in control.request(sock, cmd, timeout=QUICK_ANSWER_S.get(cmd),
+                                   peer_uids=uids, **args):
             if "progress" in msg and bar:
                 bar.update(*msg["progress"])
             elif "result" in msg:

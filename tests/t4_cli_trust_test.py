@@ -21,6 +21,7 @@ import select
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ class FakeDaemon:
     Args:
         path: the socket's path.
         reply: the bytes sent to every connection, after what it sent (up to a newline)
-            is written down.
+            is written down; None: none is ever sent (the connection is kept open).
         uid: the child's uid and gid (0: stays root).
         bind_first: bind (as root) before switching to ``uid``, then listen as ``uid``
             (a root-owned socket file served by another user).
@@ -54,7 +55,7 @@ class FakeDaemon:
             naming ``path``.
     """
 
-    def __init__(self, path: Path, reply: bytes, uid: int = 0, bind_first: bool = False,
+    def __init__(self, path: Path, reply: bytes | None, uid: int = 0, bind_first: bool = False,
                  xattr_on: Path | None = None) -> None:
         self.path, self.reply, self.uid = path, reply, uid
         self.bind_first, self.xattr_on = bind_first, xattr_on
@@ -79,6 +80,7 @@ class FakeDaemon:
                 if self.xattr_on is not None:
                     os.setxattr(self.xattr_on, XATTR, os.fsencode(self.path))
                 s.listen(16)
+                held: list[socket.socket] = []
                 os.write(w, b"ready")
                 while True:
                     c, _ = s.accept()
@@ -93,8 +95,11 @@ class FakeDaemon:
                     except OSError:
                         pass
                     os.write(logfd, json.dumps(got.decode(errors="replace")).encode() + b"\n")
+                    if self.reply is None and not got.startswith(MARK.encode()):
+                        held.append(c)  # accepted, read, never answered
+                        continue
                     try:
-                        c.sendall(self.reply)
+                        c.sendall(self.reply or b"")
                     except OSError:
                         pass
                     c.close()
@@ -346,6 +351,27 @@ def test_a_hostile_answer_is_one_line_and_no_traceback(shm_dir, fake_mount, caps
                 line = one_line(err)
                 assert "\x1b" not in line and len(line) < 1000, (name, args, line)
             assert len(fake.received()) == len(commands), name
+
+
+def test_a_daemon_that_never_answers_status_ends_the_command(shm_dir, fake_mount, capsys,
+                                                            monkeypatch):
+    """A daemon (a stuck one, or a user's own FUSE mount calling itself mtcfs) that accepts
+    `status` and `checkpoints` and never answers: the command ends with one line and exit 1
+    after cli.QUICK_ANSWER_S (60 s; 0.5 s here). Before, root's `mtcfs status` waited for
+    good."""
+    monkeypatch.setattr(cli, "QUICK_ANSWER_S", {"status": 0.5, "checkpoints": 0.5})
+    mnt = fake_mount(shm_dir / "mnt", 0)
+    mnt.mkdir()
+    private = shm_dir / "store"
+    private.mkdir(mode=0o700)
+    sock = private / "control.sock"
+    os.setxattr(mnt, XATTR, os.fsencode(sock))
+    with FakeDaemon(sock, None):
+        for args in (["status", str(mnt)], ["metrics", str(mnt)], ["checkpoints", str(mnt)]):
+            t0 = time.monotonic()
+            code, out, err = run(capsys, *args)
+            assert (code, out) == (1, ""), (args, code, out, err)
+            assert "did not arrive" in one_line(err) and time.monotonic() - t0 < 10, err
 
 
 # ---------------------------------------------------------------------- a real mount
