@@ -4,13 +4,24 @@ could still do after the strict decoders went in (each test failed before its fi
 * A bad record read again on every periodic read (the step records every ~10 s) is one
   refusal: ``mtcfs status``'s ``etcd: N records refused`` and the metric do not climb for
   ever, and the record refused once (a member's) is still among the last shown.
+* A namespace snapshot whose entry names no file a node could ever make (``a/b``, ``..``)
+  is refused at join with one line, instead of being installed: a name with a ``/`` makes
+  every listing of its directory fail with EIO, on every node that installs it.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import uuid
+
+import pytest
+
 from mtcfs.base import untrusted
 from mtcfs.tiers.coord.membership import MemberView, member_key
 from mtcfs.tiers.coord.steps import StepRecords
+from mtcfs.tiers.namespace import records
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
 
 
@@ -37,3 +48,42 @@ def test_a_bad_record_read_on_every_round_is_one_refusal(client, etcd_prefix,  #
     client.put(f"{etcd_prefix}steps/000001".encode(), b'{"rank":1,"steps":"x"}')
     steps.newest_complete_everywhere(2)
     assert rejected.snapshot()["by_kind"] == {"member": 1, "steps": 2}
+
+
+def _snapshot(name: str, kind: str = "dir") -> bytes:
+    return json.dumps({"next_ino": 3, "steps": [], "entries": [
+        {"ino": 2, "parent": 1, "name": name, "kind": kind, "mode": 0o40755, "uid": 0,
+         "gid": 0, "mtime_ns": 0, "target": ""}]}).encode()
+
+
+@pytest.mark.parametrize("name", ["a/b", ".", "..", "/"])
+def test_snapshot_names_no_node_could_make_are_refused(name):
+    with pytest.raises(untrusted.BadRecord) as got:
+        records.decode_snapshot(_snapshot(name))
+    assert len(str(got.value).splitlines()) == 1
+    records.decode_snapshot(_snapshot("a" * 255))  # the longest legal name is kept
+
+
+def test_a_base_naming_a_slash_is_refused_at_join(make_cluster, etcd_server):  # noqa: F811
+    """Before: a base whose snapshot has a directory ``a/b`` at the root was installed;
+    listing the mount's root then failed with EIO (the kernel refuses a name with a
+    ``/``), and nothing on the node could remove it. Now the mount fails at once with one
+    line naming the snapshot."""
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=False, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", _snapshot("a/b").decode())
+    etcd_server.etcdctl("put", prefix + "ns/base",
+                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
+    try:
+        c.start([0])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        assert f"{prefix}ns/snap/evil/ in etcd is malformed" in first, first
+        return
+    with pytest.raises(OSError) as got:  # what a user saw before
+        os.listdir(c[0].mnt)
+    pytest.fail(f"the base was installed: listdir of the root -> "
+                f"{errno.errorcode.get(got.value.errno)}")

@@ -112,7 +112,10 @@ def _list(d: dict[str, Any], key: str) -> list[Any]:
     return v
 
 
-def _name(d: dict[str, Any], key: str, what: str, empty: bool = False) -> str:
+def _name(d: dict[str, Any], key: str, what: str, empty: bool = False,
+          entry: bool = True) -> str:
+    """``d[key]``: a directory entry's name (``entry``: no ``/``, not ``.`` or ``..``, as
+    every name a node makes; core/inodes.py check_name), or a symlink's target."""
     v = field_str(d, key, MAX_NAME_BYTES)
     try:
         b = v.encode(errors="surrogateescape")
@@ -120,6 +123,8 @@ def _name(d: dict[str, Any], key: str, what: str, empty: bool = False) -> str:
         raise BadRecord(f"{what}: {key} is not a file name") from None
     if len(b) > MAX_NAME_BYTES or b"\x00" in b or (not b and not empty):
         raise BadRecord(f"{what}: {key} is not a file name of 1..{MAX_NAME_BYTES} bytes")
+    if entry and (b"/" in b or b in (b".", b"..")):
+        raise BadRecord(f"{what}: {key} {v[:40]!r} is not a file name (a '/', '.' or '..')")
     return v
 
 
@@ -140,7 +145,9 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
     [...]}`` as ``JobNamespace.snapshot`` writes it, checked so that installing it cannot
     fail half way: every entry's parent is the root or an earlier directory entry, no
     (parent, name) twice, a directory's number once, another name of an inode of the same
-    kind, every number below ``next_ino``; names are legal file names; integers in range.
+    kind, every number below ``next_ino``; names are legal file names (never with a
+    ``/``, nor ``.`` or ``..``: no node could list or remove such an entry); integers in
+    range.
     Returns a new dict of only the checked fields.
 
     Raises:
@@ -173,7 +180,7 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
                "uid": field_int(e, "uid", 0, UINT32_MAX),
                "gid": field_int(e, "gid", 0, UINT32_MAX),
                "mtime_ns": field_int(e, "mtime_ns", INT64_MIN, INT64_MAX),
-               "target": _name(e, "target", what, empty=True)}
+               "target": _name(e, "target", what, empty=True, entry=False)}
         if "rdev" in e:
             out["rdev"] = field_int(e, "rdev")
         if e.get("version") is not None:
