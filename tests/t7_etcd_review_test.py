@@ -7,6 +7,9 @@ could still do after the strict decoders went in (each test failed before its fi
 * A namespace snapshot whose entry names no file a node could ever make (``a/b``, ``..``)
   is refused at join with one line, instead of being installed: a name with a ``/`` makes
   every listing of its directory fail with EIO, on every node that installs it.
+* A topology label the mount accepts is one every peer's member view accepts: before, a
+  label value over 256 characters was mounted, and the node's own member record was then
+  refused by every view (the node invisible to its peers, taken for dead).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import uuid
 import pytest
 
 from mtcfs.base import untrusted
-from mtcfs.tiers.coord.membership import MemberView, member_key
+from mtcfs.options import OptionError, parse_mount_options
+from mtcfs.tiers.coord.membership import MemberRecord, MemberView, member_key
 from mtcfs.tiers.coord.steps import StepRecords
 from mtcfs.tiers.namespace import records
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
@@ -87,3 +91,19 @@ def test_a_base_naming_a_slash_is_refused_at_join(make_cluster, etcd_server):  #
         os.listdir(c[0].mnt)
     pytest.fail(f"the base was installed: listdir of the root -> "
                 f"{errno.errorcode.get(got.value.errno)}")
+
+
+@pytest.mark.parametrize("topology", [
+    "zone=" + "a" * 300,                             # a value over 256 characters
+    "k" * 300 + "=a",                                # a name over 256 characters
+    ";".join(f"k{i}=v" for i in range(65)),          # more than 64 labels
+    "zone=a\u200bb",                                 # a character that is not printable
+])
+def test_topology_labels_a_mount_takes_are_ones_its_peers_take(topology):
+    try:
+        o = parse_mount_options("job", "/mnt/x", [f"topology={topology}"])
+    except OptionError as exc:  # refused at mount (exit 2), one line
+        assert "topology" in str(exc) and len(str(exc).splitlines()) == 1, exc
+        return
+    rec = MemberRecord(rank=0, address="10.0.0.1:7470", labels=dict(o.topology))
+    MemberRecord.decode(rec.encode(), 0)  # before: BadRecord: the node invisible to peers

@@ -5,3 +5,7 @@
 MAX_NODES = 65536
 #: The largest training step number (a signed 64-bit integer, as Orbax writes it).
 MAX_STEP = 2 ** 63 - 1
+#: Most topology labels a node may carry, and the longest name or value of one, in
+#: characters (``topology=``; every peer's member view refuses a record past these).
+MAX_LABELS = 64
+MAX_LABEL_LEN = 256

@@ -49,7 +49,7 @@ from typing import Any
 import trio
 
 from mtcfs.base import untrusted
-from mtcfs.base.limits import MAX_NODES
+from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_NODES
 from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
@@ -117,7 +117,8 @@ class MemberRecord:
         rec = cls(rank=got,
                   address=_printable(untrusted.field_str(d, "address", MAX_ADDRESS_LEN,
                                                          default=""), "address"),
-                  labels=dict(untrusted.field_str_map(d, "labels", default=None) or {}),
+                  labels=dict(untrusted.field_str_map(d, "labels", MAX_LABELS, MAX_LABEL_LEN,
+                                                     default=None) or {}),
                   boot=_printable(untrusted.field_str(d, "boot", MAX_BOOT_LEN, default=""),
                                   "boot"),
                   incarnation=untrusted.field_int(d, "incarnation", default=0),
