@@ -10,6 +10,8 @@ could still do after the strict decoders went in (each test failed before its fi
 * A topology label the mount accepts is one every peer's member view accepts: before, a
   label value over 256 characters was mounted, and the node's own member record was then
   refused by every view (the node invisible to its peers, taken for dead).
+* A live rank whose member record someone deletes or spoils (``etcdctl put/del``) writes
+  it again: before, every peer took it for dead for good while it kept renewing its lease.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import uuid
 
 import pytest
 
 from mtcfs.base import untrusted
 from mtcfs.options import OptionError, parse_mount_options
-from mtcfs.tiers.coord.membership import MemberRecord, MemberView, member_key
+from mtcfs.tiers.coord.membership import MemberRecord, Membership, MemberView, member_key
 from mtcfs.tiers.coord.steps import StepRecords
 from mtcfs.tiers.namespace import records
 from support.etcd import etcd_client, etcd_prefix, etcd_server  # noqa: F401 (fixtures)
@@ -107,3 +110,37 @@ def test_topology_labels_a_mount_takes_are_ones_its_peers_take(topology):
         return
     rec = MemberRecord(rank=0, address="10.0.0.1:7470", labels=dict(o.topology))
     MemberRecord.decode(rec.encode(), 0)  # before: BadRecord: the node invisible to peers
+
+
+def _until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def test_a_live_rank_whose_record_is_spoiled_or_deleted_is_seen_again(  # noqa: F811
+        client, etcd_prefix):
+    """``etcdctl put <prefix>members/000000 '[0]'`` (or ``del``) while rank 0 runs: the
+    views rightly leave the record out, but before, rank 0 never wrote it again (its lease
+    still renewed, nothing else looks), so every peer took a live rank for dead for good
+    while its own status said registered. Now it registers again within a few renewals,
+    on its lease (killed, it is seen dead)."""
+    ttl = 2
+    ms = [Membership(client, etcd_prefix, r, f"10.0.0.{r}:7000", ttl_s=ttl) for r in (0, 1)]
+    try:
+        for m in ms:
+            m.join(wait_s=10)
+        ms[1].wait_for(2, timeout=5)
+        for spoil in (lambda: client.put(member_key(etcd_prefix, 0), b"[0]"),
+                      lambda: client.delete(member_key(etcd_prefix, 0))):
+            spoil()
+            _until(lambda: not ms[1].alive(0), 5, "the spoiled record left out")
+            _until(lambda: ms[1].alive(0), 4 * ttl, "live rank 0 seen again by rank 1")
+            assert ms[1].view()[0].address == "10.0.0.0:7000"
+        ms[0].stop()  # as kill -9: its record goes with its lease
+        _until(lambda: not ms[1].alive(0), 3 * ttl + 5, "rank 0 seen dead")
+    finally:
+        for m in ms:
+            m.leave()

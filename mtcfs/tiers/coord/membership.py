@@ -303,22 +303,40 @@ class Membership:
         self._keepalive_loop()
         self._stop.wait()
 
+    def _record_missing(self) -> bool:
+        """Whether the member view (when this member has one) lacks this member's record
+        while its lease lives: someone deleted the key or wrote what is no member's record
+        over it (it left the view, as it does from every peer's). Registering again puts
+        it back on this member's lease."""
+        view = self.members_view
+        return view is not None and not view.error and not view.alive(self.rank)
+
     def _keepalive_gave_up(self, exc: BaseException) -> None:
         self.error = f"lease keepalive stopped after repeated failures: {exc}"
 
     def _keepalive_loop(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
         last_ok = time.monotonic()
+        missing = 0  # renewals in a row that found this member's record gone from the view
         while not self._stop.wait(every):
             try:
                 ttl = self.renew()
                 self.connected = True
                 if ttl > 0:
                     last_ok = self._renewed = time.monotonic()
-                    continue
+                    missing = missing + 1 if self._record_missing() else 0
+                    if missing < 2:
+                        continue
+                    # (two renewals in a row: not the moment between a put and its event)
+                    log.warning("rank %d: its member record in etcd was deleted or is not a "
+                                "member's any more (someone wrote the key): registering "
+                                "again", self.rank)
+                    missing = 0
                 if self._stop.is_set():
                     return  # leaving: the lease was revoked on purpose
-                log.warning("rank %d: its etcd lease expired; registering again", self.rank)
+                if ttl <= 0:
+                    log.warning("rank %d: its etcd lease expired; registering again",
+                                self.rank)
                 self.counters["reregistrations"] += 1
                 self._register(1.5 * self.ttl_s)
                 last_ok = time.monotonic()
