@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mtcfs.base.errors import FsError
+from mtcfs.base.limits import MAX_NODES
 from mtcfs.base.ns_ops import (
     INT64_MIN, MAX_NAME_BYTES, OP_TYPES, UINT32_MAX, Create, MalformedOp, Mkdir, Noop, NsOp,
     Publish, Rename, SetAttr, Symlink, from_wire,
@@ -91,8 +92,7 @@ UINT32 = st.integers(0, UINT32_MAX)
 INO = st.integers(1, INT64_MAX)
 TIME = st.integers(INT64_MIN, INT64_MAX)
 DIGEST = st.text("0123456789abcdef", min_size=64, max_size=64)
-ENVELOPE = {"rank": st.one_of(st.none(), st.integers(0, 10**6)),
-            "id": st.one_of(st.none(), st.text(max_size=40))}
+ENVELOPE = {"rank": st.integers(0, MAX_NODES - 1), "id": st.text(max_size=40)}
 VALID_OPS = st.one_of(
     st.builds(Mkdir, parent=INO, name=NAMES, mode=st.integers(0, 0o177777), uid=UINT32,
               gid=UINT32, **ENVELOPE),
@@ -200,7 +200,8 @@ def test_out_of_range_fields_are_refused(wire, says):
 
 
 def test_a_name_of_undecodable_bytes_round_trips():
-    op = Create(parent=1, name=b"\xff\xfe.bin", mode=0o644, uid=0, gid=0, excl=False)
+    op = Create(parent=1, name=b"\xff\xfe.bin", mode=0o644, uid=0, gid=0, excl=False,
+                rank=0, id="a.1")
     assert records.decode_op(json.dumps(op.to_wire()).encode()) == op
 
 

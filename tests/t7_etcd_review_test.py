@@ -10,6 +10,9 @@ could still do after the strict decoders went in (each test failed before its fi
 * A topology label the mount accepts is one every peer's member view accepts: before, a
   label value over 256 characters was mounted, and the node's own member record was then
   refused by every view (the node invisible to its peers, taken for dead).
+* An op in the namespace log whose envelope names no rank of a job (none, or 10**12) is
+  refused like any malformed op: before, a publish without a rank gave the file a version
+  of origin None, and ``mtcfs status`` (and eviction, and the fold) failed with TypeError.
 * A live rank whose member record someone deletes or spoils (``etcdctl put/del``) writes
   it again: before, every peer took it for dead for good while it kept renewing its lease.
 """
@@ -144,3 +147,31 @@ def test_a_live_rank_whose_record_is_spoiled_or_deleted_is_seen_again(  # noqa: 
     finally:
         for m in ms:
             m.leave()
+
+
+@pytest.mark.parametrize("envelope", [{}, {"rank": 10**12, "id": "x"}])
+def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server,  # noqa: F811
+                                                    envelope):
+    """An op under ``ns/op/`` whose envelope names no rank of the job (none at all, or
+    rank 10**12): before, from_wire took it (the envelope is optional in the wire form)
+    and a publish gave the file a version whose origin was None: ``mtcfs status`` failed
+    with "TypeError: '>=' not supported between 'NoneType' and 'int'" (so did eviction
+    and the log's fold) and reads of the file failed. Now it is refused like any
+    malformed op: the file keeps its content, status works and names the op."""
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=True, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    (c[0].mnt / "f").write_bytes(b"x" * 100)
+    assert c[1].path("f").read_bytes() == b"x" * 100
+    op = {"op": "publish", "ino": 2, "vid": 7, "size": 100, "chunk_size": 4 << 20,
+          "chunks": ["ab" * 32], "blake3": "ab" * 32, "mtime_ns": 0, **envelope}
+    etcd_server.etcdctl("put", prefix + "ns/op/000009/p1", json.dumps(op))
+    os.mkdir(c[1].path("after"))  # (ordered after it: every node applied it)
+    for r in range(2):
+        assert c[r].path("f").read_bytes() == b"x" * 100, r
+        st = c[r].status()
+        assert st["namespace"]["diverged"] == "", st["namespace"]
+        assert any(x["key"] == prefix + "ns/op/000009/p1" and x["kind"] == "ns_op"
+                   for x in st["rejected_records"]["last"]), st["rejected_records"]

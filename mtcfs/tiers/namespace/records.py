@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from mtcfs.base.limits import MAX_NODES
 from mtcfs.base.ns_ops import INT64_MIN, MAX_NAME_BYTES, UINT32_MAX, NsOp, from_wire
 from mtcfs.base.untrusted import (
     INT64_MAX, BadRecord, field_int, field_str, json_object, json_type,
@@ -37,12 +38,18 @@ ROOT_INO = 1
 
 
 def decode_op(body: bytes) -> NsOp:
-    """The op stored at ``ns/op/<rank>/<id>``.
+    """The op stored at ``ns/op/<rank>/<id>``, with its envelope: every op a node submits
+    names its rank (``0..MAX_NODES-1``: its chunks are fetched from there) and its id.
 
     Raises:
-        BadRecord: not a JSON object, or not a valid op (ns_ops.MalformedOp, a BadRecord).
+        BadRecord: not a JSON object, not a valid op (ns_ops.MalformedOp, a BadRecord), or
+            without a rank of a job or an id.
     """
-    return from_wire(json_object(body))
+    op = from_wire(json_object(body))
+    if op.rank is None or not 0 <= op.rank < MAX_NODES or op.id is None:
+        raise BadRecord(f"namespace op {op.KIND!r}: its envelope names no rank in "
+                        f"0..{MAX_NODES - 1} and id ({op.rank!r:.30}, {op.id!r:.60})")
+    return op
 
 
 def decode_base(body: bytes) -> dict[str, Any]:
