@@ -13,6 +13,9 @@ could still do after the strict decoders went in (each test failed before its fi
 * An op in the namespace log whose envelope names no rank of a job (none, or 10**12) is
   refused like any malformed op: before, a publish without a rank gave the file a version
   of origin None, and ``mtcfs status`` (and eviction, and the fold) failed with TypeError.
+* A seeding candidate under ``ns/seeders/`` that no live node of the job wrote (a rank
+  not of the job, a key not its rank's, no lease) is left out of the election: before, a
+  new job's mounts all waited for it for good.
 * A live rank whose member record someone deletes or spoils (``etcdctl put/del``) writes
   it again: before, every peer took it for dead for good while it kept renewing its lease.
 """
@@ -175,3 +178,28 @@ def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server,  
         assert st["namespace"]["diverged"] == "", st["namespace"]
         assert any(x["key"] == prefix + "ns/op/000009/p1" and x["kind"] == "ns_op"
                    for x in st["rejected_records"]["last"]), st["rejected_records"]
+
+
+def test_a_seeding_candidate_no_live_rank_wrote_holds_no_mount(make_cluster,  # noqa: F811
+                                                               etcd_server):
+    """A new scope=job job (empty keyspace) whose ``ns/seeders/`` holds a candidate no live
+    node of the job wrote (``etcdctl put <prefix>ns/seeders/000099
+    '{"rank":99,"newest_step":5,"entries":5}'``, no lease): before, every node waited for
+    that 'best' candidate to seed, and an empty node never takes over from one that holds
+    files, so no mount of the job came up (still waiting after 30 s). Now it is refused
+    (its key's rank is not its body's, or no rank of the job, or it has no lease) and the
+    job mounts at once."""
+    job = f"ns{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=False, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    etcd_server.etcdctl("put", prefix + "ns/seeders/000099",
+                        '{"rank":99,"newest_step":5,"entries":5}')
+    etcd_server.etcdctl("put", prefix + "ns/seeders/000001",
+                        '{"rank":1,"newest_step":5,"entries":5}')
+    t0 = time.monotonic()
+    c.start(timeout=30)
+    assert time.monotonic() - t0 < 25
+    (c[0].mnt / "f").write_bytes(b"seeded")
+    assert c[1].path("f").read_bytes() == b"seeded"

@@ -82,14 +82,15 @@ def snap_part_index(key: bytes, prefix: bytes, parts: int) -> int:
     return int(tail)
 
 
-def decode_candidate(body: bytes) -> dict[str, int]:
-    """``ns/seeders/<rank>``: ``{"rank", "newest_step" (-1: none), "entries"}``.
+def decode_candidate(body: bytes, nodes: int = MAX_NODES) -> dict[str, int]:
+    """``ns/seeders/<rank>``: ``{"rank" (below ``nodes``), "newest_step" (-1: none),
+    "entries"}``.
 
     Raises:
         BadRecord: not that.
     """
     d = json_object(body)
-    return {"rank": field_int(d, "rank", 0, UINT32_MAX),
+    return {"rank": field_int(d, "rank", 0, max(1, nodes) - 1),
             "newest_step": field_int(d, "newest_step", -1),
             "entries": field_int(d, "entries")}
 
