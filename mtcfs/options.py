@@ -6,13 +6,14 @@ Every option is validated before anything is mounted; a bad one raises
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_NODES, MAX_STEP
+from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_LABELS_BYTES, MAX_NODES, MAX_STEP
 
 
 class OptionError(ValueError):
@@ -157,8 +158,9 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
     Raises:
         ValueError: an item without ``=``, an empty or malformed key, an empty value, a
             key given twice, a key or value over MAX_LABEL_LEN characters, a value with a
-            character that is not printable, or more than MAX_LABELS labels (the limits
-            of every peer's member view: mtcfs/tiers/coord/membership.py).
+            character that is not printable, more than MAX_LABELS labels, or more than
+            MAX_LABELS_BYTES of them as JSON (so that every peer's member view takes this
+            node's record: mtcfs/tiers/coord/membership.py).
     """
     out = {} if into is None else into
     for item in filter(None, (s.strip() for s in _LIST_SEP_RE.split(text.replace(",", ";")))):
@@ -179,6 +181,8 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
         if len(out) >= MAX_LABELS:
             raise ValueError(f"more than {MAX_LABELS} topology labels")
         out[key] = value
+        if len(json.dumps(out)) > MAX_LABELS_BYTES:
+            raise ValueError(f"the topology labels take more than {MAX_LABELS_BYTES} bytes")
     return out
 
 

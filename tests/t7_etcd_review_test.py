@@ -107,6 +107,7 @@ def test_a_base_naming_a_slash_is_refused_at_join(make_cluster, etcd_server):  #
     "k" * 300 + "=a",                                # a name over 256 characters
     ";".join(f"k{i}=v" for i in range(65)),          # more than 64 labels
     "zone=a\u200bb",                                 # a character that is not printable
+    ";".join(f"k{i}=" + "\U0001F600" * 200 for i in range(64)),  # a record over 64 KiB
 ])
 def test_topology_labels_a_mount_takes_are_ones_its_peers_take(topology):
     try:

@@ -9,3 +9,6 @@ MAX_STEP = 2 ** 63 - 1
 #: characters (``topology=``; every peer's member view refuses a record past these).
 MAX_LABELS = 64
 MAX_LABEL_LEN = 256
+#: Most bytes the labels may take in a member record (JSON, non-ASCII escaped): well within
+#: the 64 KiB a member record may have (mtcfs/tiers/coord/membership.py MAX_MEMBER_BYTES).
+MAX_LABELS_BYTES = 16 * 1024
