@@ -13,6 +13,8 @@ could still do after the strict decoders went in (each test failed before its fi
 * An op in the namespace log whose envelope names no rank of a job (none, or 10**12) is
   refused like any malformed op: before, a publish without a rank gave the file a version
   of origin None, and ``mtcfs status`` (and eviction, and the fold) failed with TypeError.
+* A base whose snapshot lists a step that is no directory of it is installed without that
+  step: before, every daemon that installed it died (KeyError in the step rules).
 * A seeding candidate under ``ns/seeders/`` that no live node of the job wrote (a rank
   not of the job, a key not its rank's, no lease) is left out of the election: before, a
   new job's mounts all waited for it for good.
@@ -204,3 +206,52 @@ def test_a_seeding_candidate_no_live_rank_wrote_holds_no_mount(make_cluster,  # 
     assert time.monotonic() - t0 < 25
     (c[0].mnt / "f").write_bytes(b"seeded")
     assert c[1].path("f").read_bytes() == b"seeded"
+
+
+def test_a_base_whose_step_names_no_directory_of_it_kills_no_daemon(  # noqa: F811
+        make_cluster, etcd_server):
+    """A base whose snapshot lists a step at an inode it does not hold (``"ino": 99``):
+    before, it was installed as is and the step rules' first look at it raised KeyError:
+    99, and every daemon that joined died ("daemon failed"). Now such a step is left out
+    (a step is a directory of the snapshot); the step that is one stays."""
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=False, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    snap = json.loads(_snapshot("step_2"))
+    snap["steps"] = [{"name": "step_1", "number": 1, "ino": 99, "source": ".metadata",
+                      "committed_ns": 0},
+                     {"name": "step_2", "number": 2, "ino": 2, "source": ".metadata",
+                      "committed_ns": 0}]
+    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", json.dumps(snap))
+    etcd_server.etcdctl("put", prefix + "ns/base",
+                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
+    c.start()
+    (c[0].mnt / "step_2" / "f").write_bytes(b"kept")
+    for r in range(2):
+        assert c[r].path("step_2/f").read_bytes() == b"kept", r
+        assert [x["step"] for x in c[r].checkpoints()] == ["step_2"], r
+        assert c[r].status()["namespace"]["diverged"] == ""
+
+
+def test_a_step_survives_the_fold_into_a_base_a_wiped_node_installs(  # noqa: F811
+        make_cluster, etcd_server, monkeypatch):
+    """The other side of the test above: every step a running job records is a directory
+    at the root under its name, so a base folded from it keeps its steps for a node that
+    installs it (a replacement, its store wiped, lists the step)."""
+    monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, job=job, options={"scope": "job", "replicas": 1,
+                                          "coord": etcd_server.url, "coord_timeout": "5s"})
+    os.mkdir(c[0].path("step_1"))
+    (c[0].mnt / "step_1" / "w").write_bytes(b"weights")
+    (c[0].mnt / "step_1" / "commit_success.txt").write_bytes(b"")
+    for i in range(3):
+        (c[0].mnt / f"f{i}").write_bytes(b"x")
+    c[0].wait_for(lambda: c[0].status()["namespace"].get("log_trims", 0) >= 1,
+                  timeout=30, what="a fold of the log")
+    c.kill9(1)
+    c.restart(1, wipe=True)
+    assert [x["step"] for x in c[1].checkpoints()] == ["step_1"]
+    assert c[1].path("step_1/w").read_bytes() == b"weights"

@@ -155,7 +155,7 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
     (parent, name) twice, a directory's number once, another name of an inode of the same
     kind, every number below ``next_ino``; names are legal file names (never with a
     ``/``, nor ``.`` or ``..``: no node could list or remove such an entry); integers in
-    range.
+    range. A step that is not a directory at the root under its name is left out.
     Returns a new dict of only the checked fields.
 
     Raises:
@@ -196,12 +196,19 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
                 raise BadRecord(f"{what}: a {kind} with a version")
             out["version"] = _version(e["version"], what)
         entries.append(out)
+    # a step is a directory at the root under its name (core/step_registry.py: a record
+    # goes when its directory is removed or renamed); one that is not is left out: the
+    # step rules would look up an inode that is not there
+    root_dirs = {e["name"]: e["ino"] for e in entries
+                 if e["parent"] == ROOT_INO and e["kind"] == "dir"}
     steps = []
     for i, raw in enumerate(_list(d, "steps")):
         s = _obj(raw, f"step {i}")
-        steps.append({"name": _name(s, "name", f"step {i}"),
-                      "number": field_int(s, "number", -1),
-                      "ino": field_int(s, "ino", 0),
-                      "source": field_str(s, "source", 64),
-                      "committed_ns": field_int(s, "committed_ns", INT64_MIN)})
+        step = {"name": _name(s, "name", f"step {i}"),
+                "number": field_int(s, "number", -1),
+                "ino": field_int(s, "ino", 0),
+                "source": field_str(s, "source", 64),
+                "committed_ns": field_int(s, "committed_ns", INT64_MIN)}
+        if root_dirs.get(step["name"]) == step["ino"]:
+            steps.append(step)
     return {"next_ino": next_ino, "entries": entries, "steps": steps}
