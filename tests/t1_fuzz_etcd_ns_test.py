@@ -213,7 +213,8 @@ def _snapshot(entries: list[dict], next_ino: int = 100, steps: list | None = Non
 
 
 def _entry(ino: int, parent: int, name: str, kind: str = "file", **kw) -> dict:
-    return {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": 0o100644,
+    mode = {"dir": 0o40755, "symlink": 0o120777, "special": 0o10644}.get(kind, 0o100644)
+    return {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": mode,
             "uid": 0, "gid": 0, "mtime_ns": 1, "target": "", **kw}
 
 

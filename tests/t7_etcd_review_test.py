@@ -13,6 +13,8 @@ could still do after the strict decoders went in (each test failed before its fi
 * An op in the namespace log whose envelope names no rank of a job (none, or 10**12) is
   refused like any malformed op: before, a publish without a rank gave the file a version
   of origin None, and ``mtcfs status`` (and eviction, and the fold) failed with TypeError.
+* A base whose snapshot gives an entry the mode of another kind (a directory with a
+  regular file's mode) is refused at join: before, it left a name no node could remove.
 * A base whose snapshot lists a step that is no directory of it is installed without that
   step: before, every daemon that installed it died (KeyError in the step rules).
 * A seeding candidate under ``ns/seeders/`` that no live node of the job wrote (a rank
@@ -65,10 +67,48 @@ def test_a_bad_record_read_on_every_round_is_one_refusal(client, etcd_prefix,  #
     assert rejected.snapshot()["by_kind"] == {"member": 1, "steps": 2}
 
 
-def _snapshot(name: str, kind: str = "dir") -> bytes:
+def _snapshot(name: str, kind: str = "dir", mode: int = 0o40755) -> bytes:
     return json.dumps({"next_ino": 3, "steps": [], "entries": [
-        {"ino": 2, "parent": 1, "name": name, "kind": kind, "mode": 0o40755, "uid": 0,
+        {"ino": 2, "parent": 1, "name": name, "kind": kind, "mode": mode, "uid": 0,
          "gid": 0, "mtime_ns": 0, "target": ""}]}).encode()
+
+
+@pytest.mark.parametrize(("kind", "mode"), [
+    ("dir", 0o100644), ("file", 0o40755), ("symlink", 0o40755), ("special", 0o100644),
+    ("dir", 0o755)])
+def test_snapshot_modes_of_another_kind_are_refused(kind, mode):
+    with pytest.raises(untrusted.BadRecord) as got:
+        records.decode_snapshot(_snapshot("x", kind, mode))
+    assert len(str(got.value).splitlines()) == 1
+    for kind, mode in (("dir", 0o40755), ("file", 0o100600), ("symlink", 0o120777),
+                       ("special", 0o10644), ("special", 0o20600)):
+        records.decode_snapshot(_snapshot("x", kind, mode))
+
+
+def test_a_base_with_a_directory_of_a_file_s_mode_is_refused_at_join(  # noqa: F811
+        make_cluster, etcd_server):
+    """Before: a base whose directory ``step_9`` had a regular file's mode was installed;
+    every node then had a name nobody could remove (rmdir: ENOTDIR, unlink: EISDIR) nor
+    list, and the next fold kept it. Now the mount fails at once with one line."""
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=False, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0",
+                        _snapshot("step_9", "dir", 0o100644).decode())
+    etcd_server.etcdctl("put", prefix + "ns/base",
+                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
+    try:
+        c.start([0])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        assert f"{prefix}ns/snap/evil/ in etcd is malformed" in first, first
+        return
+    with pytest.raises(OSError) as got:  # what a user saw before
+        os.rmdir(c[0].path("step_9"))
+    pytest.fail(f"the base was installed: rmdir step_9 -> "
+                f"{errno.errorcode.get(got.value.errno)}")
 
 
 @pytest.mark.parametrize("name", ["a/b", ".", "..", "/"])

@@ -20,6 +20,7 @@ ns/last             :func:`check_last`      the key of an op under ``ns/op/``
 from __future__ import annotations
 
 import re
+import stat
 from typing import Any
 
 from mtcfs.base.limits import MAX_NODES
@@ -35,6 +36,9 @@ MAX_PARTS = 1 << 16
 #: Kinds of a snapshot entry (mtcfs/core/model.py).
 KINDS = ("file", "dir", "symlink", "special")
 ROOT_INO = 1
+#: The S_IFMT bits each kind's mode has (as every node makes them: core/entries.py).
+_KIND_FORMATS = {"file": (stat.S_IFREG,), "dir": (stat.S_IFDIR,), "symlink": (stat.S_IFLNK,),
+                 "special": (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)}
 
 
 def decode_op(body: bytes) -> NsOp:
@@ -145,7 +149,7 @@ def _version(v: Any, what: str) -> dict[str, Any]:
             raise BadRecord(f"{what}: version.chunks holds {c!r:.60}, not a digest")
     return {"size": field_int(d, "size"), "chunk_size": field_int(d, "chunk_size", 1),
             "chunks": list(chunks), "blake3": field_str(d, "blake3", 256),
-            "rank": field_int(d, "rank", 0, UINT32_MAX)}
+            "rank": field_int(d, "rank", 0, MAX_NODES - 1)}
 
 
 def decode_snapshot(body: bytes) -> dict[str, Any]:
@@ -153,7 +157,8 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
     [...]}`` as ``JobNamespace.snapshot`` writes it, checked so that installing it cannot
     fail half way: every entry's parent is the root or an earlier directory entry, no
     (parent, name) twice, a directory's number once, another name of an inode of the same
-    kind, every number below ``next_ino``; names are legal file names (never with a
+    kind, every number below ``next_ino``, each mode of its entry's kind (its S_IFMT bits),
+    each version's rank one of a job's; names are legal file names (never with a
     ``/``, nor ``.`` or ``..``: no node could list or remove such an entry); integers in
     range. A step that is not a directory at the root under its name is left out.
     Returns a new dict of only the checked fields.
@@ -183,8 +188,10 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
         if ino in kind_of and (kind == "dir" or kind_of[ino] != kind):
             raise BadRecord(f"{what}: inode {ino} named twice as a {kind_of[ino]} and a {kind}")
         kind_of[ino] = kind
-        out = {"ino": ino, "parent": parent, "name": name, "kind": kind,
-               "mode": field_int(e, "mode", 0, 0o177777),
+        mode = field_int(e, "mode", 0, 0o177777)
+        if stat.S_IFMT(mode) not in _KIND_FORMATS[kind]:
+            raise BadRecord(f"{what}: a {kind} with mode {mode:o} (another kind's)")
+        out = {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": mode,
                "uid": field_int(e, "uid", 0, UINT32_MAX),
                "gid": field_int(e, "gid", 0, UINT32_MAX),
                "mtime_ns": field_int(e, "mtime_ns", INT64_MIN, INT64_MAX),
