@@ -304,12 +304,15 @@ class Membership:
         self._stop.wait()
 
     def _record_missing(self) -> bool:
-        """Whether the member view (when this member has one) lacks this member's record
-        while its lease lives: someone deleted the key or wrote what is no member's record
-        over it (it left the view, as it does from every peer's). Registering again puts
-        it back on this member's lease."""
+        """Whether this member's own view lacks this member's record while its lease
+        lives: someone deleted the key or wrote what is no member's record over it (it left
+        the view, as it does from every peer's). Registering again puts it back on this
+        member's lease."""
         view = self.members_view
-        return view is not None and not view.error and not view.alive(self.rank)
+        # (only its own view, loaded right after it registered: a view shared by many
+        # members of a process, as in the benchmark's harness, may lag their puts)
+        return self._own_view and view is not None and not view.error and \
+            not view.alive(self.rank)
 
     def _keepalive_gave_up(self, exc: BaseException) -> None:
         self.error = f"lease keepalive stopped after repeated failures: {exc}"
