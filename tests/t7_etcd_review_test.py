@@ -195,9 +195,17 @@ def test_a_live_rank_whose_record_is_spoiled_or_deleted_is_seen_again(  # noqa: 
             m.leave()
 
 
-@pytest.mark.parametrize("envelope", [{}, {"rank": 10**12, "id": "x"}])
-def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server,  # noqa: F811
-                                                    envelope):
+@pytest.mark.parametrize("envelope", [{}, {"rank": 10**12, "id": "x"}, {"rank": 1},
+                                      {"id": "x"}, {"rank": -1, "id": "x"}])
+def test_an_op_whose_envelope_names_no_rank_of_a_job_does_not_decode(envelope):
+    op = {"op": "mkdir", "parent": 1, "name": "d", "mode": 0o755, "uid": 0, "gid": 0,
+          **envelope}
+    with pytest.raises(untrusted.BadRecord):
+        records.decode_op(json.dumps(op).encode())
+    records.decode_op(json.dumps({**op, "rank": 65535, "id": "b.1"}).encode())
+
+
+def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server):  # noqa: F811
     """An op under ``ns/op/`` whose envelope names no rank of the job (none at all, or
     rank 10**12): before, from_wire took it (the envelope is optional in the wire form)
     and a publish gave the file a version whose origin was None: ``mtcfs status`` failed
@@ -212,7 +220,7 @@ def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server,  
     (c[0].mnt / "f").write_bytes(b"x" * 100)
     assert c[1].path("f").read_bytes() == b"x" * 100
     op = {"op": "publish", "ino": 2, "vid": 7, "size": 100, "chunk_size": 4 << 20,
-          "chunks": ["ab" * 32], "blake3": "ab" * 32, "mtime_ns": 0, **envelope}
+          "chunks": ["ab" * 32], "blake3": "ab" * 32, "mtime_ns": 0}
     etcd_server.etcdctl("put", prefix + "ns/op/000009/p1", json.dumps(op))
     os.mkdir(c[1].path("after"))  # (ordered after it: every node applied it)
     for r in range(2):
