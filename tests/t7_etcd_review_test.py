@@ -13,6 +13,8 @@ could still do after the strict decoders went in (each test failed before its fi
 * An op in the namespace log whose envelope names no rank of a job (none, or 10**12) is
   refused like any malformed op: before, a publish without a rank gave the file a version
   of origin None, and ``mtcfs status`` (and eviction, and the fold) failed with TypeError.
+* A base naming a revision after its own write is refused at join: before, the nodes
+  installed it and skipped every later op as already held: every change EIO, for good.
 * A base whose snapshot gives an entry the mode of another kind (a directory with a
   regular file's mode) is refused at join: before, it left a name no node could remove.
 * A base whose snapshot lists a step that is no directory of it is installed without that
@@ -303,3 +305,28 @@ def test_a_step_survives_the_fold_into_a_base_a_wiped_node_installs(  # noqa: F8
     c.restart(1, wipe=True)
     assert [x["step"] for x in c[1].checkpoints()] == ["step_1"]
     assert c[1].path("step_1/w").read_bytes() == b"weights"
+
+
+def test_a_base_from_the_future_is_refused_at_join(make_cluster, etcd_server):  # noqa: F811
+    """A base naming a revision after its own write (``"rev": 10**12``): before, the nodes
+    installed it, took every later op for one the base already held (their position was
+    past it) and skipped it: each change then failed with EIO on every node ("folded into
+    a snapshot before this node applied it"), for good. A base always names a revision
+    before the one it was written at: now the join is refused with one line."""
+    job = f"nr{uuid.uuid4().hex[:8]}"
+    c = make_cluster(2, start=False, job=job,
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    prefix = c.coord_prefix.rstrip("/") + "/"
+    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", _snapshot("d").decode())
+    etcd_server.etcdctl("put", prefix + "ns/base", json.dumps(
+        {"incarnation": 7, "rev": 10**12, "parts": 1, "tag": "evil"}))
+    try:
+        c.start([0])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        assert f"{prefix}ns/base in etcd is malformed" in first, first
+        return
+    with pytest.raises(OSError) as got:  # what a user saw before
+        os.mkdir(c[0].path("new"))
+    pytest.fail(f"the base was installed: mkdir -> {errno.errorcode.get(got.value.errno)}")

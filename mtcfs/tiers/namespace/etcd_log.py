@@ -409,7 +409,7 @@ class EtcdNamespace:
             DamagedKeyspace: it does not decode (reported).
         """
         try:
-            return records.decode_base(kv.value)
+            return records.decode_base(kv.value, kv.mod_revision)
         except BadRecord as exc:
             self._reject("ns_base", kv.key, kv.mod_revision, str(exc))
             raise DamagedKeyspace(f"the job's namespace base {kv.key.decode(errors='replace')}"

@@ -56,16 +56,19 @@ def decode_op(body: bytes) -> NsOp:
     return op
 
 
-def decode_base(body: bytes) -> dict[str, Any]:
+def decode_base(body: bytes, mod_revision: int | None = None) -> dict[str, Any]:
     """``ns/base``: ``{"incarnation": int >= 1, "rev": int >= 0, "parts": 1..MAX_PARTS,
-    "tag": str}`` (other keys, such as ``seeded_by``, are dropped).
+    "tag": str}`` (other keys, such as ``seeded_by``, are dropped). ``mod_revision``: the
+    revision the base was written at, when known: its ``rev`` (the last op it holds) is
+    below it (a node installing a base from the future would skip every op up to it).
 
     Raises:
         BadRecord: not that.
     """
     d = json_object(body)
+    rev_hi = INT64_MAX if mod_revision is None else max(0, mod_revision - 1)
     out: dict[str, Any] = {"incarnation": field_int(d, "incarnation", 1),
-                           "rev": field_int(d, "rev"),
+                           "rev": field_int(d, "rev", 0, rev_hi),
                            "parts": field_int(d, "parts", 1, MAX_PARTS)}
     tag = out["tag"] = field_str(d, "tag", 128)
     if not _TAG.fullmatch(tag):
