@@ -6,13 +6,14 @@ Every option is validated before anything is mounted; a bad one raises
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from mtcfs.base.limits import MAX_NODES, MAX_STEP
+from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_LABELS_BYTES, MAX_NODES, MAX_STEP
 
 
 class OptionError(ValueError):
@@ -155,8 +156,11 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
     ``mtcfs.tiers.peer`` package pulls in grpc), plus a non-empty value.
 
     Raises:
-        ValueError: an item without ``=``, an empty or malformed key, an empty value, or a
-            key given twice.
+        ValueError: an item without ``=``, an empty or malformed key, an empty value, a
+            key given twice, a key or value over MAX_LABEL_LEN characters, a value with a
+            character that is not printable, more than MAX_LABELS labels, or more than
+            MAX_LABELS_BYTES of them as JSON (so that every peer's member view takes this
+            node's record: mtcfs/tiers/coord/membership.py).
     """
     out = {} if into is None else into
     for item in filter(None, (s.strip() for s in _LIST_SEP_RE.split(text.replace(",", ";")))):
@@ -168,7 +172,17 @@ def parse_labels(text: str, into: dict[str, str] | None = None) -> dict[str, str
             raise ValueError(f"topology label {key!r} has no value")
         if key in out:
             raise ValueError(f"topology label {key!r} given twice")
+        if len(key) > MAX_LABEL_LEN or len(value) > MAX_LABEL_LEN:
+            raise ValueError(f"topology label {key[:40]!r} is longer than {MAX_LABEL_LEN} "
+                             "characters")
+        if not value.isprintable():
+            raise ValueError(f"topology label {key[:40]!r} holds a character that is not "
+                             "printable")
+        if len(out) >= MAX_LABELS:
+            raise ValueError(f"more than {MAX_LABELS} topology labels")
         out[key] = value
+        if len(json.dumps(out)) > MAX_LABELS_BYTES:
+            raise ValueError(f"the topology labels take more than {MAX_LABELS_BYTES} bytes")
     return out
 
 

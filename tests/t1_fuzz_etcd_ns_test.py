@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtcfs.base.errors import FsError
+from mtcfs.base.limits import MAX_NODES
 from mtcfs.base.ns_ops import (
     INT64_MIN, MAX_NAME_BYTES, OP_TYPES, UINT32_MAX, Create, MalformedOp, Mkdir, Noop, NsOp,
     Publish, Rename, SetAttr, Symlink, from_wire,
@@ -79,8 +80,7 @@ UINT32 = st.integers(0, UINT32_MAX)
 INO = st.integers(1, INT64_MAX)
 TIME = st.integers(INT64_MIN, INT64_MAX)
 DIGEST = st.text("0123456789abcdef", min_size=64, max_size=64)
-ENVELOPE = {"rank": st.one_of(st.none(), st.integers(0, 10**6)),
-            "id": st.one_of(st.none(), st.text(max_size=40))}
+ENVELOPE = {"rank": st.integers(0, MAX_NODES - 1), "id": st.text(max_size=40)}
 VALID_OPS = st.one_of(
     st.builds(Mkdir, parent=INO, name=NAMES, mode=st.integers(0, 0o177777), uid=UINT32,
               gid=UINT32, **ENVELOPE),
@@ -180,7 +180,8 @@ def test_out_of_range_fields_are_refused(wire, says):
 
 
 def test_a_name_of_undecodable_bytes_round_trips():
-    op = Create(parent=1, name=b"\xff\xfe.bin", mode=0o644, uid=0, gid=0, excl=False)
+    op = Create(parent=1, name=b"\xff\xfe.bin", mode=0o644, uid=0, gid=0, excl=False,
+                rank=0, id="a.1")
     assert records.decode_op(json.dumps(op.to_wire()).encode()) == op
 
 
@@ -192,7 +193,8 @@ def _snapshot(entries: list[dict], next_ino: int = 100, steps: list | None = Non
 
 
 def _entry(ino: int, parent: int, name: str, kind: str = "file", **kw) -> dict:
-    return {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": 0o100644,
+    mode = {"dir": 0o40755, "symlink": 0o120777, "special": 0o10644}.get(kind, 0o100644)
+    return {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": mode,
             "uid": 0, "gid": 0, "mtime_ns": 1, "target": "", **kw}
 
 

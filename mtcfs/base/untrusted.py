@@ -6,7 +6,7 @@ namespace log's ops and bases) may have been written by any member of the job, o
 who can reach an etcd without auth: it is decoded by one strict decoder per record kind
 (built from :func:`json_object` and the ``field_*`` helpers here), which raises
 :class:`BadRecord` for anything it does not accept. The caller skips that record and calls
-:meth:`RejectedRecords.reject`, which logs it once per key, counts it (``mtcfs status``:
+:meth:`RejectedRecords.reject`, which logs and counts it once (``mtcfs status``:
 ``rejected_records``; metric ``mtcfs_rejected_records_total``) and keeps the last few for
 ``mtcfs status``. A bad record never kills a thread, a watch, a mount or a restore
 (docs/security.md, "What a job member can do").
@@ -193,36 +193,42 @@ def field_str_map(d: dict[str, Any], key: str, max_items: int = 64, max_len: int
 
 
 class RejectedRecords:
-    """The records this process refused, by kind: counted, logged once per key and reason,
+    """The records this process refused, by kind: each refusal counted and logged once,
     the last :attr:`KEEP` kept for ``mtcfs status``. Thread-safe.
+
+    A refusal is one (kind, key, reason): the same record read again and refused for the
+    same reason (the step records are read every ~10 s, the member view again after each
+    watch failure) is not counted again, so the count and the metric say how many bad
+    records were seen, not how often they were read; a record rewritten and refused for
+    another reason counts again (the namespace's reasons name the record's revision).
     """
 
     KEEP = 10
-    #: Distinct (key, reason) pairs remembered for "log once" (then each is logged again).
-    _LOGGED_MAX = 4096
+    #: Distinct (kind, key, reason) remembered (then forgotten, and counted again if seen).
+    _SEEN_MAX = 4096
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_kind: dict[str, int] = {}
         self._last: deque[dict[str, Any]] = deque(maxlen=self.KEEP)
-        self._logged: set[tuple[str, str]] = set()
+        self._seen: set[tuple[str, str, str]] = set()
 
     def reject(self, kind: str, key: bytes | str, why: str) -> None:
         """Count record ``key`` of ``kind`` (``member``, ``steps``, ``restore``,
-        ``ns_op``...) as refused for ``why``; log it the first time this key fails so."""
+        ``ns_op``...) as refused for ``why``, and log it, unless this very refusal was
+        counted already."""
         k = key.decode(errors="replace") if isinstance(key, bytes) else key
         why = why.splitlines()[0][:300] if why else "bad record"
         with self._lock:
+            if (kind, k, why) in self._seen:
+                return
+            if len(self._seen) >= self._SEEN_MAX:
+                self._seen.clear()
+            self._seen.add((kind, k, why))
             self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             self._last.append({"kind": kind, "key": k[:300], "why": why,
                                "at": round(time.time(), 3)})
-            first = (k, why) not in self._logged
-            if first:
-                if len(self._logged) >= self._LOGGED_MAX:
-                    self._logged.clear()
-                self._logged.add((k, why))
-        if first:
-            log.warning("etcd record %s (%s) refused, skipped: %s", k, kind, why)
+        log.warning("etcd record %s (%s) refused, skipped: %s", k, kind, why)
 
     @property
     def total(self) -> int:

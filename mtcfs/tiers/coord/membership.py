@@ -58,7 +58,7 @@ from typing import Any
 import trio
 
 from mtcfs.base import untrusted
-from mtcfs.base.limits import MAX_NODES
+from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_NODES
 from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord.etcd import (
     Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
@@ -138,7 +138,8 @@ class MemberRecord:
         rec = cls(rank=got,
                   address=_printable(untrusted.field_str(d, "address", MAX_ADDRESS_LEN,
                                                          default=""), "address"),
-                  labels=dict(untrusted.field_str_map(d, "labels", default=None) or {}),
+                  labels=dict(untrusted.field_str_map(d, "labels", MAX_LABELS, MAX_LABEL_LEN,
+                                                     default=None) or {}),
                   boot=_printable(untrusted.field_str(d, "boot", MAX_BOOT_LEN, default=""),
                                   "boot"),
                   incarnation=untrusted.field_int(d, "incarnation", default=0),
@@ -445,12 +446,24 @@ class Membership:
         self._keepalive_loop()
         self._stop.wait()
 
+    def _record_missing(self) -> bool:
+        """Whether this member's own view lacks this member's record while its lease
+        lives: someone deleted the key or wrote what is no member's record over it (it left
+        the view, as it does from every peer's). Registering again puts it back on this
+        member's lease."""
+        view = self.members_view
+        # (only its own view, loaded right after it registered: a view shared by many
+        # members of a process, as in the benchmark's harness, may lag their puts)
+        return self._own_view and view is not None and not view.error and \
+            not view.alive(self.rank)
+
     def _keepalive_gave_up(self, exc: BaseException) -> None:
         self.error = f"lease keepalive stopped after repeated failures: {exc}"
 
     def _keepalive_loop(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
         last_ok = time.monotonic()
+        missing = 0  # renewals in a row that found this member's record gone from the view
         while True:
             self._wake.wait(every)
             self._wake.clear()
@@ -466,10 +479,19 @@ class Membership:
                     last_ok = self._renewed = now
                     if not self._defend():
                         return
-                    continue
+                    missing = missing + 1 if self._record_missing() else 0
+                    if missing < 2:
+                        continue
+                    # (two renewals in a row: not the moment between a put and its event)
+                    log.warning("rank %d: its member record in etcd was deleted or is not a "
+                                "member's any more (someone wrote the key): registering "
+                                "again", self.rank)
+                    missing = 0
                 if self._stop.is_set():
                     return  # leaving: the lease was revoked on purpose
-                log.warning("rank %d: its etcd lease expired; registering again", self.rank)
+                if ttl <= 0:
+                    log.warning("rank %d: its etcd lease expired; registering again",
+                                self.rank)
                 self.counters["reregistrations"] += 1
                 self._register(1.5 * self.ttl_s)
                 last_ok = time.monotonic()

@@ -409,7 +409,7 @@ class EtcdNamespace:
             DamagedKeyspace: it does not decode (reported).
         """
         try:
-            return records.decode_base(kv.value)
+            return records.decode_base(kv.value, kv.mod_revision)
         except BadRecord as exc:
             self._reject("ns_base", kv.key, kv.mod_revision, str(exc))
             raise DamagedKeyspace(f"the job's namespace base {kv.key.decode(errors='replace')}"
@@ -698,7 +698,12 @@ class EtcdNamespace:
                 cands = []
                 for c in kvs:
                     try:
-                        cands.append(records.decode_candidate(c.value))
+                        cand = records.decode_candidate(c.value, self.nodes)
+                        if c.key != self.cand_prefix + f"{cand['rank']:06d}".encode():
+                            raise BadRecord(f"its key is not that of its rank {cand['rank']}")
+                        if not c.lease:  # a joining node's is on its lease: a live node's
+                            raise BadRecord("on no lease: no live node's candidacy")
+                        cands.append(cand)
                     except BadRecord as exc:  # left out of the election
                         self._reject("ns_seeder", c.key, c.mod_revision, str(exc))
                 cands = cands or [me]

@@ -20,8 +20,10 @@ ns/last             :func:`check_last`      the key of an op under ``ns/op/``
 from __future__ import annotations
 
 import re
+import stat
 from typing import Any
 
+from mtcfs.base.limits import MAX_NODES
 from mtcfs.base.ns_ops import INT64_MIN, MAX_NAME_BYTES, UINT32_MAX, NsOp, from_wire
 from mtcfs.base.untrusted import (
     INT64_MAX, BadRecord, field_int, field_str, json_object, json_type,
@@ -34,27 +36,39 @@ MAX_PARTS = 1 << 16
 #: Kinds of a snapshot entry (mtcfs/core/model.py).
 KINDS = ("file", "dir", "symlink", "special")
 ROOT_INO = 1
+#: The S_IFMT bits each kind's mode has (as every node makes them: core/entries.py).
+_KIND_FORMATS = {"file": (stat.S_IFREG,), "dir": (stat.S_IFDIR,), "symlink": (stat.S_IFLNK,),
+                 "special": (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)}
 
 
 def decode_op(body: bytes) -> NsOp:
-    """The op stored at ``ns/op/<rank>/<id>``.
+    """The op stored at ``ns/op/<rank>/<id>``, with its envelope: every op a node submits
+    names its rank (``0..MAX_NODES-1``: its chunks are fetched from there) and its id.
 
     Raises:
-        BadRecord: not a JSON object, or not a valid op (ns_ops.MalformedOp, a BadRecord).
+        BadRecord: not a JSON object, not a valid op (ns_ops.MalformedOp, a BadRecord), or
+            without a rank of a job or an id.
     """
-    return from_wire(json_object(body))
+    op = from_wire(json_object(body))
+    if op.rank is None or not 0 <= op.rank < MAX_NODES or op.id is None:
+        raise BadRecord(f"namespace op {op.KIND!r}: its envelope names no rank in "
+                        f"0..{MAX_NODES - 1} and id ({op.rank!r:.30}, {op.id!r:.60})")
+    return op
 
 
-def decode_base(body: bytes) -> dict[str, Any]:
+def decode_base(body: bytes, mod_revision: int | None = None) -> dict[str, Any]:
     """``ns/base``: ``{"incarnation": int >= 1, "rev": int >= 0, "parts": 1..MAX_PARTS,
-    "tag": str}`` (other keys, such as ``seeded_by``, are dropped).
+    "tag": str}`` (other keys, such as ``seeded_by``, are dropped). ``mod_revision``: the
+    revision the base was written at, when known: its ``rev`` (the last op it holds) is
+    below it (a node installing a base from the future would skip every op up to it).
 
     Raises:
         BadRecord: not that.
     """
     d = json_object(body)
+    rev_hi = INT64_MAX if mod_revision is None else max(0, mod_revision - 1)
     out: dict[str, Any] = {"incarnation": field_int(d, "incarnation", 1),
-                           "rev": field_int(d, "rev"),
+                           "rev": field_int(d, "rev", 0, rev_hi),
                            "parts": field_int(d, "parts", 1, MAX_PARTS)}
     tag = out["tag"] = field_str(d, "tag", 128)
     if not _TAG.fullmatch(tag):
@@ -75,14 +89,15 @@ def snap_part_index(key: bytes, prefix: bytes, parts: int) -> int:
     return int(tail)
 
 
-def decode_candidate(body: bytes) -> dict[str, int]:
-    """``ns/seeders/<rank>``: ``{"rank", "newest_step" (-1: none), "entries"}``.
+def decode_candidate(body: bytes, nodes: int = MAX_NODES) -> dict[str, int]:
+    """``ns/seeders/<rank>``: ``{"rank" (below ``nodes``), "newest_step" (-1: none),
+    "entries"}``.
 
     Raises:
         BadRecord: not that.
     """
     d = json_object(body)
-    return {"rank": field_int(d, "rank", 0, UINT32_MAX),
+    return {"rank": field_int(d, "rank", 0, max(1, nodes) - 1),
             "newest_step": field_int(d, "newest_step", -1),
             "entries": field_int(d, "entries")}
 
@@ -112,7 +127,10 @@ def _list(d: dict[str, Any], key: str) -> list[Any]:
     return v
 
 
-def _name(d: dict[str, Any], key: str, what: str, empty: bool = False) -> str:
+def _name(d: dict[str, Any], key: str, what: str, empty: bool = False,
+          entry: bool = True) -> str:
+    """``d[key]``: a directory entry's name (``entry``: no ``/``, not ``.`` or ``..``, as
+    every name a node makes; core/inodes.py check_name), or a symlink's target."""
     v = field_str(d, key, MAX_NAME_BYTES)
     try:
         b = v.encode(errors="surrogateescape")
@@ -120,6 +138,8 @@ def _name(d: dict[str, Any], key: str, what: str, empty: bool = False) -> str:
         raise BadRecord(f"{what}: {key} is not a file name") from None
     if len(b) > MAX_NAME_BYTES or b"\x00" in b or (not b and not empty):
         raise BadRecord(f"{what}: {key} is not a file name of 1..{MAX_NAME_BYTES} bytes")
+    if entry and (b"/" in b or b in (b".", b"..")):
+        raise BadRecord(f"{what}: {key} {v[:40]!r} is not a file name (a '/', '.' or '..')")
     return v
 
 
@@ -132,7 +152,7 @@ def _version(v: Any, what: str) -> dict[str, Any]:
             raise BadRecord(f"{what}: version.chunks holds {c!r:.60}, not a digest")
     return {"size": field_int(d, "size"), "chunk_size": field_int(d, "chunk_size", 1),
             "chunks": list(chunks), "blake3": field_str(d, "blake3", 256),
-            "rank": field_int(d, "rank", 0, UINT32_MAX)}
+            "rank": field_int(d, "rank", 0, MAX_NODES - 1)}
 
 
 def decode_snapshot(body: bytes) -> dict[str, Any]:
@@ -140,7 +160,10 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
     [...]}`` as ``JobNamespace.snapshot`` writes it, checked so that installing it cannot
     fail half way: every entry's parent is the root or an earlier directory entry, no
     (parent, name) twice, a directory's number once, another name of an inode of the same
-    kind, every number below ``next_ino``; names are legal file names; integers in range.
+    kind, every number below ``next_ino``, each mode of its entry's kind (its S_IFMT bits),
+    each version's rank one of a job's; names are legal file names (never with a
+    ``/``, nor ``.`` or ``..``: no node could list or remove such an entry); integers in
+    range. A step that is not a directory at the root under its name is left out.
     Returns a new dict of only the checked fields.
 
     Raises:
@@ -168,12 +191,14 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
         if ino in kind_of and (kind == "dir" or kind_of[ino] != kind):
             raise BadRecord(f"{what}: inode {ino} named twice as a {kind_of[ino]} and a {kind}")
         kind_of[ino] = kind
-        out = {"ino": ino, "parent": parent, "name": name, "kind": kind,
-               "mode": field_int(e, "mode", 0, 0o177777),
+        mode = field_int(e, "mode", 0, 0o177777)
+        if stat.S_IFMT(mode) not in _KIND_FORMATS[kind]:
+            raise BadRecord(f"{what}: a {kind} with mode {mode:o} (another kind's)")
+        out = {"ino": ino, "parent": parent, "name": name, "kind": kind, "mode": mode,
                "uid": field_int(e, "uid", 0, UINT32_MAX),
                "gid": field_int(e, "gid", 0, UINT32_MAX),
                "mtime_ns": field_int(e, "mtime_ns", INT64_MIN, INT64_MAX),
-               "target": _name(e, "target", what, empty=True)}
+               "target": _name(e, "target", what, empty=True, entry=False)}
         if "rdev" in e:
             out["rdev"] = field_int(e, "rdev")
         if e.get("version") is not None:
@@ -181,12 +206,19 @@ def decode_snapshot(body: bytes) -> dict[str, Any]:
                 raise BadRecord(f"{what}: a {kind} with a version")
             out["version"] = _version(e["version"], what)
         entries.append(out)
+    # a step is a directory at the root under its name (core/step_registry.py: a record
+    # goes when its directory is removed or renamed); one that is not is left out: the
+    # step rules would look up an inode that is not there
+    root_dirs = {e["name"]: e["ino"] for e in entries
+                 if e["parent"] == ROOT_INO and e["kind"] == "dir"}
     steps = []
     for i, raw in enumerate(_list(d, "steps")):
         s = _obj(raw, f"step {i}")
-        steps.append({"name": _name(s, "name", f"step {i}"),
-                      "number": field_int(s, "number", -1),
-                      "ino": field_int(s, "ino", 0),
-                      "source": field_str(s, "source", 64),
-                      "committed_ns": field_int(s, "committed_ns", INT64_MIN)})
+        step = {"name": _name(s, "name", f"step {i}"),
+                "number": field_int(s, "number", -1),
+                "ino": field_int(s, "ino", 0),
+                "source": field_str(s, "source", 64),
+                "committed_ns": field_int(s, "committed_ns", INT64_MIN)}
+        if root_dirs.get(step["name"]) == step["ino"]:
+            steps.append(step)
     return {"next_ino": next_ino, "entries": entries, "steps": steps}
