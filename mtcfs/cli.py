@@ -827,6 +827,9 @@ def status_lines(st: dict[str, Any]) -> list[str]:
         last = rej["last"][-1]
         out.append(f"  etcd:     {rej['total']} records refused and skipped (bad form); last: "
                    f"{last['key']} ({last['kind']}): {last['why']}")
+    for name, row in sorted((st.get("restarted_loops") or {}).items()):
+        out.append(f"  restarts: {name} failed and was restarted {row['restarts']} times; "
+                   f"last: {row.get('last_error', '?')}")
     if st["errors"]:
         out.append("  errors:")
         for e in st["errors"][-10:]:

@@ -541,6 +541,7 @@ class Daemon:
                     "evictions": fs.fds.evictions},  # data file descriptors (fdcache.py)
             "errors": list(fs.errors),
             "rejected_records": untrusted.REJECTED.snapshot(),
+            "restarted_loops": untrusted.RESTARTS.snapshot(),
             "reads": {"deadline_s": fs.fetcher.fetch_deadline_s, "failed": fs.counters.fault_errors,
                       "last_failure": fs.fetcher.last_fault_error,
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",

@@ -225,6 +225,10 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
         out.add("mtcfs_rejected_records_total", "counter", "Records read back from etcd that"
                 " did not parse as their kind and were skipped (mtcfs/base/untrusted.py).",
                 n, {"kind": kind})
+    for name, row in sorted((status.get("restarted_loops") or {}).items()):
+        out.add("mtcfs_loop_restarts_total", "counter", "Restarts of a background loop (an"
+                " etcd watch, a lease keepalive) after it failed.", row.get("restarts"),
+                {"loop": name})
     for key, value in sorted((status.get("counters") or {}).items()):
         out.add(f"mtcfs_{key}_total", "counter", _COUNTER_HELP.get(key, key), value)
     for key, snap in sorted((status.get("histograms") or {}).items()):

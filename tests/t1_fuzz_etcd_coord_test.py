@@ -313,11 +313,40 @@ def test_member_view_watch_restarts_after_any_failure(client, etcd_prefix,  # no
         # the event that failed is not lost: the restarted watch reads the view again
         _until(lambda: view.alive(0), 10, "rank 0 seen after the watch's restart")
         assert failures and not view.error
+        # ... and says so: mtcfs status's restarted_loops (and its 'restarts:' line)
+        row = untrusted.RESTARTS.snapshot()["membership watch"]
+        assert row["restarts"] >= 1 and "a bug in the view" in row["last_error"]
         m.stop()  # as kill -9: the lease expires
         _until(lambda: not view.alive(0), 3 * TTL + 5, "rank 0 seen dead")
     finally:
         view.stop()
         m.leave()
+
+
+def test_a_loop_that_keeps_failing_is_restarted_ever_more_slowly_and_never_given_up():
+    """supervise(): restarts after 0.5 s, doubling to the cap while the loop keeps failing
+    (here 0.01 s doubling to 0.04 s), for as long as it fails; a run that lasted healthy_s
+    starts the pause over; each restart is noted in untrusted.RESTARTS."""
+    stop = threading.Event()
+    runs: list[float] = []
+
+    def loop():
+        runs.append(time.monotonic())
+        if len(runs) == 8:
+            time.sleep(0.06)  # a healthy run (healthy_s=0.05): the pause starts over
+        if len(runs) >= 12:
+            stop.set()
+            return
+        raise OSError(f"failure {len(runs)}")
+
+    untrusted.supervise("t1 loop", loop, stop, pause_s=0.01, max_pause_s=0.04,
+                        healthy_s=0.05)
+    gaps = [b - a for a, b in zip(runs, runs[1:])]
+    assert len(runs) == 12
+    assert gaps[0] < 0.04 and all(g >= 0.035 for g in gaps[3:7]), gaps  # 0.01, 0.02, 0.04...
+    assert gaps[8] < 0.04, gaps  # after the healthy run: 0.01 again (its gap holds its run)
+    row = untrusted.RESTARTS.snapshot()["t1 loop"]
+    assert row["restarts"] == 11 and row["last_error"] == "OSError: failure 11"
 
 
 def test_bad_restore_decisions_are_decided_again(client, etcd_prefix):  # noqa: F811

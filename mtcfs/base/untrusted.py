@@ -246,18 +246,49 @@ class RejectedRecords:
 REJECTED = RejectedRecords()
 
 
+class Restarts:
+    """The background loops of this process that failed and were restarted
+    (:func:`supervise`): how often, the last error and when. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_name: dict[str, dict[str, Any]] = {}
+
+    def note(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            row = self._by_name.setdefault(name, {"restarts": 0})
+            row["restarts"] += 1
+            row["last_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300] \
+                if str(exc) else type(exc).__name__
+            row["at"] = round(time.time(), 3)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """``{loop name: {"restarts": n, "last_error": "...", "at": unix time}}``."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._by_name.items()}
+
+
+#: This process's restarted loops (``mtcfs status``: ``restarted_loops``).
+RESTARTS = Restarts()
+
+
 def supervise(name: str, loop: Callable[[], None], stop: threading.Event, *,
-              max_restarts: int = 10, window_s: float = 60.0, pause_s: float = 0.5,
+              pause_s: float = 0.5, max_pause_s: float = 10.0, healthy_s: float = 60.0,
+              max_restarts: int | None = None, window_s: float = 60.0,
               on_give_up: Callable[[BaseException], None] | None = None) -> None:
-    """Run ``loop()`` until ``stop`` is set; when it raises, log the error and run it again
-    after ``pause_s`` (doubling up to 10 s while it keeps failing), at most
-    ``max_restarts`` times in any ``window_s`` seconds. Past that it stops restarting,
-    logs so and calls ``on_give_up(exc)``. A loop that returns while ``stop`` is not set is
-    run again too. Meant as a thread's target.
+    """Run ``loop()`` until ``stop`` is set; when it raises (or returns while ``stop`` is
+    not set), log the error, note it in :data:`RESTARTS` and run it again after ``pause_s``,
+    doubling up to ``max_pause_s`` while it keeps failing; a run that lasted ``healthy_s``
+    starts the pause over. So a loop is restarted at most every ``max_pause_s`` seconds,
+    for as long as the process runs (a watch that gave up would leave the node wrong
+    without a word). With ``max_restarts``: past that many restarts in ``window_s``
+    seconds it is not restarted again; that is logged and ``on_give_up(exc)`` called.
+    Meant as a thread's target.
     """
     restarts: deque[float] = deque()
     pause = pause_s
     while not stop.is_set():
+        started = time.monotonic()
         try:
             loop()
             if stop.is_set():
@@ -266,17 +297,20 @@ def supervise(name: str, loop: Callable[[], None], stop: threading.Event, *,
         except Exception as e:  # noqa: BLE001 -- every failure restarts, bounded
             exc = e
         now = time.monotonic()
+        if now - started >= healthy_s:
+            pause = pause_s
         while restarts and restarts[0] < now - window_s:
             restarts.popleft()
-        if len(restarts) >= max_restarts:
+        if max_restarts is not None and len(restarts) >= max_restarts:
             log.error("%s failed %d times in %.0f s, not restarted again: %s", name,
                       len(restarts) + 1, window_s, exc)
             if on_give_up is not None:
                 on_give_up(exc)
             return
         restarts.append(now)
+        RESTARTS.note(name, exc)
         log.warning("%s failed (%s: %s); restarting in %.1f s", name, type(exc).__name__,
                     exc, pause)
         if stop.wait(pause):
             return
-        pause = min(pause * 2, 10.0)
+        pause = min(pause * 2, max_pause_s)
