@@ -324,29 +324,30 @@ def test_member_view_watch_restarts_after_any_failure(client, etcd_prefix,  # no
 
 
 def test_a_loop_that_keeps_failing_is_restarted_ever_more_slowly_and_never_given_up():
-    """supervise(): restarts after 0.5 s, doubling to the cap while the loop keeps failing
-    (here 0.01 s doubling to 0.04 s), for as long as it fails; a run that lasted healthy_s
-    starts the pause over; each restart is noted in untrusted.RESTARTS."""
+    """supervise(): restarts after pause_s, doubling to max_pause_s while the loop keeps
+    failing (here 0.05 s doubling to 0.2 s), for as long as it fails; a run that lasted
+    healthy_s starts the pause over; each restart is noted in untrusted.RESTARTS."""
     stop = threading.Event()
     runs: list[float] = []
+    name = f"t1 loop {time.monotonic_ns()}"
 
     def loop():
         runs.append(time.monotonic())
         if len(runs) == 8:
-            time.sleep(0.06)  # a healthy run (healthy_s=0.05): the pause starts over
-        if len(runs) >= 12:
+            time.sleep(0.35)  # a healthy run (healthy_s=0.3): the pause starts over
+        if len(runs) >= 10:
             stop.set()
             return
         raise OSError(f"failure {len(runs)}")
 
-    untrusted.supervise("t1 loop", loop, stop, pause_s=0.01, max_pause_s=0.04,
-                        healthy_s=0.05)
+    untrusted.supervise(name, loop, stop, pause_s=0.05, max_pause_s=0.2, healthy_s=0.3)
     gaps = [b - a for a, b in zip(runs, runs[1:])]
-    assert len(runs) == 12
-    assert gaps[0] < 0.04 and all(g >= 0.035 for g in gaps[3:7]), gaps  # 0.01, 0.02, 0.04...
-    assert gaps[8] < 0.04, gaps  # after the healthy run: 0.01 again (its gap holds its run)
-    row = untrusted.RESTARTS.snapshot()["t1 loop"]
-    assert row["restarts"] == 11 and row["last_error"] == "OSError: failure 11"
+    assert len(runs) == 10
+    # 0.05, 0.1, 0.2, 0.2, ...: the cap holds and is reached
+    assert gaps[0] < 0.15 and all(g >= 0.18 for g in gaps[2:7]), gaps
+    assert gaps[7] < 0.35 + 0.15, gaps  # after the healthy run: 0.05 again, not 0.2
+    row = untrusted.RESTARTS.snapshot()[name]
+    assert row["restarts"] == 9 and row["last_error"] == "OSError: failure 9"
 
 
 def test_bad_restore_decisions_are_decided_again(client, etcd_prefix):  # noqa: F811

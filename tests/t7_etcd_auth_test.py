@@ -207,6 +207,19 @@ def test_another_jobs_keepalive_does_not_keep_a_dead_rank_from_its_replacement(s
         _wait(lambda: replacement.view()[21].address == "10.0.0.9:7470", 5,
               "the live holder's record back")
         assert not replacement.error
+        # a record of a daemon from before the takeover (no "defends": it cannot answer)
+        # keeps the old rule: refused after the wait, the record left as it was
+        old_lease, _ttl = b3.grant(2)
+        old = b'{"rank":22,"address":"10.0.0.7:7470","boot":"0123456789abcdef"}'
+        b3.put(_prefix("jobB") + b"members/000022", old, lease=old_lease)
+        renewed_old = threading.Thread(
+            target=lambda: [a.keepalive(old_lease) for _ in iter(lambda: stop.wait(0.3), True)],
+            daemon=True)
+        renewed_old.start()
+        third = Membership(b3, pb_, 22, "10.0.0.6:7470", ttl_s=2, watch=False)
+        with pytest.raises(RankTaken):
+            third.join(wait_s=1)
+        assert b3.get(_prefix("jobB") + b"members/000022")[0].value == old
     finally:
         stop.set()
         replacement.leave()

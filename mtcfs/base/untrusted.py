@@ -12,7 +12,8 @@ who can reach an etcd without auth: it is decoded by one strict decoder per reco
 (docs/security.md, "What a job member can do").
 
 Background loops (etcd watches, keepalives) run under :func:`supervise`, which restarts a
-loop that raised, at most ``max_restarts`` times a window, and logs each restart.
+loop that raised (at most every 10 s while it keeps failing), logs each restart and notes it
+in :data:`RESTARTS` (``mtcfs status``: ``restarted_loops``).
 """
 
 from __future__ import annotations
@@ -254,8 +255,16 @@ class Restarts:
         self._lock = threading.Lock()
         self._by_name: dict[str, dict[str, Any]] = {}
 
+    #: Loops remembered at most (a lock hold's loop is named by its key): the one restarted
+    #: longest ago is forgotten first.
+    KEEP = 64
+
     def note(self, name: str, exc: BaseException) -> None:
+        """Count a restart of loop ``name`` after ``exc``."""
         with self._lock:
+            if name not in self._by_name and len(self._by_name) >= self.KEEP:
+                oldest = min(self._by_name, key=lambda k: self._by_name[k]["at"])
+                del self._by_name[oldest]
             row = self._by_name.setdefault(name, {"restarts": 0})
             row["restarts"] += 1
             row["last_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300] \

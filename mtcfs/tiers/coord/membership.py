@@ -19,10 +19,12 @@ Registration is a create-if-absent transaction. When the key exists:
   renewed after the wait, that proves little (etcd lets any authenticated user renew any
   lease: docs/security-etcd.md), so the holder is asked: registration writes its record
   over the holder's with ``takes_over`` naming it (:meth:`Membership._take_over`). A live
-  holder's view sees the change and its keepalive writes its record back
-  (:meth:`Membership._defend`): two daemons were started as the same rank, and
-  registration refuses with :class:`RankTaken` (one line naming the holder). A dead
-  holder cannot: after :func:`defend_s` the rank is the newcomer's. A holder whose record
+  holder's view sees the change and its keepalive writes its record back by
+  compare-and-set (:meth:`Membership._defend`): two daemons were started as the same
+  rank, and registration refuses with :class:`RankTaken` (one line naming the holder). A
+  dead holder cannot: after :func:`defend_s` the newcomer commits by compare-and-set on
+  its takeover's revision and the rank is its own. A holder that finds a committed
+  takeover gives the rank up and says so (``error``). A holder whose record
   says it cannot answer (``defends`` false: no view, or a daemon from before the field)
   is refused at once after the wait, as before.
 
@@ -88,8 +90,9 @@ MAX_SINCE = 1e11
 
 def defend_s(ttl_s: float) -> float:
     """Seconds a registration that took a rank over waits for its holder to write its
-    record back (the holder's view sees the change within a watch round trip)."""
-    return max(3.0, ttl_s / 2)
+    record back: a TTL (a holder that cannot answer within it would have lost its lease
+    anyway, were it not renewed by someone else), at least 3 s."""
+    return max(3.0, float(ttl_s))
 
 
 class RankTaken(EtcdError):
@@ -242,14 +245,11 @@ class Membership:
                              name=f"member-{self.rank}-keepalive")
         self._threads.append(t)
         if self.members_view is not None:
-            self.members_view.listen(self._on_view_change)
+            self.members_view.listen(self.rank, self._wake.set)
         t.start()
         if self._own_view and self.members_view is not None:
             self.members_view.start()
 
-    def _on_view_change(self, ranks: set[int]) -> None:
-        if self.rank in ranks:
-            self._wake.set()
 
     def _register(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -292,6 +292,7 @@ class Membership:
                     if taken:
                         break
                     if taken is None:  # the key changed meanwhile: look again
+                        time.sleep(0.25)
                         if self.etcd.keepalive(lease) <= 0:
                             lease, _ttl = self.etcd.grant(self.ttl_s)
                         continue
@@ -324,51 +325,66 @@ class Membership:
                 pass
 
     def _take_over(self, kv: Any, holder: MemberRecord, lease: int) -> bool | None:
-        """Write this member's record over ``holder``'s (``kv``, whose lease outlived the
-        registration's wait) with ``takes_over`` naming it, then watch the key for
-        :data:`DEFEND_S`: a live holder (its view sees the change) writes its record back.
+        """Ask ``holder`` (the record ``kv``, whose lease outlived the registration's wait)
+        whether it is alive: write this member's record over it with ``takes_over`` naming
+        it, still on the holder's lease (so that if this daemon dies meanwhile, a live
+        holder has lost nothing), and watch the key for :func:`defend_s`. A live holder
+        (its view sees the change) writes its record back; a dead one cannot. Then commit
+        by compare-and-set on the revision of the takeover: the record moves to this
+        member's ``lease`` and the old lease, which holds no key any more, is revoked.
 
         Returns:
-            True: the record stayed this member's (the holder is gone; its lease, kept
-            alive by someone else, holds no key now and is revoked if etcd lets us);
-            False: the holder wrote its record back; None: the key changed before the
-            takeover, or to a third record during it.
+            True: the rank is this member's; False: the holder wrote its record back;
+            None: the key changed before the takeover or to a third record meanwhile, or
+            this member's lease ended (look again).
 
         Raises:
             EtcdError: etcd did not answer.
         """
-        mine = MemberRecord(**{**asdict(self.record), "takes_over": holder.boot,
-                               "since": time.time()})
-        r = self.etcd.txn([mod_is(self.key, kv.mod_revision)],
-                          [put_op(self.key, mine.encode(), lease)], retry=True)
+        ask = MemberRecord(**{**asdict(self.record), "takes_over": holder.boot,
+                              "since": time.time()})
+        try:
+            r = self.etcd.txn([mod_is(self.key, kv.mod_revision)],
+                              [put_op(self.key, ask.encode(), kv.lease or lease)], retry=True)
+        except EtcdError as exc:
+            if "lease not found" not in str(exc):
+                raise
+            return None  # the holder's lease ended meanwhile: the key is free
         if not r.succeeded:
             return None
+        asked_at = r.revision  # the takeover put's revision: the key's while nobody answers
         log.warning("rank %d: its record's holder (boot %s, address %s) kept its lease past "
                     "the wait: taking the rank over, unless it answers within %.0f s",
                     self.rank, holder.boot, holder.address or "?", defend_s(self.ttl_s))
+
+        def answered() -> bool | None:
+            cur, _rev = self.etcd.get(self.key)
+            if cur is not None and cur.mod_revision == asked_at:
+                return None  # no answer yet
+            try:
+                now = MemberRecord.decode(cur.value, self.rank) if cur is not None else None
+            except BadRecord:
+                now = None
+            return True if now is not None and now.boot == holder.boot else False
+
         end = time.monotonic() + defend_s(self.ttl_s)
         renew_at = time.monotonic()
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(0.1, left))
+        while time.monotonic() < end:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
             if time.monotonic() >= renew_at:  # the wait may outlast the lease's TTL
                 if self.etcd.keepalive(lease) <= 0:
                     return None
                 renew_at = time.monotonic() + self.ttl_s / 3
-            cur, _rev = self.etcd.get(self.key)
-            if cur is None:
-                return None
-            try:
-                now = MemberRecord.decode(cur.value, self.rank)
-            except BadRecord:
-                return None
-            if now.boot == holder.boot:
-                return False
-            if now.boot != self.record.boot:
-                return None
-        if kv.lease:
+            got = answered()
+            if got is not None:
+                return False if got else None
+        mine = MemberRecord(**{**asdict(self.record), "takes_over": holder.boot,
+                               "since": time.time()})
+        r = self.etcd.txn([mod_is(self.key, asked_at)],
+                          [put_op(self.key, mine.encode(), lease)], retry=True)
+        if not r.succeeded:  # an answer in the last moment
+            return False if answered() else None
+        if kv.lease and kv.lease != lease:
             try:
                 self.etcd.revoke(kv.lease)  # holds no key now: nobody need keep it alive
             except EtcdError:
@@ -378,30 +394,51 @@ class Membership:
         return True
 
     def _defend(self) -> bool:
-        """If the view shows this rank's record taken over from this member (another
-        daemon's registration outwaited its lease: it takes the rank unless the holder
-        answers), write this member's record back, unless this member could not renew
-        its lease for more than a TTL lately (then the other daemon may rightly think it
-        dead, and it keeps the rank). Returns False when the rank was given up."""
+        """Answer a takeover of this rank (another daemon's registration outwaited this
+        member's lease: :meth:`_take_over`) by writing this member's record back, by
+        compare-and-set on what the key holds. Returns False when this member no longer
+        holds the rank (``error`` says so): another daemon's record is there and does not
+        ask this member (its takeover committed), or this member could not renew its lease
+        for more than a TTL lately (the other daemon may rightly have taken it for dead).
+        Reads only the view unless a takeover names this member.
+        """
         view = self.members_view
         if view is None:
             return True
         rec = view.record(self.rank)
-        if rec is None or rec.boot == self.record.boot or rec.takes_over != self.record.boot:
+        if rec is None or rec.boot == self.record.boot:
             return True
-        if time.monotonic() - self._gap_ended < 3 * self.ttl_s:
-            self.error = (f"rank {self.rank} was taken over by another daemon (boot "
-                          f"{rec.boot}, address {rec.address or '?'}) after this one could "
-                          f"not renew its lease for more than {self.ttl_s} s; this daemon "
-                          f"no longer holds it")
-            log.error("rank %d: %s", self.rank, self.error)
-            return False
-        self.record.since = time.time()
-        self.etcd.put(self.key, self.record.encode(), lease=self.lease)
-        log.warning("rank %d: another daemon (boot %s, address %s) tried to take this rank "
-                    "over; its record is written back", self.rank, rec.boot,
-                    rec.address or "?")
-        return True
+        now = time.monotonic()
+        lapsed = now - self._renewed > self.ttl_s or now - self._gap_ended < 3 * self.ttl_s
+        if rec.takes_over == self.record.boot and not lapsed:
+            cur, _rev = self.etcd.get(self.key)
+            if cur is None:
+                return True  # gone meanwhile: the keepalive registers again
+            try:
+                there = MemberRecord.decode(cur.value, self.rank)
+            except BadRecord:
+                return True
+            if there.boot == self.record.boot:
+                return True
+            if there.takes_over == self.record.boot:
+                self.record.since = time.time()
+                r = self.etcd.txn([mod_is(self.key, cur.mod_revision)],
+                                  [put_op(self.key, self.record.encode(), self.lease)],
+                                  retry=True)
+                if r.succeeded:
+                    log.warning("rank %d: another daemon (boot %s, address %s) tried to take "
+                                "this rank over; its record is written back", self.rank,
+                                there.boot, there.address or "?")
+                    return True
+                return True  # changed meanwhile: the next wake looks again
+            rec = there
+        why = ("after this one could not renew its lease for more than "
+               f"{self.ttl_s} s" if lapsed else "and this one did not answer in time")
+        self.error = (f"rank {self.rank} was taken over by another daemon (boot {rec.boot}, "
+                      f"address {rec.address or '?'}) {why}: this daemon no longer holds "
+                      "it; unmount it")
+        log.error("rank %d: %s", self.rank, self.error)
+        return False
 
     def leave(self) -> None:
         """Stop renewing and revoke the lease (the record goes at once)."""
@@ -427,8 +464,10 @@ class Membership:
             if t is not threading.current_thread():
                 t.join(timeout=self.ttl_s + 2)
         self._threads = []
-        if self._own_view and self.members_view is not None:
-            self.members_view.stop()
+        if self.members_view is not None:
+            self.members_view.unlisten(self.rank, self._wake.set)
+            if self._own_view:
+                self.members_view.stop()
 
     def renewed_ago_s(self) -> float:
         """Seconds since the lease was last granted or renewed (above its TTL: it expired)."""
@@ -470,6 +509,8 @@ class Membership:
             if self._stop.is_set():
                 return
             try:
+                if not self._defend():  # first: a takeover is answered at once
+                    return
                 ttl = self.renew()
                 self.connected = True
                 if ttl > 0:
@@ -477,8 +518,6 @@ class Membership:
                     if now - last_ok > self.ttl_s:
                         self._gap_ended = now
                     last_ok = self._renewed = now
-                    if not self._defend():
-                        return
                     missing = missing + 1 if self._record_missing() else 0
                     if missing < 2:
                         continue
@@ -490,6 +529,8 @@ class Membership:
                 if self._stop.is_set():
                     return  # leaving: the lease was revoked on purpose
                 if ttl <= 0:
+                    if not self._defend():  # a takeover committed: not taken back
+                        return
                     log.warning("rank %d: its etcd lease expired; registering again",
                                 self.rank)
                 self.counters["reregistrations"] += 1
@@ -563,7 +604,7 @@ class MemberView:
         self._thread: threading.Thread | None = None
         self._view_rev = 0
         self._runs = 0  # how many times the watch loop was started
-        self._listeners: list[Callable[[set[int]], None]] = []
+        self._listeners: dict[int, list[Callable[[], None]]] = {}
         #: why the watch stopped for good ("" while it runs)
         self.error = ""
 
@@ -645,17 +686,26 @@ class MemberView:
                 self.connected = False
                 log.warning("membership reload: %s", exc)
 
-    def listen(self, fn: Callable[[set[int]], None]) -> None:
-        """Call ``fn(ranks)`` from the watch thread after each batch of events, with the
-        ranks whose records it changed (``fn`` must be quick and must not raise)."""
-        self._listeners.append(fn)
+    def listen(self, rank: int, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` from the watch thread after each batch of events that changed
+        ``rank``'s record (``fn`` must be quick and must not raise)."""
+        with self._cond:
+            self._listeners.setdefault(rank, []).append(fn)
+
+    def unlisten(self, rank: int, fn: Callable[[], None]) -> None:
+        """Stop calling ``fn`` (given to :meth:`listen`)."""
+        with self._cond:
+            fns = self._listeners.get(rank, [])
+            if fn in fns:
+                fns.remove(fn)
 
     def _apply(self, events: Any, revision: int) -> None:
         changed: set[int] = set()
         self._apply_events(events, changed)
-        for fn in list(self._listeners):
-            if changed:
-                fn(changed)
+        with self._cond:
+            fns = [fn for r in changed for fn in self._listeners.get(r, ())]
+        for fn in fns:
+            fn()
 
     def _apply_events(self, events: Any, changed: set[int]) -> None:
         with self._cond:
