@@ -372,13 +372,16 @@ def _root_xattr(root: str, device: str) -> bytes:
 
     def get() -> None:
         try:
-            # One descriptor for both: what is checked is what is read.
-            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # One descriptor for both: what is checked is what is read. O_PATH: no OPENDIR
+            # reaches the daemon (a scope=job node waiting for etcd or for room answers
+            # GETATTR and GETXATTR of its root from its own copy, but not an OPENDIR);
+            # the xattr is read through the descriptor's /proc/self/fd link.
+            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 st = os.fstat(fd)
                 box["device"] = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
                 if box["device"] == device:
-                    box["value"] = os.getxattr(fd, CONTROL_XATTR)
+                    box["value"] = os.getxattr(f"/proc/self/fd/{fd}", CONTROL_XATTR)
             finally:
                 os.close(fd)
         except OSError as exc:
