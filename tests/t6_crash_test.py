@@ -183,7 +183,11 @@ def test_kill9_during_large_write_leaves_a_prefix(make_mount, shm_dir):
     assert target.exists()
     m.wait_state("big/partial.bin", "local", timeout=60)  # sealed again after the crash
     size = target.stat().st_size
-    assert size <= total_written
+    # At most the one write(2) (1 MiB) in flight at the kill more: with direct writes its
+    # FUSE requests go to the daemon one by one, and those written before the kill are in
+    # the file though the writer never saw the call return (it failed). The bytes below
+    # are still checked to be the writer's, word by word.
+    assert size <= total_written + MiB
     assert size >= fsynced  # what fsync(2) returned for survives the crash
     print(f"writer: {out.strip()}; file after remount: {size} bytes")
     got = target.read_bytes()
