@@ -97,6 +97,36 @@ def test_duplicate_rank_refused_restart_waits(client, etcd_prefix):  # noqa: F81
         first.leave()
 
 
+def test_a_holder_too_slow_to_answer_a_takeover_gives_the_rank_up(client, etcd_prefix):  # noqa: F811
+    """A live holder that does not answer a takeover within its window (here: its answer
+    held back) loses the rank to the newcomer; when it looks again it finds a committed
+    record that does not ask it, says so in ``error`` and stops, instead of writing its
+    record back over the newcomer's (two daemons fighting for one rank)."""
+    holder = Membership(client, etcd_prefix, 23, "10.0.0.1:7470", ttl_s=TTL)
+    newcomer = Membership(client, etcd_prefix, 23, "10.0.0.2:7470", ttl_s=TTL)
+    try:
+        holder.join()
+        real = holder._defend
+
+        def slow() -> bool:  # too slow: no answer while the takeover asks it
+            rec = holder.members_view.record(23)
+            return True if rec is not None and rec.takes_over == holder.record.boot \
+                else real()
+        holder._defend = slow
+        newcomer.join(wait_s=1)
+        assert newcomer.view()[23].address == "10.0.0.2:7470"
+        deadline = time.monotonic() + 5
+        while not holder.error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "taken over by another daemon" in holder.error, holder.error
+        time.sleep(1.5 * TTL)  # several of its ticks: it does not take the rank back
+        kv, _rev = client.get(newcomer.key)
+        assert b"10.0.0.2:7470" in kv.value and not newcomer.error
+    finally:
+        newcomer.leave()
+        holder.leave()
+
+
 # ---------------------------------------------------------------------- steps and decision
 
 def test_newest_complete_everywhere(client, etcd_prefix):  # noqa: F811

@@ -378,8 +378,9 @@ class Membership:
             got = answered()
             if got is not None:
                 return False if got else None
-        mine = MemberRecord(**{**asdict(self.record), "takes_over": holder.boot,
-                               "since": time.time()})
+        # committed without takes_over: a holder that answers only now finds a record that
+        # does not ask it, and knows it lost the rank (_defend) instead of taking it back
+        mine = MemberRecord(**{**asdict(self.record), "takes_over": "", "since": time.time()})
         r = self.etcd.txn([mod_is(self.key, asked_at)],
                           [put_op(self.key, mine.encode(), lease)], retry=True)
         if not r.succeeded:  # an answer in the last moment
