@@ -71,11 +71,29 @@ def _parse(line: str) -> MountEntry | None:
                       opts)
 
 
+def _read_whole(path: str) -> bytes:
+    """``path`` (a seq_file of /proc) in ONE read(2): the kernel walks the mount table once
+    for it, so the text is one consistent picture. Read in pieces (as a buffered file is),
+    mounts made or removed between two pieces (other processes' mounts, busy here while
+    tests mount side by side) can make a line be skipped, a mount that exists missing."""
+    size = 1 << 20
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, size)
+        finally:
+            os.close(fd)
+        if len(data) < size:
+            return data
+        size *= 4  # did not fit: read again, whole
+
+
 def entries() -> list[MountEntry]:
     """Every mount, in /proc/self/mountinfo order (a later one may cover an earlier one at
-    the same mount point: the last is on top). Read as text: no mount is touched."""
-    with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
-        return [e for e in map(_parse, f) if e is not None]
+    the same mount point: the last is on top). Read as text, in one read(2): no mount is
+    touched."""
+    text = _read_whole(MOUNTINFO).decode("utf-8", errors="surrogateescape")
+    return [e for e in map(_parse, text.splitlines()) if e is not None]
 
 
 def entry_at(mountpoint: str | os.PathLike[str]) -> MountEntry | None:
