@@ -322,6 +322,19 @@ HOSTILE = {
 }
 
 
+def _root_owned_fake(shm_dir: Path, fake_mount) -> tuple[Path, Path]:
+    """A fake mtcfs mount of root whose control xattr names a socket in a 0700 directory
+    of root: every check passes, so what answers there is what the CLI talks to. Returns
+    (mount point, socket path)."""
+    mnt = fake_mount(shm_dir / "mnt", 0)
+    mnt.mkdir()
+    private = shm_dir / "store"
+    private.mkdir(mode=0o700)
+    sock = private / "control.sock"
+    os.setxattr(mnt, XATTR, os.fsencode(sock))
+    return mnt, sock
+
+
 def test_a_hostile_answer_is_one_line_and_no_traceback(shm_dir, fake_mount, capsys,
                                                          monkeypatch):
     """A daemon that passes every check may still answer nonsense (a bug, or a user's own
@@ -329,12 +342,7 @@ def test_a_hostile_answer_is_one_line_and_no_traceback(shm_dir, fake_mount, caps
     stderr and prints nothing on stdout (but `--json`, which prints a JSON object of the
     right kind as it came)."""
     monkeypatch.setattr(control, "MAX_REPLY", 1024)
-    mnt = fake_mount(shm_dir / "mnt", 0)
-    mnt.mkdir()
-    private = shm_dir / "store"
-    private.mkdir(mode=0o700)
-    sock = private / "control.sock"
-    os.setxattr(mnt, XATTR, os.fsencode(sock))
+    mnt, sock = _root_owned_fake(shm_dir, fake_mount)
     commands = [["status", str(mnt)], ["status", str(mnt), "--json"], ["metrics", str(mnt)],
                 ["checkpoints", str(mnt)], ["checkpoints", str(mnt), "--json"],
                 ["restore", str(mnt)], ["seal", str(mnt / "step_1")], ["gc", str(mnt)],
@@ -360,12 +368,7 @@ def test_a_daemon_that_never_answers_status_ends_the_command(shm_dir, fake_mount
     after cli.QUICK_ANSWER_S (60 s; 0.5 s here). Before, root's `mtcfs status` waited for
     good."""
     monkeypatch.setattr(cli, "QUICK_ANSWER_S", {"status": 0.5, "checkpoints": 0.5})
-    mnt = fake_mount(shm_dir / "mnt", 0)
-    mnt.mkdir()
-    private = shm_dir / "store"
-    private.mkdir(mode=0o700)
-    sock = private / "control.sock"
-    os.setxattr(mnt, XATTR, os.fsencode(sock))
+    mnt, sock = _root_owned_fake(shm_dir, fake_mount)
     with FakeDaemon(sock, None):
         for args in (["status", str(mnt)], ["metrics", str(mnt)], ["checkpoints", str(mnt)]):
             t0 = time.monotonic()

@@ -87,25 +87,43 @@ def test_snapshot_modes_of_another_kind_are_refused(kind, mode):
         records.decode_snapshot(_snapshot("x", kind, mode))
 
 
+def _scope_job(make_cluster, etcd_server, start: bool = False, kind: str = "nr"):
+    """A 2-node scope=job cluster of a new job on the tests' etcd (``start``: mounted).
+    Returns (cluster, the job's key prefix ending in ``/``)."""
+    c = make_cluster(2, start=start, job=f"{kind}{uuid.uuid4().hex[:8]}",
+                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
+                              "coord_timeout": "5s"})
+    return c, c.coord_prefix.rstrip("/") + "/"
+
+
+def _put_base(etcd_server, prefix: str, snapshot: str, base: str | None = None) -> None:
+    """Put a base (``base``, by default rev 0 of tag ``evil``) and its one-part snapshot
+    under ``prefix``, as etcdctl would."""
+    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", snapshot)
+    etcd_server.etcdctl("put", prefix + "ns/base",
+                        base or '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
+
+
+def _join_refused(c, key: str) -> bool:
+    """Start rank 0 of ``c``: True when the mount was refused with a first line saying
+    that ``key`` in etcd is malformed (asserted), False when it mounted."""
+    try:
+        c.start([0])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        assert f"{key} in etcd is malformed" in first, first
+        return True
+    return False
+
+
 def test_a_base_with_a_directory_of_a_file_s_mode_is_refused_at_join(  # noqa: F811
         make_cluster, etcd_server):
     """Before: a base whose directory ``step_9`` had a regular file's mode was installed;
     every node then had a name nobody could remove (rmdir: ENOTDIR, unlink: EISDIR) nor
     list, and the next fold kept it. Now the mount fails at once with one line."""
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=False, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
-    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0",
-                        _snapshot("step_9", "dir", 0o100644).decode())
-    etcd_server.etcdctl("put", prefix + "ns/base",
-                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
-    try:
-        c.start([0])
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        assert f"{prefix}ns/snap/evil/ in etcd is malformed" in first, first
+    c, prefix = _scope_job(make_cluster, etcd_server)
+    _put_base(etcd_server, prefix, _snapshot("step_9", "dir", 0o100644).decode())
+    if _join_refused(c, f"{prefix}ns/snap/evil/"):
         return
     with pytest.raises(OSError) as got:  # what a user saw before
         os.rmdir(c[0].path("step_9"))
@@ -126,19 +144,9 @@ def test_a_base_naming_a_slash_is_refused_at_join(make_cluster, etcd_server):  #
     listing the mount's root then failed with EIO (the kernel refuses a name with a
     ``/``), and nothing on the node could remove it. Now the mount fails at once with one
     line naming the snapshot."""
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=False, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
-    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", _snapshot("a/b").decode())
-    etcd_server.etcdctl("put", prefix + "ns/base",
-                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
-    try:
-        c.start([0])
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        assert f"{prefix}ns/snap/evil/ in etcd is malformed" in first, first
+    c, prefix = _scope_job(make_cluster, etcd_server)
+    _put_base(etcd_server, prefix, _snapshot("a/b").decode())
+    if _join_refused(c, f"{prefix}ns/snap/evil/"):
         return
     with pytest.raises(OSError) as got:  # what a user saw before
         os.listdir(c[0].mnt)
@@ -214,11 +222,7 @@ def test_an_op_without_a_rank_of_the_job_is_refused(make_cluster, etcd_server): 
     with "TypeError: '>=' not supported between 'NoneType' and 'int'" (so did eviction
     and the log's fold) and reads of the file failed. Now it is refused like any
     malformed op: the file keeps its content, status works and names the op."""
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=True, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
+    c, prefix = _scope_job(make_cluster, etcd_server, start=True)
     (c[0].mnt / "f").write_bytes(b"x" * 100)
     assert c[1].path("f").read_bytes() == b"x" * 100
     op = {"op": "publish", "ino": 2, "vid": 7, "size": 100, "chunk_size": 4 << 20,
@@ -242,11 +246,7 @@ def test_a_seeding_candidate_no_live_rank_wrote_holds_no_mount(make_cluster,  # 
     files, so no mount of the job came up (still waiting after 30 s). Now it is refused
     (its key's rank is not its body's, or no rank of the job, or it has no lease) and the
     job mounts at once."""
-    job = f"ns{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=False, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
+    c, prefix = _scope_job(make_cluster, etcd_server, kind="ns")
     etcd_server.etcdctl("put", prefix + "ns/seeders/000099",
                         '{"rank":99,"newest_step":5,"entries":5}')
     etcd_server.etcdctl("put", prefix + "ns/seeders/000001",
@@ -264,19 +264,13 @@ def test_a_base_whose_step_names_no_directory_of_it_kills_no_daemon(  # noqa: F8
     before, it was installed as is and the step rules' first look at it raised KeyError:
     99, and every daemon that joined died ("daemon failed"). Now such a step is left out
     (a step is a directory of the snapshot); the step that is one stays."""
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=False, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
+    c, prefix = _scope_job(make_cluster, etcd_server)
     snap = json.loads(_snapshot("step_2"))
     snap["steps"] = [{"name": "step_1", "number": 1, "ino": 99, "source": ".metadata",
                       "committed_ns": 0},
                      {"name": "step_2", "number": 2, "ino": 2, "source": ".metadata",
                       "committed_ns": 0}]
-    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", json.dumps(snap))
-    etcd_server.etcdctl("put", prefix + "ns/base",
-                        '{"incarnation":7,"rev":0,"parts":1,"tag":"evil"}')
+    _put_base(etcd_server, prefix, json.dumps(snap))
     c.start()
     (c[0].mnt / "step_2" / "f").write_bytes(b"kept")
     for r in range(2):
@@ -291,9 +285,7 @@ def test_a_step_survives_the_fold_into_a_base_a_wiped_node_installs(  # noqa: F8
     at the root under its name, so a base folded from it keeps its steps for a node that
     installs it (a replacement, its store wiped, lists the step)."""
     monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, job=job, options={"scope": "job", "replicas": 1,
-                                          "coord": etcd_server.url, "coord_timeout": "5s"})
+    c, _prefix = _scope_job(make_cluster, etcd_server, start=True)
     os.mkdir(c[0].path("step_1"))
     (c[0].mnt / "step_1" / "w").write_bytes(b"weights")
     (c[0].mnt / "step_1" / "commit_success.txt").write_bytes(b"")
@@ -313,19 +305,10 @@ def test_a_base_from_the_future_is_refused_at_join(make_cluster, etcd_server):  
     past it) and skipped it: each change then failed with EIO on every node ("folded into
     a snapshot before this node applied it"), for good. A base always names a revision
     before the one it was written at: now the join is refused with one line."""
-    job = f"nr{uuid.uuid4().hex[:8]}"
-    c = make_cluster(2, start=False, job=job,
-                     options={"scope": "job", "replicas": 1, "coord": etcd_server.url,
-                              "coord_timeout": "5s"})
-    prefix = c.coord_prefix.rstrip("/") + "/"
-    etcd_server.etcdctl("put", prefix + "ns/snap/evil/0", _snapshot("d").decode())
-    etcd_server.etcdctl("put", prefix + "ns/base", json.dumps(
+    c, prefix = _scope_job(make_cluster, etcd_server)
+    _put_base(etcd_server, prefix, _snapshot("d").decode(), json.dumps(
         {"incarnation": 7, "rev": 10**12, "parts": 1, "tag": "evil"}))
-    try:
-        c.start([0])
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        assert f"{prefix}ns/base in etcd is malformed" in first, first
+    if _join_refused(c, f"{prefix}ns/base"):
         return
     with pytest.raises(OSError) as got:  # what a user saw before
         os.mkdir(c[0].path("new"))
