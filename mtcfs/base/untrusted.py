@@ -282,19 +282,15 @@ RESTARTS = Restarts()
 
 
 def supervise(name: str, loop: Callable[[], None], stop: threading.Event, *,
-              pause_s: float = 0.5, max_pause_s: float = 10.0, healthy_s: float = 60.0,
-              max_restarts: int | None = None, window_s: float = 60.0,
-              on_give_up: Callable[[BaseException], None] | None = None) -> None:
+              pause_s: float = 0.5, max_pause_s: float = 10.0,
+              healthy_s: float = 60.0) -> None:
     """Run ``loop()`` until ``stop`` is set; when it raises (or returns while ``stop`` is
     not set), log the error, note it in :data:`RESTARTS` and run it again after ``pause_s``,
     doubling up to ``max_pause_s`` while it keeps failing; a run that lasted ``healthy_s``
     starts the pause over. So a loop is restarted at most every ``max_pause_s`` seconds,
-    for as long as the process runs (a watch that gave up would leave the node wrong
-    without a word). With ``max_restarts``: past that many restarts in ``window_s``
-    seconds it is not restarted again; that is logged and ``on_give_up(exc)`` called.
-    Meant as a thread's target.
+    for as long as the process runs: never given up (a watch that gave up would leave the
+    node wrong without a word). Meant as a thread's target.
     """
-    restarts: deque[float] = deque()
     pause = pause_s
     while not stop.is_set():
         started = time.monotonic()
@@ -305,18 +301,8 @@ def supervise(name: str, loop: Callable[[], None], stop: threading.Event, *,
             exc: BaseException = RuntimeError("returned")
         except Exception as e:  # noqa: BLE001 -- every failure restarts, bounded
             exc = e
-        now = time.monotonic()
-        if now - started >= healthy_s:
+        if time.monotonic() - started >= healthy_s:
             pause = pause_s
-        while restarts and restarts[0] < now - window_s:
-            restarts.popleft()
-        if max_restarts is not None and len(restarts) >= max_restarts:
-            log.error("%s failed %d times in %.0f s, not restarted again: %s", name,
-                      len(restarts) + 1, window_s, exc)
-            if on_give_up is not None:
-                on_give_up(exc)
-            return
-        restarts.append(now)
         RESTARTS.note(name, exc)
         log.warning("%s failed (%s: %s); restarting in %.1f s", name, type(exc).__name__,
                     exc, pause)

@@ -121,7 +121,6 @@ class EtcdLock:
             target=untrusted.supervise, daemon=True,
             args=(f"lock {self.key.decode(errors='replace')} keepalive", self._keepalive_run,
                   self._stop),
-            kwargs={"on_give_up": lambda exc: self._lost.set()},
             name=f"lock-{self.key.decode(errors='replace')}")
         self._thread.start()
 

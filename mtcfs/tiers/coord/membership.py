@@ -241,7 +241,6 @@ class Membership:
         t = threading.Thread(target=untrusted.supervise, daemon=True,
                              args=(f"rank {self.rank}'s lease keepalive", self._keepalive_run,
                                    self._stop),
-                             kwargs={"on_give_up": self._keepalive_gave_up},
                              name=f"member-{self.rank}-keepalive")
         self._threads.append(t)
         if self.members_view is not None:
@@ -494,11 +493,7 @@ class Membership:
         view = self.members_view
         # (only its own view, loaded right after it registered: a view shared by many
         # members of a process, as in the benchmark's harness, may lag their puts)
-        return self._own_view and view is not None and not view.error and \
-            not view.alive(self.rank)
-
-    def _keepalive_gave_up(self, exc: BaseException) -> None:
-        self.error = f"lease keepalive stopped after repeated failures: {exc}"
+        return self._own_view and view is not None and not view.alive(self.rank)
 
     def _keepalive_loop(self) -> None:
         every = max(self.ttl_s / 3.0, 0.2)
@@ -606,8 +601,6 @@ class MemberView:
         self._view_rev = 0
         self._runs = 0  # how many times the watch loop was started
         self._listeners: dict[int, list[Callable[[], None]]] = {}
-        #: why the watch stopped for good ("" while it runs)
-        self.error = ""
 
     def start(self) -> None:
         """Load the members once, then follow them with a watch (a daemon thread)."""
@@ -616,7 +609,7 @@ class MemberView:
         self._load_view()
         self._thread = threading.Thread(
             target=untrusted.supervise, args=("membership watch", self._watch_run, self._stop),
-            kwargs={"on_give_up": self._gave_up}, daemon=True, name="member-view-watch")
+            daemon=True, name="member-view-watch")
         self._thread.start()
 
     def stop(self) -> None:
@@ -624,9 +617,6 @@ class MemberView:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._progress_s + 2)
         self._thread = None
-
-    def _gave_up(self, exc: BaseException) -> None:
-        self.error = f"membership watch stopped after repeated failures: {exc}"
 
     def _decode(self, kv: Any) -> MemberRecord | None:
         """The record of ``kv`` (a key under ``members/``), or None when the key or the

@@ -93,7 +93,6 @@ class RWHold:
             target=untrusted.supervise, daemon=True,
             args=(f"{mode} lock key {key.decode(errors='replace')} keepalive",
                   self._keepalive_run, self._stop),
-            kwargs={"on_give_up": lambda exc: self._lost.set()},
             name=f"rwlock-{key.decode(errors='replace')}")
         self._thread.start()
 

@@ -188,7 +188,7 @@ class MembershipRounds:
             if r != self.rank and rec.address and r not in self.configured:
                 self.addresses[r] = rec.address
         self.members = members
-        self.membership_error = self.member.error or self.member.members_view.error
+        self.membership_error = self.member.error
 
     def _steps_now(self) -> set[int]:
         for name, rec in self.fs.steps.items():
