@@ -24,6 +24,7 @@ from mtcfs.base import pools, untrusted
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
+from mtcfs.core.passthrough import Passthrough, why_unavailable
 from mtcfs.core.step_registry import backup_lag
 from mtcfs.fuse_ops import Operations, libfuse_version
 from mtcfs.base.mountinfo import device_of
@@ -74,6 +75,8 @@ class Daemon:
         self.fs: Filesystem | None = None
         #: The FUSE adapter, once the mount is being served (its direct writes are in status).
         self.ops: Operations | None = None
+        #: FUSE passthrough: which opens the kernel serves itself (built with the core).
+        self.passthrough = Passthrough(False)
         self.backup_store: Any = None
         self.backup: Any = None
         self.prefetcher: Any = None
@@ -110,8 +113,12 @@ class Daemon:
         if self.store_fs["warning"]:
             log.warning("%s", self.store_fs["warning"])
         capacity = o.size or default_capacity(self.store.path)
+        self.passthrough = Passthrough(o.passthrough)
+        self.passthrough.refuse(why_unavailable(self.store.data_dir,
+                                                hasattr(pyfuse3, "session_fileno")))
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
-                             chunk_size=o.chunk_size, job=o.job, rank=o.rank)
+                             chunk_size=o.chunk_size, job=o.job, rank=o.rank,
+                             passthrough=self.passthrough)
         self.fs.fetcher.fetch_deadline_s = o.read_timeout
         self.fs.verifier.interval_s, self.fs.verifier.rate = o.scrub_interval, o.scrub_rate
         # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
@@ -378,7 +385,8 @@ class Daemon:
         # loop ran (systemctl stop at once) killed the daemon by default and left a dead
         # mount (ENOTCONN) behind. Those that arrive meanwhile wait in the receiver.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            ops = Operations(self.fs, self.opts.mountpoint, self.opts.direct_writes)
+            ops = Operations(self.fs, self.opts.mountpoint, self.opts.direct_writes,
+                             self.passthrough)
             self.ops = ops
             pyfuse3.init(ops, self.opts.mountpoint, self.fuse_options())
             mounted = True
@@ -530,7 +538,8 @@ class Daemon:
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
             "chunk_size": o.chunk_size, "keep": o.keep,
             "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid,
-                     **(self.ops.direct.status() if self.ops else {"direct_writes": False})},
+                     **(self.ops.direct.status() if self.ops else {"direct_writes": False}),
+                     **self.passthrough.status()},
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],
                     "files": s["files"], "checkpoints": len(fs.steps),
                     "evict_unsaved": fs.eviction.evict_unsaved,

@@ -23,7 +23,8 @@ from mtcfs.base import procfs
 from mtcfs.base.errors import ENOATTR, FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.model import Attr
-from mtcfs.direct_writes import DIRECT, DirectWrites
+from mtcfs.core.passthrough import Passthrough
+from mtcfs.direct_writes import CACHED, DIRECT, DirectWrites
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,17 @@ class Operations(pyfuse3.Operations):
     enable_direct_io_allow_mmap = True
     supports_dot_lookup = True
 
-    def __init__(self, fs: Filesystem, mountpoint: str = "", direct_writes: bool = False
-                 ) -> None:
+    def __init__(self, fs: Filesystem, mountpoint: str = "", direct_writes: bool = False,
+                 passthrough: Passthrough | None = None) -> None:
         super().__init__()
         self.fs = fs
+        #: FUSE passthrough (core/passthrough.py, docs/passthrough.md): asked for at INIT
+        #: only where nothing known rules it out, since the kernel then allows no writeback
+        #: cache on the connection (pyfuse3 asks for it only when this is false).
+        self.pt = passthrough or Passthrough(False)
+        self.enable_passthrough = self.pt.wanted and not self.pt.why_off
+        #: The writeback cache is in effect (set at INIT: not beside passthrough).
+        self.writeback = self.enable_writeback_cache
         #: Mount option direct_writes: write-only handles that create or truncate a file are
         #: opened FOPEN_DIRECT_IO unless their thread writes small pieces (direct_writes.py;
         #: docs/usage.md, "Direct writes"). The kernel stamps no c/mtime for such a write,
@@ -151,6 +159,10 @@ class Operations(pyfuse3.Operations):
         """FUSE INIT arrived: the kernel has negotiated the connection."""
         self.fs.kills_suidgid = killpriv_v2()
         self.direct.on = self.direct.wanted and direct_io_allow_mmap()
+        granted = bool(getattr(pyfuse3, "passthrough", False))
+        if self.enable_passthrough:
+            self.pt.start(granted, pyfuse3.session_fileno() if granted else -1)
+        self.writeback = self.enable_writeback_cache and not granted
         self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
@@ -237,21 +249,28 @@ class Operations(pyfuse3.Operations):
 
     @_errno_out
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh, keep = await self.fs.open(inode, self._flags(flags))
-        choice = self.direct.choose(flags, bool(flags & os.O_TRUNC), ctx.pid)
+        fh, keep = await self.fs.open(inode, self._flags(flags), kernel=True)
+        backing = self.fs.backing_id(fh)
+        choice = CACHED if backing else self.direct.choose(flags, bool(flags & os.O_TRUNC),
+                                                            ctx.pid)
         self._opened(fh, flags, ctx, choice)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=choice == DIRECT)
+        # (a passthrough reply carries no other flag than direct I/O and noflush: the
+        # kernel refuses the open with EIO otherwise)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep and not backing,
+                                direct_io=choice == DIRECT, backing_id=backing)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, a = await self.fs.create(parent_inode, name, mode, self._flags(flags), ctx.uid,
-                                     ctx.gid)
+                                     ctx.gid, kernel=True)
+        backing = self.fs.backing_id(fh)
         # (in scope=job another node may have created the name since the kernel's lookup:
         # the core then opened that file, which may have content)
-        choice = self.direct.choose(flags, a.size == 0, ctx.pid)
+        choice = CACHED if backing else self.direct.choose(flags, a.size == 0, ctx.pid)
         self._opened(fh, flags, ctx, choice)
-        return (pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=choice == DIRECT),
+        return (pyfuse3.FileInfo(fh=fh, keep_cache=not backing, direct_io=choice == DIRECT,
+                                 backing_id=backing),
                 self._entry(a))
 
     def _opened(self, fh: int, flags: int, ctx: Any, choice: str) -> None:
@@ -265,7 +284,9 @@ class Operations(pyfuse3.Operations):
         # With writeback cache the kernel resolves O_APPEND itself (at its own i_size) and
         # flushes dirty pages at explicit offsets through any writable handle of the inode,
         # an O_APPEND one included: the core must write them where they are sent.
-        return flags & ~os.O_APPEND if self.enable_writeback_cache else flags
+        # (Without it, as beside passthrough, the core resolves O_APPEND on the daemon's
+        # path and the kernel on a passthrough handle.)
+        return flags & ~os.O_APPEND if self.writeback else flags
 
     @_errno_out
     async def read(self, fh: int, off: int, size: int) -> bytes:

@@ -228,6 +228,10 @@ class MountOptions:
     #: Write a file's content around the kernel's page cache when the open creates or
     #: truncates it (``direct_writes=yes|no``; docs/usage.md, "Direct writes").
     direct_writes: bool = True
+    #: Let the kernel read and write the store's data files itself (FUSE passthrough,
+    #: ``passthrough=yes|no``; docs/passthrough.md): yes where the kernel, the daemon's
+    #: privileges and the store allow it.
+    passthrough: bool = True
     restore: str = "latest"
     allow_other: bool = False
     debug: bool = False
@@ -418,6 +422,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.evict_unsaved = _yes_no(value)
                 elif name == "direct_writes" and value:
                     o.direct_writes = _yes_no(value)
+                elif name == "passthrough" and value:
+                    o.passthrough = _yes_no(value)
                 elif name == "chunk_size" and value:
                     cs = parse_size(value)
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):
@@ -734,7 +740,7 @@ def _check_coord_tls(o: MountOptions, bad: Callable[[str, str], OptionError]) ->
 
 
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
-          "evict_unsaved", "direct_writes",
+          "evict_unsaved", "direct_writes", "passthrough",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
           "coord", "coord_prefix", "coord_timeout", "coord_ca", "coord_cert", "coord_key",

@@ -2,8 +2,9 @@
 # Build libfuse 3.17.2 and pyfuse3 3.5.0 with mtcfs's patch into the virtual environment
 # (.venv/libfuse, then pyfuse3 in .venv's site-packages, linked to that libfuse by rpath).
 #
-# Why: with libfuse >= 3.17 the FUSE connection can negotiate FUSE_HANDLE_KILLPRIV_V2, and
-# the kernel then stops sending a GETXATTR before every write(2) (docs/fuse-build.md).
+# Why: with libfuse >= 3.17 the FUSE connection can negotiate FUSE passthrough (the kernel
+# reads and writes the store's files itself, docs/passthrough.md) and FUSE_HANDLE_KILLPRIV_V2
+# (no GETXATTR before every write(2), docs/fuse-build.md).
 # Debian 12's libfuse is 3.14, which cannot. Sources: libfuse from Debian's archive (the
 # tarball of Debian 13's fuse3 3.17.2 package), pyfuse3 from PyPI, both checked against
 # pinned SHA-256 sums. On a system whose libfuse3-dev is already >= 3.17 (Debian 13), only
@@ -25,12 +26,12 @@ libfuse_sha256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
 pyfuse3_version=3.5.0
 pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 # Applied in this order; each says what it asks the kernel for and why.
-patches="$root/third_party/pyfuse3/killpriv-v2.patch $root/third_party/pyfuse3/direct-io-allow-mmap.patch"
+patches="$root/third_party/pyfuse3/killpriv-v2.patch $root/third_party/pyfuse3/direct-io-allow-mmap.patch $root/third_party/pyfuse3/passthrough.patch"
 
 stamp=$venv/.mtcfs-fuse-built
 want=$( { echo "$libfuse_version $libfuse_config $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat $patches; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'direct_io_allow_mmap'))" 2>/dev/null; then
+    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'passthrough'))" 2>/dev/null; then
   exit 0
 fi
 
@@ -85,7 +86,7 @@ PKG_CONFIG_PATH=$pkg_config_path LDFLAGS=$ldflags \
   "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps \
     "$work/pyfuse3-$pyfuse3_version" >>"$log" 2>&1 || fail "pyfuse3 $pyfuse3_version did not build"
 "$venv/bin/pip" install -q --disable-pip-version-check "trio>=0.15" >>"$log" 2>&1 || true
-"$venv/bin/python" -c "import pyfuse3; assert hasattr(pyfuse3, 'direct_io_allow_mmap')" >>"$log" 2>&1 \
+"$venv/bin/python" -c "import pyfuse3; assert hasattr(pyfuse3, 'passthrough')" >>"$log" 2>&1 \
   || fail "the built pyfuse3 does not import"
 echo "$want" > "$stamp"
 echo "setup: pyfuse3 $pyfuse3_version built against libfuse $(PKG_CONFIG_PATH=$pkg_config_path pkg-config --modversion fuse3)"

@@ -69,6 +69,7 @@ from mtcfs.core.model import ROOT_INO, Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.namespace import NamespaceOps
 from mtcfs.core.ns_log import LocalLog, NamespaceLog
 from mtcfs.core.own_files import OwnFiles
+from mtcfs.core.passthrough import Passthrough
 from mtcfs.core.records import ChunkSource, Counters, StepRecord
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.step_registry import StepRegistry
@@ -98,10 +99,13 @@ class Filesystem(NamespaceOps):
         chunk_size: chunk size in bytes for new versions.
         job: the job name, recorded in manifests.
         rank: this node's rank in the job, recorded in manifests (0 on a single node).
+        passthrough: which opens the kernel serves itself (core/passthrough.py); none
+            when not given.
     """
 
     def __init__(self, store: Store, *, capacity: int, keep: int = 2,
-                 chunk_size: int | None = None, job: str = "job", rank: int = 0) -> None:
+                 chunk_size: int | None = None, job: str = "job", rank: int = 0,
+                 passthrough: Passthrough | None = None) -> None:
         self.store = store
         self.db = store.db
         self.chunk_size = chunk_size or store.chunk_size
@@ -110,7 +114,7 @@ class Filesystem(NamespaceOps):
         #: The inode table (core/inodes.py): inodes, directory entries, kernel aliases and
         #: their rows. ``inodes`` and ``aliases`` here are its dicts (read them; only it adds
         #: or removes entries).
-        self.tree = InodeTable(self.db, size_of=lambda vid: self.versions[vid].size,
+        self.tree = InodeTable(self.db, size_of=lambda vid: self.open_files.live_size(vid),
                                exact_next_ino=lambda: self.job_scope)
         self.inodes: dict[int, Inode] = self.tree.inodes
         #: The versions of files, their rows, data files and descriptors (core/versions.py).
@@ -167,7 +171,7 @@ class Filesystem(NamespaceOps):
                                     chunk_index=self.chunk_index,
                                     step_registry=self.step_registry, entries=self.entries,
                                     chunks=self.chunks, counters=self.counters,
-                                    cpu_limiter=self.cpu_limiter)
+                                    cpu_limiter=self.cpu_limiter, passthrough=passthrough)
         self.handles: dict[int, Handle | DirHandle] = self.open_files.handles
         #: Pins, chunk readers, step imports and ``mtcfs verify`` (core/checkpoints.py).
         self.checkpoints = Checkpoints(db=self.db, tree=self.tree, vstore=self.vstore,
@@ -237,17 +241,24 @@ class Filesystem(NamespaceOps):
     # ------------------------------------------------------------------ FUSE operations on
     # open files: the adapter's entry points (core/files.py does the work)
 
-    async def open(self, num: int, flags: int) -> tuple[int, bool]:
-        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`); a writable
-        ``O_TRUNC`` open clears set-user-ID and set-group-ID first (:meth:`kill_suidgid`)."""
+    async def open(self, num: int, flags: int, *, kernel: bool = False) -> tuple[int, bool]:
+        """Open file ``num``: ``(fh, keep_cache)`` (:meth:`OpenFiles.open`; ``kernel``: a
+        FUSE open, which may pass through, :meth:`backing_id`); a writable ``O_TRUNC``
+        open clears set-user-ID and set-group-ID first (:meth:`kill_suidgid`)."""
         if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
             await self.kill_suidgid(num, always=True)
-        return await self.open_files.open(num, flags)
+        return await self.open_files.open(num, flags, kernel=kernel)
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-                     gid: int) -> tuple[int, Attr]:
+                     gid: int, *, kernel: bool = False) -> tuple[int, Attr]:
         """Create and open ``name`` in ``parent``: ``(fh, attr)`` (:meth:`OpenFiles.create`)."""
-        return await self.open_files.create(parent, name, mode, flags, uid, gid)
+        return await self.open_files.create(parent, name, mode, flags, uid, gid,
+                                            kernel=kernel)
+
+    def backing_id(self, fh: int) -> int:
+        """The backing id the kernel serves handle ``fh`` by (FUSE passthrough), 0 when the
+        daemon serves it (:meth:`OpenFiles.backing_id`)."""
+        return self.open_files.backing_id(fh)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         """Up to ``size`` bytes at ``off`` (:meth:`OpenFiles.read`)."""

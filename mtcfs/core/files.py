@@ -55,6 +55,7 @@ from mtcfs.core.faultin import LocalChunks
 from mtcfs.core.inodes import InodeTable
 from mtcfs.core.model import Attr, DirHandle, Handle, Inode, Version
 from mtcfs.core.ns_log import NamespaceLog
+from mtcfs.core.passthrough import Passthrough
 from mtcfs.core.records import Counters
 from mtcfs.core.records import now_ns as _now_ns
 from mtcfs.core.step_registry import StepRegistry
@@ -117,8 +118,11 @@ class OpenFiles:
     def __init__(self, host: Host, *, db: MetaDB, tree: InodeTable, vstore: VersionStore,
                  budget: RamBudget, verifier: Verifier, chunk_index: ChunkIndex,
                  step_registry: StepRegistry, entries: Entries, chunks: LocalChunks,
-                 counters: Counters, cpu_limiter: trio.CapacityLimiter) -> None:
+                 counters: Counters, cpu_limiter: trio.CapacityLimiter,
+                 passthrough: Passthrough | None = None) -> None:
         self._host = host
+        #: FUSE passthrough (core/passthrough.py): which handles the kernel serves itself.
+        self.pt = passthrough or Passthrough(False)
         self.entries = entries
         self.chunks = chunks
         self.db = db
@@ -207,12 +211,16 @@ class OpenFiles:
 
     # ------------------------------------------------------------------ files
 
-    async def writable_version(self, ino: Inode, *, trunc: bool) -> Version:
+    async def writable_version(self, ino: Inode, *, trunc: bool, in_place: bool = False
+                               ) -> Version:
         """The version a new writer writes to: the open one, or a new copy-on-write one.
 
         The copy keeps holes as holes and is reserved against size= first (ENOSPC); a
         sealed version nothing but read-only handles uses is not copied: the new version
-        takes its data file over (core/versions.py: ``new``).
+        takes its data file over (core/versions.py: ``new``). ``in_place``: a truncating
+        writer takes such a version's data file over too and empties it, instead of
+        starting a new file (the file's other handles pass through to that data file,
+        and a passthrough open must use the same one: :meth:`_pt_fits`).
         """
         waits = 0
         while waits < 3:
@@ -261,6 +269,8 @@ class OpenFiles:
             # (Never a reader of a shared file: its data file holds a newer writer's bytes.)
             take = (cur is not None and not trunc and cur.sealed and cur.preserved is None
                     and not (cur.writers or cur.sealing is not None or cur.publishing))
+            if trunc and in_place and cur is not None and self._in_place_ok(cur):
+                return self._take_over_empty(ino, cur)
             need = cur.alloc if cur is not None and not trunc and not take else 0
             if need and cur is not None and not self.budget.fits(need, in_flight=False):
                 cur.pins += 1  # not evicted while we wait for room
@@ -292,6 +302,29 @@ class OpenFiles:
         self.counters.enospc += 1
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
 
+    @staticmethod
+    def _in_place_ok(cur: Version) -> bool:
+        """Whether a truncating writer may take sealed ``cur``'s data file over and empty
+        it: nothing but read-only handles uses ``cur`` (no pin, seal, publish or fetch)."""
+        return (cur.sealed and cur.preserved is None and cur.shared is None and not cur.pins
+                and not (cur.writers or cur.sealing is not None or cur.publishing
+                         or cur.filling or cur.missing))
+
+    def _take_over_empty(self, ino: Inode, cur: Version) -> Version:
+        """A new version of ``ino`` that takes sealed ``cur``'s data file over, emptied
+        (:meth:`writable_version` with ``in_place``)."""
+        with self.db.transaction():
+            v = self.vstore.new(ino, take_over=cur)
+            self.vstore.set_current(ino, v)
+            self.tree.write(ino)
+        self.vstore.drop_base(v)  # committed before the bytes go
+        os.ftruncate(self.vstore.fd(v), 0)
+        v.size = 0
+        v.missing.clear()
+        v.gen += 1
+        self.budget.account(v)
+        return v
+
     async def _fills_done(self, v: Version) -> None:
         """Wait (:data:`FILL_WAIT_S` at most) until no fetch writes a chunk of ``v``.
 
@@ -320,11 +353,17 @@ class OpenFiles:
             raise
         v.stop_seal = False  # the caller writes v before its next await
 
-    async def open(self, num: int, flags: int) -> tuple[int, bool]:
+    async def open(self, num: int, flags: int, *, kernel: bool = False) -> tuple[int, bool]:
         """Open a file. Returns ``(fh, keep_cache)``.
 
+        ``kernel``: the open comes from the kernel (FUSE), which may then read and write
+        the data file itself (passthrough, :meth:`_pass_through`; the handle's
+        ``backing_id``); the daemon's own opens never pass through.
+
         Raises:
-            FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored).
+            FsError: EISDIR, ENOENT, EAGAIN (writing a file still being restored); EBUSY
+                when the file's other handles pass through to a data file this open
+                cannot use, for longer than :data:`RELEASE_WAIT_S`.
         """
         if self._host.ns_log.replicated:
             await self._host.ns_log.fresh()
@@ -335,10 +374,23 @@ class OpenFiles:
             raise FsError(errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
+        kernel = kernel and self.pt.on
+        if kernel:
+            await self._pt_settle(ino, writable, trunc)
         if writable and not trunc:
             await self.chunks.fault_in_all(ino)
+        elif kernel and ino.vid is not None:
+            cur = self.versions[ino.vid]
+            if not cur.missing and self.verifier.needs(cur):
+                # Verified before the kernel gets the file (docs/reliability.md); a chunk
+                # that cannot be verified or fetched leaves the open on the daemon's path.
+                try:
+                    await self.chunks.fault_in_all(ino)
+                except FsError:
+                    pass
         if writable:
-            v = await self.writable_version(ino, trunc=trunc)
+            v = await self.writable_version(
+                ino, trunc=trunc, in_place=kernel and self.pt.live(ino.ino) is not None)
             v.writers += 1
             if trunc:
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
@@ -352,14 +404,128 @@ class OpenFiles:
         v.handles += 1
         ino.opens += 1
         fh = self._add(lambda fh: Handle(fh, ino.ino, v, writable, bool(flags & os.O_APPEND)))
+        if kernel:
+            self._pass_through(self._handle(fh), ino, v)
         # Close-to-open across nodes (scope=job): the kernel may keep its page cache only
         # if this node served the same version at its last open.
         keep = ino.last_open_vid == v.vid or not self.job_scope
         ino.last_open_vid = v.vid
         return fh, keep
 
+    # ------------------------------------------------------------------ passthrough
+
+    def _pt_fits(self, ino: Inode, writable: bool, trunc: bool) -> bool:
+        """Whether an open of ``ino`` now would get the data file its passthrough handles
+        use (the kernel allows no other, core/passthrough.py)."""
+        live = self.pt.live(ino.ino)
+        if live is None or ino.vid is None:
+            return True
+        cur = self.versions[ino.vid]
+        st = os.fstat(self.vstore.fd(cur))
+        if (st.st_dev, st.st_ino) != live.dev_ino or cur.missing:
+            return False
+        if not writable or not cur.sealed:
+            return cur.shared is None or not writable
+        return self._in_place_ok(cur) or (not trunc and cur.preserved is None
+                                          and not cur.pins and cur.sealing is None
+                                          and not cur.publishing and not cur.writers)
+
+    def _pt_busy(self, ino: Inode) -> bool:
+        """Some handle of ``ino`` that passes through has not seen its last close(2)."""
+        live = self.pt.live(ino.ino)
+        if live is None:
+            return False
+        return any(isinstance(h := self.handles.get(fh), Handle) and not h.closed
+                   for fh in live.handles)
+
+    async def _pt_settle(self, ino: Inode, writable: bool, trunc: bool) -> None:
+        """Before a kernel open of ``ino``: if its passthrough handles use a data file this
+        open would not get, wait (:data:`RELEASE_WAIT_S`) for their last close(2); the
+        kernel dropped its hold at that close, so the next registration may be another
+        file. Raises FsError EBUSY if they are still open then."""
+        if self._pt_fits(ino, writable, trunc):
+            return
+        with trio.move_on_after(RELEASE_WAIT_S):
+            while self._pt_busy(ino) and not self._pt_fits(ino, writable, trunc):
+                if self._released is None:
+                    self._released = trio.Event()
+                await self._released.wait()
+        if self._pt_fits(ino, writable, trunc):
+            return
+        if self._pt_busy(ino):
+            raise FsError(errno.EBUSY, "the file is open in passthrough mode on a data file "
+                                       "this open cannot share (docs/passthrough.md)")
+        self.pt.forget_inode(ino.ino)
+
+    def _pt_refusal(self, ino: Inode, v: Version, writable: bool) -> str:
+        """Why handle ``v`` of ``ino``, just opened, must take the daemon's path ("" if it
+        may pass through)."""
+        if writable and not self.pt.writes:
+            return "writes: the store's data directory has no size limit of its own"
+        if v.missing:
+            return "data still arriving (restore, fault-in, another node's file)"
+        if self.verifier.needs(v):
+            return "not verified (a chunk could not be verified or fetched)"
+        if v.preserved is not None or (writable and v.shared is not None):
+            return "its data file is shared with a version still being read"
+        if not v.current or self.versions.get(v.vid) is not v:
+            return "replaced while it was opened"
+        if ino.opens - ino.pt_opens > 1:
+            # (the kernel allows no passthrough open beside an open on its page cache)
+            return "open on the daemon's path by another handle"
+        return ""
+
+    def _pass_through(self, h: Handle, ino: Inode, v: Version) -> None:
+        """Let the kernel serve handle ``h`` (just opened, of current ``v``) itself when
+        nothing needs the daemon's path (:meth:`_pt_refusal`); sets ``h.backing_id``."""
+        why = self._pt_refusal(ino, v, h.writable)
+        if why:
+            self.pt.count_daemon_path(why)
+            return
+        if h.writable and v.base_chunks is not None:
+            # The writes will not be seen: the seal hashes every chunk.
+            self.vstore.drop_base(v)
+        h.backing_id = self.pt.attach(ino.ino, h.fh, self.vstore.fd(v), h.writable)
+        if not h.backing_id:
+            return
+        ino.pt_opens += 1
+        if h.writable:
+            v.pt_writers += 1
+            v.pt_mtime = os.fstat(self.vstore.fd(v)).st_mtime_ns
+            v.gen += 1  # a seal under way is overtaken (it re-checks gen and writers)
+            self.last_write = time.monotonic()
+
+    def backing_id(self, fh: int) -> int:
+        """The backing id of handle ``fh`` for the open's reply (0: the daemon serves it)."""
+        h = self.handles.get(fh)
+        return h.backing_id if isinstance(h, Handle) else 0
+
+    def sync_from_store(self, v: Version) -> None:
+        """Adopt what the kernel wrote into ``v``'s data file through passthrough handles:
+        its length, and its times when the file changed since last looked at."""
+        st = os.fstat(self.vstore.fd(v))
+        if st.st_size != v.size:
+            v.size = st.st_size
+            v.gen += 1
+        if st.st_mtime_ns != v.pt_mtime:
+            v.pt_mtime = st.st_mtime_ns
+            v.gen += 1
+            ino = self.inodes.get(v.ino)
+            if ino is not None and ino.vid == v.vid:
+                ino.mtime_ns = st.st_mtime_ns
+                ino.ctime_ns = max(ino.ctime_ns, st.st_ctime_ns)
+
+    def live_size(self, vid: int) -> int:
+        """Version ``vid``'s size as a stat(2) must show it (read from the data file while
+        the kernel writes it through passthrough handles)."""
+        v = self.versions[vid]
+        if v.pt_writers:
+            self.sync_from_store(v)
+        return v.size
+
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-                     gid: int) -> tuple[int, Attr]:
+                     gid: int, *, kernel: bool = False) -> tuple[int, Attr]:
+        """Create ``name`` in ``parent`` and open it (``kernel``: as :meth:`open`)."""
         res = await self._host.ns_log.submit(Create(
             parent=self.tree.dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
             excl=bool(flags & os.O_EXCL)))
@@ -367,7 +533,8 @@ class OpenFiles:
         if res["existed"] or self.job_scope:
             # An existing file opens as by open(2); scope=job: a new file's first writer
             # starts an empty local version (O_TRUNC) over the published empty one.
-            fh, _ = await self.open(ino.ino, flags if res["existed"] else flags | os.O_TRUNC)
+            fh, _ = await self.open(ino.ino, flags if res["existed"] else flags | os.O_TRUNC,
+                                    kernel=kernel)
             ino.lookups += 1
             return fh, self.tree.attr(ino)
         v = self.versions[ino.vid]  # type: ignore[index]  # the new, open, empty version
@@ -376,6 +543,8 @@ class OpenFiles:
         ino.opens += 1
         ino.lookups += 1
         fh = self._add(lambda fh: Handle(fh, ino.ino, v, True, bool(flags & os.O_APPEND)))
+        if kernel and self.pt.on:
+            self._pass_through(self._handle(fh), ino, v)
         return fh, self.tree.attr(ino)
 
     def _handle(self, fh: int) -> Handle:
@@ -494,9 +663,13 @@ class OpenFiles:
         h = self._handle(fh)
         if final:
             h.closed = True  # its RELEASE follows (settle_releases)
+            if h.backing_id:
+                self._released_one()  # an open waiting in _pt_settle looks again
         if not self.job_scope or not h.writable or not final:
             return
         v = h.version
+        if v.pt_writers and self.versions.get(v.vid) is v:
+            self.sync_from_store(v)
         if v.writers == 1 and not v.sealed:
             if v.sealing is not None:
                 await v.sealing.wait()
@@ -561,6 +734,8 @@ class OpenFiles:
 
     async def _resize(self, v: Version, size: int) -> None:
         # Growing adds a hole, which costs nothing against size= (core/budget.py: account).
+        if v.pt_writers:
+            self.sync_from_store(v)
         if v.missing:
             await self.chunks.fault_in(v, 0, v.size)
         if size == 0:
@@ -580,6 +755,8 @@ class OpenFiles:
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         if h.writable and not h.version.sealed:
+            if h.version.pt_writers:
+                self.sync_from_store(h.version)
             # Record the length reached so far (the bytes are already in the data file), and
             # the times the kernel sent just before (its writeback cache flushes them ahead
             # of FSYNC; a file being written keeps them in memory until its seal).
@@ -596,6 +773,16 @@ class OpenFiles:
         v = h.version
         v.handles -= 1
         ino = self.inodes.get(h.ino)
+        if self.pt.detach(fh):
+            if ino is not None:
+                ino.pt_opens -= 1
+            if h.writable:
+                v.pt_writers -= 1
+                if self.versions.get(v.vid) is v and not v.dropped:
+                    self.sync_from_store(v)  # what the kernel wrote: the seal hashes it
+                    v.gen += 1
+                    self.budget.account(v)
+                self.last_write = time.monotonic()
         if h.writable:
             v.writers -= 1
         if ino is not None:

@@ -97,6 +97,13 @@ class Version:
     #: (to a dict) before the writer changes a byte; read by reader threads after their
     #: ``pread`` (core/versions.py: ``read_data``). None for any other version.
     preserved: dict[int, bytes] | None = None
+    #: Writable handles open in FUSE passthrough mode (core/passthrough.py): the kernel
+    #: writes the data file itself, so its size and times are read from the data file
+    #: while any is open (OpenFiles.sync_from_store), and nothing tracks dirty chunks.
+    pt_writers: int = 0
+    #: The data file's st_mtime_ns when last read by OpenFiles.sync_from_store (a change
+    #: means the kernel wrote it since).
+    pt_mtime: int = 0
 
     def touched(self, off: int, end: int) -> range:
         """The chunks that bytes ``[off, end)`` about to change (a write, or a resize from
@@ -167,6 +174,8 @@ class Inode:
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
     lookups: int = 0
     opens: int = 0
+    #: of ``opens``, the handles the kernel serves itself (FUSE passthrough)
+    pt_opens: int = 0
     #: the version served at the last open on this node (runtime; decides keep_cache)
     last_open_vid: int | None = None
     #: scope=job: the number the kernel knows this file by, when not ``ino`` (runtime). A
@@ -221,6 +230,9 @@ class Handle:
     append: bool = False
     #: close(2) of its last descriptor was seen (final FLUSH): its RELEASE is on its way.
     closed: bool = False
+    #: The backing id the kernel reads and writes the data file by (FUSE passthrough,
+    #: core/passthrough.py); 0: served by the daemon.
+    backing_id: int = 0
 
 
 @dataclass
