@@ -251,6 +251,7 @@ class OpenFiles:
                     cur.missing.clear()
                     cur.gen += 1
                     self.budget.account(cur)
+                    self._own_change(cur)
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
@@ -397,9 +398,10 @@ class OpenFiles:
         else:
             if flags & os.O_TRUNC and self.versions[ino.vid].size:  # type: ignore[index]
                 # Linux truncates on O_RDONLY|O_TRUNC too, and the kernel has already
-                # dropped its own size to 0 (atomic_o_trunc): follow it.
-                await self.truncate(ino, 0, None)
+                # dropped its own size to 0 (atomic_o_trunc): follow it. (The times first:
+                # the truncation's seal records them; no writeback cache sends them later.)
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
+                await self.truncate(ino, 0, None)
             v = self.versions[ino.vid]  # type: ignore[index]
         v.handles += 1
         ino.opens += 1
@@ -514,6 +516,19 @@ class OpenFiles:
             if ino is not None and ino.vid == v.vid:
                 ino.mtime_ns = st.st_mtime_ns
                 ino.ctime_ns = max(ino.ctime_ns, st.st_ctime_ns)
+
+    def _own_change(self, v: Version) -> None:
+        """The daemon changed ``v``'s data file itself (a truncate) while the kernel may
+        write it: that change's time is not the kernel's (the caller set the inode's)."""
+        if v.pt_writers:
+            v.pt_mtime = os.fstat(self.vstore.fd(v)).st_mtime_ns
+
+    def times_to_store(self, v: Version, ino: Inode) -> None:
+        """``ino``'s times were set (utimes, truncate) while the kernel writes ``v``'s data
+        file: give the file the same times, so that only later writes move them."""
+        fd = self.vstore.fd(v)
+        os.utime(fd, ns=(ino.atime_ns, ino.mtime_ns))
+        v.pt_mtime = os.fstat(fd).st_mtime_ns
 
     def live_size(self, vid: int) -> int:
         """Version ``vid``'s size as a stat(2) must show it (read from the data file while
@@ -751,6 +766,7 @@ class OpenFiles:
         v.size = size
         v.gen += 1
         self.budget.account(v)
+        self._own_change(v)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)

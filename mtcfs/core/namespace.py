@@ -134,6 +134,8 @@ class NamespaceOps:
                 raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
         job = self.job_scope
         cur = self.versions.get(ino.vid) if ino.vid is not None else None
+        if cur is not None and cur.pt_writers:
+            self.open_files.sync_from_store(cur)  # the kernel's writes so far come first
         writing = cur is not None and cur.origin < 0 and not cur.sealed and cur.writers > 0
         # The op: only what changes, of a file that still has a name (the kernel re-sends
         # unchanged times after renames and for unlinked files). atime stays on this node.
@@ -181,6 +183,8 @@ class NamespaceOps:
         if mtime_ns is not None:
             ino.mtime_ns = mtime_ns
         ino.ctime_ns = now
+        if cur is not None and cur.pt_writers and self.versions.get(cur.vid) is cur:
+            self.open_files.times_to_store(cur, ino)
         if not in_memory:
             with self.db.transaction():
                 self.tree.write(ino)
