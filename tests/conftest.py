@@ -41,6 +41,30 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fuse_path(request):
+    """How the mounts of a test serve file data: ``"passthrough"`` (the kernel reads and
+    writes the store's files itself where it can, the default) or ``"daemon"`` (mount
+    option ``passthrough=no``: every byte through the daemon). A module that sets
+    ``FUSE_PATHS`` (a tuple of those) runs its tests once per path it names (the data
+    path's tests run both ways, docs/passthrough.md); :class:`~support.mount.Mount` reads
+    the choice from ``MTCFS_TEST_FUSE_PATH``."""
+    path = getattr(request, "param", "passthrough")
+    old = os.environ.get("MTCFS_TEST_FUSE_PATH")
+    os.environ["MTCFS_TEST_FUSE_PATH"] = path
+    yield path
+    if old is None:
+        os.environ.pop("MTCFS_TEST_FUSE_PATH", None)
+    else:
+        os.environ["MTCFS_TEST_FUSE_PATH"] = old
+
+
+def pytest_generate_tests(metafunc):
+    paths = getattr(metafunc.module, "FUSE_PATHS", None)
+    if paths and "fuse_path" in metafunc.fixturenames:
+        metafunc.parametrize("fuse_path", list(paths), indirect=True, scope="module")
+
+
 @pytest.fixture
 def shm_dir():
     """A fresh directory on tmpfs (/dev/shm): the baseline real filesystem."""

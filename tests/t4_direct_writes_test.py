@@ -26,6 +26,9 @@ import pytest
 from mtcfs.direct_writes import (CACHED, CAP, DIRECT, FLIP, MAX_THREADS, SMALL_WRITER,
                                  DirectWrites)
 
+#: Direct writes are a feature of the daemon's path (conftest.py: fuse_path).
+FUSE_PATHS = ("daemon",)
+
 KiB = 1024
 MiB = 1024 * 1024
 

@@ -29,6 +29,9 @@ from support.mount import Mount  # noqa: E402
 from mtcfs.core.core import Filesystem  # noqa: E402
 from mtcfs.core.model import ROOT_INO  # noqa: E402
 
+#: Both ways: passthrough and the daemon's path (conftest.py: fuse_path).
+FUSE_PATHS = ("passthrough", "daemon")
+
 #: mtcfs's pyfuse3 (third_party/pyfuse3/killpriv-v2.patch) is installed.
 PATCHED = hasattr(pyfuse3, "handle_killpriv_v2")
 needs_patched = pytest.mark.skipif(
@@ -37,7 +40,7 @@ needs_patched = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def mnt():
+def mnt(fuse_path):
     if not os.path.exists("/dev/fuse"):
         pytest.skip("/dev/fuse is missing")
     root = Path(tempfile.mkdtemp(prefix="mtcfs-killpriv-", dir="/dev/shm"))

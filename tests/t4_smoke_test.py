@@ -4,6 +4,9 @@ import os
 
 import blake3
 
+#: Both ways: passthrough and the daemon's path (conftest.py: fuse_path).
+FUSE_PATHS = ("passthrough", "daemon")
+
 
 def test_write_read_seal(mount):
     data = os.urandom(3 * 1024 * 1024 + 17)

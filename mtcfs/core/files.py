@@ -37,6 +37,7 @@ import errno
 import logging
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -464,6 +465,9 @@ class OpenFiles:
         may pass through)."""
         if writable and not self.pt.writes:
             return "writes: the store's data directory has no size limit of its own"
+        if writable and ino.mode & (stat.S_ISUID | stat.S_ISGID):
+            # (the daemon clears them at each write it sees: FUSE_HANDLE_KILLPRIV_V2)
+            return "writes to a set-user-ID or set-group-ID file"
         if v.missing:
             return "data still arriving (restore, fault-in, another node's file)"
         if self.verifier.needs(v):

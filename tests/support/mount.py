@@ -53,6 +53,8 @@ class Mount:
 
     def option_string(self) -> str:
         opts = {"store": str(self.store), "size": "2G", **self.options}
+        if os.environ.get("MTCFS_TEST_FUSE_PATH") == "daemon":
+            opts.setdefault("passthrough", "no")  # (conftest.py: fuse_path)
         return ",".join(k if v is None else f"{k}={v}" for k, v in opts.items())
 
     def start(self, timeout: float = 60.0) -> "Mount":
