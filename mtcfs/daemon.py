@@ -113,7 +113,10 @@ class Daemon:
         if self.store_fs["warning"]:
             log.warning("%s", self.store_fs["warning"])
         capacity = o.size or default_capacity(self.store.path)
-        self.passthrough = Passthrough(o.passthrough)
+        # Writers pass through only where the store's data directory enforces size= by
+        # itself (its own tmpfs): the kernel then writes without asking the daemon.
+        self.passthrough = Passthrough(o.passthrough,
+                                       writes=getattr(self.store, "data_limit", None) is not None)
         self.passthrough.refuse(why_unavailable(self.store.data_dir,
                                                 hasattr(pyfuse3, "session_fileno")))
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,

@@ -275,10 +275,43 @@ class VersionStore:
             if not v.sealed:
                 if v.missing:
                     self.drop_base(v)  # (never with a base: new() records none then)
+                if v.vid in on_disk:
+                    self._detach_unsealed(v)
                 v.size = os.stat(store.data_path(v.vid)).st_size
                 self.write(v)
                 unsealed.append(v)
         return unsealed
+
+    def _detach_unsealed(self, v: Version) -> None:
+        """``v`` was being written when the daemon before this one died. A process that
+        had it open for writing through FUSE passthrough may still be writing its data file
+        (the kernel writes it for that descriptor, which outlives the daemon, until the
+        process closes it). Give ``v`` a copy of the file under its own name, so that the
+        seal after this start hashes bytes no one else changes: the old file, still written
+        by that process, has no name any more. The copy is made under an unused version
+        number first and renamed over the name (a crash in between leaves a file that the
+        next start removes as having no version). If the copy cannot be made (no room), the
+        file is kept as it is and the log says so."""
+        store = self._store
+        tmp_vid = self.alloc_vid()
+        try:
+            src = store.open_data(v.vid)
+            try:
+                dst = store.open_data(tmp_vid, create=True)
+                try:
+                    copy_extents(src, dst, os.fstat(src).st_size)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+            os.rename(store.data_path(tmp_vid), store.data_path(v.vid))
+        except OSError as exc:
+            store.remove_data(tmp_vid, 0)
+            log.warning("version %d, being written at the crash, keeps its data file (a copy "
+                        "could not be made: %s); a writer of the old mount that is still "
+                        "running could change it after its seal", v.vid, exc)
+            return
+        self.fds.drop(v)
 
     def check_present(self) -> list[tuple[Version, list[int]]]:
         """The store check at load, in the caller's transaction, after the budget measured
