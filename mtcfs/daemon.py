@@ -114,6 +114,7 @@ class Daemon:
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank)
         self.fs.fetcher.fetch_deadline_s = o.read_timeout
         self.fs.verifier.interval_s, self.fs.verifier.rate = o.scrub_interval, o.scrub_rate
+        self.fs.open_files.hash_threads = self.fs.verifier.threads = o.hash_threads
         # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
         # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
         self.fs.eviction.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
