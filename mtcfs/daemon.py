@@ -529,7 +529,7 @@ class Daemon:
             "job": o.job, "node": socket.gethostname(),
             "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
-            "chunk_size": o.chunk_size, "keep": o.keep,
+            "chunk_size": o.chunk_size, "hash_threads": o.hash_threads, "keep": o.keep,
             "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid,
                      **(self.ops.direct.status() if self.ops else {"direct_writes": False})},
             "ram": {"capacity": s["capacity"], "used": s["used"], "free": s["free"],

@@ -51,6 +51,7 @@ def test_a_seal_with_n_threads_records_the_chunks_and_the_file_hash(make_mount, 
     assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(data).hexdigest()
     assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(data).hexdigest()
     st = m.status()
+    assert st["hash_threads"] == threads
     assert st["counters"]["seal_bytes_hashed"] == len(data)  # each byte hashed once
     assert st["counters"]["file_hash_bytes"] == len(data)  # once more, when first asked
     assert p.read_bytes() == data
