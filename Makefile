@@ -41,6 +41,13 @@ bench-files:
 bench-mtc:
 	$(PYTHON) -m benchmarks.bench_mtc $(ARGS)
 
+# Close -> sealed of a large file against blake3's own rate with the same threads
+# (benchmarks/bench_seal.py, issue 40): blake3 over a tmpfs file, hash_fd, and a mount's seal.
+# make bench-seal ARGS="--sizes 1G,4G --threads 1,4 --reps 3"
+.PHONY: bench-seal
+bench-seal:
+	$(PYTHON) -m benchmarks.bench_seal $(ARGS)
+
 # Chaos run (examples/chaos.py, docs/reliability.md): 4 daemons on loopback, scope=node then
 # scope=job, a DCP-style save loop and a seeded schedule of faults (kill -9 with replacement,
 # SIGSTOP, partitions, corrupted chunks in every tier, backup outages); prints a table per

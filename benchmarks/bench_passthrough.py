@@ -142,7 +142,7 @@ def run(sizes: list[int], reps: int, only: list[str], touch: bool) -> dict[str, 
                     if t == "tmpfs":
                         fd = os.open(f, os.O_RDONLY)
                         try:
-                            seal_hash = hash_fd(fd, size, CHUNK).file_hash
+                            seal_hash = hash_fd(fd, size, CHUNK, whole=True).file_hash
                         finally:
                             os.close(fd)
                         sealed = hash_s = time.monotonic() - t_closed
@@ -173,7 +173,7 @@ def run(sizes: list[int], reps: int, only: list[str], touch: bool) -> dict[str, 
                     if rep == 0 and seal_hash is not None and t in states:
                         fd = os.open(f, os.O_RDONLY)  # the bytes through the mount
                         try:
-                            if hash_fd(fd, size, CHUNK).file_hash != seal_hash:
+                            if hash_fd(fd, size, CHUNK, whole=True).file_hash != seal_hash:
                                 raise RuntimeError(f"{t}: seal hash != bytes read back")
                         finally:
                             os.close(fd)

@@ -464,7 +464,7 @@ class Server:
             try:
                 t0 = time.monotonic()
                 size = os.fstat(fd).st_size
-                res = hash_fd(fd, size, CHUNK)
+                res = hash_fd(fd, size, CHUNK, whole=True)
                 t1 = time.monotonic()
                 rec = {"name": name, "size": size, "blake3": res.file_hash,
                        "chunks": len(res.chunks), "released": t_release,

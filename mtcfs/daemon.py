@@ -124,6 +124,7 @@ class Daemon:
                              passthrough=self.passthrough)
         self.fs.fetcher.fetch_deadline_s = o.read_timeout
         self.fs.verifier.interval_s, self.fs.verifier.rate = o.scrub_interval, o.scrub_rate
+        self.fs.open_files.hash_threads = self.fs.verifier.threads = o.hash_threads
         # docs/usage.md, Capacity: with a backup tier, a checkpoint awaiting its backup is
         # never deleted to make room (the write gets ENOSPC) unless evict_unsaved=yes.
         self.fs.eviction.evict_unsaved = o.evict_unsaved if o.evict_unsaved is not None \
@@ -539,7 +540,7 @@ class Daemon:
             "job": o.job, "node": socket.gethostname(),
             "mountpoint": os.path.abspath(o.mountpoint), "store": o.store,
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
-            "chunk_size": o.chunk_size, "keep": o.keep,
+            "chunk_size": o.chunk_size, "hash_threads": o.hash_threads, "keep": o.keep,
             "fuse": {"libfuse": libfuse_version(), "killpriv_v2": fs.kills_suidgid,
                      **(self.ops.direct.status() if self.ops else {"direct_writes": False}),
                      **self.passthrough.status()},

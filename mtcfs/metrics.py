@@ -111,8 +111,8 @@ _COUNTER_HELP = {
                    " restore prefetcher waited for.",
     "seal_bytes_hashed": "Bytes read and hashed by seals (a rewrite of a sealed file hashes"
                          " only the chunks it changed).",
-    "file_hash_bytes": "Bytes hashed to compute the whole-file blake3 of a rewritten file"
-                       " when it was asked for (user.mtcfs.blake3).",
+    "file_hash_bytes": "Bytes hashed to compute the whole-file blake3 of a file of more"
+                       " than one chunk when it was asked for (user.mtcfs.blake3).",
     "foreign_getxattrs": "GETXATTRs of names outside user.*: the kernel's security.capability"
                          " before every write(2) when the mount could not negotiate"
                          " FUSE_HANDLE_KILLPRIV_V2 (docs/fuse-build.md).",

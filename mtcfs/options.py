@@ -12,7 +12,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mtcfs.base.chunking import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mtcfs.base.chunking import (DEFAULT_CHUNK_SIZE, DEFAULT_HASH_THREADS, MAX_CHUNK_SIZE,
+                                 MAX_HASH_THREADS, MIN_CHUNK_SIZE)
 from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_LABELS_BYTES, MAX_NODES, MAX_STEP
 
 
@@ -225,6 +226,9 @@ class MountOptions:
     #: refuse the write with ENOSPC (False); None: False when backup= is set, else True.
     evict_unsaved: bool | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: Threads that hash at once: a seal's chunks, the first-read verification of a file
+    #: (docs/usage.md; min(4, CPUs) by default).
+    hash_threads: int = DEFAULT_HASH_THREADS
     #: Write a file's content around the kernel's page cache when the open creates or
     #: truncates it (``direct_writes=yes|no``; docs/usage.md, "Direct writes").
     direct_writes: bool = True
@@ -429,6 +433,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     if not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE or cs & (cs - 1):
                         raise ValueError("must be a power of two between 64K and 256M")
                     o.chunk_size = cs
+                elif name == "hash_threads" and value:
+                    o.hash_threads = _int(name, value, 1, MAX_HASH_THREADS)
                 elif name == "restore" and value:
                     if value not in ("latest", "none") and not (
                             re.fullmatch(r"[0-9]{1,19}", value) and int(value) <= MAX_STEP):
@@ -740,6 +746,7 @@ def _check_coord_tls(o: MountOptions, bad: Callable[[str, str], OptionError]) ->
 
 
 _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "chunk_size",
+          "hash_threads",
           "evict_unsaved", "direct_writes", "passthrough",
           "restore", "allow_other", "debug", "ro",
           "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",

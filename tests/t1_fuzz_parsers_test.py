@@ -74,7 +74,8 @@ items = st.one_of(
         ["listen", "peers", "coord", "jax_coordinator"]), addresses),
     st.builds(lambda n, v: f"{n}={v}", st.sampled_from(
         ["size", "chunk_size", "read_timeout", "backup_interval", "coord_timeout",
-         "scrub_interval", "scrub_rate", "mount_timeout"]), numbers_with_units),
+         "scrub_interval", "scrub_rate", "mount_timeout", "hash_threads"]),
+        numbers_with_units),
     st.sampled_from(NAMES),
     values,  # a bare token: continues peers=, coord=, topology=, or is unknown
     st.text(max_size=10))
@@ -105,6 +106,7 @@ def check_options(o: MountOptions) -> None:
     for t in (o.read_timeout, o.mount_timeout, o.coord_timeout):
         assert math.isfinite(t) and 1 <= t <= 3600
     assert o.scrub_interval == 0 or 1 <= o.scrub_interval <= 30 * 86400
+    assert 1 <= o.hash_threads <= 64
     assert o.restore in ("latest", "none") or (o.restore.isascii() and o.restore.isdigit()
                                                 and int(o.restore) <= mopts.MAX_STEP)
     for addr in [o.listen, o.jax_coordinator, *(o.peers or ()), *(o.coord or ())]:

@@ -61,6 +61,13 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
              "a restoring rank's ListManifests calls to the ranks that may hold its "
              "replicas, asked at once (restore/from_peers.py list_holders); each call "
              "within the client's deadline"),
+    PoolSpec("hash", 64, "executor",
+             "the helper threads of one seal's hashing: hash_threads - 1 per seal, each "
+             "hashing whole chunks into a buffer of its own (base/chunking.py run_workers; "
+             "the seal's own thread holds a cpu token)"),
+    PoolSpec("verify", 4, "limiter",
+             "first-read verification: chunks hashed at once after a start (hash_threads "
+             "tokens; Verifier.hash_limiter, core/verifier.py)"),
     PoolSpec("cpu", 2, "limiter",
              "the core's hashing (seal, first-read verification, scrub, mtcfs verify) and "
              "fault-in's chunk writes (Filesystem.cpu_limiter)"),

@@ -11,7 +11,7 @@ on last close.
   kept, reserved against ``size=`` first), each version's ``writers``/``handles`` counts
   and each inode's ``opens``;
 - the seal: a version is hashed (blake3 per chunk, in a worker thread under the CPU
-  limiter) when its last writer closes, and its row, the chunk index, the step registry
+  limiter, its chunks on up to ``hash_threads`` threads at once) when its last writer closes, and its row, the chunk index, the step registry
   (a commit marker, a changed step) and the observers (``sealed``) learn of it;
 - ``last_write``: ``time.monotonic()`` of the application's last write (the background
   tiers yield to it); the RELEASEs in flight of unlinked files (:meth:`settle_releases`).
@@ -34,6 +34,7 @@ after hashing.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import sqlite3
@@ -44,7 +45,8 @@ from typing import Any, Protocol
 
 import trio
 
-from mtcfs.base.chunking import HashResult, HashStopped, hash_fd, rehash_fd
+from mtcfs.base.chunking import (DEFAULT_HASH_THREADS, HashResult, HashStopped, hash_fd,
+                                 rehash_fd)
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
 from mtcfs.base.ns_ops import Create
@@ -135,6 +137,9 @@ class OpenFiles:
         self.step_registry = step_registry
         self.counters = counters
         self.cpu_limiter = cpu_limiter
+        #: Threads that hash one seal's chunks at once (mount option ``hash_threads``; the
+        #: seal's own thread, under ``cpu_limiter``, and helpers of the ``hash`` pool).
+        self.hash_threads = DEFAULT_HASH_THREADS
         self.versions: dict[int, Version] = vstore.versions
         self.inodes: dict[int, Inode] = tree.inodes
         self.fds: FdCache = vstore.fds
@@ -887,12 +892,16 @@ class OpenFiles:
                 # A rewrite hashes only the chunks written since it started from a sealed
                 # version (docs/architecture.md, "Rewrites"); its whole-file hash is
                 # computed when asked (file_hash).
-                fn: Callable[..., HashResult] = hash_fd
+                # Up to hash_threads chunks at once, each byte read and hashed once; the
+                # whole-file hash of more than one chunk is computed when asked too.
+                fn: Callable[..., HashResult] = functools.partial(
+                    hash_fd, threads=self.hash_threads)
                 args: tuple[Any, ...] = (size, v.chunk_size,
                                            self._seal_stopper(v) if size > INLINE_SEAL_BYTES
                                            else None)
                 if v.base_chunks is not None:
-                    fn, args = rehash_fd, (size, v.chunk_size, v.base_chunks, set(v.dirty))
+                    fn = functools.partial(rehash_fd, threads=self.hash_threads)
+                    args = (size, v.chunk_size, v.base_chunks, set(v.dirty))
                 try:
                     fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
                     try:

@@ -18,17 +18,22 @@ chunk, so a verdict that arrives after the chunk was already marked and refetche
 mark the good bytes. It reaches the rest of the core only through :class:`Host`.
 
 Concurrency: on the trio thread; a chunk over :data:`INLINE_VERIFY_BYTES` is hashed in a
-worker thread under the core's ``cpu_limiter`` with a leased descriptor, its version pinned.
+worker thread with a leased descriptor, its version pinned: a first read's chunks under
+:attr:`Verifier.hash_limiter` (``hash_threads`` at once: :meth:`Verifier.verify_version`
+verifies a whole file with all of them), the scrub's and ``mtcfs verify``'s under the core's
+``cpu_limiter``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Protocol
 
 import trio
 
-from mtcfs.base.chunking import chunk_hash, chunk_span
+from mtcfs.base import pools
+from mtcfs.base.chunking import DEFAULT_HASH_THREADS, chunk_hash, chunk_span
 from mtcfs.core.model import Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
@@ -75,7 +80,8 @@ class Verifier:
         cpu_limiter: the core's worker-thread limiter.
 
     Settable by the daemon: :attr:`interval_s` (seconds, 0: no scrub), :attr:`rate`
-    (bytes per second, 0: unbounded). :attr:`state` is what ``mtcfs status`` shows.
+    (bytes per second, 0: unbounded), :attr:`threads` (``hash_threads``: chunks of first
+    reads hashed at once). :attr:`state` is what ``mtcfs status`` shows.
     """
 
     def __init__(self, host: Host, fds: FdCache, counters: Counters,
@@ -84,6 +90,8 @@ class Verifier:
         self._fds = fds
         self._counters = counters
         self._cpu = cpu_limiter
+        #: The threads that hash first reads' chunks (``hash_threads`` tokens).
+        self.hash_limiter = pools.limiter("verify", DEFAULT_HASH_THREADS)
         #: vid -> chunk indices held in RAM and not hashed since this daemon started.
         self._unverified: dict[int, set[int]] = {}
         self._verifying: dict[tuple[int, int], trio.Event] = {}
@@ -102,6 +110,15 @@ class Verifier:
                 held = set(range(len(v.chunks))) - v.missing
                 if held:
                     self._unverified[v.vid] = held
+
+    @property
+    def threads(self) -> int:
+        """Chunks of first reads hashed at once (mount option ``hash_threads``)."""
+        return int(self.hash_limiter.total_tokens)
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        self.hash_limiter.total_tokens = n
 
     def drop(self, vid: int) -> None:
         """Nothing of version ``vid`` needs a first-read hash (freed, or hashed whole)."""
@@ -125,17 +142,38 @@ class Verifier:
         first, last = off // cs, (off + max(size, 1) - 1) // cs
         wanted = [i for i in range(first, last + 1) if i in todo]
         if len(wanted) == 1:
-            await self.verify_chunk(v, wanted[0])
+            await self.verify_chunk(v, wanted[0], limiter=self.hash_limiter)
             return
+        await self._verify_all(v, wanted)
+
+    async def verify_version(self, v: Version) -> bool:
+        """Hash every chunk of ``v`` still unverified since start, :attr:`threads` at once
+        (before the kernel is handed the data file: a passthrough open). Each goes through
+        :meth:`verify_chunk`: a mismatch is marked corrupt, and a chunk another caller is
+        verifying is not hashed twice (its verdict is waited for).
+
+        Returns:
+            True if every chunk of ``v`` is here and verified; False if one is missing (a
+            mismatch, now marked, or missing before: ``fault_in`` brings it).
+        """
+        todo = self._unverified.get(v.vid)
+        if todo:
+            await self._verify_all(v, sorted(todo))
+        return not v.missing and not self.needs(v) and v.sealed
+
+    async def _verify_all(self, v: Version, wanted: list[int]) -> None:
         async with trio.open_nursery() as n:
             for i in wanted:
-                n.start_soon(self.verify_chunk, v, i)
+                n.start_soon(functools.partial(self.verify_chunk, v, i,
+                                               limiter=self.hash_limiter))
 
-    async def verify_chunk(self, v: Version, idx: int, *, scrub: bool = False) -> bool:
+    async def verify_chunk(self, v: Version, idx: int, *, scrub: bool = False,
+                           limiter: trio.CapacityLimiter | None = None) -> bool:
         """Hash chunk ``idx`` of ``v`` (held in RAM) in a worker thread; True if it matches.
 
         A mismatch marks it corrupt (the host's ``mark_corrupt``). One verification per chunk at
-        a time; a caller that finds one under way waits for its verdict.
+        a time; a caller that finds one under way waits for its verdict. ``limiter``: of the
+        worker thread (default the core's ``cpu_limiter``).
         """
         key = (v.vid, idx)
         while True:
@@ -162,7 +200,8 @@ class Verifier:
                 ok = _hash_matches(self._fds, v, off, length, v.chunks[idx])
             else:  # (the read leases a descriptor: store/fdcache.py)
                 ok = await trio.to_thread.run_sync(_hash_matches, self._fds, v, off, length,
-                                                   v.chunks[idx], limiter=self._cpu)
+                                                   v.chunks[idx],
+                                                   limiter=limiter or self._cpu)
             if idx in v.missing:
                 return False
             if self._host.versions.get(v.vid) is not v:
