@@ -488,6 +488,24 @@ def control_socket(path: str) -> ControlEndpoint:
         _die(control.printable(str(exc)))
 
 
+def _passthrough_line(fuse: dict[str, Any]) -> str:
+    """The ``data:`` line of ``mtcfs status``: who moves file bytes (docs/passthrough.md)."""
+    if not fuse.get("passthrough"):
+        return (f"passthrough off ({fuse.get('passthrough_off') or 'unknown why'}): every "
+                "byte through the daemon")
+    line = ("passthrough on: the kernel reads and writes the store's files"
+            if fuse.get("passthrough_writes") else
+            "passthrough on for reads: the kernel reads the store's files; writes through "
+            "the daemon (the store's data directory has no size limit of its own)")
+    opens = fuse.get("daemon_path_opens") or {}
+    line += (f" ({fuse.get('passthrough_opens_read', 0)} reads, "
+             f"{fuse.get('passthrough_opens_write', 0)} writes opened so far")
+    if opens:
+        line += "; on the daemon's path: " + ", ".join(f"{n} {why}" for why, n in
+                                                       sorted(opens.items()))
+    return line + ")"
+
+
 def _human(n: float | None) -> str:
     if n is None:
         return "-"
@@ -786,6 +804,8 @@ def status_lines(st: dict[str, Any]) -> list[str]:
                    + (", direct writes" if fuse.get("direct_writes") else ", no direct writes")
                    + (f" ({fuse['small_writer_threads']} threads writing small pieces use the page "
                       "cache)" if fuse.get("small_writer_threads") else ""))
+        if "passthrough" in fuse:
+            out.append("  data:     " + _passthrough_line(fuse))
     if (st.get("store_fs") or {}).get("warning"):
         out.append(f"  store:    {st['store_fs']['warning']}")
     out.append(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "

@@ -163,6 +163,7 @@ class Operations(pyfuse3.Operations):
         if self.enable_passthrough:
             self.pt.start(granted, pyfuse3.session_fileno() if granted else -1)
         self.writeback = self.enable_writeback_cache and not granted
+        self.fs.adapter_ready(stamp_writes=not self.writeback)
         self.initialized = True
 
     def _on_event(self, event: str, obj: Any) -> None:
@@ -277,6 +278,8 @@ class Operations(pyfuse3.Operations):
         """Handle ``fh`` is open: tell direct writes what was chosen for it; in scope=job,
         remember which process opened a file for writing (see flush)."""
         self.direct.opened(fh, ctx.pid, choice)
+        if choice == DIRECT:
+            self.fs.mark_direct(fh)
         if self.fs.job_scope and flags & os.O_ACCMODE != os.O_RDONLY and ctx:
             self._owners[fh] = procfs.tgid(ctx.pid)
 

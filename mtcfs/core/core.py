@@ -255,6 +255,15 @@ class Filesystem(NamespaceOps):
         return await self.open_files.create(parent, name, mode, flags, uid, gid,
                                             kernel=kernel)
 
+    def adapter_ready(self, *, stamp_writes: bool) -> None:
+        """The FUSE connection is negotiated: ``stamp_writes`` when the kernel keeps no
+        writeback cache (beside passthrough), so the daemon stamps c/mtime at each WRITE."""
+        self.open_files.stamp_writes = stamp_writes
+
+    def mark_direct(self, fh: int) -> None:
+        """Handle ``fh`` was opened FOPEN_DIRECT_IO (its writes are not time-stamped)."""
+        self.open_files.mark_direct(fh)
+
     def backing_id(self, fh: int) -> int:
         """The backing id the kernel serves handle ``fh`` by (FUSE passthrough), 0 when the
         daemon serves it (:meth:`OpenFiles.backing_id`)."""

@@ -146,6 +146,9 @@ class OpenFiles:
         #: fh -> open file or directory (``Filesystem.handles`` is this dict).
         self.handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
+        #: The daemon stamps c/mtime at each WRITE it serves (set by the adapter at INIT
+        #: when the kernel has no writeback cache, which would stamp them itself).
+        self.stamp_writes = False
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
@@ -392,7 +395,8 @@ class OpenFiles:
                 # Verified before the kernel gets the file (docs/reliability.md); a chunk
                 # that cannot be verified or fetched leaves the open on the daemon's path.
                 try:
-                    await self.chunks.fault_in_all(ino)
+                    if not await self.verifier.verify_version(cur):  # hash_threads at once
+                        await self.chunks.fault_in_all(ino)  # a mismatch: fetched again
                 except FsError:
                     pass
         if writable:
@@ -429,6 +433,8 @@ class OpenFiles:
         if live is None or ino.vid is None:
             return True
         cur = self.versions[ino.vid]
+        if writable and self._writer_refusal(ino):
+            return False  # it would take the daemon's path
         st = os.fstat(self.vstore.fd(cur))
         if (st.st_dev, st.st_ino) != live.dev_ino or cur.missing:
             return False
@@ -468,13 +474,10 @@ class OpenFiles:
     def _pt_refusal(self, ino: Inode, v: Version, writable: bool) -> str:
         """Why handle ``v`` of ``ino``, just opened, must take the daemon's path ("" if it
         may pass through)."""
-        if writable and not self.pt.writes:
-            return "writes: the store's data directory has no size limit of its own"
-        if writable and ino.mode & (stat.S_ISUID | stat.S_ISGID):
-            # (the daemon clears them at each write it sees: FUSE_HANDLE_KILLPRIV_V2)
-            return "writes to a set-user-ID or set-group-ID file"
+        if writable and (why := self._writer_refusal(ino)):
+            return why
         if v.missing:
-            return "data still arriving (restore, fault-in, another node's file)"
+            return "chunks not here (still arriving, or dropped as damaged)"
         if self.verifier.needs(v):
             return "not verified (a chunk could not be verified or fetched)"
         if v.preserved is not None or (writable and v.shared is not None):
@@ -484,6 +487,15 @@ class OpenFiles:
         if ino.opens - ino.pt_opens > 1:
             # (the kernel allows no passthrough open beside an open on its page cache)
             return "open on the daemon's path by another handle"
+        return ""
+
+    def _writer_refusal(self, ino: Inode) -> str:
+        """Why a writer of ``ino`` must take the daemon's path whatever its version ("")."""
+        if not self.pt.writes:
+            return "writes: the store's data directory has no size limit of its own"
+        if ino.mode & (stat.S_ISUID | stat.S_ISGID):
+            # (the daemon clears them at each write it sees: FUSE_HANDLE_KILLPRIV_V2)
+            return "writes to a set-user-ID or set-group-ID file"
         return ""
 
     def _pass_through(self, h: Handle, ino: Inode, v: Version) -> None:
@@ -505,6 +517,12 @@ class OpenFiles:
             v.pt_mtime = os.fstat(self.vstore.fd(v)).st_mtime_ns
             v.gen += 1  # a seal under way is overtaken (it re-checks gen and writers)
             self.last_write = time.monotonic()
+
+    def mark_direct(self, fh: int) -> None:
+        """Handle ``fh`` was opened FOPEN_DIRECT_IO (direct writes)."""
+        h = self.handles.get(fh)
+        if isinstance(h, Handle):
+            h.direct = True
 
     def backing_id(self, fh: int) -> int:
         """The backing id of handle ``fh`` for the open's reply (0: the daemon serves it)."""
@@ -655,6 +673,12 @@ class OpenFiles:
             v.size = end
         self.budget.account(v)
         v.gen += 1
+        if self.stamp_writes and not h.direct:
+            # No writeback cache (beside passthrough) stamps the time: the daemon does, as
+            # a local filesystem would at each write.
+            ino = self.inodes.get(v.ino)
+            if ino is not None:
+                ino.mtime_ns = ino.ctime_ns = _now_ns()
         self.counters.bytes_written += n
         self.last_write = time.monotonic()
         return n

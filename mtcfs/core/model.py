@@ -233,6 +233,9 @@ class Handle:
     #: The backing id the kernel reads and writes the data file by (FUSE passthrough,
     #: core/passthrough.py); 0: served by the daemon.
     backing_id: int = 0
+    #: Opened FOPEN_DIRECT_IO (direct writes, mtcfs/direct_writes.py): its writes are not
+    #: time-stamped (docs/usage.md, "Direct writes").
+    direct: bool = False
 
 
 @dataclass
