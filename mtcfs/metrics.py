@@ -220,6 +220,17 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
             fuse.get("small_writer_threads"))
     out.add("mtcfs_small_writer_opens_total", "counter", "Handles opened through the page"
             " cache because their thread writes small pieces.", fuse.get("small_writer_opens"))
+    if "passthrough" in fuse:
+        out.add("mtcfs_passthrough", "gauge", "1 if the kernel reads and writes the store's"
+                " files itself (FUSE passthrough; why not: mtcfs status).",
+                fuse.get("passthrough"))
+        for mode in ("read", "write"):
+            out.add("mtcfs_passthrough_opens_total", "counter", "Handles the kernel serves"
+                    " itself (FUSE passthrough), by open mode.",
+                    fuse.get(f"passthrough_opens_{mode}"), {"mode": mode})
+        for why, n in sorted((fuse.get("daemon_path_opens") or {}).items()):
+            out.add("mtcfs_daemon_path_opens_total", "counter", "Handles served by the"
+                    " daemon although passthrough is on, by reason.", n, {"reason": why})
     rejected = status.get("rejected_records") or {}
     for kind, n in sorted((rejected.get("by_kind") or {}).items()):
         out.add("mtcfs_rejected_records_total", "counter", "Records read back from etcd that"

@@ -827,7 +827,7 @@ class OpenFiles:
                 ino.pt_opens -= 1
             if h.writable:
                 v.pt_writers -= 1
-                if self.versions.get(v.vid) is v and not v.dropped:
+                if self.versions.get(v.vid) is v and not v.dropped and not v.sealed:
                     self.sync_from_store(v)  # what the kernel wrote: the seal hashes it
                     v.gen += 1
                     self.budget.account(v)
