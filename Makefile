@@ -94,6 +94,16 @@ bench-passthrough:
 bench-random:
 	$(PYTHON) -m benchmarks.bench_random $(ARGS)
 
+# RAM-disk speed, issue 40's "Measured" table in one run (benchmarks/bench_ramdisk.py): tmpfs,
+# mtcfs (passthrough) and mtcfs passthrough=no on /dev/shm; sequential write/cold/warm read of
+# 1 and 4 GiB, first read after a restart, close -> sealed vs blake3, torch.save, save_file,
+# DCP and Orbax saves, the issue's fio jobs, daemon CPU per GiB; ratios with PASS/MISS.
+# make bench-ramdisk ARGS="--reps 5"  or  ARGS="--no-4g --reps 1 --only seq,first,seal"
+RAMDISK_REPS ?= 3
+.PHONY: bench-ramdisk
+bench-ramdisk:
+	$(PYTHON) -m benchmarks.bench_ramdisk --sizes 1G,4G --reps $(RAMDISK_REPS) $(ARGS)
+
 # What direct writes cost small writers (benchmarks/bench_write_sizes.py): a thread's first
 # and next new file written in unbuffered write(2)s of 4 KiB to 8 MiB on tmpfs, the no-op,
 # mtcfs and mtcfs with direct_writes=no (about 3 minutes).

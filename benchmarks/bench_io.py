@@ -18,13 +18,52 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
-from benchmarks.common import (GiB, SCRATCH_SHM, BenchResult, Check, UniqueData, drop_caches,
-                               fmt, fmt_noise, gbps, human, log, median, mtcfs_mount,
-                               mtcfs_state, noop_mount, prefault, read_ahead_kb, read_file,
-                               scratch_dir, wait_until, write_file)
+from benchmarks.common import (GiB, SCRATCH_SHM, BenchResult, Check, UniqueData, cpu_seconds,
+                               drop_caches, fmt, fmt_noise, gbps, human, log, median,
+                               mtcfs_mount, mtcfs_state, noop_mount, prefault, read_ahead_kb,
+                               read_file, scratch_dir, wait_until, write_file)
 
 PATHS = ("mtcfs", "tmpfs", "noop-fuse")
+
+
+def measure(f: Path, size: int, seed: int, touch: bool, can_drop: bool, sealed: bool,
+            pid: int | None = None) -> dict[str, float | None]:
+    """One pass over file ``f``: (prefault,) write ``size`` bytes of ``UniqueData(seed)`` in
+    16 MiB writes + fsync + close, wait until sealed when ``sealed`` (an mtcfs file), read it
+    cold (after drop_caches, when ``can_drop``) and warm. Returns ``write``, ``cold``,
+    ``warm`` (GB/s), ``seal`` (close -> sealed, s; None unless ``sealed``) and, for the
+    daemon ``pid``, its CPU seconds over each phase: ``cpu_write``, ``cpu_seal``,
+    ``cpu_cold``, ``cpu_warm`` (None without ``pid``). The file is left in place."""
+    out: dict[str, float | None] = {"seal": None, "cold": None, "cpu_seal": None,
+                                    "cpu_cold": None}
+    if touch:
+        prefault(2 * size + GiB)
+    c0 = cpu_seconds(pid)
+    out["write"] = gbps(size, write_file(f, size, UniqueData(seed=seed)))
+    c1 = cpu_seconds(pid)
+    out["cpu_write"] = c1 - c0
+    if sealed:
+        out["seal"] = wait_until(lambda: mtcfs_state(f) in ("local", "backed-up"), 600,
+                                 f"{f} to be sealed", interval=0.005)
+        out["cpu_seal"] = cpu_seconds(pid) - c1
+    if can_drop:
+        drop_caches()
+        c0 = cpu_seconds(pid)
+        t_c, n = read_file(f)
+        out["cpu_cold"] = cpu_seconds(pid) - c0
+        assert n == size, (f, n, size)
+        out["cold"] = gbps(size, t_c)
+    c0 = cpu_seconds(pid)
+    t_r, n = read_file(f)
+    out["cpu_warm"] = cpu_seconds(pid) - c0
+    assert n == size, (f, n, size)
+    out["warm"] = gbps(size, t_r)
+    if pid is None:
+        for k in ("cpu_write", "cpu_seal", "cpu_cold", "cpu_warm"):
+            out[k] = None
+    return out
 
 
 def run(size: int, reps: int = 3, touch: bool = True) -> BenchResult:
@@ -52,26 +91,11 @@ def run(size: int, reps: int = 3, touch: bool = True) -> BenchResult:
                 for p in order:
                     f = files[p]
                     s = samples[p]
-                    if touch:
-                        prefault(2 * size + GiB)
-                    t_w = write_file(f, size, UniqueData(seed=1000 * rep + 1))
-                    s["write"].append(gbps(size, t_w))
-                    if p == "mtcfs":
-                        s["seal"].append(wait_until(
-                            lambda f=f: mtcfs_state(f) in ("local", "backed-up"), 300,
-                            f"{f} to be sealed"))
-                    cold = None
-                    if can_drop:
-                        drop_caches()
-                        t_c, n = read_file(f)
-                        assert n == size, (p, n, size)
-                        cold = gbps(size, t_c)
-                    s["cold"].append(cold)
-                    t_r, n = read_file(f)
-                    assert n == size, (p, n, size)
-                    s["warm"].append(gbps(size, t_r))
-                    log(f"io rep {rep + 1}/{reps} {p:9s}: write {fmt(s['write'][-1])} "
-                        f"cold {fmt(cold)} warm {fmt(s['warm'][-1])} GB/s")
+                    one = measure(f, size, 1000 * rep + 1, touch, can_drop, p == "mtcfs")
+                    for k in ("write", "cold", "warm") + (("seal",) if p == "mtcfs" else ()):
+                        s[k].append(one[k])
+                    log(f"io rep {rep + 1}/{reps} {p:9s}: write {fmt(one['write'])} "
+                        f"cold {fmt(one['cold'])} warm {fmt(one['warm'])} GB/s")
                     if p != "noop-fuse":
                         os.unlink(f)
                     else:

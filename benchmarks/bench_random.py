@@ -68,6 +68,8 @@ from benchmarks.common import (MiB, BenchResult, Check, cpu_seconds, drop_caches
 TARGETS = ("tmpfs", "noop", "noop-x", "mtcfs", "mtcfs-cached", "mtcfs-huge")
 NOOPS = ("noop", "noop-x")  # keep no bytes: nothing to verify
 PAGE = 4096
+#: The workload of the project's fio random-write job (size and numjobs added per run).
+FIO_RANDOM_WRITE = ["--rw=randwrite", "--bsrange=4k-1m", "--ioengine=psync"]
 BASE = np.frombuffer(random.Random(18).randbytes(16 * MiB + MiB), dtype=np.uint8)
 
 
@@ -165,14 +167,17 @@ def verify(paths: list[Path], size: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
-    """fio's random-write job in directory ``d`` (see the module docstring); write MiB/s.
+def fio_job(d: Path, args: list[str], verify: bool = True) -> dict[str, float]:
+    """Run one fio job (``args``: its workload options, e.g. ``--rw=randwrite``,
+    ``--size=512M``, ``--numjobs=2``, ``--ioengine=psync``) in directory ``d`` with
+    ``--verify=crc32c --end_fsync=1`` (``--do_verify=0`` unless ``verify``), its jobs
+    reported as one group; removes its files. Returns ``read`` and ``write`` MiB/s as fio
+    reports them (verify reads count as reads).
 
     Raises:
         RuntimeError: fio failed (a verify error included); its output is in the message.
     """
-    cmd = ["fio", "--name=rand", f"--directory={d}", "--rw=randwrite", "--bsrange=4k-1m",
-           f"--size={size}", f"--numjobs={nfiles}", "--ioengine=psync", "--verify=crc32c",
+    cmd = ["fio", "--name=rand", f"--directory={d}", *args, "--verify=crc32c",
            "--end_fsync=1", "--group_reporting", "--output-format=json",
            "--verify_state_save=0"]
     if not verify:
@@ -185,7 +190,17 @@ def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
         raise RuntimeError(f"fio error {job['error']} in {d}")
     for p in d.glob("rand.*"):
         p.unlink()
-    return float(job["write"]["bw_bytes"]) / MiB
+    return {k: float(job[k]["bw_bytes"]) / MiB for k in ("read", "write")}
+
+
+def run_fio(d: Path, size: int, nfiles: int, verify: bool) -> float:
+    """fio's random-write job in directory ``d`` (see the module docstring); write MiB/s.
+
+    Raises:
+        RuntimeError: fio failed (a verify error included); its output is in the message.
+    """
+    return fio_job(d, FIO_RANDOM_WRITE + [f"--size={size}", f"--numjobs={nfiles}"],
+                   verify)["write"]
 
 
 def state_dict(nbytes: int) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class Check:
     name: str
     value: float | None
     threshold: float
-    op: str = ">="  # ">=" or "<"
+    op: str = ">="  # ">=", "<=" or "<"
     detail: str = ""
     info: bool = False  # shown, but not a target: not counted as PASS/MISS
 
@@ -87,7 +87,11 @@ class Check:
     def ok(self) -> bool | None:
         if self.value is None:
             return None
-        return self.value >= self.threshold if self.op == ">=" else self.value < self.threshold
+        if self.op == ">=":
+            return self.value >= self.threshold
+        if self.op == "<=":
+            return self.value <= self.threshold
+        return self.value < self.threshold
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "threshold": self.threshold,
