@@ -493,10 +493,7 @@ def _passthrough_line(fuse: dict[str, Any]) -> str:
     if not fuse.get("passthrough"):
         return (f"passthrough off ({fuse.get('passthrough_off') or 'unknown why'}): every "
                 "byte through the daemon")
-    line = ("passthrough on: the kernel reads and writes the store's files"
-            if fuse.get("passthrough_writes") else
-            "passthrough on for reads: the kernel reads the store's files; writes through "
-            "the daemon (the store's data directory has no size limit of its own)")
+    line = "passthrough on: the kernel reads and writes the store's files"
     opens = fuse.get("daemon_path_opens") or {}
     line += (f" ({fuse.get('passthrough_opens_read', 0)} reads, "
              f"{fuse.get('passthrough_opens_write', 0)} writes opened so far")

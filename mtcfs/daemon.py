@@ -113,12 +113,14 @@ class Daemon:
         if self.store_fs["warning"]:
             log.warning("%s", self.store_fs["warning"])
         capacity = o.size or default_capacity(self.store.path)
-        # Writers pass through only where the store's data directory enforces size= by
-        # itself (its own tmpfs): the kernel then writes without asking the daemon.
-        self.passthrough = Passthrough(o.passthrough,
-                                       writes=getattr(self.store, "data_limit", None) is not None)
+        self.passthrough = Passthrough(o.passthrough)
         self.passthrough.refuse(why_unavailable(self.store.data_dir,
                                                 hasattr(pyfuse3, "session_fileno")))
+        if getattr(self.store, "data_limit", None) is None:
+            # The kernel writes a passed-through file without asking the daemon: size= must
+            # then be the data directory's own limit (docs/passthrough.md, "Capacity").
+            self.passthrough.refuse("the store's data directory has no size limit of its own "
+                                    "(not on tmpfs): size= is kept by the daemon")
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank,
                              passthrough=self.passthrough)

@@ -491,8 +491,6 @@ class OpenFiles:
 
     def _writer_refusal(self, ino: Inode) -> str:
         """Why a writer of ``ino`` must take the daemon's path whatever its version ("")."""
-        if not self.pt.writes:
-            return "writes: the store's data directory has no size limit of its own"
         if ino.mode & (stat.S_ISUID | stat.S_ISGID):
             # (the daemon clears them at each write it sees: FUSE_HANDLE_KILLPRIV_V2)
             return "writes to a set-user-ID or set-group-ID file"

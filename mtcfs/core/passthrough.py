@@ -129,14 +129,10 @@ class Passthrough:
 
     Args:
         wanted: the mount option ``passthrough`` (yes by default).
-        writes: passthrough may serve writers too (the store's data directory enforces
-            ``size=`` by itself: a tmpfs of the daemon's own); False keeps writers on the
-            daemon path, where the RAM budget checks each write.
     """
 
-    def __init__(self, wanted: bool, writes: bool = True) -> None:
+    def __init__(self, wanted: bool) -> None:
         self.wanted = wanted
-        self.writes = writes
         #: In effect: the kernel granted FUSE_PASSTHROUGH and no backing file was refused.
         self.on = False
         #: Why it is not in effect ("" while it is).
@@ -159,8 +155,7 @@ class Passthrough:
             self.why_off = "the kernel did not grant FUSE_PASSTHROUGH at FUSE INIT"
         self._dev = dev_fd
         self.on = granted and dev_fd >= 0 and not self.why_off
-        log.info("passthrough: %s", "on" + ("" if self.writes else " (reads only: writes "
-                 "stay on the daemon path)") if self.on else f"off: {self.why_off}")
+        log.info("passthrough: %s", "on" if self.on else f"off: {self.why_off}")
 
     def refuse(self, why: str) -> None:
         """Passthrough will not be used here (decided before mounting): say why."""
@@ -244,7 +239,6 @@ class Passthrough:
     def status(self) -> dict[str, object]:
         """The ``fuse`` part of ``mtcfs status`` for passthrough."""
         return {"passthrough": self.on,
-                "passthrough_writes": self.on and self.writes,
                 "passthrough_off": self.why_off,
                 "passthrough_opens_read": self.opened_read,
                 "passthrough_opens_write": self.opened_write,
