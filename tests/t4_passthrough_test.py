@@ -208,3 +208,63 @@ def test_a_chunk_damaged_while_down_is_never_handed_to_the_kernel(make_mount):
     fuse = _fuse(m)
     assert fuse["passthrough_opens_read"] == 0
     assert fuse["daemon_path_opens"], fuse
+
+
+def test_a_writer_that_outlives_a_killed_daemon_never_changes_the_sealed_file(pt_mount):
+    """kill -9 of the daemon while a process writes a file through passthrough: the kernel
+    goes on writing the data file for that descriptor. After the restart the file is sealed
+    from what the store held, and nothing the old descriptor writes afterwards changes it
+    (the restart gave the version a data file of its own)."""
+    m = pt_mount
+    p = m.path("live.bin")
+    first = _data(3 * MiB, 8)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert os.write(fd, first) == len(first)
+        os.fsync(fd)
+        m.kill9()
+        m.start()
+        m.wait_state("live.bin", "local", 30)
+        sealed = p.read_bytes()
+        assert sealed == first
+        for off in (0, MiB, 5 * MiB):  # the old descriptor: whatever the kernel does with it
+            try:
+                os.pwrite(fd, b"Z" * 4096, off)
+            except OSError:
+                pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    assert p.read_bytes() == first
+    r = m.cli("verify", str(m.mnt), check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_writer_that_needs_the_daemons_path_waits_for_passthrough_readers(pt_mount):
+    """A set-user-ID file (its writes go through the daemon, which clears the bit) held
+    open by a reader in passthrough mode: the kernel allows no other kind of open beside
+    it, so a writer waits for the reader's close, and gets EBUSY if it does not come
+    (docs/passthrough.md); once the reader closes, the writer opens and the bit goes."""
+    import errno
+    import stat
+
+    m = pt_mount
+    p = m.path("tool")
+    p.write_bytes(b"#!/bin/sh\n")
+    os.chmod(p, 0o4755)
+    r = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as exc:
+            os.open(p, os.O_WRONLY | os.O_APPEND)
+        assert exc.value.errno == errno.EBUSY
+    finally:
+        os.close(r)
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"exit 0\n")
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"#!/bin/sh\nexit 0\n"
+    assert not os.stat(p).st_mode & stat.S_ISUID
