@@ -44,6 +44,7 @@ from mtcfs.base import mountinfo
 from mtcfs.base.failpoints import failpoint
 
 __all__ = ["SOURCE", "DataMountError", "check_resize", "mount_of_data", "prepare", "resize",
+           "unmount_data",
            "tmpfs_size", "slack", "usage", "wanted"]
 
 log = logging.getLogger("mtcfs.core.store")
@@ -193,6 +194,21 @@ def _mount_tmpfs(target: str, size: int) -> None:
     _mount(SOURCE, target, "tmpfs", _FLAGS, f"size={size},mode=0700,uid=0,gid=0")
 
 
+def unmount_data(store: str) -> bool:
+    """Detach ``store``'s data tmpfs if it has one of mtcfs's (lazily: its pages go once no
+    process holds a file of it); what an operator does with ``umount <store>/data`` before
+    ``rm -r <store>`` (docs/operations.md). Returns whether there was one.
+
+    Raises:
+        OSError: the unmount failed (EPERM: not root).
+    """
+    data = os.path.join(store, "data")
+    if not is_ours(data, mount_of_data(data)):
+        return False
+    _umount(os.path.realpath(data))
+    return True
+
+
 # ---------------------------------------------------------------------- making it
 
 def prepare(store: str, size: int) -> int | None:
@@ -202,7 +218,8 @@ def prepare(store: str, size: int) -> int | None:
     store's lock.
 
     Returns:
-        ``size``, or None when the store gets none (:func:`wanted` is false).
+        ``size``, or None when the store gets none (:func:`wanted` is false, or mount(2)
+        is not permitted: root without CAP_SYS_ADMIN; logged).
 
     Raises:
         DataMountError: another mount is on ``data/``; ``size`` is smaller than what the
@@ -245,6 +262,10 @@ def prepare(store: str, size: int) -> int | None:
             _set_sized(data, size)
             return size
         _migrate(store, data, names, size)
+    except PermissionError as exc:  # root without CAP_SYS_ADMIN (a container): as before
+        log.warning("no tmpfs of its own for %s (%s): size= is held by the daemon's check "
+                    "of each write only, so no write may bypass the daemon", data, exc)
+        return None
     except OSError as exc:
         raise DataMountError(f"cannot give {data} a tmpfs of its own: "
                              f"{exc.strerror or exc}") from None
