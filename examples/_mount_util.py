@@ -25,6 +25,15 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 
 from mtcfs.base.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
+from mtcfs.core.store.datafs import unmount_data  # noqa: E402
+
+
+def remove_store(store: str | os.PathLike[str], ignore_errors: bool = False) -> None:
+    """Delete a store directory (a node lost, the end of a run): its data tmpfs first, which
+    outlives the daemon (docs/operations.md, "Removing a store"), then the tree."""
+    if os.path.isdir(store):
+        unmount_data(str(store))
+    shutil.rmtree(store, ignore_errors=ignore_errors)
 
 T = TypeVar("T")
 
@@ -211,6 +220,8 @@ def run_in_scratch(prefix: str, nodes: int, body: Callable[[Path], T],
             mnt = work / f"n{r}" / "mnt"
             if is_mounted(mnt):
                 force_unmount(mnt)
+            if (work / f"n{r}" / "store").is_dir():
+                unmount_data(str(work / f"n{r}" / "store"))
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _mount_util import MtcfsMount, is_mounted  # noqa: E402
+from _mount_util import MtcfsMount, is_mounted, remove_store  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 1 << 20
@@ -374,7 +374,7 @@ def run(args: argparse.Namespace, work: Path, store: Path) -> Report:
         # --- phase 2: the node is gone; a new one mounts the same job ----------------
         watcher.stop.set()
         m.unmount()
-        shutil.rmtree(store)
+        remove_store(store)  # its data tmpfs too (it outlives the daemon)
         t0 = time.monotonic()
         m.mount()  # on an empty store: the newest backed-up checkpoint comes back
         names = os.listdir(mnt)
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_mounted(mnt):
             from _mount_util import force_unmount
             force_unmount(mnt)
-        shutil.rmtree(store, ignore_errors=True)
+        remove_store(store, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     print_report(rep)

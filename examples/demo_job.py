@@ -197,6 +197,7 @@ def worker(a: argparse.Namespace) -> None:
 
 sys.path.insert(0, str(HERE.parent))
 from _mount_util import (  # noqa: E402
+    remove_store,
     MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch, stop_local_etcd,
 )
 from demo import human  # noqa: E402
@@ -449,7 +450,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
         rep.killed_pid = kill9(mounts[LOST])
         store = Path(mounts[LOST].options["store"])
         shutil.copyfile(store / "mtcfs.log", work / "logs" / f"node{LOST}-lost-mtcfs.log")
-        shutil.rmtree(store)
+        remove_store(store)
         say(f"  node {LOST} dies: daemon {rep.killed_pid} SIGKILLed, dead mount cleared, "
             f"store wiped")
         say(f"          node 0 still lists {latest.name}: "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from _mount_util import (  # noqa: E402
+    remove_store,
     MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
 )
 from demo_peers import free_ports, kill9, on_all, teardown_all  # noqa: E402
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, work: Path) -> bool:
 
         lost = mounts[LOST]
         pid = kill9(lost)
-        shutil.rmtree(work / f"n{LOST}" / "store")
+        remove_store(work / f"n{LOST}" / "store")
         say(f"node {LOST} lost: daemon pid {pid} SIGKILLed, its RAM tier wiped")
         lost.mount()
         say(f"replacement node {LOST} mounted on an empty store; it lists "

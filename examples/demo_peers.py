@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -49,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mount_util import (  # noqa: E402
+    remove_store,
     MtcfsMount, force_unmount, is_mounted, job_tls, local_etcd, mtcfs, print_node_logs,
     run_in_scratch,
 )
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace, work: Path) -> Report:
         # --- phase 2: node 1 dies; a replacement mounts on an empty store ------------
         rep.killed_pid = kill9(mounts[LOST])
         store = Path(mounts[LOST].options["store"])
-        shutil.rmtree(store)
+        remove_store(store)
         say(f"  step {crash_at:>4}: node {LOST} dies: daemon {rep.killed_pid} SIGKILLed "
             f"({crash_at - latest[0].step} steps after {name}, which was {state1!r}), "
             f"dead mount cleared, store wiped")

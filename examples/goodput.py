@@ -67,6 +67,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mount_util import (  # noqa: E402
+    remove_store,
     MtcfsMount, job_tls, local_etcd, print_node_logs, run_in_scratch,
 )
 
@@ -442,7 +443,7 @@ class Nodes:
                 self.dead_logs[r] = log_path.read_text(errors="replace").splitlines()[-80:]
             except OSError:
                 self.dead_logs[r] = []
-            shutil.rmtree(self.mounts[r].options["store"] or "", ignore_errors=True)
+            remove_store(self.mounts[r].options["store"] or "", ignore_errors=True)
         on_all(lose, ranks)
         on_all(lambda r: self.mounts[r].mount(), ranks)
 

@@ -138,11 +138,16 @@ def cmd_mount(argv: list[str]) -> None:
     if os.path.ismount(opts.mountpoint):
         _die(f"{opts.mountpoint} is already a mount point", 1)
     opts.mountpoint = os.path.abspath(opts.mountpoint)
-    from mtcfs.core.store import StoreError, check_size, check_store_dir, filesystem_warning
+    from mtcfs.core.store import (StoreError, check_size, check_store_dir, datafs,
+                                  filesystem_warning)
     try:  # before anything is created: a foreign directory is never touched
         check_store_dir(opts.store, opts.mountpoint, opts.job)
         check_size(opts.store, opts.size, opts.given.get("size"))
-    except StoreError as exc:
+        if os.path.isdir(opts.store):  # a data tmpfs never shrinks below what it holds
+            from mtcfs.daemon import default_capacity
+            datafs.check_resize(opts.store, datafs.tmpfs_size(
+                opts.size or default_capacity(opts.store), opts.chunk_size))
+    except (StoreError, datafs.DataMountError) as exc:
         _die(str(exc), EXIT_USAGE)
     except OSError as exc:
         _die(f"bad option store={opts.store}: {exc.strerror or exc}", EXIT_USAGE)
@@ -805,6 +810,10 @@ def status_lines(st: dict[str, Any]) -> list[str]:
             out.append("  data:     " + _passthrough_line(fuse))
     if (st.get("store_fs") or {}).get("warning"):
         out.append(f"  store:    {st['store_fs']['warning']}")
+    dt = (st.get("store_fs") or {}).get("data_tmpfs")
+    if dt:
+        out.append(f"  data:     tmpfs of its own at {dt['path']}: {_human(dt['used'])} used of "
+                   f"{_human(dt['size'])} (a write past it gets ENOSPC)")
     out.append(f"  RAM tier: {_human(ram['used'])} used of {_human(ram['capacity'])} "
                f"({_human(ram['free'])} free), {ram['checkpoints']} checkpoints, keep={st['keep']}")
     if ram.get("deleted_unsaved"):

@@ -30,7 +30,7 @@ from mtcfs.fuse_ops import Operations, libfuse_version
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.sdnotify import Notifier
-from mtcfs.core.store import Store, check_size, filesystem_warning
+from mtcfs.core.store import Store, check_size, datafs, filesystem_warning
 from mtcfs.tiers.restore.restorer import Restorer
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,13 @@ METRICS_STATUS_S = 5.0
 
 
 def default_capacity(store_path: str) -> int:
-    """Half of the filesystem the store lives on (tmpfs under /dev/shm by default)."""
-    st = os.statvfs(store_path)
+    """Half of the filesystem the store lives on (tmpfs under /dev/shm by default; the store
+    directory's, not its data tmpfs's: the store may not exist yet, then its nearest parent
+    that does)."""
+    p = os.path.abspath(store_path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
     return st.f_blocks * st.f_frsize // 2
 
 
@@ -108,19 +113,22 @@ class Daemon:
         """
         o = self.opts
         check_size(o.store, o.size)  # also checked by the CLI, with the option as given
-        self.store = Store(o.store, o.job, o.chunk_size, mountpoint=o.mountpoint)
+        # Before the store: its data directory's own tmpfs is sized from it (datafs.py).
+        capacity = o.size or default_capacity(o.store)
+        self.store = Store(o.store, o.job, o.chunk_size, mountpoint=o.mountpoint,
+                           data_size=datafs.tmpfs_size(capacity, o.chunk_size))
         self.store_fs = filesystem_warning(self.store.path)
         if self.store_fs["warning"]:
             log.warning("%s", self.store_fs["warning"])
-        capacity = o.size or default_capacity(self.store.path)
         self.passthrough = Passthrough(o.passthrough)
         self.passthrough.refuse(why_unavailable(self.store.data_dir,
                                                 hasattr(pyfuse3, "session_fileno")))
-        if getattr(self.store, "data_limit", None) is None:
+        if self.store.data_limit is None:
             # The kernel writes a passed-through file without asking the daemon: size= must
             # then be the data directory's own limit (docs/passthrough.md, "Capacity").
             self.passthrough.refuse("the store's data directory has no size limit of its own "
-                                    "(not on tmpfs): size= is kept by the daemon")
+                                    "(not on tmpfs, or its tmpfs could not be mounted): "
+                                    "size= is kept by the daemon")
         self.fs = Filesystem(self.store, capacity=capacity, keep=o.keep,
                              chunk_size=o.chunk_size, job=o.job, rank=o.rank,
                              passthrough=self.passthrough)
@@ -561,7 +569,8 @@ class Daemon:
                       "last_failure": fs.fetcher.last_fault_error,
                       "suspect_peers": list(getattr(self._peer_source(), "suspects",
                                                     list)())},
-            "backup": None, "restore": None, "store_fs": self.store_fs,
+            "backup": None, "restore": None,
+            "store_fs": {**self.store_fs, "data_tmpfs": self._data_tmpfs()},
             "scrub": {**fs.verifier.state, "interval_s": fs.verifier.interval_s,
                       "rate": fs.verifier.rate, "corrupt_chunks": fs.counters.corrupt_chunks,
                       "unverified_chunks": fs.verifier.unverified_chunks()},
@@ -587,6 +596,15 @@ class Daemon:
         if self.mtc is not None:
             out["mtc"] = self.mtc.status()
         return out
+
+    def _data_tmpfs(self) -> dict[str, Any] | None:
+        """The data directory's own tmpfs: {"path", "size", "used"} (bytes, statfs), or
+        None when the store has none (datafs.py)."""
+        st = self.store
+        usage = st.data_usage() if st is not None else None
+        if st is None or usage is None:
+            return None
+        return {"path": st.data_dir, "size": usage[0], "used": usage[1]}
 
     def _files_of_step(self, step: object) -> int | None:
         """Files in committed step ``step`` on this node (None: no such step here)."""

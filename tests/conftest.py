@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support.gcs import gcs_emulator  # noqa: E402,F401 (a fixture for every test file)
-from support.mount import Mount  # noqa: E402
+from support.mount import Mount, leaked_data_mounts, remove_tree, track, unmount_below  # noqa: E402
 from support.watchdog import WatchdogPlugin  # noqa: E402
 
 
@@ -29,6 +28,17 @@ def pytest_configure(config):
 #: running a long test while the other is idle. The order is the same in every worker.
 LONG_FIRST = ("t8_goodput_test.py", "t7_chaos_test.py", "t7_failover_test.py",
               "t7_etcd_partition_test.py", "t7_job_dcp_test.py", "t7_mtc_test.py")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # No data tmpfs of mtcfs's may outlive its test: every test directory is removed with
+    # remove_tree (its mounts first). One left mounted fails the run (and is cleared).
+    leaked = leaked_data_mounts()
+    if leaked:
+        for mp in leaked:
+            unmount_below(mp)
+        sys.stderr.write(f"\nmtcfs data tmpfs mounts leaked by the tests: {leaked}\n")
+        session.exitstatus = 1
 
 
 def pytest_collection_modifyitems(config, items):
@@ -69,8 +79,9 @@ def pytest_generate_tests(metafunc):
 def shm_dir():
     """A fresh directory on tmpfs (/dev/shm): the baseline real filesystem."""
     d = tempfile.mkdtemp(prefix="mtcfs-test-", dir="/dev/shm")
+    track(d)
     yield Path(d)
-    shutil.rmtree(d, ignore_errors=True)
+    remove_tree(d)  # the stores' data tmpfs mounts first (they outlive the daemons)
 
 
 @pytest.fixture

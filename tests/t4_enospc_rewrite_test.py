@@ -1,8 +1,8 @@
 """ENOSPC in the middle of a rewrite of a sealed file (O_RDWR, no O_TRUNC), on a real mount.
 
-Two ways to run out of room: the backing filesystem of the store (a tmpfs of its own here,
-filled by another process while mtcfs's own ``size=`` still has plenty), and ``size=``
-itself. The promise (README): a closed file is never lost or silently changed; a fault is a
+Two ways to run out of room: the backing filesystems of the store (a tmpfs of its own here,
+filled by another process while mtcfs's own ``size=`` still has plenty; as root the data
+directory is a tmpfs of its own under it, filled too), and ``size=`` itself. The promise (README): a closed file is never lost or silently changed; a fault is a
 clear error (ENOSPC to the writer). So: the writer gets ENOSPC (at fsync or close, since
 the kernel's writeback cache sends the data later), the mount stays up, a reader never
 sees a byte nobody wrote, the file afterwards holds its old bytes and, of the failed
@@ -29,7 +29,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from support.mount import Mount, drop_page_cache
+from support.mount import Mount, drop_page_cache, unmount_below
 
 MiB = 1 << 20
 
@@ -49,7 +49,7 @@ def small_store():
     finally:
         for m in mounts:
             m.cleanup()
-        subprocess.run(["umount", str(d)], check=False)
+        unmount_below(d)  # the stores' data tmpfs mounts, then d
         os.rmdir(d)
         for m in mounts:
             if m.mnt.exists():
@@ -71,6 +71,28 @@ def _fill(path: Path, leave: int) -> None:
     with open(path, "wb", buffering=0) as f:
         while room > 0:
             room -= f.write(blk[:min(room, MiB)])
+
+
+class _Filler:
+    """Fillers of the store's filesystems: ``root``'s (the metadata's) and, when the daemon
+    gave ``data/`` a tmpfs of its own (store/datafs.py), that one too."""
+
+    def __init__(self, root: Path, m: Mount) -> None:
+        self.store = root / "filler"
+        data = m.store / "data"
+        self.paths = [self.store] + ([data / "filler"] if os.path.ismount(data) else [])
+
+    def fill(self, leave: int) -> None:
+        for p in self.paths:
+            _fill(p, leave)
+
+    def truncate_store(self, left: int) -> None:
+        """Leave ``left`` bytes free on the metadata's filesystem."""
+        os.truncate(self.store, os.path.getsize(self.store) - left)
+
+    def unlink(self) -> None:
+        for p in self.paths:
+            os.unlink(p)
 
 
 def _store_bytes(m: Mount) -> int:
@@ -183,9 +205,9 @@ def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
     used0 = m.status()["ram"]["used"]
     enospc0 = m.status()["counters"]["enospc"]
     new = os.urandom(6 * MiB)
-    filler = root / "filler"
+    filler = _Filler(root, m)
     with open(p, "rb") as reader:
-        _fill(filler, leave=MiB)
+        filler.fill(leave=MiB)
         err = _rewrite(p, 8 * MiB, new)
         assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
         reader.seek(0)
@@ -193,7 +215,7 @@ def test_store_filesystem_full_during_a_rewrite_into_holes(small_store):
         reader.seek(31 * MiB)
         assert reader.read() == tail
     assert m.status()["counters"]["enospc"] > enospc0
-    os.unlink(filler)  # room again: the seal, tried again, gets through
+    filler.unlink()  # room again: the seal, tried again, gets through
     got = _read(p)
     assert len(got) == len(old)
     k = _prefix_then_holes(got[8 * MiB:14 * MiB], new)
@@ -219,13 +241,13 @@ def test_store_filesystem_full_during_a_rewrite_that_extends_the_file(small_stor
     old = os.urandom(4 * MiB)
     p = _sealed_file(m, "f.bin", old)
     new = os.urandom(6 * MiB)
-    filler = root / "filler"
+    filler = _Filler(root, m)
     with open(p, "rb") as reader:
-        _fill(filler, leave=MiB)
+        filler.fill(leave=MiB)
         err = _rewrite(p, len(old), new)
         assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
         assert reader.read(len(old)) == old
-    os.unlink(filler)
+    filler.unlink()
     m.wait_for(lambda: m.state("f.bin") != "writing", 30, "the seal")
     assert not any("shorter" in e for e in m.status()["errors"]), m.status()["errors"]
     m.stop()
@@ -268,20 +290,20 @@ def test_store_filesystem_full_at_the_open_of_a_rewrite(small_store):
     m = _mount(root, mounts, "24M")
     old = os.urandom(3 * MiB)
     p = _sealed_file(m, "f.bin", old)
-    filler = root / "filler"
-    _fill(filler, leave=0)
+    filler = _Filler(root, m)
+    filler.fill(leave=0)
     err = _rewrite(p, MiB, b"Z" * 8192)
     assert err == errno.ENOSPC, f"the writer got {err and errno.errorcode[err]}"
     # Tried again while still full: never a byte changed under rows that name the old
     # version (a crash now must find it intact).
     assert _rewrite(p, MiB, b"Y" * 8192) == errno.ENOSPC
     m.kill9()
-    os.unlink(filler)
+    filler.unlink()
     m.start()
     _check_after(m, "f.bin", old)
-    _fill(filler, leave=0)
+    filler.fill(leave=0)
     assert _rewrite(p, MiB, b"Z" * 8192) == errno.ENOSPC
-    os.unlink(filler)
+    filler.unlink()
     got = _read(p)
     assert got in (old, old[:MiB] + b"Z" * 8192 + old[MiB + 8192:])
     _check_after(m, "f.bin", got)
@@ -316,8 +338,8 @@ def test_a_full_store_refuses_new_names_before_changing_anything(small_store):
     (m.mnt / "old.bin").write_bytes(b"o" * 4096)
     m.wait_for(lambda: m.state("f.bin") != "writing", 30, "f.bin sealed")
     before = _names(m)
-    filler = root / "filler"
-    _fill(filler, leave=0)
+    filler = _Filler(root, m)
+    filler.fill(leave=0)
     tries = {
         "mkdir": lambda: (m.mnt / "new").mkdir(),
         "create": lambda: open(m.mnt / "new.bin", "wb").close(),
@@ -326,7 +348,7 @@ def test_a_full_store_refuses_new_names_before_changing_anything(small_store):
         "link": lambda: os.link(m.mnt / "f.bin", m.mnt / "f2.bin"),
     }
     for left in (0, 512 * 1024):
-        os.truncate(filler, os.path.getsize(filler) - left)
+        filler.truncate_store(left)
         for what, fn in tries.items():
             with pytest.raises(OSError) as ei:
                 fn()
@@ -336,7 +358,7 @@ def test_a_full_store_refuses_new_names_before_changing_anything(small_store):
     os.rmdir(m.mnt / "gone")
     after = sorted(set(before) - {"old.bin", "gone"})
     assert _names(m) == after
-    os.unlink(filler)
+    filler.unlink()
     (m.mnt / "new").mkdir()
     after = sorted(after + ["new"])
     assert _names(m) == after

@@ -98,7 +98,7 @@ def test_backup_and_restore_of_thousands_of_files_under_a_low_fd_limit(make_moun
     """The backup reads every file of the step through worker threads (chunk_reader), the
     restore creates them all with no data (import_step) and faults them in (prefetch and
     reads): none of it may need a descriptor per file."""
-    import shutil
+    from support.mount import remove_tree
 
     n = 2000
     m = make_mount(start=False, backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
@@ -112,7 +112,7 @@ def test_backup_and_restore_of_thousands_of_files_under_a_low_fd_limit(make_moun
     assert daemon_fds(m.pid) < NOFILE
 
     m.stop()  # the node is lost: the RAM tier comes back from the backup
-    shutil.rmtree(m.store)
+    remove_tree(m.store)  # its data tmpfs too (it outlives the daemon)
     start_limited(m)
     assert sorted(os.listdir(step)) == [f"f{i:05d}" for i in range(n)]
     for i in range(0, n, 3):  # reads fault in while the prefetcher restores the rest

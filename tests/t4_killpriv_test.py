@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support import corefs  # noqa: E402
-from support.mount import Mount  # noqa: E402
+from support.mount import Mount, remove_tree  # noqa: E402
 
 from mtcfs.core.core import Filesystem  # noqa: E402
 from mtcfs.core.model import ROOT_INO  # noqa: E402
@@ -52,7 +52,7 @@ def mnt(fuse_path):
         try:
             m.cleanup()
         finally:
-            shutil.rmtree(root, ignore_errors=True)  # the store (on /dev/shm: RAM)
+            remove_tree(root)  # the store (on /dev/shm: RAM), its data tmpfs first
 
 
 def _getxattrs(m: Mount) -> int:

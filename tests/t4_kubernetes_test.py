@@ -214,6 +214,8 @@ def test_the_daemonset_has_what_an_operator_checks():
     vols = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in CONTAINER["volumeMounts"]}
     assert mounts["mnt"]["mountPropagation"] == "Bidirectional"
+    # the store's data tmpfs (issue 40) must be the host's, or it dies with the pod
+    assert mounts["store"]["mountPropagation"] == "Bidirectional"
     assert vols["store"]["hostPath"]["path"].startswith("/dev/shm/")  # the host's tmpfs
     assert vols["fuse"]["hostPath"]["path"] == "/dev/fuse"
     env = {e["name"]: e for e in CONTAINER["env"]}

@@ -36,7 +36,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from support.mount import Mount  # noqa: E402
+from support.mount import Mount, remove_tree  # noqa: E402
 from support.poll import err  # noqa: E402
 
 MiB = 1024 * 1024
@@ -64,7 +64,7 @@ def shared_mount(fuse_path):
         yield m
     finally:
         m.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)  # its data tmpfs first
 
 
 @pytest.fixture(params=["mtcfs", "tmpfs"])

@@ -11,6 +11,8 @@ import pytest
 
 from support.mount import drop_page_cache
 
+from mtcfs.core.store import datafs
+
 MiB = 1024 * 1024
 
 
@@ -143,6 +145,14 @@ def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path)
     st = m.status()
     assert st["counters"]["fault_in_over_size"] > 0 and st["counters"]["fault_errors"] == 0
     assert "go past size=" in m.log()
+    data_tmpfs = m.status()["store_fs"]["data_tmpfs"]
+    if data_tmpfs is not None:  # the data tmpfs (datafs.py) grew for them, past its size
+        assert "grown past size=" in m.log()
+        base = datafs.tmpfs_size(32 * MiB, MiB)
+        assert data_tmpfs["size"] > base
     os.unlink(m.path("scratch.bin"))
     m.path("more.bin").write_bytes(os.urandom(8 * MiB))
     assert m.status()["ram"]["used"] <= 32 * MiB and store_bytes(m) <= 32 * MiB
+    if data_tmpfs is not None:  # ... and is back to its size once it holds no more
+        m.wait_for(lambda: m.status()["store_fs"]["data_tmpfs"]["size"] == base, 30,
+                   "the data tmpfs back to its size")

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from support.mount import MTCFS, Mount, force_unmount, is_mounted, one_line_error
+from support.mount import (MTCFS, Mount, force_unmount, is_mounted, one_line_error,
+                           remove_tree)
 from support.tree import snapshot
 
 JOB = "trustjob"
@@ -89,7 +90,7 @@ def template():
         try:
             m.cleanup()
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)  # its data tmpfs first
 
 
 @pytest.fixture

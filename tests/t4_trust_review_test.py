@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from support.mount import MTCFS, Mount, force_unmount, is_mounted
+from support.mount import MTCFS, Mount, force_unmount, is_mounted, remove_tree
 from support.tree import snapshot
 
 JOB = "reviewjob"
@@ -67,7 +67,7 @@ def crashed():
         try:
             m.cleanup()
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)  # its data tmpfs first
 
 
 def _copy_without_shm(src: Path, dst: Path) -> None:

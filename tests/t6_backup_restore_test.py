@@ -18,7 +18,6 @@ import copy
 import errno
 import json
 import os
-import shutil
 import time
 import uuid
 import warnings
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from support.ckpt import (assert_same, chunk_digests, dcp_load_like, dcp_state,  # noqa: E402
                           tensor_state, torch_train_state, zeros_like_state)
 from support.gcs import FlakyProxy  # noqa: E402
-from support.mount import drop_page_cache  # noqa: E402
+from support.mount import drop_page_cache, remove_tree  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -70,7 +69,7 @@ def _load(mount, step: str, like):
 def _lose_node(mount) -> float:
     """Unmount, wipe the RAM tier, mount again on the empty store; seconds to remount."""
     mount.stop()
-    shutil.rmtree(mount.store)
+    remove_tree(mount.store)  # its data tmpfs too (it outlives the daemon)
     t0 = time.monotonic()
     mount.start()
     return time.monotonic() - t0

@@ -172,14 +172,19 @@ def test_a_read_on_a_node_does_not_take_its_metadata_reserve(make_cluster):
     mkdir, and since removing that file on rank 0 is an op after it, for ever. The read
     itself took the room the namespace needs; it must leave the reserve. Now the fault-in
     of a chunk that would take it is refused (``check_data_room``): the read gets ENOSPC,
-    rank 1 goes on with the job's ops, and once there is room the read returns the file."""
+    rank 1 goes on with the job's ops, and once there is room the read returns the file.
+    As root the file data is on a tmpfs of its own (issue 40, store/datafs.py), not on the
+    metadata's filesystem: the read then takes none of its room and returns the file."""
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         data = os.urandom(4 * MiB)
         filler = seed_then_fill(c, store1, {"r": data}, leave=5 * MiB)
-        with pytest.raises(OSError) as e:
-            n1.path("step_1", "r").read_bytes()
-        assert e.value.errno == errno.ENOSPC, e.value
+        if os.path.ismount(store1 / "data"):
+            assert n1.path("step_1", "r").read_bytes() == data
+        else:
+            with pytest.raises(OSError) as e:
+                n1.path("step_1", "r").read_bytes()
+            assert e.value.errno == errno.ENOSPC, e.value
         st = os.statvfs(store1)
         assert st.f_bavail * st.f_frsize >= 2 * MiB, "the read took the metadata's reserve"
         n0.path("step_2").mkdir()

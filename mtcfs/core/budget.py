@@ -15,8 +15,13 @@ Room is made by the core's eviction policy, which the budget calls back
 (``make_room(need, keep_unsaved)``) after waiting for releases in flight (``settle()``):
 the policy decides *what* goes, the budget decides *whether* it must and whether it fits.
 
-Every method runs on the trio thread. Only :meth:`reserve` awaits; a caller relies on
-nothing it read before it (docs/architecture.md, concurrency protocol).
+With a data tmpfs of its own (store/datafs.py; FUSE passthrough writes go straight into
+it, unseen by the daemon) the budget also reads that filesystem's use by statfs
+(``data_usage``, :meth:`room`) and keeps a headroom free ahead of need (:meth:`make_room`,
+awaited by the open of a passthrough writer, and :meth:`after_seal`).
+
+Every method runs on the trio thread. Only :meth:`reserve` and :meth:`make_room` await; a
+caller relies on nothing it read before them (docs/architecture.md, concurrency protocol).
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import Version
 
-__all__ = ["PAGE", "RamBudget"]
+__all__ = ["HEADROOM_MAX", "PAGE", "RamBudget"]
 
 #: Allocation unit assumed for a reservation (tmpfs allocates pages), bytes.
 PAGE = 4096
+#: The headroom :meth:`RamBudget.make_room` keeps free is ``min(capacity / 4, this)``.
+HEADROOM_MAX = 4 << 30
 
 
 async def _nothing() -> None:
@@ -69,6 +76,18 @@ class RamBudget:
         self._counters = counters
         self._settle = settle
         self._make_room = make_room
+        #: ``() -> (size, used) | None``: bytes of the data directory's own tmpfs by statfs
+        #: (``Store.data_usage``), None when it has none; wired by the core.
+        self.data_usage: Callable[[], tuple[int, int] | None] = lambda: None
+        #: ``(nbytes)``: let that many bytes past the data tmpfs's size (a read past
+        #: ``size=``, :meth:`reserve` with ``best_effort``), and ``()``: take that back
+        #: once there is room (``Store.grow_data``, ``Store.shrink_data``); wired by the
+        #: core, no-ops without a data tmpfs.
+        self.grow_data: Callable[[int], None] = lambda nbytes: None
+        self.shrink_data: Callable[[], None] = lambda: None
+        #: Whether :meth:`after_seal` keeps the headroom: set by the first
+        #: :meth:`make_room` (writes the daemon does not see are then under way).
+        self.headroom_active = False
 
     # ------------------------------------------------------------------ figures
 
@@ -155,6 +174,61 @@ class RamBudget:
                 return 0
         return (-(-end // PAGE) - start // PAGE) * PAGE
 
+    # ------------------------------------------------------------------ headroom (passthrough)
+
+    @property
+    def headroom(self) -> int:
+        """Bytes :meth:`make_room` keeps free: ``min(capacity / 4, 4 GiB)``."""
+        return min(self.capacity // 4, HEADROOM_MAX)
+
+    def room(self) -> int:
+        """Bytes that may still be written under ``size=`` now: the capacity less the
+        replicas and less what the files hold, taken as the larger of ``used`` and the data
+        tmpfs's statfs figure (which counts writes the daemon did not see, passthrough);
+        never < 0. Without a data tmpfs, :meth:`free`."""
+        held = self._used
+        fs = self.data_usage()
+        if fs is not None:
+            held = max(held, fs[1])
+        return max(0, self.capacity - held - self.shared_used())
+
+    async def make_room(self, headroom: int | None = None) -> int:
+        """Evict old checkpoints until at least ``headroom`` bytes (default
+        :attr:`headroom`) may be written under ``size=`` (:meth:`room`), as far as the
+        eviction policy allows; returns :meth:`room` afterwards.
+
+        Contract, for the open of a file whose writes the kernel passes through to its data
+        file: await it before the open returns. It never raises for want of room (a write
+        past the data tmpfs then gets ENOSPC from the kernel, at that write(2)); it follows
+        the same policy as a write's :meth:`reserve` (never the newest complete checkpoint,
+        nor one being backed up; a checkpoint no other tier holds only with
+        ``evict_unsaved``). It awaits (RELEASEs in flight): the caller relies on nothing it
+        read before it. Calling it also sets :attr:`headroom_active`, so that each seal
+        then keeps the headroom too (:meth:`after_seal`). Pages freed by the reaper thread
+        count as free at once (``Store.data_usage``).
+        """
+        self.headroom_active = True
+        self.shrink_data()
+        want = self.headroom if headroom is None else headroom
+        room = self.room()
+        if room >= want:
+            return room
+        await self._settle()
+        room = self.room()
+        if room < want:
+            self._make_room(want - room, False)
+        return self.room()
+
+    def after_seal(self) -> None:
+        """The watermark check after a seal: once :attr:`headroom_active`, evict until
+        :attr:`headroom` is free again (as :meth:`make_room`, without awaiting)."""
+        self.shrink_data()
+        if not self.headroom_active:
+            return
+        room = self.room()
+        if room < self.headroom:
+            self._make_room(self.headroom - room, False)
+
     # ------------------------------------------------------------------ reservations
 
     async def reserve(self, nbytes: int, *, best_effort: bool = False) -> bool:
@@ -170,6 +244,7 @@ class RamBudget:
                 ``best_effort``).
         """
         if self.fits(nbytes):
+            self.shrink_data()
             return True
         await self._settle()
         shared = self.shared_used() + self._in_flight
@@ -178,6 +253,9 @@ class RamBudget:
         self._make_room(self._used + shared + nbytes - self.capacity, best_effort)
         if self._used + shared + nbytes > self.capacity:
             if best_effort:
+                # the kernel's limit follows the budget's exception (a read is never
+                # refused for room): the data tmpfs grows for these bytes
+                self.grow_data(nbytes + self._in_flight)
                 return False
             self._counters.enospc += 1  # type: ignore[attr-defined]
             raise FsError(errno.ENOSPC, f"RAM tier full ({self._used} bytes of files and"

@@ -146,6 +146,10 @@ class Filesystem(NamespaceOps):
         self.budget = RamBudget(capacity, fd_of=self.fds.get, counters=self.counters,
                                 settle=lambda: self.open_files.settle_releases(),
                                 make_room=self.eviction.make_room)
+        usage = getattr(store, "data_usage", None)  # (a store double in tests may lack it)
+        if usage is not None:  # (each a no-op without a data tmpfs)
+            self.budget.data_usage = usage
+            self.budget.grow_data, self.budget.shrink_data = store.grow_data, store.shrink_data
         self.errors: list[str] = []
         self.errors_total: int = 0  # errors ever logged (``errors`` keeps the last 50)
         self.cpu_limiter = pools.limiter("cpu")

@@ -1042,6 +1042,7 @@ class OpenFiles:
         v.sealing = None
         if ino is not None:
             self.step_registry.changed(ino)
+        self.budget.after_seal()  # the headroom, once passthrough writers made room
         return ino
 
     async def file_hash(self, v: Version) -> str:

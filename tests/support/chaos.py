@@ -82,6 +82,7 @@ from mtcfs.base.manifest import StepManifest
 from mtcfs.base.mountinfo import force_unmount
 
 from .cluster import Cluster
+from .mount import remove_tree
 
 #: Seconds past the documented bound a call into a mount may take on a loaded 2-core
 #: machine before it counts as a violation.
@@ -1868,7 +1869,7 @@ def run_chaos(cfg: ChaosConfig, root: Path | None = None) -> ChaosResult:
         copy_logs(Path(root), keep)
         res.events.append(f"daemon logs kept in {keep}")
     if own:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)  # the stores' data tmpfs mounts first
     return res
 
 

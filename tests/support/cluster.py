@@ -42,7 +42,7 @@ from typing import Self
 from mtcfs import control
 from mtcfs.tiers.peer.tls import TlsFiles
 
-from .mount import Mount, force_unmount
+from .mount import Mount, force_unmount, unmount_below
 from .pki import Issued, TestCa
 from .ports import free_ports  # noqa: F401 (re-exported: tests import it from here)
 
@@ -234,6 +234,7 @@ class Cluster:
             n = sum(1 for _ in m.root.glob("mtcfs.log.*"))
             shutil.copyfile(log, m.root / f"mtcfs.log.{n}")
         if m.store.is_dir():
+            unmount_below(m.store)  # its data tmpfs (it outlives the daemon)
             for p in m.store.iterdir():
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p)

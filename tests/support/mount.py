@@ -23,6 +23,53 @@ from .watchdog import WATCHDOG
 VENV_BIN = Path(sys.executable).parent
 MTCFS = [sys.executable, "-m", "mtcfs"]
 
+#: Directories the tests made stores in (shm_dir, every Mount's store): the session-end
+#: check (conftest.py) finds there any data tmpfs of mtcfs's left mounted.
+TEST_ROOTS: set[str] = set()
+
+
+def track(root: str | os.PathLike[str]) -> None:
+    """Have the session-end check look for leaked mounts below ``root``."""
+    TEST_ROOTS.add(os.path.realpath(root))
+
+
+def _below(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def unmount_below(root: str | os.PathLike[str]) -> list[str]:
+    """Detach every mount at or below ``root`` (a store's ``data/`` tmpfs, a tmpfs a test
+    mounted for a store, a FUSE mount left behind), deepest first; FUSE ones are aborted
+    first (force_unmount). Returns their mount points. Nothing without root."""
+    from mtcfs.base import mountinfo
+    r = os.path.realpath(root)
+    points = sorted({e.mount_point for e in mountinfo.entries() if _below(e.mount_point, r)},
+                    key=len, reverse=True)
+    for mp in points:
+        e = mountinfo.entry_at(mp)
+        if e is not None and e.fstype.startswith("fuse"):
+            force_unmount(mp)
+        else:
+            subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+    return points
+
+
+def remove_tree(root: str | os.PathLike[str]) -> None:
+    """Remove a test directory that held stores: its mounts first (:func:`unmount_below`;
+    a store's data tmpfs outlives its daemon), then the tree (errors ignored)."""
+    import shutil
+    unmount_below(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def leaked_data_mounts() -> list[str]:
+    """Mount points of mtcfs data tmpfs mounts (source ``mtcfs-data``) below the tracked
+    test roots."""
+    from mtcfs.base import mountinfo
+    from mtcfs.core.store.datafs import SOURCE
+    return [e.mount_point for e in mountinfo.entries()
+            if e.source == SOURCE and any(_below(e.mount_point, r) for r in TEST_ROOTS)]
+
 
 def drop_page_cache(path) -> None:
     """Forget the kernel's cached pages of one file of a mount, so that the next read of it
@@ -50,6 +97,7 @@ class Mount:
         self.mnt = Path(mnt or self.root / "mnt")
         self.options = dict(options or {})
         self.pid: int | None = None
+        track(self.store)
 
     def option_string(self) -> str:
         opts = {"store": str(self.store), "size": "2G", **self.options}

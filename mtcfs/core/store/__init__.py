@@ -34,6 +34,7 @@ from typing import Any
 from mtcfs.base import mountinfo
 from mtcfs.base.untrusted import BadRecord, field_float, field_int, field_str, json_object
 from mtcfs.base.failpoints import failpoint
+from mtcfs.core.store import datafs
 from mtcfs.core.store.meta import MetaDB, NewerSchemaError
 from mtcfs.core.store.reaper import REAP_MIN_BYTES, Reaper
 
@@ -267,7 +268,8 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
     and ``reap/`` are directories (not links); every version-numbered entry in ``data/`` is
     a regular file. A missing ``data/`` is fine (its versions' chunks become missing).
     ``locked``: the caller holds the store's lock (the metadata may then be read even when
-    that makes SQLite create its ``-shm`` index).
+    that makes SQLite create its ``-shm`` index). A mount on ``data/`` must be mtcfs's own
+    data tmpfs (store/datafs.py: tmpfs, source ``mtcfs-data``, root's, mode 0700).
 
     Raises:
         StoreError: one line naming the entry and how to recover.
@@ -301,6 +303,12 @@ def check_store_contents(path: str, *, marked: bool, deep: bool = True,
             raise StoreError(f"store={path} refused: damaged, {meta} is not a SQLite "
                              f"database; {_recover_hint(path)}")
     data = os.path.join(path, "data")
+    mounted = datafs.mount_of_data(data) if os.path.isdir(data) else None
+    if mounted is not None and not datafs.is_ours(data, mounted):
+        raise StoreError(f"store={path} refused: {data} is a mount that is not mtcfs's data "
+                         f"tmpfs ({mounted.fstype} from {mounted.source!r}): the daemon would "
+                         "keep file data and delete files there; nothing was touched: "
+                         f"unmount it (umount {data}) or give another store")
     if os.path.isdir(data):
         with os.scandir(data) as it:
             for e in it:
@@ -456,6 +464,10 @@ class Store:
         lock_wait: seconds to wait for a previous daemon to release the store.
 
         mountpoint: the mount point it is for; the store may not be it or inside it.
+        data_size: bytes: give ``data/`` a tmpfs of its own of this size when the store is
+            on tmpfs and the process is root (store/datafs.py: ``prepare``; the daemon
+            passes ``datafs.tmpfs_size(capacity, chunk_size)``); None: never (in-process
+            tests, tools).
 
     Raises:
         StoreError: another daemon holds the store, it belongs to another job/format, it
@@ -465,10 +477,16 @@ class Store:
     """
 
     def __init__(self, path: str, job: str, chunk_size: int, *, lock_wait: float = 5.0,
-                 mountpoint: str | None = None) -> None:
+                 mountpoint: str | None = None, data_size: int | None = None) -> None:
         self.path = os.path.abspath(path)
         self.data_dir = os.path.join(self.path, "data")
         self._lock_fd = -1
+        #: The byte size of ``data/``'s own tmpfs when this store sized one (the kernel
+        #: then refuses a write past it with ENOSPC, passthrough writes included); None
+        #: otherwise (a store not on tmpfs, not root, no ``data_size``): only the daemon's
+        #: per-write check holds size= then, so writes must go through the daemon.
+        self.data_limit: int | None = None
+        self._data_grown = False  # grow_data() set it above data_limit
         check_store_dir(self.path, mountpoint, job)  # before anything is created in it
         os.makedirs(self.path, mode=0o700, exist_ok=True)
         # Only its user may enter it: file data, metadata, the log and the control socket
@@ -500,6 +518,13 @@ class Store:
             raise
         failpoint("store.checked")  # tests: what another user may do now
         self.created = info is None
+        if data_size is not None:
+            try:
+                self.data_limit = datafs.prepare(self.path, data_size)
+                self._data_grown = self.data_limit is not None  # (shrink_data checks once)
+            except datafs.DataMountError as exc:
+                self.close()
+                raise StoreError(str(exc)) from None
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.reaper = Reaper(os.path.join(self.path, "reap"))
         self.reaper.sweep()  # what a crash left to free
@@ -548,7 +573,7 @@ class Store:
         path = self.data_path(vid)
         if allocated >= REAP_MIN_BYTES:
             try:
-                self.reaper.take(path)
+                self.reaper.take(path, allocated)
                 return
             except OSError as exc:  # cannot happen on one filesystem; free it here then
                 log.warning("could not move %s to be freed off the loop: %s", path, exc)
@@ -579,6 +604,51 @@ class Store:
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.data_dir)
+
+    def data_usage(self) -> tuple[int, int] | None:
+        """(size, used) in bytes of ``data/``'s own tmpfs by statfs, ``used`` less what the
+        reaper has still to free (already gone for the budget); None when it has none
+        (:attr:`data_limit` None) or it cannot be measured."""
+        if self.data_limit is None:
+            return None
+        try:
+            size, used = datafs.usage(self.data_dir)
+        except OSError:
+            return None
+        return size, max(0, used - self.reaper.pending_bytes)
+
+    def grow_data(self, nbytes: int) -> None:
+        """Let ``nbytes`` more bytes into the data tmpfs beyond its size (a fault-in the
+        budget lets past ``size=`` because nothing can be evicted: a read is never refused
+        for room, docs/usage.md): grow it to what it holds plus ``nbytes`` plus 4 chunks.
+        :meth:`shrink_data` takes it back to :attr:`data_limit` once it holds no more than
+        that. Nothing without a data tmpfs; a failure is logged."""
+        if self.data_limit is None:
+            return
+        try:
+            size, used = datafs.usage(self.data_dir)
+            want = used + nbytes + 4 * self.chunk_size
+            if want > size:
+                datafs.resize(self.data_dir, want)
+                self._data_grown = True
+                log.warning("data tmpfs %s grown past size= to %d bytes for chunks read in "
+                            "(nothing could be evicted)", self.data_dir, want)
+        except OSError as exc:
+            log.warning("cannot grow the data tmpfs %s: %s", self.data_dir, exc)
+
+    def shrink_data(self) -> None:
+        """Set a data tmpfs :meth:`grow_data` grew back to :attr:`data_limit` if it holds
+        no more than that now (cheap when it was not grown)."""
+        if not self._data_grown or self.data_limit is None:
+            return
+        try:
+            size, used = datafs.usage(self.data_dir)
+            if used <= self.data_limit:
+                datafs.resize(self.data_dir, self.data_limit)
+                self._data_grown = False
+                log.info("data tmpfs %s back to %d bytes", self.data_dir, self.data_limit)
+        except OSError as exc:
+            log.warning("cannot shrink the data tmpfs %s: %s", self.data_dir, exc)
 
     def close(self) -> None:
         reaper = getattr(self, "reaper", None)

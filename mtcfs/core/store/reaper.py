@@ -13,6 +13,10 @@ crash leaves what was still to be freed in ``reap/``; the next
 :class:`~mtcfs.core.store.Store` empties it before anything else (:meth:`Reaper.sweep`).
 Nothing reads ``reap/``: what is there is already deleted for the namespace, the versions
 and the RAM budget.
+
+When ``data/`` is a tmpfs of its own (store/datafs.py) the rename fails with EXDEV: the
+file is then opened, its name unlinked at once, and the thread closes the descriptor, which
+frees the pages (nothing is left to free after a crash: the kernel closes it).
 """
 
 from __future__ import annotations
@@ -54,8 +58,15 @@ class Reaper:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             raise OSError(errno.ENOTDIR, f"{path} is not a directory of the store's")
         self._seq = itertools.count()
-        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str | int, int] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes taken (as :meth:`take` was told) and not freed yet."""
+        return self._pending
 
     def sweep(self) -> int:
         """Unlink what a crash left to free in the reap directory now: the regular files
@@ -81,32 +92,57 @@ class Reaper:
                         self.path, ", ".join(sorted(strays)[:20]))
         return n
 
-    def take(self, src: str) -> None:
-        """Move file ``src`` into the reap directory and have the thread unlink it.
+    def take(self, src: str, nbytes: int = 0) -> None:
+        """Move file ``src`` into the reap directory and have the thread unlink it; on
+        another filesystem (EXDEV), unlink ``src`` now and have the thread close a
+        descriptor of it. ``nbytes``: its allocated bytes (:attr:`pending_bytes` until
+        freed).
 
         Nothing if ``src`` does not exist. Raises OSError from the rename otherwise."""
         dst = os.path.join(self.path, f"{os.path.basename(src)}.{next(self._seq)}")
+        item: str | int = dst
         try:
             os.rename(src, dst)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            try:
+                item = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                os.unlink(src)
+            except BaseException:
+                os.close(item)
+                raise
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mtcfs-reaper", daemon=True)
             self._thread.start()
-        self._queue.put(dst)
+        with self._lock:
+            self._pending += nbytes
+        self._queue.put((item, nbytes))
 
     def _run(self) -> None:
         while True:
-            path = self._queue.get()
-            if path is None:
+            got = self._queue.get()
+            if got is None:
                 return
+            item, nbytes = got
             failpoint("store.free_data")
             try:
-                os.unlink(path)
+                if isinstance(item, int):
+                    os.close(item)  # the last reference, unless a reader still has one
+                else:
+                    os.unlink(item)
             except FileNotFoundError:
                 pass
             except OSError as exc:  # left for the next start's sweep
-                log.warning("could not free %s: %s", path, exc)
+                log.warning("could not free %s: %s", item, exc)
+            finally:
+                with self._lock:
+                    self._pending -= nbytes
 
     def close(self, timeout: float = 10.0) -> None:
         """Free what is queued (at most ``timeout`` seconds; the rest stays for the next
