@@ -219,7 +219,7 @@ def test_make_room_counts_writes_the_daemon_did_not_see_and_evicts_ahead(shm_dir
     from mtcfs.core.model import ROOT_INO
     from mtcfs.core.store import Store
 
-    cap = 8 * CS
+    cap = 16 * CS
     store = Store(str(shm_dir / "store"), "job", CS, data_size=datafs.tmpfs_size(cap, CS))
     assert store.data_limit == datafs.tmpfs_size(cap, CS)
     fs = Filesystem(store, capacity=cap, chunk_size=CS, job="job")
@@ -234,13 +234,13 @@ def test_make_room_counts_writes_the_daemon_did_not_see_and_evicts_ahead(shm_dir
                     fs.step_registry.seal(f"step_{k}")
                 fs.steps["step_1"].backed_up_ns = 1  # the backup tier holds it
                 b = fs.budget
-                assert b.headroom == 2 * CS and b.room() >= 2 * CS
-                assert await b.make_room() >= 2 * CS and fs.counters.evicted_steps == 0
+                assert b.headroom == 8 * CS and b.room() >= 8 * CS  # capacity / 2
+                assert await b.make_room() >= 8 * CS and fs.counters.evicted_steps == 0
                 unseen = os.path.join(store.data_dir, "passthrough-stand-in")
                 with open(unseen, "wb") as f:
-                    f.write(b"\x01" * CS)
-                assert b.room() <= CS < b.free()  # statfs sees it, ``used`` does not
-                assert await b.make_room() >= 2 * CS
+                    f.write(b"\x01" * 3 * CS)
+                assert b.room() <= 7 * CS < b.free()  # statfs sees it, ``used`` does not
+                assert await b.make_room() >= 8 * CS
                 assert fs.counters.evicted_steps == 1 and b.headroom_active
                 v = fs.versions[fs.tree.resolve("step_1/x").vid]
                 assert v.alloc == 0 and v.missing  # dropped, not deleted

@@ -31,6 +31,8 @@ import errno
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 
+import trio
+
 from mtcfs.base.errors import FsError
 from mtcfs.core.model import Version
 
@@ -40,6 +42,13 @@ __all__ = ["HEADROOM_MAX", "PAGE", "RamBudget"]
 PAGE = 4096
 #: The headroom :meth:`RamBudget.make_room` keeps free is ``min(capacity / 4, this)``.
 HEADROOM_MAX = 4 << 30
+#: Seconds between two looks at the room left while writers the kernel serves are open
+#: (RamBudget.watch): one statfs(2) each.
+WATCH_S = 0.02
+#: Seconds make_room waits for the reaper thread to free deleted files' pages.
+REAP_WAIT_S = 2.0
+#: Free bytes under which the data tmpfs counts as full (RamBudget.data_full).
+FULL_BELOW = 64 * 1024
 
 
 async def _nothing() -> None:
@@ -85,6 +94,10 @@ class RamBudget:
         #: core, no-ops without a data tmpfs.
         self.grow_data: Callable[[int], None] = lambda nbytes: None
         self.shrink_data: Callable[[], None] = lambda: None
+        #: Bytes of data files deleted but still being freed by the reaper thread
+        #: (``Store.reaper.pending_bytes``): counted free by :meth:`room`, but not yet
+        #: writable by the kernel; wired by the core.
+        self.reaping: Callable[[], int] = lambda: 0
         #: Whether :meth:`after_seal` keeps the headroom: set by the first
         #: :meth:`make_room` (writes the daemon does not see are then under way).
         self.headroom_active = False
@@ -178,8 +191,26 @@ class RamBudget:
 
     @property
     def headroom(self) -> int:
-        """Bytes :meth:`make_room` keeps free: ``min(capacity / 4, 4 GiB)``."""
-        return min(self.capacity // 4, HEADROOM_MAX)
+        """Bytes :meth:`make_room` keeps free: ``min(capacity / 2, 4 GiB)`` (a writer the
+        kernel serves is not seen write by write; :meth:`watch` evicts as it goes, and the
+        headroom is what it may write between two looks: about 1.3 s at tmpfs speed)."""
+        return min(self.capacity // 2, HEADROOM_MAX)
+
+    async def watch(self, busy: Callable[[], bool]) -> None:
+        """While ``busy()`` (writers the kernel serves are open), look at the room left
+        every :data:`WATCH_S` seconds and evict (:meth:`make_room`) when less than half the
+        headroom is left: eviction to make room as the bytes arrive, which a write on the
+        daemon's path does at each write (:meth:`reserve`). Returns when not busy."""
+        while busy():
+            if self.room() < self.headroom // 2:
+                await self.make_room()
+            await trio.sleep(WATCH_S)
+
+    def data_full(self) -> bool:
+        """The data directory's own tmpfs has less than :data:`FULL_BELOW` bytes free (a
+        write the kernel served for a passthrough handle has most likely been refused)."""
+        fs = self.data_usage()
+        return fs is not None and fs[0] - fs[1] < FULL_BELOW
 
     def room(self) -> int:
         """Bytes that may still be written under ``size=`` now: the capacity less the
@@ -210,14 +241,24 @@ class RamBudget:
         self.headroom_active = True
         self.shrink_data()
         want = self.headroom if headroom is None else headroom
-        room = self.room()
-        if room >= want:
-            return room
-        await self._settle()
-        room = self.room()
-        if room < want:
-            self._make_room(want - room, False)
+        if self.room() < want:
+            await self._settle()
+            room = self.room()
+            if room < want:
+                self._make_room(want - room, False)
+        await self._reaped(want)
         return self.room()
+
+    async def _reaped(self, want: int) -> None:
+        """Wait (at most :data:`REAP_WAIT_S`) until the bytes the reaper thread is still
+        freeing are free for the kernel too, when the tmpfs's own free space is below
+        ``want``: a passthrough writer gets ENOSPC from the tmpfs, not from :meth:`room`."""
+        with trio.move_on_after(REAP_WAIT_S):
+            while self.reaping():
+                fs = self.data_usage()
+                if fs is None or fs[0] - fs[1] - self.reaping() >= want:
+                    return
+                await trio.sleep(0.005)
 
     def after_seal(self) -> None:
         """The watermark check after a seal: once :attr:`headroom_active`, evict until

@@ -149,6 +149,9 @@ class OpenFiles:
         #: The daemon stamps c/mtime at each WRITE it serves (set by the adapter at INIT
         #: when the kernel has no writeback cache, which would stamp them itself).
         self.stamp_writes = False
+        #: Writable handles open in passthrough mode, all versions (while > 0 the budget
+        #: watches the room left: RamBudget.watch).
+        self._pt_writers = 0
         #: time.monotonic() of the last write() by the application (background tiers yield
         #: to it).
         self.last_write = 0.0
@@ -385,6 +388,11 @@ class OpenFiles:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         kernel = kernel and self.pt.on
+        if kernel and writable:
+            # The kernel will write without asking: make room now (budget.py: make_room;
+            # past the room left, the data directory's own tmpfs answers ENOSPC).
+            await self.budget.make_room()
+            ino = self.tree.get(num)
         if kernel:
             await self._pt_settle(ino, writable, trunc)
         if writable and not trunc:
@@ -511,6 +519,9 @@ class OpenFiles:
             return
         ino.pt_opens += 1
         if h.writable:
+            if not self._pt_writers and self._nursery is not None:
+                self._nursery.start_soon(self.budget.watch, lambda: self._pt_writers > 0)
+            self._pt_writers += 1
             v.pt_writers += 1
             v.pt_mtime = os.fstat(self.vstore.fd(v)).st_mtime_ns
             v.gen += 1  # a seal under way is overtaken (it re-checks gen and writers)
@@ -566,6 +577,8 @@ class OpenFiles:
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int, *, kernel: bool = False) -> tuple[int, Attr]:
         """Create ``name`` in ``parent`` and open it (``kernel``: as :meth:`open`)."""
+        if kernel and self.pt.on:
+            await self.budget.make_room()  # (as open)
         res = await self._host.ns_log.submit(Create(
             parent=self.tree.dir(parent).ino, name=name, mode=mode, uid=uid, gid=gid,
             excl=bool(flags & os.O_EXCL)))
@@ -825,10 +838,16 @@ class OpenFiles:
                 ino.pt_opens -= 1
             if h.writable:
                 v.pt_writers -= 1
+                self._pt_writers -= 1
                 if self.versions.get(v.vid) is v and not v.dropped and not v.sealed:
                     self.sync_from_store(v)  # what the kernel wrote: the seal hashes it
                     v.gen += 1
                     self.budget.account(v)
+                if self.budget.data_full():
+                    # The kernel refused this writer's bytes past size= (ENOSPC at its
+                    # write(2)): the daemon does not see that refusal, only the full
+                    # data tmpfs the writer leaves; counted as the daemon's own are.
+                    self.counters.enospc += 1
                 self.last_write = time.monotonic()
         if h.writable:
             v.writers -= 1

@@ -69,11 +69,16 @@ class DataMountError(Exception):
 
 
 def slack(capacity: int, chunk_size: int) -> int:
-    """Bytes the data tmpfs holds above the capacity: ``max(4 x chunk_size, capacity/32)``,
-    at most :data:`SLACK_MAX` (1 GiB). It is room for what the daemon's own budget lets go
-    past ``size=`` on purpose: chunks a read faults in when nothing can be evicted
-    (docs/usage.md, "Capacity and eviction"), and chunks being fetched."""
-    return min(max(4 * chunk_size, capacity // 32), SLACK_MAX)
+    """Bytes the data tmpfs holds above the capacity: none. A write past ``size=`` gets
+    ENOSPC at that write(2), whoever writes it (the kernel for a passthrough handle, the
+    daemon else). What the daemon's budget lets go past ``size=`` on purpose (chunks a read
+    faults in when nothing can be evicted, docs/usage.md, "Capacity and eviction") grows
+    the tmpfs for those bytes only (``Store.grow_data``) and is set back at the next
+    reservation that fits (``Store.shrink_data``). (A first version kept
+    ``max(4 chunks, size/32)`` above ``size=`` for them: a writer could then pass
+    ``size=`` by that much.)"""
+    del capacity, chunk_size
+    return 0
 
 
 def tmpfs_size(capacity: int, chunk_size: int) -> int:
