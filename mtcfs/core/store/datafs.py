@@ -3,7 +3,7 @@
 With FUSE passthrough the kernel writes an open file's bytes straight into
 ``<store>/data/<vid>``: the daemon's per-write check (core/budget.py, ``reserve``) is never
 reached. So when the store is on tmpfs (the RAM tier) and the daemon runs as root, it gives
-``<store>/data`` a tmpfs of its own whose size is the RAM tier's capacity plus a small slack
+``<store>/data`` a tmpfs of its own whose size is the RAM tier's capacity
 (:func:`tmpfs_size`): a write past it gets ENOSPC from the kernel, at that write(2).
 
 The mount is recognised as mtcfs's by all of: filesystem type ``tmpfs``, mount source
@@ -45,7 +45,7 @@ from mtcfs.base.failpoints import failpoint
 
 __all__ = ["SOURCE", "DataMountError", "check_resize", "mount_of_data", "prepare", "resize",
            "unmount_data",
-           "tmpfs_size", "slack", "usage", "wanted"]
+           "tmpfs_size", "usage", "wanted"]
 
 log = logging.getLogger("mtcfs.core.store")
 
@@ -53,8 +53,6 @@ log = logging.getLogger("mtcfs.core.store")
 SOURCE = "mtcfs-data"
 #: Names in the store directory of an upgrade under way (see the module's docstring).
 STAGING, OLD = "data.new", "data.old"
-#: The slack above the capacity is at most this (bytes).
-SLACK_MAX = 1 << 30
 PAGE = 4096
 
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
@@ -68,24 +66,18 @@ class DataMountError(Exception):
     a :class:`~mtcfs.core.store.StoreError`.)"""
 
 
-def slack(capacity: int, chunk_size: int) -> int:
-    """Bytes the data tmpfs holds above the capacity: none. A write past ``size=`` gets
-    ENOSPC at that write(2), whoever writes it (the kernel for a passthrough handle, the
-    daemon else). What the daemon's budget lets go past ``size=`` on purpose (chunks a read
-    faults in when nothing can be evicted, docs/usage.md, "Capacity and eviction") grows
-    the tmpfs for those bytes only (``Store.grow_data``) and is set back at the next
-    reservation that fits (``Store.shrink_data``). (A first version kept
-    ``max(4 chunks, size/32)`` above ``size=`` for them: a writer could then pass
-    ``size=`` by that much.)"""
-    del capacity, chunk_size
-    return 0
-
-
 def tmpfs_size(capacity: int, chunk_size: int) -> int:
-    """The data tmpfs's size for a RAM tier of ``capacity`` bytes: capacity plus
-    :func:`slack`, rounded up to a page."""
-    n = capacity + slack(capacity, chunk_size)
-    return -(-n // PAGE) * PAGE
+    """The data tmpfs's size for a RAM tier of ``capacity`` bytes: the capacity, rounded up
+    to a page. Nothing above it: a write past ``size=`` gets ENOSPC at that write(2),
+    whoever writes it (the kernel for a passthrough handle, the daemon else). What the
+    daemon's budget lets go past ``size=`` on purpose (chunks a read faults in when nothing
+    can be evicted, docs/usage.md, "Capacity and eviction") grows the tmpfs for those
+    bytes only (``Store.grow_data``), set back at the next reservation that fits
+    (``Store.shrink_data``). (A first version kept ``max(4 chunks, size/32)`` above
+    ``size=`` for them: a passthrough writer could then pass ``size=`` by that much.)
+    ``chunk_size`` is not used (kept for callers)."""
+    del chunk_size
+    return -(-capacity // PAGE) * PAGE
 
 
 def wanted(store: str) -> bool:
@@ -174,7 +166,7 @@ def resize(data: str, size: int) -> None:
     _mount(SOURCE, data, None, _MS_REMOUNT | _FLAGS, f"size={-(-size // PAGE) * PAGE}")
 
 
-#: The size the daemon gave the tmpfs (size= and the slack), on its root directory: tells a
+#: The size the daemon gave the tmpfs (size=), on its root directory: tells a
 #: tmpfs grown for reads past size= (the budget's exception) from a size= made smaller.
 _SIZED_XATTR = "trusted.mtcfs.sized"
 
