@@ -394,7 +394,9 @@ class OpenFiles:
             await self.budget.make_room()
             ino = self.tree.get(num)
         if kernel:
-            await self._pt_settle(ino, writable, trunc)
+            # (O_RDONLY|O_TRUNC truncates too: it settles as a truncating writer would)
+            rdonly_trunc = not writable and bool(flags & os.O_TRUNC)
+            await self._pt_settle(ino, writable or rdonly_trunc, trunc or rdonly_trunc)
         if writable and not trunc:
             await self.chunks.fault_in_all(ino)
         elif kernel and ino.vid is not None:
@@ -781,7 +783,8 @@ class OpenFiles:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self.chunks.fault_in_all(ino)
-            v = await self.writable_version(ino, trunc=(size == 0))
+            v = await self.writable_version(ino, trunc=(size == 0),
+                                            in_place=self.pt.live(ino.ino) is not None)
             v.writers += 1
             try:
                 await self._resize(v, size)
