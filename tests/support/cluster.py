@@ -279,6 +279,10 @@ class Cluster:
                     force_unmount(str(m.mnt))
                 except BaseException:  # noqa: BLE001, S110
                     pass
+            try:
+                unmount_below(m.store)  # its data tmpfs (it outlives the daemon)
+            except BaseException:  # noqa: BLE001, S110
+                pass
 
         threads = [threading.Thread(target=one, args=(m,))
                    for m in [*self._mounts, *self._retired]]

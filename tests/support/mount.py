@@ -115,7 +115,10 @@ class Mount:
         try:
             self.pid = self.status()["pid"]
         except RuntimeError as exc:  # mounted (rc 0), then gone: say what the daemon said
-            raise RuntimeError(f"{exc}\nthe daemon's log:\n{self.log()[-4000:]}") from None
+            with open("/proc/self/mountinfo") as f:
+                here = [line.strip() for line in f if str(self.root) in line]
+            raise RuntimeError(f"{exc}\nmounts below {self.root}: {here}\n"
+                               f"the daemon's log:\n{self.log()[-4000:]}") from None
         WATCHDOG.after_start(self)
         return self
 
