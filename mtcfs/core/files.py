@@ -237,13 +237,15 @@ class OpenFiles:
         waits = 0
         while waits < 3:
             cur = self.versions[ino.vid] if ino.vid is not None else None
-            while (cur is not None and cur.sealing is not None and not cur.sealed and not trunc
-                   and not self.job_scope and not cur.writers):
+            while (cur is not None and cur.sealing is not None and not cur.sealed
+                   and (not trunc or in_place) and not self.job_scope and not cur.writers):
                 # Reopened right after its last close (fio lays a file out, closes it and
                 # reopens it): the hash under way stops at its next chunk, and the chunks it
                 # finished become the version's base; the version is written on (below) and
                 # its next seal hashes only the other chunks and those written. A rewrite's
                 # reseal (rehash_fd) does not stop: it ends, and the file is taken over.
+                # (A truncating writer ``in_place`` too: it then empties this data file,
+                # which the file's passthrough handles use, instead of starting another.)
                 await self._stop_seal(cur)
                 cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
@@ -447,7 +449,10 @@ class OpenFiles:
         if (st.st_dev, st.st_ino) != live.dev_ino or cur.missing:
             return False
         if not writable or not cur.sealed:
-            return cur.shared is None or not writable
+            # (a truncating writer stops a seal under way and empties the file in place,
+            # except in scope=job: writable_version)
+            return not writable or (cur.shared is None and not (
+                trunc and self.job_scope and cur.sealing is not None and not cur.writers))
         return self._in_place_ok(cur) or (not trunc and cur.preserved is None
                                           and not cur.pins and cur.sealing is None
                                           and not cur.publishing and not cur.writers)
