@@ -786,7 +786,11 @@ class OpenFiles:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self.chunks.fault_in_all(ino)
-            v = await self.writable_version(ino, trunc=(size == 0))
+            # (emptied in place while its handles pass through to its data file, as an
+            # O_TRUNC open is: a new data file would leave every later open EBUSY or EIO)
+            v = await self.writable_version(
+                ino, trunc=(size == 0),
+                in_place=size == 0 and self.pt.live(ino.ino) is not None)
             v.writers += 1
             try:
                 await self._resize(v, size)
