@@ -106,3 +106,150 @@ def test_the_cli_finds_its_mount_among_many_mounts(make_mount, tmp_path):
     finally:
         for d in made:
             subprocess.run(["umount", str(d)], check=False)
+
+
+def _wait(pred, timeout: float, what: str):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_scope_job_close_to_open_with_passthrough_on_both_nodes(make_cluster):
+    """scope=job: a file written through passthrough on node 0 is read whole on node 1,
+    rewritten there in place (r+b) and appended to, and node 0 then reads node 1's bytes;
+    both seal it to the same bytes, and no backing file stays registered."""
+    c = make_cluster(2, options={"scope": "job", "replicas": 1, "chunk_size": "1M"})
+    a, b = c[0], c[1]
+    if not _fuse(a)["passthrough"]:
+        pytest.skip(f"passthrough is off here: {_fuse(a)['passthrough_off']}")
+    data = _data(5 * MiB + 11, 7)
+    with open(a.path("s.bin"), "wb") as f:
+        f.write(data)
+    assert b.path("s.bin").read_bytes() == data
+    with open(b.path("s.bin"), "r+b") as f:
+        f.seek(MiB)
+        f.write(b"B" * 4096)
+    with open(b.path("s.bin"), "ab") as f:
+        f.write(b"tail")
+    want = bytearray(data)
+    want[MiB:MiB + 4096] = b"B" * 4096
+    want += b"tail"
+    assert os.stat(b.path("s.bin")).st_size == len(want)
+    assert b.path("s.bin").read_bytes() == want
+    assert os.stat(a.path("s.bin")).st_size == len(want)
+    assert a.path("s.bin").read_bytes() == want
+    digest = blake3.blake3(want).hexdigest()
+    for m in (a, b):
+        _wait(lambda m=m: os.getxattr(m.path("s.bin"), "user.mtcfs.state") != b"writing",
+              30, "the seal")
+        assert os.getxattr(m.path("s.bin"), "user.mtcfs.blake3").decode() == digest
+        _wait(lambda m=m: _fuse(m)["backing_files"] == 0, 10, "backing files given back")
+
+
+def test_many_threads_opening_one_file_every_way(pt_mount):
+    """Threads open one file at once every way a checkpoint library does (create, O_TRUNC,
+    r+b, O_APPEND, read, O_RDONLY|O_TRUNC, dup, truncate by path): no open(2) fails, the
+    file seals to what a read shows, and no backing file stays registered."""
+    import threading
+
+    m = pt_mount
+    p = m.path("shared.bin")
+    p.write_bytes(b"s" * 65536)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(60):
+                k = rnd.randrange(7)
+                if k == 0:
+                    with open(p, "wb") as f:
+                        f.write(bytes([seed]) * rnd.randrange(1, 200_000))
+                elif k == 1:
+                    with open(p, "r+b") as f:
+                        f.seek(rnd.randrange(0, 100_000))
+                        f.write(bytes([seed]) * 5000)
+                elif k == 2:
+                    with open(p, "ab") as f:
+                        f.write(b"a" * 1000)
+                elif k == 3:
+                    fd = os.open(p, os.O_RDONLY)
+                    fd2 = os.dup(fd)
+                    os.close(fd)
+                    os.pread(fd2, 4096, 0)
+                    os.close(fd2)
+                elif k == 4:
+                    with open(p, "rb") as f:
+                        f.read()
+                elif k == 5:
+                    os.truncate(p, rnd.randrange(0, 3) * 4096)
+                else:
+                    os.close(os.open(p, os.O_RDONLY | os.O_TRUNC))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i + 1,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors, errors[:4]
+    m.wait_state("shared.bin", "local", 30)
+    got = p.read_bytes()
+    assert os.stat(p).st_size == len(got)
+    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(got).hexdigest()
+    _wait(lambda: _fuse(m)["backing_files"] == 0, 10, "backing files given back")
+    r = m.cli("verify", str(m.mnt), check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("pt", ["yes", "no"])
+@pytest.mark.parametrize("how", ["overwrite", "unlink", "rename_over"])
+def test_rewriting_a_checkpoint_keeps_fitting_in_size(make_mount, how, pt):
+    """size=64M, a 40 MiB checkpoint saved again and again (overwritten in place, deleted
+    and written again; 28 MiB written beside and renamed over): each save fits, with
+    passthrough as on the daemon's path."""
+    m = make_mount("cap", size="64M", passthrough=pt)
+    if pt == "yes" and not _fuse(m)["passthrough"]:
+        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
+    p = m.path("ckpt.bin")
+    for i in range(6):
+        data = _data((28 if how == "rename_over" else 40) * MiB, i)
+        if how == "unlink" and p.exists():
+            p.unlink()
+        target = m.path("ckpt.tmp") if how == "rename_over" else p
+        with open(target, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if how == "rename_over":
+            os.rename(target, p)
+        m.wait_state("ckpt.bin", "local", 30)
+        assert p.read_bytes() == data
+    assert m.status()["counters"]["enospc"] == 0
+
+
+@pytest.mark.parametrize("pt", ["yes", "no"])
+def test_an_overwrite_fits_while_the_old_version_is_still_being_freed(make_mount,
+                                                                        monkeypatch, pt):
+    """size=64M, a 40 MiB checkpoint overwritten with O_TRUNC: the old version's pages are
+    freed by the reaper thread, slower on a loaded host (made certain by a pause); the
+    kernel's writes must not meet a full data tmpfs meanwhile (ENOSPC where there is room)."""
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "store.free_data=sleep(0.5)")
+    m = make_mount("cap", size="64M", passthrough=pt)
+    monkeypatch.delenv("MTCFS_FAILPOINTS")
+    if pt == "yes" and not _fuse(m)["passthrough"]:
+        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
+    p = m.path("ckpt.bin")
+    for i in range(3):
+        data = _data(40 * MiB, i)
+        with open(p, "wb") as f:
+            f.write(data)
+        m.wait_state("ckpt.bin", "local", 30)
+        assert p.read_bytes() == data
+    assert m.status()["counters"]["enospc"] == 0
