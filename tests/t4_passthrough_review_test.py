@@ -253,3 +253,65 @@ def test_an_overwrite_fits_while_the_old_version_is_still_being_freed(make_mount
         m.wait_state("ckpt.bin", "local", 30)
         assert p.read_bytes() == data
     assert m.status()["counters"]["enospc"] == 0
+
+
+@pytest.mark.parametrize("hold", ["dup", "fork", "mmap"])
+def test_a_descriptor_still_held_after_a_close_is_waited_for(pt_mount, hold):
+    """A passthrough reader's file stays open in the kernel after one close(2) when a dup,
+    a forked child or a mapping still holds it. An open that needs the daemon's path (a
+    writer of a set-user-ID file) must then get EBUSY as documented, not EIO, and later
+    plain reads must keep working; once the holder lets go, the writer opens."""
+    import errno
+    import mmap
+    import signal
+
+    m = pt_mount
+    p = m.path("tool")
+    p.write_bytes(b"#!/bin/sh\n" + b"#" * 8192)
+    os.chmod(p, 0o4755)
+    r = os.open(p, os.O_RDONLY)
+    child = mm = r2 = None
+    if hold == "dup":
+        r2 = os.dup(r)
+    elif hold == "mmap":
+        mm = mmap.mmap(r, 0, prot=mmap.PROT_READ)
+    else:
+        rd, wr = os.pipe()
+        child = os.fork()
+        if child == 0:  # holds the inherited descriptor until killed
+            os.close(wr)
+            os.read(rd, 1)
+            os._exit(0)
+        os.close(rd)
+    os.close(r)
+    try:
+        with pytest.raises(OSError) as exc:
+            os.open(p, os.O_WRONLY | os.O_APPEND)
+        assert exc.value.errno == errno.EBUSY
+        with open(p, "rb") as f:  # a plain reader is not refused
+            assert f.read(10) == b"#!/bin/sh\n"
+    finally:
+        if r2 is not None:
+            os.close(r2)
+        if mm is not None:
+            mm.close()
+        if child is not None:
+            os.close(wr)
+            os.waitpid(child, 0)
+    fd = _wait(lambda: _try_open(p, os.O_WRONLY | os.O_APPEND), 10, "the writer's open")
+    try:
+        os.write(fd, b"exit 0\n")
+    finally:
+        os.close(fd)
+    assert p.read_bytes().endswith(b"exit 0\n")
+    _wait(lambda: _fuse(m)["backing_files"] == 0, 10, "backing files given back")
+
+
+def _try_open(p, flags):
+    try:
+        return os.open(p, flags)
+    except OSError as exc:
+        import errno
+        if exc.errno != errno.EBUSY:
+            raise
+        return None

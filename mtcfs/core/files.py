@@ -458,18 +458,19 @@ class OpenFiles:
                                           and not cur.publishing and not cur.writers)
 
     def _pt_busy(self, ino: Inode) -> bool:
-        """Some handle of ``ino`` that passes through has not seen its last close(2)."""
+        """Some handle of ``ino`` that passes through is not released yet. (Not its FLUSH:
+        the kernel sends one at every close(2), and its file stays open, on the backing
+        file, while a dup, a forked child or a mapping still holds it; RELEASE comes after
+        the last of them, as soon as the kernel dropped its hold.)"""
         live = self.pt.live(ino.ino)
-        if live is None:
-            return False
-        return any(isinstance(h := self.handles.get(fh), Handle) and not h.closed
-                   for fh in live.handles)
+        return live is not None and any(fh in self.handles for fh in live.handles)
 
     async def _pt_settle(self, ino: Inode, writable: bool, trunc: bool) -> None:
         """Before a kernel open of ``ino``: if its passthrough handles use a data file this
-        open would not get, wait (:data:`RELEASE_WAIT_S`) for their last close(2); the
-        kernel dropped its hold at that close, so the next registration may be another
-        file. Raises FsError EBUSY if they are still open then."""
+        open would not get, wait (:data:`RELEASE_WAIT_S`) for their RELEASE (the kernel
+        dropped its hold at the last close(2) of each, a dup's, a child's or a mapping's
+        included), so the next registration may be another file. Raises FsError EBUSY if
+        they are still open then."""
         if self._pt_fits(ino, writable, trunc):
             return
         with trio.move_on_after(RELEASE_WAIT_S):
