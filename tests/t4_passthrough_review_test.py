@@ -399,3 +399,70 @@ def test_eviction_never_empties_a_file_a_passthrough_reader_reads(make_mount, tm
     m.cli("gc", str(m.mnt))  # once the reader is gone, step_1 leaves RAM
     m.wait_for(lambda: m.status()["ram"]["used"] < 12 * MiB, 30, "step_1 out of RAM")
     assert p.read_bytes() == bytes(data)
+
+
+def test_o_direct_and_o_append_writers_and_a_reader_beside_them(pt_mount):
+    """O_DIRECT writes and reads (aligned buffers, as fio and some savers use) and an
+    O_APPEND writer beside a reader: the bytes, the size stat(2) shows while open, the
+    seal."""
+    import mmap
+
+    m = pt_mount
+    p = m.path("direct.bin")
+    buf = mmap.mmap(-1, MiB)
+    data = _data(MiB, 30)
+    buf[:] = data
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for i in range(4):
+            assert os.pwritev(fd, [buf], i * MiB) == MiB
+        assert os.stat(p).st_size == 4 * MiB
+    finally:
+        os.close(fd)
+    rbuf = mmap.mmap(-1, MiB)
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.preadv(fd, [rbuf], 3 * MiB) == MiB
+        assert rbuf[:] == data
+    finally:
+        os.close(fd)
+    r = os.open(p, os.O_RDONLY)
+    a = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(a, b"tail1")
+        os.write(a, b"tail2")
+        assert os.stat(p).st_size == 4 * MiB + 10
+        assert os.pread(r, 20, 4 * MiB) == b"tail1tail2"
+    finally:
+        os.close(a)
+        os.close(r)
+    want = data * 4 + b"tail1tail2"
+    m.wait_state("direct.bin", "local", 30)
+    assert p.read_bytes() == want
+    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(want).hexdigest()
+
+
+@pytest.mark.parametrize("pt", ["yes", "no"])
+def test_a_save_larger_than_the_headroom_evicts_as_it_writes(make_mount, tmp_path, pt):
+    """size=64M, keep=10: three 12 MiB steps in the backup, then a 44 MiB step: room is
+    made by evicting the older steps (never the newest complete one) while it is written,
+    as on the daemon's path: no ENOSPC."""
+    m = make_mount(size="64M", chunk_size="1M", keep="10", passthrough=pt,
+                   backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+    if pt == "yes" and not _fuse(m)["passthrough"]:
+        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
+
+    def backed_up(name: str) -> bool:
+        return any(c["step"] == name and c["backup"] == "complete" for c in m.checkpoints())
+
+    for i, n_mib in ((1, 12), (2, 12), (3, 12), (4, 44)):
+        d = m.path(f"step_{i}")
+        d.mkdir()
+        data = _data(n_mib * MiB, i)
+        with open(d / "model.bin", "wb") as f:
+            for off in range(0, len(data), 4 * MiB):
+                f.write(data[off:off + 4 * MiB])
+        (d / "commit_success.txt").write_bytes(b"ok")
+        m.wait_for(lambda: backed_up(f"step_{i}"), 60, f"step_{i} backed up")
+        assert (d / "model.bin").read_bytes() == data
+    assert m.status()["counters"]["enospc"] == 0

@@ -40,7 +40,7 @@ __all__ = ["HEADROOM_MAX", "PAGE", "RamBudget"]
 
 #: Allocation unit assumed for a reservation (tmpfs allocates pages), bytes.
 PAGE = 4096
-#: The headroom :meth:`RamBudget.make_room` keeps free is ``min(capacity / 4, this)``.
+#: The headroom :meth:`RamBudget.make_room` keeps free is ``min(capacity / 2, this)``.
 HEADROOM_MAX = 4 << 30
 #: Seconds between two looks at the room left while writers the kernel serves are open
 #: (RamBudget.watch): one statfs(2) each.
