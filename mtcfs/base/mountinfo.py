@@ -72,20 +72,26 @@ def _parse(line: str) -> MountEntry | None:
 
 
 def _read_whole(path: str) -> bytes:
-    """``path`` (a seq_file of /proc) in ONE read(2): the kernel walks the mount table once
-    for it, so the text is one consistent picture. Read in pieces (as a buffered file is),
-    mounts made or removed between two pieces (other processes' mounts, busy here while
-    tests mount side by side) can make a line be skipped, a mount that exists missing."""
-    size = 1 << 20
-    while True:
+    """``path`` (a seq_file of /proc), whole and consistent. A read(2) of a seq_file returns
+    at most the kernel's buffer (one page, whatever was asked for), so the file is read to
+    its end; read in pieces, mounts made or removed between two pieces (other processes'
+    mounts, busy here while tests mount side by side) can make a line be skipped, a mount
+    that exists missing. So it is read again until two whole reads agree (at most a few
+    times; then the last is used)."""
+    last = b""
+    for _ in range(8):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            data = os.read(fd, size)
+            parts = []
+            while piece := os.read(fd, 1 << 16):
+                parts.append(piece)
         finally:
             os.close(fd)
-        if len(data) < size:
-            return data
-        size *= 4  # did not fit: read again, whole
+        data = b"".join(parts)
+        if data == last:
+            break
+        last = data
+    return last
 
 
 def entries() -> list[MountEntry]:

@@ -67,13 +67,17 @@ class Reclaim:
         A file with another name (a hard link, maybe outside the step) keeps its data: the
         backup tier keeps its chunks only while it keeps the step, and that name would
         outlive the step's retirement with its bytes nowhere (the same rule as a file
-        taken out of a step, core/namespace.py)."""
+        taken out of a step, core/namespace.py). A file open in passthrough mode keeps its
+        data too, until its handles are released."""
         inodes = self._tree.inodes
         with self._db.transaction():
             for v in self._step_registry.versions_of(s):
                 if not v.sealed or v.pins or (others_only and v.origin < 0):
                     continue
-                if inodes[v.ino].nlink > 1:
+                if inodes[v.ino].nlink > 1 or inodes[v.ino].pt_opens:
+                    # (pt_opens: the kernel reads the data file itself for the file's
+                    # passthrough handles, whichever version they opened: the holes the
+                    # drop leaves would be read as zeros, never faulted in)
                     continue
                 self._vstore.drop_data(v)  # core/versions.py; it stays, all missing
             failpoint("core.evict_in_transaction")  # tests: a crash before that commit

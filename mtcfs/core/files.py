@@ -237,13 +237,15 @@ class OpenFiles:
         waits = 0
         while waits < 3:
             cur = self.versions[ino.vid] if ino.vid is not None else None
-            while (cur is not None and cur.sealing is not None and not cur.sealed and not trunc
-                   and not self.job_scope and not cur.writers):
+            while (cur is not None and cur.sealing is not None and not cur.sealed
+                   and (not trunc or in_place) and not self.job_scope and not cur.writers):
                 # Reopened right after its last close (fio lays a file out, closes it and
                 # reopens it): the hash under way stops at its next chunk, and the chunks it
                 # finished become the version's base; the version is written on (below) and
                 # its next seal hashes only the other chunks and those written. A rewrite's
                 # reseal (rehash_fd) does not stop: it ends, and the file is taken over.
+                # (A truncating writer ``in_place`` too: it then empties this data file,
+                # which the file's passthrough handles use, instead of starting another.)
                 await self._stop_seal(cur)
                 cur = self.versions[ino.vid] if ino.vid is not None else None
             if cur is not None and not cur.sealed and cur.sealing is None:
@@ -449,24 +451,28 @@ class OpenFiles:
         if (st.st_dev, st.st_ino) != live.dev_ino or cur.missing:
             return False
         if not writable or not cur.sealed:
-            return cur.shared is None or not writable
+            # (a truncating writer stops a seal under way and empties the file in place,
+            # except in scope=job: writable_version)
+            return not writable or (cur.shared is None and not (
+                trunc and self.job_scope and cur.sealing is not None and not cur.writers))
         return self._in_place_ok(cur) or (not trunc and cur.preserved is None
                                           and not cur.pins and cur.sealing is None
                                           and not cur.publishing and not cur.writers)
 
     def _pt_busy(self, ino: Inode) -> bool:
-        """Some handle of ``ino`` that passes through has not seen its last close(2)."""
+        """Some handle of ``ino`` that passes through is not released yet. (Not its FLUSH:
+        the kernel sends one at every close(2), and its file stays open, on the backing
+        file, while a dup, a forked child or a mapping still holds it; RELEASE comes after
+        the last of them, as soon as the kernel dropped its hold.)"""
         live = self.pt.live(ino.ino)
-        if live is None:
-            return False
-        return any(isinstance(h := self.handles.get(fh), Handle) and not h.closed
-                   for fh in live.handles)
+        return live is not None and any(fh in self.handles for fh in live.handles)
 
     async def _pt_settle(self, ino: Inode, writable: bool, trunc: bool) -> None:
         """Before a kernel open of ``ino``: if its passthrough handles use a data file this
-        open would not get, wait (:data:`RELEASE_WAIT_S`) for their last close(2); the
-        kernel dropped its hold at that close, so the next registration may be another
-        file. Raises FsError EBUSY if they are still open then."""
+        open would not get, wait (:data:`RELEASE_WAIT_S`) for their RELEASE (the kernel
+        dropped its hold at the last close(2) of each, a dup's, a child's or a mapping's
+        included), so the next registration may be another file. Raises FsError EBUSY if
+        they are still open then."""
         if self._pt_fits(ino, writable, trunc):
             return
         with trio.move_on_after(RELEASE_WAIT_S):
@@ -783,8 +789,11 @@ class OpenFiles:
             # truncate(2) by path: a short-lived writer of its own.
             if size:
                 await self.chunks.fault_in_all(ino)
-            v = await self.writable_version(ino, trunc=(size == 0),
-                                            in_place=self.pt.live(ino.ino) is not None)
+            # (emptied in place while its handles pass through to its data file, as an
+            # O_TRUNC open is: a new data file would leave every later open EBUSY or EIO)
+            v = await self.writable_version(
+                ino, trunc=(size == 0),
+                in_place=size == 0 and self.pt.live(ino.ino) is not None)
             v.writers += 1
             try:
                 await self._resize(v, size)

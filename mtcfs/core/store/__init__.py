@@ -574,9 +574,11 @@ class Store:
         if allocated >= REAP_MIN_BYTES:
             try:
                 self.reaper.take(path, allocated)
-                return
             except OSError as exc:  # cannot happen on one filesystem; free it here then
                 log.warning("could not move %s to be freed off the loop: %s", path, exc)
+            else:
+                self._room_while_reaping()
+                return
         failpoint("store.free_data")
         try:
             os.unlink(path)
@@ -636,17 +638,41 @@ class Store:
         except OSError as exc:
             log.warning("cannot grow the data tmpfs %s: %s", self.data_dir, exc)
 
+    def _room_while_reaping(self) -> None:
+        """The pages the reaper thread has still to free count as free at once (for the
+        budget: :meth:`data_usage`), so the data tmpfs lets that many bytes past its size
+        meanwhile: else a write the budget let in (the kernel's, for a passthrough writer,
+        or the daemon's) got ENOSPC from the tmpfs while the old pages were being freed.
+        :meth:`shrink_data` takes it back once they are."""
+        if self.data_limit is None:
+            return
+        try:
+            size, _ = datafs.usage(self.data_dir)
+            want = self.data_limit + self.reaper.pending_bytes
+            if want > size:
+                datafs.resize(self.data_dir, want)
+                self._data_grown = True
+        except OSError as exc:
+            log.warning("cannot grow the data tmpfs %s while freeing: %s", self.data_dir, exc)
+
     def shrink_data(self) -> None:
-        """Set a data tmpfs :meth:`grow_data` grew back to :attr:`data_limit` if it holds
-        no more than that now (cheap when it was not grown)."""
+        """Set a data tmpfs :meth:`grow_data` grew back to :attr:`data_limit` (plus the
+        bytes the reaper has still to free) if it holds no more than that now (cheap when
+        it was not grown)."""
         if not self._data_grown or self.data_limit is None:
             return
         try:
             size, used = datafs.usage(self.data_dir)
-            if used <= self.data_limit:
-                datafs.resize(self.data_dir, self.data_limit)
-                self._data_grown = False
-                log.info("data tmpfs %s back to %d bytes", self.data_dir, self.data_limit)
+            # (less the bytes the reaper has still to free: :meth:`_room_while_reaping`)
+            pending = self.reaper.pending_bytes
+            target = -(-(self.data_limit + pending) // datafs.PAGE) * datafs.PAGE
+            if used <= target:
+                if size != target:
+                    datafs.resize(self.data_dir, target)
+                    if not pending:
+                        log.info("data tmpfs %s back to %d bytes", self.data_dir,
+                                 self.data_limit)
+                self._data_grown = pending > 0
         except OSError as exc:
             log.warning("cannot shrink the data tmpfs %s: %s", self.data_dir, exc)
 
