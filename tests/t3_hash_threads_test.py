@@ -22,28 +22,7 @@ from support.corefs import CS, run, sealed, write_file
 VCS = 2 * INLINE_VERIFY_BYTES  # hashed in worker threads
 
 
-class Host:
-    """The calls Verifier makes on the core (verifier.Host), recorded."""
-
-    def __init__(self, tmp_path) -> None:
-        self.dir = tmp_path
-        self.versions: dict[int, Version] = {}
-        self.corrupt: list[tuple[int, int, str]] = []
-        self.errors: list[str] = []
-        self.vstore = self
-
-    def open_data(self, vid: int) -> int:
-        return os.open(str(self.dir / f"v{vid}"), os.O_RDWR | os.O_CREAT, 0o600)
-
-    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
-        v.missing.add(idx)  # as the core does
-        self.corrupt.append((v.vid, idx, found_by))
-
-    def release(self, v: Version) -> None:
-        pass
-
-    def report_error(self, msg: str) -> None:
-        self.errors.append(msg)
+from support.verifier_host import VerifierHost as Host  # noqa: E402
 
 
 def _setup(tmp_path, nchunks: int, threads: int):
@@ -60,10 +39,8 @@ def _setup(tmp_path, nchunks: int, threads: int):
     return host, fds, ver, v
 
 
-def test_verify_version_hashes_every_unverified_chunk_and_marks_the_bad_one(tmp_path,
-                                                                           monkeypatch):
-    host, fds, ver, v = _setup(tmp_path, 12, 4)
-    assert ver.threads == 4 and ver.unverified_chunks() == 12
+def _count_hashes(monkeypatch) -> list[int]:
+    """The chunk index of every hash the verifier makes from now on, in order."""
     hashed: list[int] = []
     real = verifier_mod._hash_matches
 
@@ -72,6 +49,14 @@ def test_verify_version_hashes_every_unverified_chunk_and_marks_the_bad_one(tmp_
         return real(fds_, v_, off, length, digest)
 
     monkeypatch.setattr(verifier_mod, "_hash_matches", counted)
+    return hashed
+
+
+def test_verify_version_hashes_every_unverified_chunk_and_marks_the_bad_one(tmp_path,
+                                                                           monkeypatch):
+    host, fds, ver, v = _setup(tmp_path, 12, 4)
+    assert ver.threads == 4 and ver.unverified_chunks() == 12
+    hashed = _count_hashes(monkeypatch)
     os.pwrite(fds.get(v), b"rot", 9 * VCS + 3)
 
     async def main() -> None:
@@ -101,14 +86,7 @@ def test_a_verify_chunk_beside_verify_version_waits_for_its_verdict(tmp_path, mo
     # one thread: verify_version's chunks queue for it, each already "in flight", so the
     # verify_chunk of one of them (a read) waits for that verdict instead of hashing again
     host, fds, ver, v = _setup(tmp_path, 8, 1)
-    hashed: list[int] = []
-    real = verifier_mod._hash_matches
-
-    def counted(fds_, v_, off, length, digest):
-        hashed.append(off // VCS)
-        return real(fds_, v_, off, length, digest)
-
-    monkeypatch.setattr(verifier_mod, "_hash_matches", counted)
+    hashed = _count_hashes(monkeypatch)
     os.pwrite(fds.get(v), b"rot", 6 * VCS + 3)
     got: dict[str, bool] = {}
 

@@ -21,28 +21,7 @@ from mtcfs.core.verifier import INLINE_VERIFY_BYTES, Verifier
 CS = 2 * INLINE_VERIFY_BYTES  # hashed in a worker thread
 
 
-class Host:
-    """The calls Verifier makes on the core (verifier.Host), recorded."""
-
-    def __init__(self, tmp_path) -> None:
-        self.dir = tmp_path
-        self.versions: dict[int, Version] = {}
-        self.corrupt: list[tuple[int, int, str]] = []
-        self.errors: list[str] = []
-        self.vstore = self  # verifier.Host.vstore: release(v)
-
-    def open_data(self, vid: int) -> int:
-        return os.open(str(self.dir / f"v{vid}"), os.O_RDWR | os.O_CREAT, 0o600)
-
-    def mark_corrupt(self, v: Version, idx: int, found_by: str) -> None:
-        v.missing.add(idx)  # as the core does, so that a verdict is acted on once
-        self.corrupt.append((v.vid, idx, found_by))
-
-    def release(self, v: Version) -> None:
-        pass
-
-    def report_error(self, msg: str) -> None:
-        self.errors.append(msg)
+from support.verifier_host import VerifierHost as Host  # noqa: E402
 
 
 def setup(tmp_path, nchunks: int = 3):

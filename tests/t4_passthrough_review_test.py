@@ -9,23 +9,16 @@ import random
 import blake3
 import pytest
 
+from support.passthrough import data as _data
+from support.passthrough import fuse_status as _fuse
+from support.passthrough import passthrough_mount
+
 MiB = 1 << 20
-
-
-def _data(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def _fuse(m) -> dict:
-    return m.status()["fuse"]
 
 
 @pytest.fixture
 def pt_mount(make_mount):
-    m = make_mount("pt")
-    if not _fuse(m)["passthrough"]:
-        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
-    return m
+    return passthrough_mount(make_mount)
 
 
 def test_overwrite_while_the_last_version_is_sealing_and_read(pt_mount):

@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import mmap
 import os
-import random
 import threading
 import time
 
 import blake3
 import pytest
 
+from support.passthrough import data as _data
+from support.passthrough import fuse_status as _fuse
+from support.passthrough import passthrough_mount
+
 MiB = 1 << 20
-
-
-def _data(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def _fuse(m) -> dict:
-    return m.status()["fuse"]
 
 
 @pytest.fixture
 def pt_mount(make_mount):
-    m = make_mount("pt")
-    if not _fuse(m)["passthrough"]:
-        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
-    return m
+    return passthrough_mount(make_mount)
 
 
 def test_the_kernel_moves_the_bytes_and_the_seal_hashes_them(pt_mount):
@@ -184,9 +176,7 @@ def test_a_chunk_damaged_while_down_is_never_handed_to_the_kernel(make_mount):
     (EIO, nothing else can fetch it here) and serves the others."""
     import sqlite3
 
-    m = make_mount("v", chunk_size="128K")
-    if not _fuse(m)["passthrough"]:
-        pytest.skip(f"passthrough is off here: {_fuse(m)['passthrough_off']}")
+    m = passthrough_mount(make_mount, "v", chunk_size="128K")
     data = _data(16 * 128 * 1024, 5)
     p = m.path("w.bin")
     p.write_bytes(data)
