@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 
-from mtcfs.base.mountinfo import force_unmount, is_mounted  # noqa: E402,F401 (used by demo.py)
+from mtcfs.base.mountinfo import force_unmount, is_mounted, mounts  # noqa: E402,F401 (used by demo.py)
 from mtcfs.core.store.datafs import unmount_data  # noqa: E402
 
 
@@ -220,8 +220,17 @@ def run_in_scratch(prefix: str, nodes: int, body: Callable[[Path], T],
             mnt = work / f"n{r}" / "mnt"
             if is_mounted(mnt):
                 force_unmount(mnt)
-            if (work / f"n{r}" / "store").is_dir():
-                unmount_data(str(work / f"n{r}" / "store"))
+        # Every mount left below ``work``, deepest first: the mtcfs mounts of stores kept
+        # elsewhere in it (goodput's calibration nodes) and the stores' data tmpfs mounts,
+        # which outlive their daemons (docs/operations.md, "Removing a store").
+        below = str(work).rstrip("/") + "/"
+        for mp, fstype in sorted(mounts(), key=lambda e: len(e[0]), reverse=True):
+            if not mp.startswith(below):
+                continue
+            if fstype.startswith("fuse"):
+                force_unmount(mp)
+            elif fstype == "tmpfs" and os.path.basename(mp) == "data":
+                unmount_data(os.path.dirname(mp))
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

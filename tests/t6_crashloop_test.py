@@ -231,7 +231,10 @@ def test_status_shows_last_backup_after_kill9(make_mount, shm_dir):
 def test_crash_leftovers_never_push_out_a_committed_step(make_mount):
     """The torn leftover of a save the crash interrupted is deleted under pressure before
     any committed step (before: it stayed, and the committed step_1 was deleted)."""
-    m = make_mount("node", size="72M", keep=1)
+    # (on the daemon's path, which evicts exactly as much as a write needs; passthrough
+    # evicts a headroom ahead, min(size/2, 4 GiB): at this size= half of it, and the order
+    # of what goes is the same: t4_capacity_test, t4_data_tmpfs_test)
+    m = make_mount("node", size="72M", keep=1, passthrough="no")
     s1 = _commit(m, "step_1", 20 * MiB, 1)
     os.mkdir(m.path("step_2"))
     fd = os.open(m.path("step_2", "shard.distcp"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -259,7 +262,10 @@ def test_crash_leftovers_never_push_out_a_committed_step(make_mount):
 def test_eviction_goes_oldest_first(make_mount):
     """An older step that cannot go now (open) is not replaced by a newer one: the write
     waits for it (ENOSPC); once it is closed, it is the one that goes."""
-    m = make_mount("node", size="72M", keep=1)
+    # (on the daemon's path, which evicts exactly as much as a write needs; passthrough
+    # evicts a headroom ahead, min(size/2, 4 GiB): at this size= half of it, and the order
+    # of what goes is the same: t4_capacity_test, t4_data_tmpfs_test)
+    m = make_mount("node", size="72M", keep=1, passthrough="no")
     s1 = _commit(m, "step_1", 20 * MiB, 1)
     s2 = _commit(m, "step_2", 20 * MiB, 2)
     s3 = _commit(m, "step_3", 20 * MiB, 3)
