@@ -32,6 +32,8 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+from mtcfs.base import mountinfo
+
 __all__ = ["Backing", "Passthrough", "why_unavailable"]
 
 log = logging.getLogger(__name__)
@@ -66,27 +68,6 @@ def _has_cap_sys_admin() -> bool:
     return False
 
 
-def _fstype(path: str) -> str:
-    """The filesystem type of the mount holding ``path`` (the longest mount point that is
-    a prefix of its real path), from /proc/self/mountinfo; "" when unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                parts = left.split()
-                if len(parts) < 5 or not right:
-                    continue
-                mnt = parts[4].encode().decode("unicode_escape")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) \
-                        and len(mnt) >= len(best):
-                    best, kind = mnt, right.split()[0]
-    except OSError:
-        return ""
-    return kind
-
-
 def why_unavailable(data_dir: str, fuse_api: bool) -> str:
     """Why passthrough cannot be used for a store whose data files are in ``data_dir``, or
     "" when nothing known rules it out (the kernel still has its say at FUSE INIT and at
@@ -106,7 +87,7 @@ def why_unavailable(data_dir: str, fuse_api: bool) -> str:
         return f"kernel {release} has no FUSE passthrough (6.9 or newer)"
     if not _has_cap_sys_admin():
         return "the daemon lacks CAP_SYS_ADMIN, which registering a backing file needs"
-    kind = _fstype(data_dir)
+    kind = mountinfo.mount_of(data_dir)[1]
     if kind in _STACKED:
         return f"the store is on {kind}, a stacked filesystem the kernel does not pass through to"
     return ""
@@ -201,9 +182,8 @@ class Passthrough:
         return b.backing_id
 
     def forget_inode(self, ino: int) -> None:
-        """The inode's passthrough handles all saw their last close(2) (RELEASE may still
-        be on its way): the next open may register another data file. The kernel dropped
-        its own reference at that close."""
+        """The inode's passthrough handles are all released: the next open may register
+        another data file (the kernel dropped its own hold before each RELEASE)."""
         b = self._by_ino.pop(ino, None)
         if b is not None and not b.handles:
             self._close(b)
