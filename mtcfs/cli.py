@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from mtcfs import control
 from mtcfs.base import mountinfo
+from mtcfs.base.failpoints import failpoint
 from mtcfs.options import OptionError, parse_mount_options
 
 SUBCOMMANDS = ("status", "metrics", "checkpoints", "restore", "seal", "gc", "verify", "backup",
@@ -212,9 +213,14 @@ def cmd_mount(argv: list[str]) -> None:
             os.dup2(devnull, fd)
 
         def ready() -> None:
+            # Mounted: the daemon now outlives the command. Said to the kernel BEFORE the
+            # command hears OK: the command exits at once, and its death would send this
+            # process the SIGTERM asked for at start (it did, under load: the mount the
+            # command had just reported up was unmounted at once).
+            _end_with(None)
+            failpoint("cli.ready")  # tests: the command may exit from here on
             status.write(b"OK")
             status.close()
-            _end_with(None)  # mounted: the daemon now outlives the command
         import trio
         try:
             trio.run(daemon.run, ready)

@@ -269,3 +269,21 @@ def test_store_written_by_a_newer_mtcfs_is_refused_untouched(make_mount, shm_dir
     one_line_error(r, 1, str(m.store), "schema 99", "newer mtcfs")
     assert not is_mounted(str(m.mnt))
     assert db_path.read_bytes() == before
+
+
+def test_the_mount_outlives_the_command_that_exits_at_once(make_mount, monkeypatch):
+    """The mount command exits as soon as its daemon says the mount is ready. The daemon
+    asked the kernel for SIGTERM at its parent's death (so that it never lives on alone
+    while the mount is coming up) and took that back only after saying ready: a command
+    that exited in between stopped a mount it had just reported up ('signal 15:
+    unmounting' in the log; the fresh-clone suite hit it under load). The failpoint pauses
+    the daemon where the command may exit: with the old order that was inside the gap, and
+    this test failed (ENOTCONN)."""
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "cli.ready=sleep(1)")
+    m = make_mount("outlives")
+    monkeypatch.delenv("MTCFS_FAILPOINTS")
+    time.sleep(1.5)  # past the failpoint: what the parent's death would have done is done
+    assert is_mounted(str(m.mnt)), m.log()
+    m.path("f").write_bytes(b"still served")
+    assert m.path("f").read_bytes() == b"still served"
+    assert "signal 15" not in m.log()
