@@ -45,8 +45,6 @@ HEADROOM_MAX = 4 << 30
 #: Seconds between two looks at the room left while writers the kernel serves are open
 #: (RamBudget.watch): one statfs(2) each.
 WATCH_S = 0.02
-#: Seconds make_room waits for the reaper thread to free deleted files' pages.
-REAP_WAIT_S = 2.0
 #: Free bytes under which the data tmpfs counts as full (RamBudget.data_full).
 FULL_BELOW = 64 * 1024
 
@@ -94,10 +92,6 @@ class RamBudget:
         #: core, no-ops without a data tmpfs.
         self.grow_data: Callable[[int], None] = lambda nbytes: None
         self.shrink_data: Callable[[], None] = lambda: None
-        #: Bytes of data files deleted but still being freed by the reaper thread
-        #: (``Store.reaper.pending_bytes``): counted free by :meth:`room`, but not yet
-        #: writable by the kernel; wired by the core.
-        self.reaping: Callable[[], int] = lambda: 0
         #: Whether :meth:`after_seal` keeps the headroom: set by the first
         #: :meth:`make_room` (writes the daemon does not see are then under way).
         self.headroom_active = False
@@ -246,19 +240,7 @@ class RamBudget:
             room = self.room()
             if room < want:
                 self._make_room(want - room, False)
-        await self._reaped(want)
         return self.room()
-
-    async def _reaped(self, want: int) -> None:
-        """Wait (at most :data:`REAP_WAIT_S`) until the bytes the reaper thread is still
-        freeing are free for the kernel too, when the tmpfs's own free space is below
-        ``want``: a passthrough writer gets ENOSPC from the tmpfs, not from :meth:`room`."""
-        with trio.move_on_after(REAP_WAIT_S):
-            while self.reaping():
-                fs = self.data_usage()
-                if fs is None or fs[0] - fs[1] - self.reaping() >= want:
-                    return
-                await trio.sleep(0.005)
 
     def after_seal(self) -> None:
         """The watermark check after a seal: once :attr:`headroom_active`, evict until

@@ -150,7 +150,6 @@ class Filesystem(NamespaceOps):
         if usage is not None:  # (each a no-op without a data tmpfs)
             self.budget.data_usage = usage
             self.budget.grow_data, self.budget.shrink_data = store.grow_data, store.shrink_data
-            self.budget.reaping = lambda: store.reaper.pending_bytes
         self.errors: list[str] = []
         self.errors_total: int = 0  # errors ever logged (``errors`` keeps the last 50)
         self.cpu_limiter = pools.limiter("cpu")
