@@ -258,14 +258,7 @@ class OpenFiles:
                         self.tree.write(ino)
                     self._rows_unwritten.discard(cur.vid)
                 if trunc and cur.size:
-                    self.vstore.drop_base(cur)  # committed before the bytes go
-                    self.vstore.unshare(cur, 0)  # older versions still read its file
-                    os.ftruncate(self.vstore.fd(cur), 0)
-                    cur.size = 0
-                    cur.missing.clear()
-                    cur.gen += 1
-                    self.budget.account(cur)
-                    self._own_change(cur)
+                    self._empty(cur)
                 return cur
             if cur is not None and not trunc and cur.missing:
                 raise FsError(errno.EAGAIN, "file is still being restored")
@@ -332,13 +325,21 @@ class OpenFiles:
             v = self.vstore.new(ino, take_over=cur)
             self.vstore.set_current(ino, v)
             self.tree.write(ino)
+        self._empty(v)
+        return v
+
+    def _empty(self, v: Version) -> None:
+        """Truncate open version ``v`` to nothing for a truncating writer: its base dropped
+        (committed before the bytes go), a data file of its own if older versions still
+        read this one, the file emptied and accounted."""
         self.vstore.drop_base(v)  # committed before the bytes go
+        self.vstore.unshare(v, 0)  # older versions still read its file
         os.ftruncate(self.vstore.fd(v), 0)
         v.size = 0
         v.missing.clear()
         v.gen += 1
         self.budget.account(v)
-        return v
+        self._own_change(v)
 
     async def _fills_done(self, v: Version) -> None:
         """Wait (:data:`FILL_WAIT_S` at most) until no fetch writes a chunk of ``v``.
