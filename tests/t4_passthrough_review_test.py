@@ -11,7 +11,7 @@ import pytest
 
 from support.passthrough import data as _data
 from support.passthrough import fuse_status as _fuse
-from support.passthrough import passthrough_mount
+from support.passthrough import assert_sealed_as, held_checkpoint, passthrough_mount
 
 MiB = 1 << 20
 
@@ -40,9 +40,7 @@ def test_overwrite_while_the_last_version_is_sealing_and_read(pt_mount):
             os.close(r)
         if sealing:
             break
-    m.wait_state("latest.pt", "local", 60)
-    assert p.read_bytes() == new
-    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(new).hexdigest()
+    assert_sealed_as(m, "latest.pt", new, 60)
     assert _fuse(m)["backing_files"] == 0
 
 
@@ -52,13 +50,8 @@ def test_truncate_by_path_under_a_reader_leaves_the_file_openable(pt_mount, how)
     path (or an O_RDONLY|O_TRUNC open) and writes it again: every later open succeeds and
     reads the new bytes."""
     m = pt_mount
-    p = m.path("ckpt")
-    old, new = _data(2 * MiB, 3), _data(MiB + 3, 4)
-    p.write_bytes(old)
-    m.wait_state("ckpt", "local", 30)
-    r = os.open(p, os.O_RDONLY)
+    p, new, r = held_checkpoint(m)
     try:
-        assert os.pread(r, 16, 0) == old[:16]
         if how == "truncate":
             os.truncate(p, 0)
         else:
@@ -70,9 +63,7 @@ def test_truncate_by_path_under_a_reader_leaves_the_file_openable(pt_mount, how)
             assert f.read() == new
     finally:
         os.close(r)
-    m.wait_state("ckpt", "local", 30)
-    assert p.read_bytes() == new
-    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(new).hexdigest()
+    assert_sealed_as(m, "ckpt", new)
     _wait(lambda: _fuse(m)["backing_files"] == 0, 10, "backing files given back")
     r = m.cli("verify", str(m.mnt), check=False)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -262,7 +253,6 @@ def test_a_descriptor_still_held_after_a_close_is_waited_for(pt_mount, hold):
     plain reads must keep working; once the holder lets go, the writer opens."""
     import errno
     import mmap
-    import signal
 
     m = pt_mount
     p = m.path("tool")
@@ -436,9 +426,7 @@ def test_o_direct_and_o_append_writers_and_a_reader_beside_them(pt_mount):
         os.close(a)
         os.close(r)
     want = data * 4 + b"tail1tail2"
-    m.wait_state("direct.bin", "local", 30)
-    assert p.read_bytes() == want
-    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(want).hexdigest()
+    assert_sealed_as(m, "direct.bin", want)
 
 
 @pytest.mark.parametrize("pt", [

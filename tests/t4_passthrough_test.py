@@ -20,7 +20,7 @@ import pytest
 
 from support.passthrough import data as _data
 from support.passthrough import fuse_status as _fuse
-from support.passthrough import passthrough_mount
+from support.passthrough import assert_sealed_as, held_checkpoint, passthrough_mount
 
 MiB = 1 << 20
 
@@ -106,9 +106,7 @@ def test_a_shared_mapping_and_appends_reach_the_store(pt_mount):
     want[MiB:MiB + 5] = b"hello"
     want[3 * MiB] = 7
     want += b"tail"
-    m.wait_state("mapped", "local", 30)
-    assert p.read_bytes() == want
-    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(want).hexdigest()
+    assert_sealed_as(m, "mapped", bytes(want))
     m.stop()
     m.start()
     assert p.read_bytes() == want  # what the store holds, after a restart
@@ -119,21 +117,14 @@ def test_a_truncating_rewrite_under_a_reader_gives_one_content(pt_mount):
     no open fails (the kernel allows one backing file per inode), and the reader, like
     every later one, sees the new bytes (one file, one content)."""
     m = pt_mount
-    p = m.path("ckpt")
-    old, new = _data(2 * MiB, 3), _data(MiB + 3, 4)
-    p.write_bytes(old)
-    m.wait_state("ckpt", "local", 30)
-    r = os.open(p, os.O_RDONLY)
+    p, new, r = held_checkpoint(m)
     try:
-        assert os.pread(r, 16, 0) == old[:16]
         with open(p, "wb") as f:
             f.write(new)
         assert os.pread(r, len(new) + 10, 0) == new
     finally:
         os.close(r)
-    m.wait_state("ckpt", "local", 30)
-    assert p.read_bytes() == new
-    assert os.getxattr(p, "user.mtcfs.blake3").decode() == blake3.blake3(new).hexdigest()
+    assert_sealed_as(m, "ckpt", new)
 
 
 def test_reopens_racing_their_release_never_fail(pt_mount):
