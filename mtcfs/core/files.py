@@ -275,8 +275,7 @@ class OpenFiles:
             # chunk is copied for it before the new version changes it (core/versions.py,
             # "Shared data files").
             # (Never a reader of a shared file: its data file holds a newer writer's bytes.)
-            take = (cur is not None and not trunc and cur.sealed and cur.preserved is None
-                    and not (cur.writers or cur.sealing is not None or cur.publishing))
+            take = cur is not None and not trunc and self._may_take_over(cur)
             if trunc and in_place and cur is not None and self._in_place_ok(cur):
                 return self._take_over_empty(ino, cur)
             need = cur.alloc if cur is not None and not trunc and not take else 0
@@ -311,12 +310,19 @@ class OpenFiles:
         raise FsError(errno.ENOSPC, "RAM tier full (no room for the copy-on-write copy)")
 
     @staticmethod
-    def _in_place_ok(cur: Version) -> bool:
+    def _may_take_over(cur: Version) -> bool:
+        """Whether a new version may take sealed ``cur``'s data file over (a pinned ``cur``
+        then shares it, its changed chunks copied aside): no writer, seal or publish of
+        ``cur`` reads it, and it is not itself a reader of a shared file."""
+        return (cur.sealed and cur.preserved is None
+                and not (cur.writers or cur.sealing is not None or cur.publishing))
+
+    @classmethod
+    def _in_place_ok(cls, cur: Version) -> bool:
         """Whether a truncating writer may take sealed ``cur``'s data file over and empty
         it: nothing but read-only handles uses ``cur`` (no pin, seal, publish or fetch)."""
-        return (cur.sealed and cur.preserved is None and cur.shared is None and not cur.pins
-                and not (cur.writers or cur.sealing is not None or cur.publishing
-                         or cur.filling or cur.missing))
+        return (cls._may_take_over(cur) and cur.shared is None and not cur.pins
+                and not (cur.filling or cur.missing))
 
     def _take_over_empty(self, ino: Inode, cur: Version) -> Version:
         """A new version of ``ino`` that takes sealed ``cur``'s data file over, emptied
@@ -456,9 +462,9 @@ class OpenFiles:
             # except in scope=job: writable_version)
             return not writable or (cur.shared is None and not (
                 trunc and self.job_scope and cur.sealing is not None and not cur.writers))
-        return self._in_place_ok(cur) or (not trunc and cur.preserved is None
-                                          and not cur.pins and cur.sealing is None
-                                          and not cur.publishing and not cur.writers)
+        # (a take-over of an unpinned version: its data file, the one passed through)
+        return self._in_place_ok(cur) or (not trunc and self._may_take_over(cur)
+                                          and not cur.pins)
 
     def _pt_busy(self, ino: Inode) -> bool:
         """Some handle of ``ino`` that passes through is not released yet. (Not its FLUSH:
