@@ -27,6 +27,7 @@ The mount is always torn down (clean unmount, else abort + lazy unmount), also o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +130,21 @@ class BackupWatcher(threading.Thread):
 
 # ---------------------------------------------------------------------- PyTorch + DCP
 
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """A Ctrl-C (or SIGTERM) during a DCP call stays a KeyboardInterrupt: DCP wraps each
+    rank's exception, an interrupt's too, in its CheckpointException (a BaseException),
+    so the demo would exit with a traceback instead of cleaning up and exiting 130."""
+    try:
+        yield
+    except BaseException as exc:
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and any(
+                isinstance(pair[0], KeyboardInterrupt) for pair in failures.values()):
+            raise KeyboardInterrupt from exc
+        raise
+
+
 class TorchJob:
     """A small MLP regression with Adam; batch n is generated from n alone."""
 
@@ -175,7 +192,8 @@ class TorchJob:
 
     def save(self, mnt: Path, job_state, n: int) -> None:
         import torch.distributed.checkpoint as dcp
-        dcp.save(self._sd(job_state, n), checkpoint_id=str(mnt / self.ckpt_name(n)))
+        with interrupts_kept():
+            dcp.save(self._sd(job_state, n), checkpoint_id=str(mnt / self.ckpt_name(n)))
 
     def open_manager(self, mnt: Path) -> None:
         pass
@@ -194,7 +212,8 @@ class TorchJob:
         from torch.distributed.checkpoint.state_dict import set_state_dict
         job_state = self.init()
         sd = self._sd(job_state, -1)
-        dcp.load(sd, checkpoint_id=str(mnt / self.ckpt_name(n)))
+        with interrupts_kept():
+            dcp.load(sd, checkpoint_id=str(mnt / self.ckpt_name(n)))
         set_state_dict(*job_state, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         return job_state, int(sd["step"])
 
