@@ -164,15 +164,17 @@ def test_scope_job_a_rejoining_node_verifies_the_files_it_kept(make_cluster, mon
     c.node(1).path("step_5", "__1_0.distcp").write_bytes(data)
     c.node(0).path("step_5", ".metadata").write_bytes(b"meta")  # commits step_5
     c.wait_replicated(1, "step_5")
+    applied = c.status(1)["namespace"]["seq"]  # the last op rank 1 applied
     c.stop(1)
     _flip(_data_file(c.node(1).store, "step_5", "__1_0.distcp"), CHUNK + 5)
     # The job moves on and folds its namespace log into a new base: rank 1 is behind it
-    # and joins by installing that snapshot, keeping the file it wrote.
-    trims = c.status(0)["namespace"].get("log_trims", 0)
+    # and joins by installing that snapshot, keeping the file it wrote. (A base past what
+    # rank 1 applied: a fold of ops it had applied, still under way at its stop, would
+    # leave it the log to replay, not a snapshot to install.)
     for i in range(6, 12):
         c.node(0).path(f"step_{i}").mkdir()
-    c.node(0).wait_for(lambda: c.status(0)["namespace"].get("log_trims", 0) > trims, 30,
-                       "the namespace log folded")
+    c.node(0).wait_for(lambda: (c.status(0)["namespace"].get("base_rev") or 0) > applied, 30,
+                       "the namespace log folded past rank 1's last op")
     c.restart(1)
     assert c.status(1)["namespace"].get("snapshots_installed", 0) >= 1
     assert c.node(1).path("step_5", "__1_0.distcp").read_bytes() == data
