@@ -19,7 +19,10 @@ Row groups (``--only``, comma-separated):
 - ``first``: the first read of a ``--first-size`` file after a daemon restart: write, wait
   until sealed (``user.mtcfs.state`` ``local``), clean unmount, mount the same store
   again, drop_caches, read it whole (first-read verification included). Baseline: the same
-  bytes on tmpfs read after drop_caches. Target >= 0.5.
+  bytes on tmpfs read after drop_caches. Target >= 0.5. Timed from the open (the row the
+  target is on) and from the mount's ready (``, from ready``: drop_caches and the read,
+  on tmpfs too), since the daemon's verification at start begins at the ready and the
+  open races it; the start pass's own seconds are shown.
 - ``seal``: close -> sealed of a ``--seal-size`` file (from close() returning until
   ``user.mtcfs.state`` is ``local``, polled every 2 ms), against blake3's own time over
   the same bytes in a tmpfs file: ``blake3.blake3(max_threads=N)`` fed 16 MiB ``preadv``
@@ -272,17 +275,26 @@ class Run:
                     wait_until(lambda: mtcfs_state(f) in SEALED, 600, f"{f} to be sealed")
                     t.mount.stop()
                     t.mount.start()  # the restart: every chunk in RAM now unverified
+                ready = time.perf_counter()  # (the daemon's verification at start begins)
                 drop_caches()
                 c0 = cpu_seconds(t.pid)
                 dt, n = read_file(f)
                 cpu = cpu_seconds(t.pid) - c0
+                since_ready = time.perf_counter() - ready
                 assert n == size, (t.name, n, size)
                 self.add(row, t.name, gbps(size, dt))
+                # From the mount's ready to the last byte, drop_caches included (on tmpfs:
+                # drop_caches and the cold read): a trainer that opens at once, racing
+                # the verification at start, instead of one that starts in seconds.
+                self.add(f"{row}, from ready", t.name, gbps(size, since_ready))
                 if t.mount is not None:
                     self.add(f"cpu first read {human(size)}", t.name, cpu / (size / GiB))
-                    fuse = (t.mount.status().get("fuse") or {})
+                    st = t.mount.status()
+                    fuse = (st.get("fuse") or {})
                     self.add("first read: passthrough read opens", t.name,
                              fuse.get("passthrough_opens_read"))
+                    self.add("first read: verification at start, s", t.name,
+                             (st.get("scrub") or {}).get("start_seconds"))
                 log(f"first read rep {rep + 1} {t.name:12s}: {gbps(size, dt):.2f} GB/s")
                 f.unlink()
                 time.sleep(0.3)
@@ -406,6 +418,8 @@ def table(r: Run, res: BenchResult) -> None:
             line(row, "GB/s", "tmpfs", ">=", 0.9, 2)
         elif row.startswith("first read ") and "opens" not in row:
             line(row, "GB/s", "tmpfs", ">=", 0.5, 2)
+        elif row.startswith("first read: verification"):
+            line(row, "s", "tmpfs", "", None, 3)
         elif row.startswith("close->sealed") and "blake3" in r.samples[row]:
             line(row, "s", "blake3", "<=", 1.3, 3)
         elif row.split(" ")[0] in ("torch.save", "save_file", "dcp.save", "orbax"):

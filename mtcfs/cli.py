@@ -789,8 +789,17 @@ def format_scrub_status(sc: dict) -> str:
                f"{sc['last_corrupt']} corrupt)")
     else:
         now = "no pass yet"
-    return (f"  scrub:    {when}; {now}; {sc['corrupt_chunks']} corrupt chunks found since "
-            f"start; {sc['unverified_chunks']} chunks not yet verified since start")
+    if sc.get("start_running"):
+        total = sc.get("start_total_bytes") or 0
+        pct = 100 * (sc.get("start_done_bytes") or 0) / total if total else 100
+        at_start = f"verification at start running, {pct:.0f}% of {_human(total)}"
+    elif sc.get("start_seconds") is not None:
+        at_start = (f"verified at start: {sc.get('start_chunks', 0)} chunks in "
+                    f"{sc['start_seconds']:g} s")
+    else:
+        at_start = "verification at start not begun"
+    return (f"  scrub:    {when}; {now}; {at_start}; {sc['corrupt_chunks']} corrupt chunks "
+            f"found since start; {sc['unverified_chunks']} chunks not yet verified since start")
 
 
 def status_lines(st: dict[str, Any]) -> list[str]:

@@ -256,6 +256,9 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
             " hashes.", scrub.get("total_bytes"))
     out.add("mtcfs_unverified_chunks", "gauge", "Chunks in RAM not hashed since the daemon"
             " started (verified on first read).", scrub.get("unverified_chunks"))
+    out.add("mtcfs_start_verify_seconds", "gauge", "Seconds the verification at start took"
+            " (every chunk in RAM at the daemon's start hashed in the background; absent"
+            " while it runs).", scrub.get("start_seconds"))
     backup = status.get("backup")
     if backup:
         out.add("mtcfs_backup_backups_total", "counter", "Checkpoints backed up.",

@@ -88,6 +88,39 @@ def test_a_byte_changed_while_down_is_refetched_from_the_backup_on_first_read(ma
     assert "mtcfs_corrupt_chunks_total" in metrics
 
 
+def test_the_verification_at_start_finds_damage_before_anyone_reads(make_mount, tmp_path):
+    """A restarted daemon hashes what its RAM tier holds in the background, the newest
+    files first: a byte changed while it was down is found, and repaired from the backup
+    tier, with no read at all; then nothing is left for a first read (or a passthrough
+    open) to hash, and the bytes are right."""
+    old, new = _data(2 * CHUNK, 11), _data(3 * CHUNK + 1000, 12)
+    m = make_mount("n", backup=f"file://{tmp_path}/backup", backup_interval="1ckpt",
+                   chunk_size="256K", scrub_interval="0")
+    _write_step(m, "step_100", old)
+    _write_step(m, "step_200", new)
+    _wait_backed_up(m, "step_200")
+    m.stop()
+    f = _data_file(m.store, "step_200")
+    _flip(f, 2 * CHUNK + 4321)  # chunk 2 of the newest checkpoint
+    m.start()
+    m.wait_for(lambda: m.status()["scrub"]["start_seconds"] is not None, 30,
+               "the verification at start to finish")
+    st = m.status()
+    sc = st["scrub"]
+    assert sc["corrupt_chunks"] == 1 and sc["unverified_chunks"] == 0, sc
+    # every chunk in RAM at the start, both checkpoints (commit files included), once
+    assert sc["start_chunks"] == 2 + 4 + 2 and sc["start_done_bytes"] == sc["start_total_bytes"]
+    assert any("verification at start" in e and "step_200/model.bin" in e and "chunk 2" in e
+               for e in st["errors"]), st["errors"]
+    m.wait_for(lambda: f.read_bytes() == new, 20, "the store repaired from the backup tier")
+    assert st["reads"].get("last_failure") in (None, "")
+    assert m.path("step_200", "model.bin").read_bytes() == new
+    assert m.path("step_100", "model.bin").read_bytes() == old
+    line = m.cli("status", str(m.mnt)).stdout
+    assert "verified at start: 8 chunks in" in line, line
+    assert "mtcfs_start_verify_seconds" in m.cli("metrics", str(m.mnt)).stdout
+
+
 @pytest.mark.parametrize("chunk", [CHUNK, 64 * 1024], ids=["thread", "inline"])
 def test_a_byte_changed_while_down_with_no_other_source_is_eio_not_wrong_bytes(make_mount,
                                                                              chunk):

@@ -8,6 +8,10 @@ verdict), and the scrub's settings and status. The policy (docs/reliability.md):
 - every chunk held in RAM when the daemon starts is *unverified* (the store may have been
   changed behind the daemon's back while it was down); the first read of it hashes it
   before any of its bytes are served;
+- the *start pass* (:meth:`Verifier.start_pass`, the first thing :meth:`Verifier.loop`
+  does) hashes them all in the background right after the start, the newest versions
+  first, ``hash_threads`` at once, so that the trainer that restarts with the daemon finds
+  its checkpoint verified (and a passthrough open has nothing left to hash);
 - the scrub re-hashes every chunk held in RAM every ``interval_s`` seconds, reading at most
   ``rate`` bytes per second;
 - a chunk that mismatches is handed to the core (``Host.mark_corrupt``, core/faultin.py):
@@ -33,11 +37,11 @@ from typing import Protocol
 import trio
 
 from mtcfs.base import pools
-from mtcfs.base.chunking import DEFAULT_HASH_THREADS, chunk_hash, chunk_span
+from mtcfs.base.chunking import DEFAULT_HASH_THREADS, chunk_span
 from mtcfs.core.model import Version
 from mtcfs.core.records import Counters
 from mtcfs.core.store.fdcache import FdCache
-from mtcfs.core.versions import Releaser, read_data
+from mtcfs.core.versions import Releaser, hash_range
 
 __all__ = ["INLINE_VERIFY_BYTES", "SCRUB_INTERVAL_S", "SCRUB_RATE", "Host", "Verifier"]
 
@@ -55,7 +59,7 @@ INLINE_VERIFY_BYTES = 64 * 1024
 
 def _hash_matches(fds: FdCache, v: Version, off: int, length: int, digest: str) -> bool:
     """Worker-thread half of a verification (or inline, for a small chunk)."""
-    return chunk_hash(read_data(fds, v, off, length)) == digest
+    return hash_range(fds, v, off, length) == digest
 
 
 class Host(Protocol):
@@ -101,7 +105,12 @@ class Verifier:
         self.state: dict = {"passes": 0, "running": False, "done_bytes": 0,
                             "total_bytes": 0, "last_started": None,
                             "last_finished": None, "last_seconds": None,
-                            "last_chunks": 0, "last_corrupt": 0, "next": None}
+                            "last_chunks": 0, "last_corrupt": 0, "next": None,
+                            # the start pass (start_pass): running, bytes of it done and
+                            # in all, its seconds and chunks hashed once finished
+                            "start_running": False, "start_done_bytes": 0,
+                            "start_total_bytes": 0, "start_seconds": None,
+                            "start_chunks": 0}
 
     def start(self) -> None:
         """Every chunk held in RAM now is unverified (called once the store is loaded)."""
@@ -168,13 +177,16 @@ class Verifier:
                                                limiter=self.hash_limiter))
 
     async def verify_chunk(self, v: Version, idx: int, *, scrub: bool = False,
-                           limiter: trio.CapacityLimiter | None = None) -> bool:
+                           limiter: trio.CapacityLimiter | None = None,
+                           how: str | None = None) -> bool:
         """Hash chunk ``idx`` of ``v`` (held in RAM) in a worker thread; True if it matches.
 
         A mismatch marks it corrupt (the host's ``mark_corrupt``). One verification per chunk at
         a time; a caller that finds one under way waits for its verdict. ``limiter``: of the
-        worker thread (default the core's ``cpu_limiter``).
+        worker thread (default the core's ``cpu_limiter``). ``how``: who found a mismatch,
+        in the log and the error list (default "scrub" or "first read after start").
         """
+        how = how or ("scrub" if scrub else "first read after start")
         key = (v.vid, idx)
         while True:
             ev = self._verifying.get(key)
@@ -212,14 +224,13 @@ class Verifier:
                 if not ok:
                     v.missing.add(idx)
                     self._counters.corrupt_chunks += 1
-                    how = "scrub" if scrub else "first read after start"
                     self._host.report_error(f"corrupt chunk in the RAM tier ({how}): version {v.vid} "
                                 f"(replaced, still open), chunk {idx}; to be fetched from "
                                 "another tier")
                 return ok
             self.verified(v.vid, idx)
             if not ok:
-                self._host.mark_corrupt(v, idx, "scrub" if scrub else "first read after start")
+                self._host.mark_corrupt(v, idx, how)
             return ok
         finally:
             del self._verifying[key]
@@ -243,8 +254,66 @@ class Verifier:
             if not todo:
                 del self._unverified[vid]
 
+    async def start_pass(self) -> int:
+        """Hash every chunk still unverified since the start, in the background: the
+        versions newest first (highest vid: the files written last, so the newest
+        checkpoint comes first), :attr:`threads` chunks at once under
+        :attr:`hash_limiter`, the limiter a first read's chunks take too. A read or a
+        passthrough open that arrives meanwhile hashes its own chunks beside the pass (it
+        waits at most for the chunks the pass has in flight, whose verdicts it then shares:
+        :meth:`verify_chunk`); a chunk it verified is skipped here. A mismatch is marked and
+        fetched again as on a first read.
+
+        Why: after a daemon restart the trainer restarts too and reads the newest
+        checkpoint; hashing it while the trainer starts (imports, process groups) takes the
+        hash off its first read, and damage is found (and repaired from another tier)
+        before anyone reads it. The cost is one hash of what the RAM tier holds, once per
+        start: what the first reads would pay for the same chunks.
+
+        Returns:
+            the chunks hashed.
+        """
+        st = self.state
+        vids = sorted(self._unverified, reverse=True)
+        work = [(vid, i) for vid in vids for i in sorted(self._unverified.get(vid, ()))]
+        sizes = {vid: (v.size, v.chunk_size) for vid in vids
+                 if (v := self._host.versions.get(vid)) is not None}
+        total = sum(chunk_span(i, *sizes[vid])[1] for vid, i in work if vid in sizes)
+        st.update(start_running=True, start_done_bytes=0, start_total_bytes=total)
+        t0 = trio.current_time()
+        items = iter(work)
+        hashed = 0
+
+        async def worker() -> None:
+            nonlocal hashed
+            for vid, idx in items:  # (shared by the workers: each item is taken once)
+                todo = self._unverified.get(vid)
+                v = self._host.versions.get(vid)
+                if v is None or not todo or idx not in todo:
+                    continue  # verified meanwhile (a read), freed or replaced
+                try:
+                    await self.verify_chunk(v, idx, limiter=self.hash_limiter,
+                                            how="verification at start")
+                except OSError as exc:
+                    self._host.report_error(f"verification at start: version {vid} chunk "
+                                            f"{idx}: {exc}")
+                    continue
+                hashed += 1
+                st["start_done_bytes"] += chunk_span(idx, v.size, v.chunk_size)[1]
+
+        try:
+            async with trio.open_nursery() as n:
+                for _ in range(max(1, min(self.threads, len(work)))):
+                    n.start_soon(worker)
+        finally:
+            st.update(start_running=False, start_chunks=hashed,
+                      start_seconds=round(trio.current_time() - t0, 3))
+        return hashed
+
     async def loop(self) -> None:
-        """Background task: a scrub pass every ``interval_s`` (0: never)."""
+        """Background task: the start pass (:meth:`start_pass`), then a scrub pass every
+        ``interval_s`` (0: never)."""
+        await self.start_pass()
         if not self.interval_s:
             return
         while True:

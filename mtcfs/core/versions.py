@@ -59,6 +59,7 @@ import errno
 import functools
 import logging
 import os
+import threading
 from typing import Any, Protocol
 
 import blake3
@@ -178,6 +179,51 @@ def read_data(fds: FdCache, v: Version, off: int, length: int) -> bytes:
             lo, hi = max(off, i * cs), min(off + want, i * cs + len(piece))
             out[lo - off:hi - off] = piece[lo - i * cs:hi - i * cs]
     return bytes(out)
+
+
+#: Bytes :func:`hash_range` reads at a time: small enough to be still in the CPU's cache
+#: when blake3 reads them back, large enough that each ``preadv`` costs little per byte.
+HASH_PIECE = 1 << 20
+_piece_buffers = threading.local()
+
+
+def hash_range(fds: FdCache, v: Version, off: int, length: int) -> str:
+    """The blake3 (hex) of ``read_data(fds, v, off, length)``, from any thread (the caller
+    pins ``v``), without a new buffer per call: the bytes are read :data:`HASH_PIECE` at a
+    time with ``preadv`` into a buffer the calling thread keeps, and hashed as they come.
+    1.1-1.5x as fast here as hashing what ``read_data`` returns (a fresh ``length``-byte
+    object each time; 4 MiB chunks, 1 and 2 threads: docs/benchmarks.md, "First read after
+    a restart").
+
+    A chunk that a writer of the same data file copied aside (``v.preserved``, "Shared data
+    files" above) is hashed from :func:`read_data` instead; ``preserved`` is looked at
+    after the reads, as :func:`read_data` does.
+
+    Raises:
+        OSError: the data file cannot be read.
+    """
+    if v.preserved is None:
+        view: memoryview | None = getattr(_piece_buffers, "view", None)
+        if view is None:
+            view = _piece_buffers.view = memoryview(bytearray(HASH_PIECE))
+        h = blake3.blake3()
+        fd = fds.lease(v)
+        try:
+            pos, end = off, off + length
+            while pos < end:
+                n = os.preadv(fd, [view[:min(HASH_PIECE, end - pos)]], pos)
+                if n == 0:
+                    break  # the file ends first: fewer bytes, as read_data returns
+                h.update(view[:n])
+                pos += n
+        finally:
+            fds.unlease(v, fd)
+        kept = v.preserved
+        cs = v.chunk_size
+        if kept is None or not any(i in kept for i in range(off // cs,
+                                                            (off + max(length, 1) - 1) // cs + 1)):
+            return str(h.hexdigest())
+    return str(blake3.blake3(read_data(fds, v, off, length)).hexdigest())
 
 
 def hash_data(fds: FdCache, v: Version, piece: int = 4 << 20) -> str:
