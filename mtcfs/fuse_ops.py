@@ -327,6 +327,12 @@ class Operations(pyfuse3.Operations):
         await self.fs.release(fh)
 
     @_errno_out
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        # (called by mtcfs's pyfuse3, third_party/pyfuse3/fallocate.patch; the stock one
+        # answers ENOSYS itself, and the kernel then says EOPNOTSUPP)
+        await self.fs.fallocate(fh, mode, offset, length)
+
+    @_errno_out
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh, datasync)
 

@@ -26,12 +26,12 @@ libfuse_sha256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
 pyfuse3_version=3.5.0
 pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 # Applied in this order; each says what it asks the kernel for and why.
-patches="$root/third_party/pyfuse3/killpriv-v2.patch $root/third_party/pyfuse3/direct-io-allow-mmap.patch $root/third_party/pyfuse3/passthrough.patch"
+patches="$root/third_party/pyfuse3/killpriv-v2.patch $root/third_party/pyfuse3/direct-io-allow-mmap.patch $root/third_party/pyfuse3/passthrough.patch $root/third_party/pyfuse3/fallocate.patch"
 
 stamp=$venv/.mtcfs-fuse-built
 want=$( { echo "$libfuse_version $libfuse_config $libfuse_sha256 $pyfuse3_version $pyfuse3_sha256"; cat $patches; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'passthrough'))" 2>/dev/null; then
+    && "$venv/bin/python" -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3, 'passthrough') or not hasattr(pyfuse3.Operations, 'fallocate'))" 2>/dev/null; then
   exit 0
 fi
 

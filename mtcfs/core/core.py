@@ -288,6 +288,10 @@ class Filesystem(NamespaceOps):
         """close(2) of one descriptor (:meth:`OpenFiles.flush`)."""
         await self.open_files.flush(fh, final)
 
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """fallocate(2) through handle ``fh`` (:meth:`OpenFiles.fallocate`)."""
+        await self.open_files.fallocate(fh, mode, off, length)
+
     async def fsync(self, fh: int, datasync: bool) -> None:
         """Record the length written so far (:meth:`OpenFiles.fsync`)."""
         await self.open_files.fsync(fh, datasync)

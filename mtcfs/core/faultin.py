@@ -19,14 +19,13 @@ Every method runs on the trio thread (see core/core.py for the concurrency proto
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable, Iterable
 
 import trio
 
 from mtcfs.base.chunking import chunk_span
+from mtcfs.base.space import punch_hole
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.fetcher import FETCH_DEADLINE_S, REFETCH_AFTER_S, FaultIn
@@ -38,28 +37,9 @@ from mtcfs.core.store.meta import META_FLOOR_BYTES, META_RESERVE_BYTES, MetaDB
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore
 
-__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "LocalChunks", "punch_hole"]
+__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "LocalChunks", "punch_hole"]  # (punch_hole: base/space.py)
 
 log = logging.getLogger("mtcfs.core.core")
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = None
-
-
-def punch_hole(fd: int, off: int, length: int) -> bool:
-    """Free ``[off, off+length)`` of ``fd`` (reads return zeros; tmpfs gives the RAM back).
-    Returns False where the filesystem cannot (the bytes then stay, marked missing)."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                        ctypes.c_int64]
-        return bool(_libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off,
-                                    length) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 class LocalChunks:

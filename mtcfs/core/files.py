@@ -49,6 +49,7 @@ from mtcfs.base.chunking import (DEFAULT_HASH_THREADS, HashResult, HashStopped, 
                                  rehash_fd)
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
+from mtcfs.base.space import FALLOC_FL_KEEP_SIZE, allocate
 from mtcfs.base.ns_ops import Create
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import MAX_FILE_SIZE
@@ -830,6 +831,64 @@ class OpenFiles:
         v.gen += 1
         self.budget.account(v)
         self._own_change(v)
+
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """fallocate(2) through handle ``fh``: ``mode`` 0 gives ``[off, off+length)`` its
+        pages in the RAM tier now and grows the file to ``off+length`` if it is shorter (the
+        new bytes read as zeros, as after ftruncate); ``FALLOC_FL_KEEP_SIZE`` gives pages to
+        the part of the range inside the file and changes no size. No byte of the file
+        changes either way (docs/usage.md, "fallocate"); mtime and ctime are stamped, as
+        tmpfs does.
+
+        The pages count against ``size=`` at once: a range past the room left fails here
+        with ENOSPC (after eviction, as a write's would), not at a later write. Where the
+        store's filesystem has no fallocate the size still changes and the pages come at
+        the first write.
+
+        Raises:
+            FsError: EBADF (not open for writing); EOPNOTSUPP (any other mode: punching
+                holes, zeroing, collapsing or inserting ranges); EINVAL (``off`` < 0 or
+                ``length`` <= 0); EFBIG; ENOSPC.
+        """
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported")
+        if off < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        end = off + length
+        if end > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"files are at most {MAX_FILE_SIZE} bytes")
+        v = h.version
+        if v.sealed:
+            v = await self._reopen_sealed(h)
+        if v.pt_writers:
+            self.sync_from_store(v)
+        grow = not mode & FALLOC_FL_KEEP_SIZE and end > v.size
+        hi = end if grow else min(end, v.size)  # (KEEP_SIZE: nothing past the end)
+        if hi > off:
+            need = self.budget.new_bytes(v, off, hi)
+            if need:
+                await self.budget.reserve(need)
+            try:
+                # First the pages (past the end too, where it grows), then the size: a
+                # range that does not fit changes nothing (tmpfs undoes its own part).
+                allocate(self.vstore.fd(v), off, hi - off)
+            except OSError as exc:
+                self.budget.account(v)
+                if exc.errno == errno.ENOSPC:
+                    self.counters.enospc += 1
+                    raise FsError(errno.ENOSPC, "store directory is full") from None
+                raise
+            self.budget.account(v)
+        if grow:
+            await self._resize(v, end)  # (zeros past the old end: no byte changes)
+        ino = self.inodes.get(v.ino)
+        if ino is not None and ino.vid == v.vid:
+            ino.mtime_ns = ino.ctime_ns = _now_ns()
+            if v.pt_writers:
+                self.times_to_store(v, ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
