@@ -37,7 +37,7 @@ from mtcfs.core.store.meta import META_FLOOR_BYTES, META_RESERVE_BYTES, MetaDB
 from mtcfs.core.verifier import Verifier
 from mtcfs.core.versions import VersionStore
 
-__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "LocalChunks", "punch_hole"]  # (punch_hole: base/space.py)
+__all__ = ["FETCH_DEADLINE_S", "REFETCH_AFTER_S", "LocalChunks"]
 
 log = logging.getLogger("mtcfs.core.core")
 

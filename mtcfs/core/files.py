@@ -49,8 +49,8 @@ from mtcfs.base.chunking import (DEFAULT_HASH_THREADS, HashResult, HashStopped, 
                                  rehash_fd)
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
-from mtcfs.base.space import FALLOC_FL_KEEP_SIZE, allocate
 from mtcfs.base.ns_ops import Create
+from mtcfs.base.space import FALLOC_FL_KEEP_SIZE, allocate
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.capacity import MAX_FILE_SIZE
 from mtcfs.core.chunkmap import ChunkIndex
