@@ -107,3 +107,54 @@ def test_a_version_that_takes_the_data_file_over_carries_what_is_unverified(tmp_
     host.versions[1] = v
     verifier.drop(1)
     consistent(host, FdCache(host.open_data), verifier)
+
+
+def test_the_start_pass_hashes_newest_first_skips_what_a_read_verified_and_marks_rot(
+        tmp_path, monkeypatch):
+    from mtcfs.core import verifier as verifier_mod
+    host, fds, verifier, old = setup(tmp_path)  # vid 1, 3 chunks
+    data = os.urandom(2 * CS)
+    new = Version(vid=2, ino=6, size=len(data), chunk_size=CS, sealed=True,
+                  chunks=tuple(chunk_hash(data[i:i + CS]) for i in range(0, len(data), CS)))
+    os.pwrite(fds.get(new), data, 0)
+    host.versions[2] = new
+    verifier.start()
+    verifier.threads = 1  # one at a time: the order is the pass's
+    os.pwrite(fds.get(new), b"rot", CS + 1)
+    hashed: list[tuple[int, int]] = []
+    real = verifier_mod._hash_matches
+
+    def counted(fds_, v_, off, length, digest):
+        hashed.append((v_.vid, off // CS))
+        return real(fds_, v_, off, length, digest)
+    monkeypatch.setattr(verifier_mod, "_hash_matches", counted)
+
+    async def main() -> None:
+        await verifier.verify_range(old, 0, 1)  # a first read before the pass: chunk 0
+        assert await verifier.start_pass() == 4
+    trio.run(main)
+    assert hashed == [(1, 0), (2, 0), (2, 1), (1, 1), (1, 2)]  # newest version first
+    assert host.corrupt == [(2, 1, "verification at start")]
+    st = verifier.state
+    assert not st["start_running"] and st["start_chunks"] == 4
+    assert st["start_done_bytes"] == st["start_total_bytes"] == 4 * CS
+    assert verifier.unverified_chunks() == 0
+    consistent(host, fds, verifier)
+
+
+def test_the_start_pass_follows_a_version_that_took_the_data_file_over(tmp_path):
+    host, fds, verifier, v = setup(tmp_path)
+    new = Version(vid=2, ino=5, size=v.size, chunk_size=CS, sealed=True, chunks=v.chunks)
+
+    async def main() -> None:
+        async def take_over() -> None:  # a snapshot install while the pass runs
+            await trio.sleep(0)
+            del host.versions[1]
+            host.versions[2] = new
+            verifier.carry(v, new)
+        async with trio.open_nursery() as n:
+            n.start_soon(take_over)
+            n.start_soon(verifier.start_pass)
+    trio.run(main)
+    assert not verifier.needs(new) and verifier.unverified_chunks() == 0
+    consistent(host, fds, verifier)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import trio
@@ -55,6 +56,9 @@ SCRUB_RATE = 100 * 1024 * 1024
 #: Chunks up to this many bytes are hashed on the FUSE loop itself (blake3: about 10 us
 #: for 64 KiB), larger ones in a worker thread.
 INLINE_VERIFY_BYTES = 64 * 1024
+#: Rounds of the verification at start (:meth:`Verifier.start_pass`): each takes what is
+#: still unverified and was not tried yet (a version that took another's data file over).
+START_PASS_ROUNDS = 3
 
 
 def _hash_matches(fds: FdCache, v: Version, off: int, length: int, digest: str) -> bool:
@@ -274,15 +278,11 @@ class Verifier:
             the chunks hashed.
         """
         st = self.state
-        vids = sorted(self._unverified, reverse=True)
-        work = [(vid, i) for vid in vids for i in sorted(self._unverified.get(vid, ()))]
-        sizes = {vid: (v.size, v.chunk_size) for vid in vids
-                 if (v := self._host.versions.get(vid)) is not None}
-        total = sum(chunk_span(i, *sizes[vid])[1] for vid, i in work if vid in sizes)
-        st.update(start_running=True, start_done_bytes=0, start_total_bytes=total)
+        st.update(start_running=True, start_done_bytes=0, start_total_bytes=0)
         t0 = trio.current_time()
-        items = iter(work)
         hashed = 0
+        tried: set[tuple[int, int]] = set()
+        items: Iterator[tuple[int, int]] = iter(())
 
         async def worker() -> None:
             nonlocal hashed
@@ -302,9 +302,22 @@ class Verifier:
                 st["start_done_bytes"] += chunk_span(idx, v.size, v.chunk_size)[1]
 
         try:
-            async with trio.open_nursery() as n:
-                for _ in range(max(1, min(self.threads, len(work)))):
-                    n.start_soon(worker)
+            # Rounds: a version that took another's data file over meanwhile (a scope=job
+            # snapshot install: carry) has its unverified chunks under a new vid.
+            for _round in range(START_PASS_ROUNDS):
+                vids = sorted(self._unverified, reverse=True)
+                work = [(vid, i) for vid in vids for i in sorted(self._unverified.get(vid, ()))
+                        if (vid, i) not in tried and vid in self._host.versions]
+                if not work:
+                    break
+                tried.update(work)
+                st["start_total_bytes"] += sum(
+                    chunk_span(i, self._host.versions[vid].size,
+                               self._host.versions[vid].chunk_size)[1] for vid, i in work)
+                items = iter(work)
+                async with trio.open_nursery() as n:
+                    for _ in range(max(1, min(self.threads, len(work)))):
+                        n.start_soon(worker)
         finally:
             st.update(start_running=False, start_chunks=hashed,
                       start_seconds=round(trio.current_time() - t0, 3))
