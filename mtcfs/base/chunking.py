@@ -196,7 +196,7 @@ class ChunkHasher:
                     digest, read = zero_chunk_hash(want), 0
                 else:
                     if buf is None:
-                        buf = chunk_buffer(min(self._cs, self._size))
+                        buf = bytearray(min(self._cs, self._size))
                     view = memoryview(buf)
                     try:
                         _read_into(self._fd, view, off, want, self._size)
@@ -228,30 +228,6 @@ class ChunkHasher:
             done = tuple(self.digests[i] for i in self._todo[:self._halted])
             raise HashStopped(done, self.hashed)
         return tuple(self.digests[i] for i in self._todo)
-
-
-#: Buffers up to this many bytes are new for each use (cheap); larger ones, up to
-#: :data:`KEPT_BUFFER_MAX`, are kept by the thread for its next hash (:func:`chunk_buffer`).
-FRESH_BUFFER_MAX = 256 * 1024
-#: The largest buffer a thread keeps between hashes (a larger chunk size gets a new one
-#: each time): at most this much memory per hashing thread.
-KEPT_BUFFER_MAX = 16 * 1024 * 1024
-_kept = threading.local()
-
-
-def chunk_buffer(n: int) -> bytearray:
-    """A buffer of at least ``n`` bytes for the calling thread's reads (only the first
-    ``n`` are meant). Above :data:`FRESH_BUFFER_MAX` and up to :data:`KEPT_BUFFER_MAX` the
-    thread keeps it for its next call: CPython zero-fills a new ``bytearray`` holding the
-    GIL, and a 4 MiB one took 1.7-1.8 ms on this machine's fresh pages, during which the
-    FUSE loop could not run (each seal's start held the next request back by 3-5 ms with 2
-    hashing threads; docs/benchmarks.md). Not for two uses at once in one thread."""
-    if n <= FRESH_BUFFER_MAX or n > KEPT_BUFFER_MAX:
-        return bytearray(n)
-    buf: bytearray | None = getattr(_kept, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _kept.buf = bytearray(n)
-    return buf
 
 
 def run_workers(work: Callable[[], None], threads: int) -> None:
