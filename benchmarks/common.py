@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from mtcfs.base.mountinfo import device_of  # noqa: E402
-from tests.support.mount import Mount, force_unmount, is_mounted  # noqa: E402
+from tests.support.mount import Mount, force_unmount, is_mounted, remove_tree  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 IO_SIZE = 16 * MiB  # one os.write / readinto
@@ -257,7 +257,9 @@ def scratch_dir(base: str, prefix: str) -> Iterator[Path]:
     try:
         yield d
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        # (its stores' data tmpfs outlive their daemons: unmounted first, else each run
+        # left them mounted, holding RAM, and rmtree failed on them)
+        remove_tree(d)
 
 
 def clear_dir(d: Path) -> None:
