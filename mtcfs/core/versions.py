@@ -223,7 +223,7 @@ def hash_range(fds: FdCache, v: Version, off: int, length: int) -> str:
         if kept is None or not any(i in kept for i in range(off // cs,
                                                             (off + max(length, 1) - 1) // cs + 1)):
             return str(h.hexdigest())
-    return str(blake3.blake3(read_data(fds, v, off, length)).hexdigest())
+    return chunk_hash(read_data(fds, v, off, length))
 
 
 def hash_data(fds: FdCache, v: Version, piece: int = 4 << 20) -> str:
