@@ -55,8 +55,8 @@ def test_generated_code_imports_as_a_package():
     from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
     assert pb.DESCRIPTOR.package == "mtcfs.peer.v1"
     names = {m.name for m in pb.DESCRIPTOR.services_by_name["Peer"].methods}
-    assert names == {"HasChunks", "PutChunks", "GetChunks", "PublishManifest",
-                     "ListManifests"}
+    assert names == {"HasChunks", "PutChunks", "GetChunks", "OpenChunkStream",
+                     "PublishManifest", "ListManifests"}
     assert set(pb.DESCRIPTOR.services_by_name) == {"Peer"}  # membership and votes: etcd
     assert hasattr(pb_grpc, "PeerStub") and hasattr(pb_grpc, "add_PeerServicer_to_server")
 

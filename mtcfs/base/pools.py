@@ -86,6 +86,10 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
     PoolSpec("etcd", 16, "limiter",
              "scope=job namespace calls to etcd (submit, read barrier, install), each with a "
              "deadline (EtcdNamespaceLog.limiter, ETCD_THREADS)"),
+    PoolSpec("chunk-stream", 16, "server",
+             "the chunk stream server's connection threads (tiers/peer/chunk_stream.py), one "
+             "per stream being sent; each send stalls at most IO_TIMEOUT_S; more streams "
+             "wait for a thread"),
     PoolSpec("peer-server", 32, "server",
              "the Peer gRPC server's call threads (8 by default, 32 in the daemon); they "
              "reach the core only through trio.from_thread.run"),

@@ -151,7 +151,8 @@ class LocalChunks:
         finally:
             self.unpin(versions)
 
-    async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
+    async def deliver(self, digest: str, data: bytes | memoryview,
+                      where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
 
         Args:

@@ -256,7 +256,7 @@ class FaultIn:
         self._failed[(v.vid, idx)] = (now, why)
         raise FsError(errno.EIO, why)
 
-    async def store_chunk(self, v: Version, idx: int, data: bytes) -> None:
+    async def store_chunk(self, v: Version, idx: int, data: bytes | memoryview) -> None:
         """Write verified bytes of chunk ``idx`` of ``v`` into its data file, if still missing.
 
         The caller pins ``v``. A version that is no longer registered (a namespace snapshot
@@ -341,7 +341,8 @@ class FaultIn:
                 v.fill_done.set()
                 v.fill_done = None
 
-    async def deliver(self, digest: str, data: bytes, where: list[tuple[Version, int]]) -> int:
+    async def deliver(self, digest: str, data: bytes | memoryview,
+                      where: list[tuple[Version, int]]) -> int:
         """Store a chunk fetched in bulk (a restore from peers) wherever it is missing.
 
         Args:

@@ -198,7 +198,7 @@ class RestorePort(FaultInPort, Protocol):
         """(version, chunk index) pairs still missing in current versions, in path order."""
         ...
 
-    async def deliver_chunk(self, digest: str, data: bytes,
+    async def deliver_chunk(self, digest: str, data: bytes | memoryview,
                             where: list[tuple[Version, int]]) -> int:
         """Store chunk ``digest`` (``data`` already verified against it) wherever the
         (version, chunk index) pairs ``where`` still miss it; returns how many were filled."""

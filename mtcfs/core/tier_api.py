@@ -186,7 +186,7 @@ class TierApi:
         """(version, chunk index) pairs still missing in current versions, in path order."""
         return self._chunks.pending()
 
-    async def deliver_chunk(self, digest: str, data: bytes,
+    async def deliver_chunk(self, digest: str, data: bytes | memoryview,
                             where: list[tuple[Version, int]]) -> int:
         """Store a verified chunk fetched in bulk wherever it is missing; places filled."""
         return await self._chunks.deliver(digest, data, where)

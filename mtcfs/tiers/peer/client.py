@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,7 @@ from mtcfs.tiers.backup.layout import check_hash
 from mtcfs.base.retry import RetryPolicy
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.peer.chunk_stream import IO_TIMEOUT_S, client_context, read_stream
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 from mtcfs.tiers.peer.limits import (
     KEEPALIVE_CLIENT, MAX_CHUNKS_PER_PUT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES,
@@ -129,9 +131,14 @@ class PeerClient:
                 address, tls.channel_credentials(),
                 options=[*options, ("grpc.ssl_target_name_override", server_name(job))])
         self._stub = pb_grpc.PeerStub(self._channel)
+        self._tls = tls
+        self._tls_ctx: ssl.SSLContext | None = None
+        #: False once the peer answered OpenChunkStream with UNIMPLEMENTED
+        self._has_stream = True
         self._counters = Counters((
             "calls", "retries", "failures", "bytes_sent", "bytes_received", "chunks_sent",
             "chunks_skipped", "chunks_received", "chunks_unavailable", "chunks_corrupt",
+            "streams",
         ))
 
     @property
@@ -298,6 +305,64 @@ class PeerClient:
                     if not self._retry_after(exc, attempt, started, "GetChunks"):
                         self._counters.add("failures")
                         raise self._error(exc, "GetChunks") from None
+
+    def stream_chunks(self, digests: Sequence[str], *, buffers: int = 1
+                      ) -> Iterator[tuple[str, bytes | memoryview | None]]:
+        """Fetch chunks in bulk, verified: by the chunk stream where the peer has one
+        (chunk_stream.py: raw bytes, no protobuf), else by :meth:`get_chunks`.
+
+        Yields ``(digest, data)`` in request order for every digest asked for (each at most
+        once): ``data`` is the chunk's verified bytes, **valid only until the next item is
+        asked for** by default (copy it to keep it), or None when the peer does not hold the
+        chunk or found its copy corrupt; with ``buffers=k`` a view stays valid until k more items
+        have been asked for (k receive buffers in turn). One OpenChunkStream call (with the client's retries) per
+        :data:`GET_BATCH` chunks; the stream itself is not retried: a caller asks the next
+        holder for what is left.
+
+        Raises:
+            ValueError: if a digest is malformed.
+            PeerChunkCorrupt, PeerUnavailable, PeerError: as :meth:`get_chunks` (a stream
+                that stalls for :data:`~mtcfs.tiers.peer.chunk_stream.IO_TIMEOUT_S` seconds
+                is PeerUnavailable).
+        """
+        todo = list(dict.fromkeys(check_hash(h) for h in digests))
+        for i in range(0, len(todo), GET_BATCH):
+            batch = todo[i:i + GET_BATCH]
+            if not self._has_stream:
+                got = dict(self.get_chunks(batch))
+                for h in batch:
+                    yield h, got.get(h)
+                continue
+            req = pb.OpenChunkStreamRequest(job=self.job, rank=self.rank, digests=batch)
+            try:
+                reply = self._call(lambda: self._stub.OpenChunkStream(
+                    req, timeout=self._timeout), "OpenChunkStream")
+            except PeerError as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("peer %s has no chunk stream; using GetChunks", self.address)
+                self._has_stream = False
+                got = dict(self.get_chunks(batch))
+                for h in batch:
+                    yield h, got.get(h)
+                continue
+            if reply.tls != (self._tls is not None):
+                raise PeerError(self.address, "OpenChunkStream: the stream's TLS setting "
+                                              "differs from the peer port's")
+            host = self.address.rsplit(":", 1)[0]
+            self._counters.add("streams")
+            yield from read_stream(self.address, host, reply.port, reply.ticket, batch,
+                                   job=self.job, tls=self._stream_tls(),
+                                   timeout=min(self._stream_timeout, IO_TIMEOUT_S),
+                                   buffers=buffers, counters=self._counters)
+
+    def _stream_tls(self) -> ssl.SSLContext | None:
+        """The TLS context of chunk streams (None: plaintext), made once per client."""
+        if self._tls is None:
+            return None
+        if self._tls_ctx is None:
+            self._tls_ctx = client_context(self._tls)
+        return self._tls_ctx
 
     def _get_stream(self, req: pb.GetChunksRequest,
                     done: set[str]) -> Iterator[tuple[str, bytes]]:

@@ -217,7 +217,9 @@ class _StreamCall:
 
 
 class _LoopbackStub:
-    """The generated ``PeerStub``'s five methods, into a :class:`MemoryPeer`."""
+    """The generated ``PeerStub``'s methods, into a :class:`MemoryPeer`. Its service has no
+    chunk stream (no sockets): OpenChunkStream is UNIMPLEMENTED, so
+    :meth:`PeerClient.stream_chunks` falls back to GetChunks, as with a server without it."""
 
     def __init__(self, peer: MemoryPeer, caller: str,
                  identity: tuple[str, int] | None) -> None:
@@ -239,6 +241,10 @@ class _LoopbackStub:
         ctx = self._context()
         return _StreamCall(self._peer.call_stream_out("GetChunks", request, pb.GetChunksReply,
                                                       ctx), ctx)
+
+    def OpenChunkStream(self, request: Message, timeout: float | None = None) -> Message:
+        return self._peer.call_unary("OpenChunkStream", request, pb.OpenChunkStreamReply,
+                                     self._context())
 
     def PublishManifest(self, request: Message, timeout: float | None = None) -> Message:
         return self._peer.call_unary("PublishManifest", request, pb.PublishManifestReply,

@@ -34,16 +34,18 @@ All methods block (file I/O on tmpfs, hashing at about 2 GB/s); call them from w
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import shutil
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import BinaryIO, NoReturn, Protocol, Self
 
 import blake3
 
@@ -65,6 +67,21 @@ log = logging.getLogger(__name__)
 DEFAULT_ORPHAN_GRACE_S = 3600.0
 
 _MANIFEST_SUFFIX = ".json"
+
+
+@dataclass(frozen=True)
+class OpenedChunk:
+    """A verified chunk, open for as long as :meth:`ReplicaStore.open_chunk`'s context lasts.
+
+    Attributes:
+        view: its bytes (a read-only mapping of its file, or bytes read from the node's
+            own tier).
+        file: the file holding exactly these bytes from offset 0 (for ``sendfile(2)``), or
+            None when the bytes came from elsewhere.
+    """
+
+    view: memoryview
+    file: BinaryIO | None
 
 
 class LocalChunks(Protocol):
@@ -477,7 +494,11 @@ class ReplicaStore:
             self._counters.add("chunks_read")
             self._counters.add("bytes_read", len(data))
             return data
-        reason = f"{len(data)} bytes on disk hash to {actual}"
+        self._drop_corrupt(h, path, ino, f"{len(data)} bytes on disk hash to {actual}")
+
+    def _drop_corrupt(self, h: str, path: str, ino: int, reason: str) -> NoReturn:
+        """Delete replica chunk ``h`` found corrupt at ``path`` (unless a good copy replaced
+        it meanwhile: inode ``ino`` is the one read), count and log it; raise."""
         with self._lock:
             try:
                 same = os.lstat(path).st_ino == ino
@@ -492,6 +513,48 @@ class ReplicaStore:
         self._counters.add("corrupt_deleted")
         log.error("replica chunk %s in %s is corrupt (%s); deleted", h, self._root, reason)
         raise ReplicaChunkCorrupt(h, reason)
+
+    @contextlib.contextmanager
+    def open_chunk(self, h: str) -> Iterator[OpenedChunk]:
+        """Chunk ``h``, verified, open while the context lasts: what :meth:`get_chunk`
+        returns, without copying a replica chunk into this process (its file is mapped and
+        hashed in place; the chunk stream sends it with ``sendfile(2)``).
+
+        Raises:
+            as :meth:`get_chunk`.
+        """
+        check_hash(h)
+        with self._lock:
+            held = h in self._chunks
+        f = None
+        if held:
+            path = self._chunk_path(h)
+            with contextlib.suppress(FileNotFoundError):
+                f = open(path, "rb")  # noqa: SIM115 (closed below)
+        if f is None:
+            yield OpenedChunk(memoryview(self.get_chunk(h)), None)
+            return
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_size == 0:
+                mapped: mmap.mmap | bytes = b""
+            else:
+                mapped = mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ)
+            try:
+                view = memoryview(mapped)
+                try:
+                    actual = chunk_hash(view)
+                    if actual != h:
+                        self._drop_corrupt(h, path, st.st_ino,
+                                           f"{st.st_size} bytes on disk hash to {actual}")
+                    self._counters.add("chunks_read")
+                    self._counters.add("bytes_read", st.st_size)
+                    yield OpenedChunk(view, f)
+                finally:
+                    view.release()
+            finally:
+                if isinstance(mapped, mmap.mmap):
+                    mapped.close()
 
     def scrub(self) -> list[str]:
         """Re-hash every replica chunk; delete the corrupt ones.

@@ -29,6 +29,8 @@ replica store full                         RESOURCE_EXHAUSTED in .rejected (chun
 bad manifest, path escaping the job or     INVALID_ARGUMENT (whole call)
 step, manifest of another job/rank/step
 chunk not held / corrupt on disk           NOT_FOUND / DATA_LOSS in GetChunksReply
+OpenChunkStream on a server without the    UNIMPLEMENTED (whole call; the client uses
+chunk stream (in-memory transport)            GetChunks)
 =========================================  ===========================================
 
 A refusal's reason is one line of at most :data:`MAX_REASON_CHARS` characters, and names
@@ -52,6 +54,7 @@ from mtcfs.base.counters import Counters
 from mtcfs.tiers.backup.layout import check_hash, check_step
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
+from mtcfs.tiers.peer.chunk_stream import TICKET_S, ChunkStreamServer
 from mtcfs.tiers.peer.errors import ReplicaFull
 from mtcfs.tiers.peer.get_stream import encode_reply, stream_chunks
 from mtcfs.tiers.peer.limits import (
@@ -104,8 +107,10 @@ class PeerService(pb_grpc.PeerServicer):
         self._counters = Counters((
             "calls", "calls_refused", "bytes_received", "bytes_sent", "chunks_received",
             "chunks_already_present", "chunks_rejected", "chunks_sent", "chunks_unavailable",
-            "manifests_published", "calls_denied",
+            "manifests_published", "calls_denied", "streams", "streams_refused",
         ))
+        #: The raw chunk stream beside the gRPC port (chunk_stream.py); set by :func:`serve`.
+        self.chunk_stream: ChunkStreamServer | None = None
 
     @property
     def store(self) -> ReplicaStore:
@@ -214,6 +219,19 @@ class PeerService(pb_grpc.PeerServicer):
             self._check_digests(digests)
             yield from stream_chunks(self._store, digests, context, self._counters)
 
+    def OpenChunkStream(self, request: pb.OpenChunkStreamRequest,
+                        context: grpc.ServicerContext) -> pb.OpenChunkStreamReply:
+        with self._call(context, "OpenChunkStream"):
+            self._check(request.job, request.rank, context)
+            digests = list(request.digests)
+            self._check_digests(digests)
+            cs = self.chunk_stream
+            if cs is None:
+                raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                              "this server has no chunk stream; use GetChunks")
+            return pb.OpenChunkStreamReply(port=cs.port, ticket=cs.issue(request.rank, digests),
+                                           expires_s=TICKET_S, tls=cs.tls)
+
     def PublishManifest(self, request: pb.PublishManifestRequest,
                         context: grpc.ServicerContext) -> pb.PublishManifestReply:
         with self._call(context, "PublishManifest"):
@@ -285,7 +303,10 @@ class PeerServer:
 
     def stop(self, grace: float | None = None) -> threading.Event:
         """Stop serving; calls in progress get ``grace`` seconds (None: cancelled now).
-        Returns an event set when the server has stopped."""
+        Returns an event set when the server has stopped. The chunk stream stops accepting
+        at once; a stream in progress ends at its next send."""
+        if self.service.chunk_stream is not None:
+            self.service.chunk_stream.stop()
         stopped: threading.Event = self.server.stop(grace)
         return stopped
 
@@ -360,6 +381,10 @@ def method_handlers(service: PeerService) -> dict[str, grpc.RpcMethodHandler]:
         "GetChunks": m.unary_stream_rpc_method_handler(
             _unary_in(service, "GetChunks", pb.GetChunksRequest, service.GetChunks),
             response_serializer=encode_reply),
+        "OpenChunkStream": m.unary_unary_rpc_method_handler(
+            _unary_in(service, "OpenChunkStream", pb.OpenChunkStreamRequest,
+                      service.OpenChunkStream),
+            response_serializer=pb.OpenChunkStreamReply.SerializeToString),
         "PublishManifest": m.unary_unary_rpc_method_handler(
             _unary_in(service, "PublishManifest", pb.PublishManifestRequest,
                       service.PublishManifest),
@@ -384,7 +409,7 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
           workers: int = DEFAULT_WORKERS,
           max_message_bytes: int = MAX_MESSAGE_BYTES,
           extra: Sequence[Callable[[grpc.Server], None]] = (),
-          tls: TlsFiles | None = None) -> PeerServer:
+          tls: TlsFiles | None = None, chunk_stream: bool = True) -> PeerServer:
     """Start the Peer service on ``listen`` and return at once.
 
     Args:
@@ -402,6 +427,8 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             connections from clients with a certificate of the job CA, and serves a call
             only from the rank the certificate names (docs/security.md). None: plaintext,
             no authentication (mount option ``insecure``; unit tests).
+        chunk_stream: also listen for chunk streams (chunk_stream.py) on another port of the
+            same host; False: OpenChunkStream is UNIMPLEMENTED and clients use GetChunks.
 
     Returns:
         The running server; call ``stop()`` to end it.
@@ -433,8 +460,15 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
     if port == 0:
         server.stop(None)
         raise OSError(f"cannot listen on {listen}")
-    server.start()
     host = listen.rsplit(":", 1)[0]
+    if chunk_stream:
+        try:
+            service.chunk_stream = ChunkStreamServer(store, host, job, tls=tls,
+                                                     counters=service._counters)
+        except OSError as exc:
+            server.stop(None)
+            raise OSError(f"cannot listen for chunk streams on {host}: {exc}") from exc
+    server.start()
     address = f"{host}:{port}"
     log.info("peer service of job %r (%d nodes) listening on %s (%s)", job, nodes, address,
              "mutual TLS" if tls else "PLAINTEXT, no authentication")

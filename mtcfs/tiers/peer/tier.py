@@ -218,7 +218,7 @@ class PeerTier(MembershipRounds, Replication):
 
     def bulk_client(self, rank: int) -> PeerClient:
         """The client a bulk restore streams chunks from ``rank`` with: one attempt, each
-        call of up to :data:`~mtcfs.tiers.restore.bulk.BATCH` chunks within
+        call of up to :data:`~mtcfs.tiers.peer.client.GET_BATCH` chunks within
         :data:`BULK_CALL_S` seconds (chunks not received go to another holder next round,
         then to fault-in, which tries every source).
 

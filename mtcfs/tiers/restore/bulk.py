@@ -2,16 +2,21 @@
 
 Fault-in asks for one chunk at a time, which suits reads of data not here yet. A replacement
 node needs all of its data, so after the namespace of the step is imported this task asks
-each holder for a share of the missing chunks in long ``GetChunks`` streams (several holders
-in parallel; each chunk from one of them, spread by digest), and stores each verified chunk
-wherever the core still misses it. A read that needs a chunk first still faults it in on its
-own. Chunks a holder does not serve (lost, corrupt, the holder died) are asked of the next
-holder; what no holder serves is left to the prefetcher, which reads the backup tier.
+every holder at once for a share of the missing chunks (spread by digest), in batches over
+chunk streams (raw bytes, tiers/peer/chunk_stream.py; GetChunks where a holder has none),
+:data:`STREAMS_PER_HOLDER` per holder; a stream whose holder's share is done takes batches
+of the largest share left, so a fast holder takes over from a slow one. Each verified chunk
+is stored wherever the core still misses it, while the next ones arrive. A read that needs a
+chunk first still faults it in on its own. Chunks a holder does not serve (lost, corrupt,
+the holder died) are asked of the next holder; what no holder serves is left to the
+prefetcher, which reads the backup tier.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from mtcfs.core.ports import RestorePort, Version
+from mtcfs.tiers.peer.client import GET_BATCH
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError
 
 if TYPE_CHECKING:
@@ -26,11 +32,54 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Chunks per GetChunks call of the bulk restore (at 4 MiB, 64 MiB per stream).
-BATCH = 16
-#: Concurrent GetChunks streams per holder: one is being served while the other's chunks
-#: are verified and stored here.
+#: Concurrent streams per holder: one is being served while the other's chunks are
+#: verified and stored here.
 STREAMS_PER_HOLDER = 2
+#: Chunks a holder's share must still have for another holder's stream to take a batch of
+#: it (from its end).
+STEAL_AFTER = STREAMS_PER_HOLDER * GET_BATCH + GET_BATCH
+#: Chunks of one stream being written into the store while the next ones arrive.
+STORE_AHEAD = 2
+#: Seconds a stream waits for the store to take a chunk before the restore gives up (the
+#: prefetcher then brings the rest).
+STORE_WAIT_S = 60.0
+
+
+class _Shares:
+    """The chunks of one round, a share per holder (spread by digest). A stream takes its
+    next batch from the front of its holder's share, then from the end of the largest share
+    left while that has more than :data:`STEAL_AFTER` (a fast holder takes over from a slow
+    one); a failed holder's share is left to the next round. Thread-safe."""
+
+    def __init__(self, holders: list[int], todo: list[str], round_: int) -> None:
+        self._lock = threading.Lock()
+        self._shares: dict[int, collections.deque[str]] = {
+            r: collections.deque() for r in holders}
+        for h in todo:
+            self._shares[holders[(int(h[:8], 16) + round_) % len(holders)]].append(h)
+        self._failed: set[int] = set()
+
+    def take(self, rank: int) -> list[str]:
+        """The next batch (at most :data:`~mtcfs.tiers.peer.client.GET_BATCH` chunks) for a
+        stream from ``rank``; empty when nothing is left or ``rank`` failed."""
+        with self._lock:
+            if rank in self._failed:
+                return []
+            q = self._shares[rank]
+            if not q:
+                # Take over from the holder with the most left, but only past what its own
+                # streams are about to take: a small restore asks every holder for its
+                # share (a holder's damaged copies are found and deleted on the way).
+                q = max(self._shares.values(), key=len)
+                if len(q) < STEAL_AFTER:
+                    return []
+                return [q.pop() for _ in range(GET_BATCH)][::-1]
+            return [q.popleft() for _ in range(min(GET_BATCH, len(q)))]
+
+    def drop(self, rank: int) -> None:
+        """``rank`` failed: its streams take no more batches."""
+        with self._lock:
+            self._failed.add(rank)
 
 
 async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
@@ -56,47 +105,82 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
     token = trio.lowlevel.current_trio_token()
     stats: dict[str, Any] = {"chunks": 0, "bytes": 0, "by_rank": {}}
 
-    async def store(h: str, data: bytes, rank: int) -> None:
-        if await fs.deliver_chunk(h, data, where.get(h, [])):
-            stats["chunks"] += 1
-            stats["bytes"] += len(data)
-            stats["by_rank"][rank] = stats["by_rank"].get(rank, 0) + 1
-            if on_chunk is not None:
-                on_chunk()
+    async def store(h: str, data: bytes | memoryview, rank: int,
+                    done: threading.Event) -> None:
+        try:
+            if await fs.deliver_chunk(h, data, where.get(h, [])):
+                stats["chunks"] += 1
+                stats["bytes"] += len(data)
+                stats["by_rank"][rank] = stats["by_rank"].get(rank, 0) + 1
+                if on_chunk is not None:
+                    on_chunk()
+        finally:
+            done.set()
 
-    def stream(rank: int, digests: list[str], got: set[str]) -> None:
-        """Worker thread: one holder, a list of digests, batch by batch."""
+    def submit(nursery: trio.Nursery, h: str, data: bytes | memoryview, rank: int,
+               done: threading.Event) -> None:
+        """On the loop: start the write of one received chunk."""
+        try:
+            nursery.start_soon(store, h, data, rank, done)
+        except RuntimeError:  # the restore was cancelled: nothing to write into
+            done.set()
+
+    def stream(rank: int, work: _Shares, got: set[str],
+               nursery: trio.Nursery) -> None:
+        """Worker thread: batches of chunks from ``rank`` (its share first, then what is
+        left of the others'), by chunk stream where the holder has one (raw bytes;
+        tiers/peer/chunk_stream.py), else by GetChunks. Up to :data:`STORE_AHEAD` chunks
+        are written into the core while the next ones arrive, each from a receive buffer
+        of its own: before a buffer is received into again, the write of the chunk it held
+        has ended (the writes end in any order; ``writing`` is waited on oldest first)."""
         client = tier.bulk_client(rank)
-        for i in range(0, len(digests), BATCH):
-            for h, data in client.get_chunks(digests[i:i + BATCH]):
-                got.add(h)
-                trio.from_thread.run(store, h, data, rank, trio_token=token)
+        writing: collections.deque[threading.Event] = collections.deque()
+
+        def wait_oldest() -> None:
+            if not writing.popleft().wait(timeout=STORE_WAIT_S):
+                raise TimeoutError(f"a restored chunk was not written into the store within"
+                                   f" {STORE_WAIT_S:g} s")
+
+        try:
+            while batch := work.take(rank):
+                for h, data in client.stream_chunks(batch, buffers=STORE_AHEAD + 1):
+                    if data is None:
+                        continue
+                    got.add(h)
+                    done = threading.Event()
+                    # queued without waiting for the loop: the next chunk is received meanwhile
+                    token.run_sync_soon(submit, nursery, h, data, rank, done)
+                    writing.append(done)
+                    while len(writing) >= STORE_AHEAD:
+                        wait_oldest()
+        finally:
+            while writing:  # no write may outlive the buffers it reads
+                wait_oldest()
 
     round_ = 0
     while todo and holders:
         got: set[str] = set()
         bad: set[int] = set()
-        shares: dict[int, list[str]] = {r: [] for r in holders}
-        for h in todo:
-            shares[holders[(int(h[:8], 16) + round_) % len(holders)]].append(h)
+        work = _Shares(holders, todo, round_)
 
-        async def one(rank: int, digests: list[str], got: set[str], bad: set[int]) -> None:
-            try:
-                await trio.to_thread.run_sync(stream, rank, digests, got,
-                                              abandon_on_cancel=True)
-            except PeerChunkCorrupt as exc:
-                tier.report_bad(rank, str(exc))
-                bad.add(rank)
-            except PeerError as exc:
-                log.warning("bulk restore from rank %d: %s", rank, exc)
-                bad.add(rank)
+        async def one(rank: int, work: _Shares, got: set[str], bad: set[int]) -> None:
+            async with trio.open_nursery() as stores:  # the writes of received chunks
+                try:  # (caught inside: the nursery would wrap it in an ExceptionGroup)
+                    await trio.to_thread.run_sync(stream, rank, work, got, stores,
+                                                  abandon_on_cancel=True)
+                except PeerChunkCorrupt as exc:
+                    tier.report_bad(rank, str(exc))
+                    bad.add(rank)
+                    work.drop(rank)
+                except PeerError as exc:
+                    log.warning("bulk restore from rank %d: %s", rank, exc)
+                    bad.add(rank)
+                    work.drop(rank)
 
         async with trio.open_nursery() as n:
-            for rank, digests in shares.items():
-                for k in range(STREAMS_PER_HOLDER):
-                    part = digests[k::STREAMS_PER_HOLDER]
-                    if part:
-                        n.start_soon(one, rank, part, got, bad)
+            for rank in holders:
+                for _k in range(STREAMS_PER_HOLDER):
+                    n.start_soon(one, rank, work, got, bad)
         todo = [h for h in todo if h not in got]
         holders = [r for r in holders if r not in bad] if bad else holders
         round_ += 1

@@ -86,6 +86,28 @@ class GetChunksReply(_message.Message):
     unavailable: ChunkStatus
     def __init__(self, piece: _Optional[_Union[ChunkPiece, _Mapping]] = ..., unavailable: _Optional[_Union[ChunkStatus, _Mapping]] = ...) -> None: ...
 
+class OpenChunkStreamRequest(_message.Message):
+    __slots__ = ("job", "rank", "digests")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., digests: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OpenChunkStreamReply(_message.Message):
+    __slots__ = ("port", "ticket", "expires_s", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    expires_s: int
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
+
 class PublishManifestRequest(_message.Message):
     __slots__ = ("job", "rank", "step", "step_number", "manifest")
     JOB_FIELD_NUMBER: _ClassVar[int]

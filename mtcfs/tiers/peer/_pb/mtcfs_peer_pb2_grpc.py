@@ -49,6 +49,11 @@ class PeerStub:
                 request_serializer=mtcfs__peer__pb2.GetChunksRequest.SerializeToString,
                 response_deserializer=mtcfs__peer__pb2.GetChunksReply.FromString,
                 _registered_method=True)
+        self.OpenChunkStream = channel.unary_unary(
+                '/mtcfs.peer.v1.Peer/OpenChunkStream',
+                request_serializer=mtcfs__peer__pb2.OpenChunkStreamRequest.SerializeToString,
+                response_deserializer=mtcfs__peer__pb2.OpenChunkStreamReply.FromString,
+                _registered_method=True)
         self.PublishManifest = channel.unary_unary(
                 '/mtcfs.peer.v1.Peer/PublishManifest',
                 request_serializer=mtcfs__peer__pb2.PublishManifestRequest.SerializeToString,
@@ -85,6 +90,17 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChunkStream(self, request, context):
+        """Open a raw chunk stream for these chunks (docs/peer-protocol.md, "The chunk stream"):
+        the reply names a TCP port of the server and a one-time ticket; the caller connects
+        there, presents the ticket, and reads the chunks as raw bytes, in request order. The
+        same chunks as GetChunks, without protobuf framing: the server sends them from its
+        files with sendfile(2). A server without it answers UNIMPLEMENTED; use GetChunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PublishManifest(self, request, context):
         """Hold this step manifest of the sender's rank (replaces an earlier one of the same step).
         """
@@ -116,6 +132,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GetChunks,
                     request_deserializer=mtcfs__peer__pb2.GetChunksRequest.FromString,
                     response_serializer=mtcfs__peer__pb2.GetChunksReply.SerializeToString,
+            ),
+            'OpenChunkStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChunkStream,
+                    request_deserializer=mtcfs__peer__pb2.OpenChunkStreamRequest.FromString,
+                    response_serializer=mtcfs__peer__pb2.OpenChunkStreamReply.SerializeToString,
             ),
             'PublishManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishManifest,
@@ -209,6 +230,33 @@ class Peer:
             '/mtcfs.peer.v1.Peer/GetChunks',
             mtcfs__peer__pb2.GetChunksRequest.SerializeToString,
             mtcfs__peer__pb2.GetChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChunkStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtcfs.peer.v1.Peer/OpenChunkStream',
+            mtcfs__peer__pb2.OpenChunkStreamRequest.SerializeToString,
+            mtcfs__peer__pb2.OpenChunkStreamReply.FromString,
             options,
             channel_credentials,
             insecure,
