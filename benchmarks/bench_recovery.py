@@ -203,8 +203,6 @@ def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: i
             prefault(2 * size + GiB)
         cpu2 = cpu_of(c)
         busy2 = machine_busy()
-        if os.environ.get("MTCFS_BENCH_PROCS"):
-            sys.path.insert(0, "/tmp"); import procsnap; ps0 = procsnap.snap()
         t0 = time.perf_counter()
         m = c.restart(0)
         t_mount = time.perf_counter() - t0
@@ -217,8 +215,6 @@ def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: i
         _stop(spies)
         t_restore = time.perf_counter() - t0
         busy_res = busy_since(busy2)
-        if os.environ.get("MTCFS_BENCH_PROCS"):
-            log(f"procs: {procsnap.diff(ps0, procsnap.snap())}")
         cpu3 = cpu_of(c)
         if got != want:
             raise RuntimeError(f"the restored step_1/data.bin hashes to {got}, not {want}")

@@ -250,3 +250,75 @@ def test_with_tls_only_the_ticket_rank_reads(peer, client, tmp_path):
     ticket = cs.issue(1, [chunks[0][0]])
     with pytest.raises(PeerError):
         list(read_stream("p", host, port, ticket, [chunks[0][0]], job=JOB, tls=None))
+
+
+# -- puts -------------------------------------------------------------------------------------
+
+def test_a_put_by_the_stream_stores_verified_chunks_and_refuses_the_rest(peer, client):
+    server, store = peer()
+    good = [blob(50 + i, SIZE) for i in range(4)]
+    liar = blob(60, SIZE)
+    h_liar = chunk_hash(blob(61, SIZE))
+
+    def unreadable() -> bytes:
+        raise OSError(5, "Input/output error")
+
+    h_unread = chunk_hash(b"never read")
+    c = client(server.address, rank=1)
+    items = [(chunk_hash(d), d) for d in good]
+    r = c.put_chunks([items[0], (h_liar, liar), (h_unread, unreadable), *items[1:]])
+    assert sorted(r.accepted) == sorted(h for h, _ in items)
+    assert r.rejected[h_liar].startswith("DATA_LOSS")
+    assert r.rejected[h_unread].startswith("LOCAL_READ_ERROR")
+    assert r.chunks_sent == 5 and r.bytes_sent == 5 * SIZE
+    for h, d in items:
+        with store.open_chunk(h) as got:
+            assert bytes(got.view) == d
+    assert not store.has(h_liar) and not store.has(h_unread)
+    st = server.service.stats()
+    assert st["streams"] == 1 and st["chunks_received"] == 4 and st["chunks_rejected"] == 1
+    assert store.stats()["used_bytes"] == 4 * SIZE  # nothing of the refused one is kept
+
+
+def test_a_put_stream_cut_in_the_middle_leaves_nothing_behind(peer):
+    server, store = peer()
+    data = blob(70, 4 * SIZE)
+    h = chunk_hash(data)
+    cs = server.service.chunk_stream
+    ticket = cs.issue(1, [h], put=True)
+    with socket.create_connection(("127.0.0.1", cs.port), timeout=5) as s:
+        s.sendall(b"MTCFSCS1" + ticket + HEADER.pack(OK, bytes.fromhex(h), len(data)))
+        s.sendall(data[:SIZE])
+        deadline = time.monotonic() + 5
+        while store.used == 0 and time.monotonic() < deadline:  # the writer is open
+            time.sleep(0.01)
+        assert store.used == len(data)
+    deadline = time.monotonic() + 5
+    while store.used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.used == 0 and not store.has(h)
+
+
+def test_a_full_store_refuses_a_streamed_chunk_and_serves_on(tmp_path, client):
+    store = ReplicaStore(str(tmp_path / "small"), 2 * SIZE)
+    server = serve(store, "127.0.0.1:0", JOB, NODES, workers=2)
+    try:
+        chunks = [blob(80 + i, SIZE) for i in range(3)]
+        c = client(server.address)
+        r = c.put_chunks([(chunk_hash(d), d) for d in chunks])
+        assert len(r.accepted) == 2 and len(r.rejected) == 1
+        [(h, why)] = r.rejected.items()
+        assert why.startswith("RESOURCE_EXHAUSTED") and not store.has(h)
+        assert c.has_chunks([chunk_hash(chunks[0])]) in ([True], [False])  # still serving
+    finally:
+        server.stop(None)
+
+
+def test_a_server_without_the_stream_takes_puts_by_putchunks(peer, client):
+    server, store = peer(chunk_stream=False)
+    d = blob(90, SIZE)
+    c = client(server.address)
+    r = c.put_chunks([(chunk_hash(d), d), (chunk_hash(b"other"), b"lie")])
+    assert list(r.accepted) == [chunk_hash(d)]
+    assert list(r.rejected.values())[0].startswith("DATA_LOSS")
+    assert c.stats()["streams"] == 0 and server.service.stats()["chunks_received"] == 1

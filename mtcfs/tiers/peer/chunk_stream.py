@@ -50,10 +50,12 @@ from typing import Any, Protocol
 from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.counters import Counters
+from mtcfs.base.failpoints import failpoint
 from mtcfs.tiers.peer.errors import (
-    ChunkNotFound, PeerChunkCorrupt, PeerError, PeerUnavailable, ReplicaChunkCorrupt,
+    ChunkMismatch, ChunkNotFound, PeerChunkCorrupt, PeerError, PeerUnavailable,
+    ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
 )
-from mtcfs.tiers.peer.replica_store import OpenedChunk
+from mtcfs.tiers.peer.replica_store import ChunkWriter, OpenedChunk
 from mtcfs.tiers.peer.tls import TlsFiles, identity_uri, server_name
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,9 @@ MAGIC = b"MTCFSCS1"
 TICKET_BYTES = 16
 #: Per chunk: status, raw 32-byte digest, payload length in bytes.
 HEADER = struct.Struct("!B32sQ")
-OK, NOT_FOUND, CORRUPT, REFUSED = 0, 1, 2, 3
+OK, NOT_FOUND, CORRUPT, REFUSED, FULL = 0, 1, 2, 3, 4
+#: Bytes a put stream's receiver hashes and writes at a time.
+PIECE = 1 << 20
 #: Seconds a ticket stays good.
 TICKET_S = 60
 #: Tickets outstanding at once; the oldest are dropped past it.
@@ -79,21 +83,27 @@ MAX_PAYLOAD = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Ticket:
-    """What a ticket allows: ``rank`` reads ``digests``, in order, before ``expires``
-    (monotonic seconds)."""
+    """What a ticket allows: ``rank`` reads (or with ``put``, sends) ``digests``, in order,
+    on one connection opened before ``expires`` (monotonic seconds)."""
 
     rank: int
     digests: tuple[str, ...]
     expires: float
+    put: bool = False
 
 
 class ChunkFiles(Protocol):
-    """What the stream server reads chunks from (the replica store,
-    :meth:`~mtcfs.tiers.peer.replica_store.ReplicaStore.open_chunk`)."""
+    """What the stream server reads chunks from and puts them into (the replica store,
+    :class:`~mtcfs.tiers.peer.replica_store.ReplicaStore`)."""
 
     def open_chunk(self, h: str) -> contextlib.AbstractContextManager[OpenedChunk]:
         """Chunk ``h``, verified, open for as long as the context lasts. Raises
         ChunkNotFound, ReplicaChunkCorrupt, OSError."""
+        ...
+
+    def chunk_writer(self, h: str, size: int, rank: int | None = None) -> ChunkWriter:
+        """Start storing chunk ``h`` of ``size`` bytes sent by ``rank``. Raises ReplicaFull
+        (capacity or the rank's quota), OSError."""
         ...
 
 
@@ -143,8 +153,9 @@ class ChunkStreamServer:
     def tls(self) -> bool:
         return self._tls is not None
 
-    def issue(self, rank: int, digests: Sequence[str]) -> bytes:
-        """A new ticket for ``rank`` to read ``digests`` (checked by the caller)."""
+    def issue(self, rank: int, digests: Sequence[str], *, put: bool = False) -> bytes:
+        """A new ticket for ``rank`` to read ``digests`` (with ``put``: to send them), the
+        request already checked by the Peer service."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = self._clock()
         with self._lock:
@@ -153,7 +164,7 @@ class ChunkStreamServer:
                     del self._tickets[t]
             while len(self._tickets) >= MAX_TICKETS:
                 del self._tickets[next(iter(self._tickets))]
-            self._tickets[ticket] = Ticket(rank, tuple(digests), now + TICKET_S)
+            self._tickets[ticket] = Ticket(rank, tuple(digests), now + TICKET_S, put)
         return ticket
 
     def stop(self) -> None:
@@ -211,7 +222,10 @@ class ChunkStreamServer:
                 return self._refuse(sock, addr, f"the certificate is not rank {ticket.rank}'s"
                                                 f" of job {self._job}")
             self._counters.add("streams")
-            self._send_chunks(sock, ticket.digests)
+            if ticket.put:
+                self._receive_chunks(sock, ticket, addr)
+            else:
+                self._send_chunks(sock, ticket.digests)
         except (OSError, ssl.SSLError, EOFError) as exc:
             log.info("chunk stream to %s ended: %s", addr, exc)
         finally:
@@ -223,6 +237,61 @@ class ChunkStreamServer:
         log.warning("refused a chunk stream from %s: %s", addr, why)
         reason = why.encode()
         sock.sendall(HEADER.pack(REFUSED, bytes(32), len(reason)) + reason)
+
+    def _receive_chunks(self, sock: socket.socket, ticket: Ticket, addr: Any) -> None:
+        """Take each chunk of a put ticket into the store, verified, then answer one
+        verdict per chunk. Each chunk is received in :data:`PIECE` pieces, each hashed and
+        written as it comes (the kernel receives the next meanwhile)."""
+        buf = bytearray(PIECE)
+        view = memoryview(buf)
+        verdicts: list[tuple[int, str, str]] = []
+        for want in ticket.digests:
+            status, raw, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+            h = raw.hex()
+            if h != want:
+                return self._refuse(sock, addr, f"got chunk {h} where {want} was due")
+            if status != OK:  # the sender could not read it: nothing follows
+                verdicts.append((NOT_FOUND, h, "not sent"))
+                continue
+            if length > MAX_PAYLOAD:
+                return self._refuse(sock, addr, f"a chunk of {length} bytes; at most "
+                                                f"{MAX_PAYLOAD}")
+            try:
+                writer = self._store.chunk_writer(h, length, ticket.rank)
+            except ReplicaFull as exc:
+                _discard(sock, view, length)
+                self._counters.add("bytes_received", length)
+                self._counters.add("chunks_rejected")
+                verdicts.append((FULL, h, str(exc)))
+                continue
+            with writer:
+                left = length
+                while left:
+                    n = min(left, PIECE)
+                    _recv_into(sock, view[:n])
+                    writer.write(view[:n])
+                    left -= n
+                self._counters.add("bytes_received", length)
+                failpoint("peer.put_chunk")  # tests: a slow store, a writer dying mid-stream
+                try:
+                    new = writer.commit()
+                except ChunkMismatch as exc:
+                    self._counters.add("chunks_rejected")
+                    log.warning("chunk stream from %s: %s", addr, exc)
+                    verdicts.append((CORRUPT, h, str(exc)))
+                    continue
+                except ReplicaError as exc:
+                    self._counters.add("chunks_rejected")
+                    verdicts.append((FULL if isinstance(exc, ReplicaFull) else CORRUPT, h,
+                                     str(exc)))
+                    continue
+            self._counters.add("chunks_received" if new else "chunks_already_present")
+            verdicts.append((OK, h, ""))
+        out = bytearray()
+        for status, h, why in verdicts:
+            reason = why.encode()[:512]
+            out += HEADER.pack(status, bytes.fromhex(h), len(reason)) + reason
+        sock.sendall(out)
 
     def _send_chunks(self, sock: socket.socket, digests: Sequence[str]) -> None:
         """Send each chunk (or why not) in order. A second thread opens and verifies up to
@@ -306,6 +375,14 @@ def _send_all(sock: socket.socket, chunk: OpenedChunk) -> None:
         sock.sendall(chunk.view)
 
 
+def _discard(sock: socket.socket, view: memoryview, n: int) -> None:
+    """Receive and drop ``n`` bytes (a chunk refused before its bytes came)."""
+    while n:
+        k = min(n, len(view))
+        _recv_into(sock, view[:k])
+        n -= k
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf))
@@ -357,23 +434,10 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
         PeerError: the server refused the stream (its reason in the message) or broke the
             protocol.
     """
-    try:
-        raw = socket.create_connection((host.strip("[]"), port), timeout=timeout)
-    except OSError as exc:
-        raise PeerUnavailable(address, f"chunk stream port {port}: {exc}") from None
-    sock: socket.socket = raw
+    sock = _connect(address, host, port, ticket, job, tls, timeout)
     bufs = [bytearray() for _ in range(max(1, buffers))]
     turn = 0
     try:
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            if tls is not None:
-                sock = tls.wrap_socket(raw, server_hostname=server_name(job))
-            sock.sendall(MAGIC + ticket)
-        except ssl.SSLError as exc:
-            raise PeerError(address, f"chunk stream TLS handshake: {exc}") from None
-        except OSError as exc:
-            raise PeerUnavailable(address, f"chunk stream: {exc}") from None
         for want in digests:
             try:
                 status, digest, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -417,6 +481,33 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
             sock.close()
 
 
+def _connect(address: str, host: str, port: int, ticket: bytes, job: str,
+             tls: ssl.SSLContext | None, timeout: float) -> socket.socket:
+    """A connection to a chunk stream port that has presented ``ticket``.
+
+    Raises:
+        PeerUnavailable: it cannot be made or stalls past ``timeout``.
+        PeerError: the TLS handshake fails (a certificate not of the job).
+    """
+    try:
+        raw = socket.create_connection((host.strip("[]"), port), timeout=timeout)
+    except OSError as exc:
+        raise PeerUnavailable(address, f"chunk stream port {port}: {exc}") from None
+    sock: socket.socket = raw
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(raw, server_hostname=server_name(job))
+        sock.sendall(MAGIC + ticket)
+    except ssl.SSLError as exc:
+        raw.close()
+        raise PeerError(address, f"chunk stream TLS handshake: {exc}") from None
+    except OSError as exc:
+        raw.close()
+        raise PeerUnavailable(address, f"chunk stream: {exc}") from None
+    return sock
+
+
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:
@@ -424,3 +515,114 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if not k:
             raise EOFError(f"the connection closed after {got} of {n} bytes of a chunk")
         got += k
+
+
+#: Chunks a put stream's sender reads from its store ahead of the one it sends.
+READ_AHEAD = 2
+
+#: One chunk to put: its digest and its bytes, or a function that reads them (called once,
+#: in the stream's read-ahead thread; one that raises marks the chunk not sent).
+PutItem = tuple[str, "bytes | memoryview | Callable[[], bytes | memoryview]"]
+
+
+def write_stream(address: str, host: str, port: int, ticket: bytes,
+                 chunks: Sequence[PutItem], *, job: str,
+                 tls: ssl.SSLContext | None = None, timeout: float = IO_TIMEOUT_S,
+                 counters: Counters | None = None) -> tuple[dict[str, str], int, int]:
+    """Send the chunks of a put ticket, in its order, and read the server's verdicts.
+
+    Args:
+        address, host, port, ticket, job, tls, timeout: as :func:`read_stream`.
+        chunks: the ticket's chunks, in its order.
+        counters: ``bytes_sent``, ``chunks_sent`` are counted here.
+
+    Returns:
+        ``(refused, chunks_sent, bytes_sent)``: ``refused`` maps each digest the server
+        does not hold now to ``"STATUS: reason"`` (DATA_LOSS: its bytes did not hash to
+        its name; RESOURCE_EXHAUSTED: no room; LOCAL_READ_ERROR: this side could not read
+        it); every other chunk is verified and held by the server.
+
+    Raises:
+        PeerUnavailable, PeerError: as :func:`read_stream` (nothing is known of the chunks
+            then: ask HasChunks, or send them again).
+    """
+    sock = _connect(address, host, port, ticket, job, tls, timeout)
+    refused: dict[str, str] = {}
+    sent = nbytes = 0
+    try:
+        try:
+            for h, data in _read_ahead(chunks, refused, address):
+                raw = bytes.fromhex(h)
+                if data is None:
+                    sock.sendall(HEADER.pack(NOT_FOUND, raw, 0))
+                    continue
+                n = len(data)
+                sock.sendall(HEADER.pack(OK, raw, n))
+                sock.sendall(data)
+                sent += 1
+                nbytes += n
+                if counters is not None:
+                    counters.add("chunks_sent")
+                    counters.add("bytes_sent", n)
+        except (OSError, EOFError) as exc:
+            raise PeerUnavailable(address, f"chunk stream: {exc}") from None
+        for h, _data in chunks:
+            try:
+                status, raw, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                reason = _recv_exact(sock, length).decode(errors="replace") if length else ""
+            except (OSError, EOFError) as exc:
+                raise PeerUnavailable(address, f"chunk stream: {exc}") from None
+            if status == REFUSED:
+                raise PeerError(address, f"chunk stream refused: {reason}")
+            if raw.hex() != h:
+                raise PeerError(address, f"chunk stream: a verdict for {raw.hex()} where {h}"
+                                         f" was due")
+            if status == OK:
+                continue
+            if h not in refused:
+                name = {CORRUPT: "DATA_LOSS", FULL: "RESOURCE_EXHAUSTED"}.get(status,
+                                                                              "NOT_FOUND")
+                refused[h] = f"{name}: {reason}"
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+    return refused, sent, nbytes
+
+
+def _read_ahead(chunks: Sequence[PutItem], refused: dict[str, str],
+                address: str) -> Iterator[tuple[str, bytes | memoryview | None]]:
+    """``(digest, bytes)`` for each chunk, its reader called up to :data:`READ_AHEAD`
+    chunks ahead in a thread of its own; None (and the reason in ``refused``) when the
+    reader raised."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=READ_AHEAD)
+    stop = threading.Event()
+
+    def produce() -> None:
+        for h, item in chunks:
+            data: bytes | memoryview | None
+            if callable(item):
+                try:
+                    data = item()
+                except Exception as exc:  # noqa: BLE001 (a local read failed: skip the chunk)
+                    log.warning("put to %s: cannot read chunk %s: %s", address, h, exc)
+                    refused[h] = f"LOCAL_READ_ERROR: {exc}"
+                    data = None
+            else:
+                data = item
+            while not stop.is_set():
+                try:
+                    q.put((h, data), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            else:
+                return
+
+    worker = threading.Thread(target=produce, name="mtcfs-chunk-stream-read", daemon=True)
+    worker.start()
+    try:
+        for _ in chunks:
+            yield q.get()
+    finally:
+        stop.set()
+        worker.join(timeout=5)

@@ -40,7 +40,9 @@ from mtcfs.tiers.backup.layout import check_hash
 from mtcfs.base.retry import RetryPolicy
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2_grpc as pb_grpc
-from mtcfs.tiers.peer.chunk_stream import IO_TIMEOUT_S, client_context, read_stream
+from mtcfs.tiers.peer.chunk_stream import (
+    IO_TIMEOUT_S, client_context, read_stream, write_stream,
+)
 from mtcfs.tiers.peer.errors import PeerChunkCorrupt, PeerError, PeerUnavailable
 from mtcfs.tiers.peer.limits import (
     KEEPALIVE_CLIENT, MAX_CHUNKS_PER_PUT, MAX_DIGESTS_PER_CALL, MAX_MANIFEST_BYTES,
@@ -61,8 +63,10 @@ ChunkData = bytes | memoryview | Callable[[], bytes | memoryview]
 DEFAULT_RETRY = RetryPolicy(max_attempts=5, base_delay=0.1, max_delay=2.0)
 #: Payload bytes after which a PutChunks stream is closed and the next one started.
 STREAM_BYTES = 256 * 1024 * 1024
-#: Chunks asked for in one GetChunks call.
+#: Chunks asked for in one GetChunks call (or one chunk stream of a bulk read).
 GET_BATCH = 16
+#: Chunks sent in one put over a chunk stream (at 4 MiB, 256 MiB: as a PutChunks stream).
+PUT_BATCH = 64
 
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -193,8 +197,31 @@ class PeerClient:
                 stop=self._stop, rng=self._rng,
                 on_retry=lambda *_: self._counters.add("retries"), quiet=True)
         except grpc.RpcError as exc:
-            self._counters.add("failures")
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an answer, not a failure
+                self._counters.add("failures")
             raise self._error(exc, what) from None
+
+    def _open_stream(self, digests: list[str], *, put: bool
+                     ) -> pb.OpenChunkStreamReply | None:
+        """OpenChunkStream for ``digests``; None when the peer has no chunk stream
+        (UNIMPLEMENTED: remembered, the caller uses GetChunks or PutChunks)."""
+        req = pb.OpenChunkStreamRequest(job=self.job, rank=self.rank, digests=digests,
+                                        put=put)
+        try:
+            reply: pb.OpenChunkStreamReply = self._call(lambda: self._stub.OpenChunkStream(
+                req, timeout=self._timeout), "OpenChunkStream")
+        except PeerError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.info("peer %s has no chunk stream; using %s", self.address,
+                     "PutChunks" if put else "GetChunks")
+            self._has_stream = False
+            return None
+        if reply.tls != (self._tls is not None):
+            raise PeerError(self.address, "OpenChunkStream: the stream's TLS setting differs "
+                                          "from the peer port's")
+        self._counters.add("streams")
+        return reply
 
     # -- chunks -----------------------------------------------------------------------------
 
@@ -226,9 +253,11 @@ class PeerClient:
     def put_chunks(self, chunks: Iterable[tuple[str, ChunkData]]) -> PutResult:
         """Give the peer the chunks it lacks.
 
-        HasChunks first, then PutChunks streams of at most :data:`STREAM_BYTES` each with
-        the chunks the peer said it lacks. The peer verifies each chunk before it
-        acknowledges it.
+        HasChunks first, then the chunks the peer said it lacks: over chunk streams of
+        :data:`PUT_BATCH` chunks where the peer has them (chunk_stream.py, raw bytes; not
+        retried: a failed one raises, and a later put skips what arrived), else in
+        PutChunks streams of at most :data:`STREAM_BYTES` each. The peer verifies each
+        chunk before it acknowledges it.
 
         Args:
             chunks: ``(digest, data)`` pairs; ``data`` is the bytes or a function returning
@@ -258,6 +287,20 @@ class PeerClient:
         rejected: dict[str, str] = {}
         sent_chunks = sent_bytes = 0
         start = 0
+        while start < len(todo) and self._has_stream:
+            batch = todo[start:start + PUT_BATCH]
+            done = self._put_by_stream(batch)
+            if done is None:
+                break  # the peer has no chunk stream: PutChunks from here on
+            refused, n, nbytes = done
+            sent_chunks += n
+            sent_bytes += nbytes
+            for h, _data in batch:
+                if h in refused:
+                    rejected[h] = refused[h]
+                else:
+                    accepted.append(h)
+            start += len(batch)
         while start < len(todo):
             stream = _PutBatch(self, todo, start, rejected)
             reply = self._call(lambda: self._stub.PutChunks(
@@ -306,6 +349,18 @@ class PeerClient:
                         self._counters.add("failures")
                         raise self._error(exc, "GetChunks") from None
 
+    def _put_by_stream(self, batch: list[tuple[str, ChunkData]]
+                       ) -> tuple[dict[str, str], int, int] | None:
+        """One put over a chunk stream (chunk_stream.py): what :func:`write_stream`
+        returns, or None when the peer has none (UNIMPLEMENTED; remembered)."""
+        reply = self._open_stream([h for h, _ in batch], put=True)
+        if reply is None:
+            return None
+        return write_stream(self.address, self.address.rsplit(":", 1)[0], reply.port,
+                            reply.ticket, batch, job=self.job, tls=self._stream_tls(),
+                            timeout=min(self._stream_timeout, IO_TIMEOUT_S),
+                            counters=self._counters)
+
     def stream_chunks(self, digests: Sequence[str], *, buffers: int = 1
                       ) -> Iterator[tuple[str, bytes | memoryview | None]]:
         """Fetch chunks in bulk, verified: by the chunk stream where the peer has one
@@ -333,24 +388,13 @@ class PeerClient:
                 for h in batch:
                     yield h, got.get(h)
                 continue
-            req = pb.OpenChunkStreamRequest(job=self.job, rank=self.rank, digests=batch)
-            try:
-                reply = self._call(lambda: self._stub.OpenChunkStream(
-                    req, timeout=self._timeout), "OpenChunkStream")
-            except PeerError as exc:
-                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                log.info("peer %s has no chunk stream; using GetChunks", self.address)
-                self._has_stream = False
+            reply = self._open_stream(batch, put=False)
+            if reply is None:
                 got = dict(self.get_chunks(batch))
                 for h in batch:
                     yield h, got.get(h)
                 continue
-            if reply.tls != (self._tls is not None):
-                raise PeerError(self.address, "OpenChunkStream: the stream's TLS setting "
-                                              "differs from the peer port's")
             host = self.address.rsplit(":", 1)[0]
-            self._counters.add("streams")
             yield from read_stream(self.address, host, reply.port, reply.ticket, batch,
                                    job=self.job, tls=self._stream_tls(),
                                    timeout=min(self._stream_timeout, IO_TIMEOUT_S),

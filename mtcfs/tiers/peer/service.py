@@ -229,8 +229,9 @@ class PeerService(pb_grpc.PeerServicer):
             if cs is None:
                 raise Refused(grpc.StatusCode.UNIMPLEMENTED,
                               "this server has no chunk stream; use GetChunks")
-            return pb.OpenChunkStreamReply(port=cs.port, ticket=cs.issue(request.rank, digests),
-                                           expires_s=TICKET_S, tls=cs.tls)
+            ticket = cs.issue(request.rank, digests, put=request.put)
+            return pb.OpenChunkStreamReply(port=cs.port, ticket=ticket, expires_s=TICKET_S,
+                                           tls=cs.tls)
 
     def PublishManifest(self, request: pb.PublishManifestRequest,
                         context: grpc.ServicerContext) -> pb.PublishManifestReply:

@@ -87,14 +87,16 @@ class GetChunksReply(_message.Message):
     def __init__(self, piece: _Optional[_Union[ChunkPiece, _Mapping]] = ..., unavailable: _Optional[_Union[ChunkStatus, _Mapping]] = ...) -> None: ...
 
 class OpenChunkStreamRequest(_message.Message):
-    __slots__ = ("job", "rank", "digests")
+    __slots__ = ("job", "rank", "digests", "put")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    PUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     digests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., digests: _Optional[_Iterable[str]] = ...) -> None: ...
+    put: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., digests: _Optional[_Iterable[str]] = ..., put: _Optional[bool] = ...) -> None: ...
 
 class OpenChunkStreamReply(_message.Message):
     __slots__ = ("port", "ticket", "expires_s", "tls")

@@ -93,9 +93,10 @@ class PeerServicer:
     def OpenChunkStream(self, request, context):
         """Open a raw chunk stream for these chunks (docs/peer-protocol.md, "The chunk stream"):
         the reply names a TCP port of the server and a one-time ticket; the caller connects
-        there, presents the ticket, and reads the chunks as raw bytes, in request order. The
-        same chunks as GetChunks, without protobuf framing: the server sends them from its
-        files with sendfile(2). A server without it answers UNIMPLEMENTED; use GetChunks.
+        there, presents the ticket, and reads the chunks as raw bytes, in request order (as
+        GetChunks), or with `put` sends them and reads one verdict per chunk (as PutChunks),
+        without protobuf framing. A server without it answers UNIMPLEMENTED; use GetChunks
+        and PutChunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
