@@ -855,6 +855,14 @@ def status_lines(st: dict[str, Any]) -> list[str]:
                    f"{', '.join(map(str, reads['suspect_peers']))}")
     if st.get("scrub"):
         out.append(format_scrub_status(st["scrub"]))
+    sf = st.get("stop_flush") or {}
+    now, last = sf.get("now"), sf.get("last_stop")
+    if now and now.get("running"):
+        out.append(f"  stopping: flushing the newest step to the other tiers (at most "
+                   f"{now['deadline_s']:g} s)")
+    elif last and not last.get("complete"):
+        out.append(f"  last stop: {last.get('step')} was NOT flushed to the other tiers "
+                   f"({'; '.join(map(str, last.get('missing') or []))})")
     r = st.get("restore")
     if r and (r.get("step") or r["pending_chunks"]):
         out.append(f"  restore:  {r.get('step', '-')}: {r['pending_chunks']} chunks "
@@ -1007,6 +1015,17 @@ def cmd_umount(a: argparse.Namespace) -> None:
         mountinfo.force_unmount(mnt)  # a live daemon sees its session end and exits
         return
     pid = _daemon_pid(mnt)  # not with --force: asking a stuck daemon would hang
+    if a.flush:
+        # What a SIGTERM does first: the newest step to the peers and the backup tier
+        # (mtcfs/flush.py), within the daemon's stop_flush= unless --flush-timeout says.
+        args_: dict[str, Any] = ({} if a.flush_timeout is None
+                                 else {"deadline_s": a.flush_timeout})
+        rep = _request(control_socket(mnt), "flush", expect=dict, **args_)
+        line = rep.get("step") and (
+            f"flushed {rep['step']}" if rep.get("complete") else
+            f"NOT flushed {rep['step']}: {'; '.join(map(str, rep.get('missing') or []))}")
+        if line:
+            print(f"mtcfs: {line} ({rep.get('seconds', 0):.1f} s)", file=sys.stderr)
     tool = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
     args = [tool, "-u", mnt] if "fusermount" in tool else [tool, mnt]
     if a.lazy:
@@ -1056,6 +1075,11 @@ def _sub_parser() -> argparse.ArgumentParser:
     u.add_argument("--force", action="store_true",
                    help="abort the FUSE connection of a dead or stuck daemon (open files fail)")
     u.add_argument("--timeout", type=float, default=60.0)
+    u.add_argument("--flush", action="store_true",
+                   help="first wait (at most stop_flush=) until the newest step is on the "
+                        "peers and in the backup tier, as a SIGTERM does")
+    u.add_argument("--flush-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --flush: wait at most this long instead of stop_flush=")
     u.set_defaults(fn=cmd_umount)
     c = sub.add_parser("certs", help="make a job CA and one peer certificate per rank "
                                      "(tls_ca=, tls_cert=, tls_key=; docs/security.md)")

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from typing import Any
 
 import pyfuse3
@@ -26,6 +27,8 @@ from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
 from mtcfs.core.passthrough import Passthrough, why_unavailable
 from mtcfs.core.step_registry import backup_lag
+from mtcfs.flush import FlushReport, load_report, save_report
+from mtcfs.flush import flush as flush_at_stop
 from mtcfs.fuse_ops import Operations, libfuse_version
 from mtcfs.base.mountinfo import device_of
 from mtcfs.options import MountOptions, plaintext_parts
@@ -87,6 +90,10 @@ class Daemon:
         self.prefetcher: Any = None
         self.peer: Any = None
         self.restorer: Restorer | None = None
+        #: The flush at a SIGTERM (mtcfs/flush.py): None until one starts.
+        self.flush_state: dict[str, Any] | None = None
+        #: The previous daemon's flush at its stop, from the store (None: none recorded).
+        self.last_stop: dict[str, Any] | None = None
         #: The stop signal the daemon got (SIGTERM, SIGINT, SIGHUP), if any: it unmounts.
         self._stop_signal: int | None = None
         self._nursery: trio.Nursery | None = None
@@ -118,6 +125,11 @@ class Daemon:
         self.store = Store(o.store, o.job, o.chunk_size, mountpoint=o.mountpoint,
                            data_size=datafs.tmpfs_size(capacity, o.chunk_size))
         self.store_fs = filesystem_warning(self.store.path)
+        self.last_stop = load_report(self.store.path)
+        if self.last_stop is not None and not self.last_stop.get("complete"):
+            log.warning("the last stop did not flush %s to the other tiers: %s",
+                        self.last_stop.get("step"), "; ".join(
+                            str(m) for m in self.last_stop.get("missing") or []))
         if self.store_fs["warning"]:
             log.warning("%s", self.store_fs["warning"])
         self.passthrough = Passthrough(o.passthrough)
@@ -460,11 +472,55 @@ class Daemon:
                 self.store.close()
 
     async def _signals(self, sigs: AsyncIterator[int]) -> None:
+        flushing: trio.CancelScope | None = None
         async for sig in sigs:
-            log.info("signal %d: unmounting", sig)
-            self.notifier.stopping(f"signal {sig}: unmounting")
-            self._stop_signal = sig
-            pyfuse3.terminate()  # (after init: before main, main returns at once)
+            if sig == signal.SIGTERM and flushing is None and self.opts.stop_flush > 0 \
+                    and self._nursery is not None:
+                # The node is going away: first the newest step to the tiers that outlive
+                # it (mtcfs/flush.py), the mount still served; then the unmount.
+                flushing = trio.CancelScope()
+                self._nursery.start_soon(self._flush_then_stop, sig, flushing)
+                continue
+            if flushing is not None:
+                log.info("signal %d during the flush at stop: unmounting now", sig)
+                flushing.cancel()
+            self._stop(sig)
+
+    def _stop(self, sig: int) -> None:
+        log.info("signal %d: unmounting", sig)
+        self.notifier.stopping(f"signal {sig}: unmounting")
+        self._stop_signal = sig
+        pyfuse3.terminate()  # (after init: before main, main returns at once)
+
+    async def _flush_then_stop(self, sig: int, scope: trio.CancelScope) -> None:
+        log.info("signal %d: flushing the newest step to the other tiers (at most %g s)",
+                 sig, self.opts.stop_flush)
+        self.notifier.stopping(f"signal {sig}: flushing the newest step, then unmounting")
+        with scope:
+            await self.flush(self.opts.stop_flush)
+        if scope.cancelled_caught:  # cut short by a second signal
+            self._end_flush(FlushReport(step="?", complete=False,
+                                        missing=["cut short by a second signal"]))
+        if self._stop_signal is None:
+            self._stop(sig)
+
+    async def flush(self, deadline_s: float) -> FlushReport:
+        """The flush at a stop (mtcfs/flush.py), at most ``deadline_s`` seconds: logged,
+        recorded in the store for the next start, shown by status meanwhile."""
+        assert self.fs is not None
+        self.flush_state = {"running": True, "deadline_s": deadline_s}
+        peer = self.peer
+        report = await flush_at_stop(
+            self.fs, replicas=None if peer is None else lambda: len(peer.peer_ranks()),
+            backup=self.backup, deadline_s=deadline_s)
+        self._end_flush(report)
+        return report
+
+    def _end_flush(self, report: FlushReport) -> None:
+        assert self.store is not None
+        (log.info if report.complete else log.warning)("%s", report.line())
+        save_report(self.store.path, report)
+        self.flush_state = {"running": False, **asdict(report)}
 
     async def _tune_readahead(self, ops: Operations) -> None:
         # The kernel sets the mount's read-ahead when it processes the INIT reply (capped
@@ -534,6 +590,9 @@ class Daemon:
             self.peer.partitioned.clear()
             self.peer.partitioned.update(int(r) for r in req.get("partition", []))
             return {"partitioned": sorted(self.peer.partitioned)}
+        if cmd == "flush":  # mtcfs umount --flush: what a SIGTERM does before its unmount
+            deadline = float(req.get("deadline_s", self.opts.stop_flush))
+            return asdict(await self.flush(max(0.0, min(deadline, 3600.0))))
         if cmd == "backup":
             if self.backup is None:
                 raise FsError(errno.EINVAL, "no backup= tier configured")
@@ -590,6 +649,8 @@ class Daemon:
                               "corrupt_chunks": getattr(fs.fetcher.chunk_source, "corrupt", 0),
                               "chunks_from": dict(getattr(fs.fetcher.chunk_source, "served", {}))}
         out["peers"] = self.peer.status() if self.peer is not None else None
+        out["stop_flush"] = {"deadline_s": o.stop_flush, "now": self.flush_state,
+                             "last_stop": self.last_stop}
         out["scope"] = self.opts.scope
         if self.ns is not None:
             out["namespace"] = self.ns.status()

@@ -303,6 +303,9 @@ class MountOptions:
     jax_coordinator: str | None = None
     #: Seconds ``mtcfs`` waits for the mount to come up before it stops its daemon (exit 1).
     mount_timeout: float = DEFAULT_MOUNT_TIMEOUT
+    #: Seconds a SIGTERM waits for the newest step to reach the peers and the backup tier
+    #: before the unmount (mtcfs/flush.py); 0: no wait.
+    stop_flush: float = 25.0
     #: Test only: the control socket accepts the ``fault`` command (cut this node off its
     #: peers). Production units never set it (docs/security-local.md).
     test_faults: bool = False
@@ -512,6 +515,10 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.read_timeout = parse_duration(value)
                     if not 1 <= o.read_timeout <= 3600:
                         raise ValueError("must be between 1s and 1h")
+                elif name == "stop_flush" and value:
+                    o.stop_flush = 0.0 if value in ("0", "off") else parse_duration(value)
+                    if not 0 <= o.stop_flush <= 3600:
+                        raise ValueError("must be off (0) or between 1s and 1h")
                 elif name == "mount_timeout" and value:
                     o.mount_timeout = parse_duration(value)
                     if not 1 <= o.mount_timeout <= 3600:
@@ -753,7 +760,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "coord", "coord_prefix", "coord_timeout", "coord_ca", "coord_cert", "coord_key",
           "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
-          "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate",
+          "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate", "stop_flush",
           "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota",
           "metrics"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or

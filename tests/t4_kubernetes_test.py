@@ -229,8 +229,9 @@ def test_the_daemonset_has_what_an_operator_checks():
         assert 2 * bound + 5 <= CONTAINER[probe]["timeoutSeconds"], probe
     stop = CONTAINER["lifecycle"]["preStop"]["exec"]["command"]
     assert stop[:2] == ["mtcfs-node", "prestop"]
-    # preStop: a clean umount (its --timeout, +15 s), then a forced one (30 s), then SIGTERM
-    assert pod["terminationGracePeriodSeconds"] >= float(stop[stop.index("--timeout") + 1]) + 45
+    # preStop: the flush and a clean umount (its --timeout, +45 s), then a forced one (30 s),
+    # then SIGTERM
+    assert pod["terminationGracePeriodSeconds"] >= float(stop[stop.index("--timeout") + 1]) + 75
     prio = one(BASE, "PriorityClass", pod["priorityClassName"])
     assert 0 < prio["value"] < 2000001000  # above workloads, below system-node-critical
     res = CONTAINER["resources"]

@@ -18,7 +18,8 @@ One script, four subcommands, each run by a field of the manifests in this direc
     for* on timeout: a request the stopped daemon already read leaves its caller in
     uninterruptible sleep, and the probe must still end.
 ``prestop``
-    The container's ``preStop``: ``mtcfs umount`` (clean: the daemon finishes, sealed
+    The container's ``preStop``: ``mtcfs umount --flush`` (the newest step to the peers
+    and the bucket first, at most ``stop_flush=``; then clean: the daemon finishes, sealed
     files stay in the store); if that fails or does not end in time (files held open by
     a trainer, a stuck daemon), ``mtcfs umount --force``.
 ``wait``
@@ -316,8 +317,10 @@ def cmd_prestop(a: argparse.Namespace) -> None:
         return
     tool = shutil.which("mtcfs")
     argv = [tool] if tool else [sys.executable, "-m", "mtcfs"]
-    rc, out = _bounded(argv + ["umount", str(mnt), "--timeout", str(a.timeout)],
-                       a.timeout + 15)
+    # --flush: the newest step to the peers and the bucket first (stop_flush=, 25 s by
+    # default), then the unmount: the pod's grace period (180 s) covers both.
+    rc, out = _bounded(argv + ["umount", str(mnt), "--flush", "--timeout", str(a.timeout)],
+                       a.timeout + 45)
     if rc == 0:
         print(f"mtcfs-node: unmounted {mnt} cleanly")
         return
