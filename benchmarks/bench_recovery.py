@@ -22,6 +22,14 @@ Each repeat, in one run on one machine:
 
 Ratios are ``tcp`` seconds / ``mtcfs`` seconds (1.0 = the speed of the plain copy); the
 issue's targets are >= 0.5 both ways. The daemons' CPU seconds are recorded per phase.
+
+``--shaped 1,2,3`` instead measures the restore where the network, not the CPU, is the limit:
+for each count k, k+1 nodes with ``replicas=k``; every holder's ports (gRPC and chunk
+stream) send at most ``--holder-rate`` (1 Gbit/s) and all of them together at most
+``--link-rate`` (4 Gbit/s, the replacement's link), shaped on loopback by an HTB qdisc with
+one class per holder (``tc``, matched by source port; removed at the end). The figure is
+the bulk restore's own rate (``mtcfs status``: restore.bulk_from_peers) against the sum of
+the holders' line rates; target >= 0.8.
 """
 
 from __future__ import annotations
@@ -237,6 +245,91 @@ def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: i
         c.cleanup()
 
 
+def _tc(*args: str) -> None:
+    import subprocess
+    subprocess.run(["tc", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def shape(ports_by_holder: dict[int, list[int]], holder_rate: str, link_rate: str) -> None:
+    """HTB on ``lo``: each holder's source ports in a class of ``holder_rate``, all under
+    one of ``link_rate``; every other packet unshaped."""
+    _tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "99",
+        "r2q", "1000")
+    _tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb", "rate",
+        link_rate, "ceil", link_rate, "burst", "1m", "cburst", "1m")
+    _tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:99", "htb", "rate",
+        "100gbit")
+    for i, (_rank, ports) in enumerate(sorted(ports_by_holder.items())):
+        cls = f"1:{10 + i}"
+        _tc("class", "add", "dev", "lo", "parent", "1:1", "classid", cls, "htb", "rate",
+            holder_rate, "ceil", holder_rate, "burst", "256k", "cburst", "256k")
+        for port in ports:
+            _tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "sport", str(port), "0xffff", "flowid", cls)
+
+
+def unshape() -> None:
+    import subprocess
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True,
+                   timeout=30)
+
+
+def _rate_bits(text: str) -> float:
+    units = {"k": 1e3, "m": 1e6, "g": 1e9}
+    t = text.lower().removesuffix("bit")
+    return float(t[:-1]) * units[t[-1]] if t[-1] in units else float(t)
+
+
+def shaped_rep(root: Path, size: int, holders: int, holder_rate: str, link_rate: str,
+               seed: int, tls: bool) -> dict[str, Any]:
+    """One restore of rank 0 from ``holders`` holders behind shaped links."""
+    from tests.support.cluster import Cluster
+    import blake3
+    nodes = holders + 1
+    c = Cluster(root / f"shaped{holders}", nodes, job=JOB, tls=tls,
+                options={"size": f"{max(4, 3 * size // GiB + 2)}G", "replicas": holders})
+    try:
+        c.start()
+        for r in range(1, nodes):
+            d = c.node(r).mnt / "step_1"
+            d.mkdir()
+            write_file(d / "data.bin", MiB, UniqueData(seed + r))
+            _commit(d)
+        d = c.node(0).mnt / "step_1"
+        d.mkdir()
+        write_file(d / "data.bin", size, UniqueData(seed))
+        _commit(d)
+        want = os.getxattr(d / "data.bin", "user.mtcfs.blake3").decode()
+        wait_until(lambda: _replicated(d, holders), 900, "step_1 replicated", interval=0.05)
+        for r in range(1, nodes):
+            c.wait_replicated(r, "step_1", timeout=300)
+        ports = {}
+        for r in range(1, nodes):
+            peers = c.status(r)["peers"]
+            ports[r] = [int(peers["listen"].rsplit(":", 1)[1]), int(peers["stream_port"])]
+        c.kill9(0)
+        c.wipe(0)
+        shape(ports, holder_rate, link_rate)
+        try:
+            t0 = time.perf_counter()
+            m = c.restart(0)
+            t_read, got = _read_back(m.mnt / "step_1" / "data.bin")
+            t_restore = time.perf_counter() - t0
+        finally:
+            unshape()
+        if got != want:
+            raise RuntimeError(f"the restored step_1/data.bin hashes to {got}, not {want}")
+        bulk = (m.status().get("restore") or {}).get("bulk_from_peers") or {}
+        line = holders * _rate_bits(holder_rate)
+        rate = bulk["bytes"] * 8 / bulk["seconds"] if bulk.get("seconds") else None
+        return {"holders": holders, "restore": t_restore, "read": t_read, "bulk": bulk,
+                "bulk_bits_per_s": rate, "line_bits_per_s": line,
+                "ratio": rate / line if rate else None}
+    finally:
+        unshape()
+        c.cleanup()
+
+
 def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": MiB, "G": GiB}
     t = text.strip().upper().rstrip("IB")
@@ -251,10 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--tls", action="store_true", help="peers speak mutual TLS")
     p.add_argument("--no-prefault", action="store_true")
+    p.add_argument("--shaped", help="holder counts, e.g. 1,2,3: restore over shaped links")
+    p.add_argument("--holder-rate", default="1gbit", help="each holder's line rate (tc)")
+    p.add_argument("--link-rate", default="4gbit", help="the replacement's line rate (tc)")
     p.add_argument("--out", default=str(REPO / "bench-results"))
     a = p.parse_args(argv)
     if a.replicas >= a.nodes:
         p.error(f"--replicas must be below --nodes ({a.nodes})")
+    if a.shaped:
+        return main_shaped(a)
     runs: list[dict[str, Any]] = []
     with scratch_dir(SCRATCH_SHM, "mtcfs-bench-recovery-") as root:
         for rep in range(a.reps):
@@ -292,6 +390,48 @@ def main(argv: list[str] | None = None) -> int:
               f" {'PASS' if chk.ok else 'MISS'}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     write_json(Path(a.out) / f"recovery-{stamp}.json", res.to_json())
+    return 0
+
+
+def main_shaped(a: argparse.Namespace) -> int:
+    counts = [int(x) for x in a.shaped.split(",")]
+    rows, runs = [], []
+    with scratch_dir(SCRATCH_SHM, "mtcfs-bench-recovery-") as root:
+        for k in counts:
+            reps = []
+            for rep in range(a.reps):
+                d = root / f"k{k}-rep{rep}"
+                d.mkdir()
+                r = shaped_rep(d, a.size, k, a.holder_rate, a.link_rate, 5100 + rep, a.tls)
+                log(f"{k} holders, rep {rep}: bulk {r['bulk_bits_per_s'] / 1e9:.2f} Gbit/s of"
+                    f" {r['line_bits_per_s'] / 1e9:.2f} ({r['ratio']:.2f}); mount + read back"
+                    f" {r['restore']:.2f} s")
+                reps.append(r)
+            runs.extend(reps)
+            ratio = median([r["ratio"] for r in reps])
+            rate = median([r["bulk_bits_per_s"] for r in reps]) or 0.0
+            rows.append([str(k), f"{k * _rate_bits(a.holder_rate) / 1e9:.1f}",
+                         f"{rate / 1e9:.2f}", fmt(ratio),
+                         fmt(median([r["restore"] for r in reps]))])
+    res = BenchResult("recovery-shaped", f"restore of a {a.size // MiB} MiB shard over shaped "
+                      f"links: each holder {a.holder_rate}, the replacement {a.link_rate}, "
+                      f"median of {a.reps}",
+                      ["holders", "sum of line rates, Gbit/s", "bulk restore, Gbit/s",
+                       "ratio", "mount + read back, s"], rows=rows)
+    res.checks = [Check(f"{r[0]} holders: ratio to the line rates", float(r[3]), 0.8)
+                  for r in rows if r[3] != "-"]
+    res.samples = {"runs": runs, "size": a.size, "machine": machine_info(),
+                   "git": git_state()}
+    print(f"\n{res.title}\n")
+    print("| " + " | ".join(res.columns) + " |")
+    print("| --- " * len(res.columns) + "|")
+    for row in res.rows:
+        print("| " + " | ".join(row) + " |")
+    for chk in res.checks:
+        print(f"{chk.name}: {fmt(chk.value)} {chk.op} {chk.threshold}"
+              f" {'PASS' if chk.ok else 'MISS'}")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    write_json(Path(a.out) / f"recovery-shaped-{stamp}.json", res.to_json())
     return 0
 
 

@@ -299,7 +299,7 @@ class Daemon:
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
                          huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls(),
-                         replica_quota=o.replica_quota)
+                         replica_quota=o.replica_quota, stream_port=o.stream_port)
         peer = self.peer = PeerTier(self.fs.tier_api, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         # The replicas share the RAM budget with this node's own files, and they count on

@@ -247,6 +247,8 @@ class MountOptions:
     #: This daemon's Peer gRPC service; after parsing: peers[rank] when peers= is given,
     #: else DEFAULT_PEER_LISTEN when nodes > 1, else None.
     listen: str | None = None
+    #: The chunk stream's TCP port on the ``listen`` host (0: one the kernel picks).
+    stream_port: int = 0
     #: ``metrics=HOST:PORT``: serve Prometheus metrics over HTTP there (metrics.py); None: no
     #: port (``mtcfs metrics`` still prints them).
     metrics: str | None = None
@@ -462,6 +464,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.nodes = _int(name, value, 1, MAX_NODES)
                 elif name == "listen" and value:
                     o.listen = parse_address(value)
+                elif name == "stream_port" and value:
+                    o.stream_port = _int(name, value, 0, 65535)
                 elif name == "metrics" and value:
                     o.metrics = parse_address(value)
                 elif name == "coordinator" and value:
@@ -756,7 +760,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "hash_threads",
           "evict_unsaved", "direct_writes", "passthrough",
           "restore", "allow_other", "debug", "ro",
-          "rank", "nodes", "listen", "peers", "coordinator", "replicas", "topology", "placement",
+          "rank", "nodes", "listen", "stream_port", "peers", "coordinator", "replicas", "topology", "placement",
           "coord", "coord_prefix", "coord_timeout", "coord_ca", "coord_cert", "coord_key",
           "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",

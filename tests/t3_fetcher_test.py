@@ -225,3 +225,26 @@ def test_deliver_fills_only_what_is_still_missing_and_counts_past_a_full_budget(
     trio.run(main)
     assert not v.missing and counters.fault_in_over_size >= 1  # a read is never refused
     consistent(host, fds, budget, fetcher)
+
+
+def test_a_read_of_a_chunk_on_its_way_waits_for_it_instead_of_fetching_it_again(tmp_path):
+    """The bulk restore announces the chunks it streams (``expect``): a read of one of them
+    waits for that delivery, and fetches from the sources only what the bulk gives up."""
+    data = os.urandom(2 * CS)
+    host, fds, budget, counters, fetcher, source, v = setup(tmp_path, data)
+
+    async def main() -> None:
+        fetcher.expect([v.chunks[0], v.chunks[1]])
+        async with trio.open_nursery() as n:
+            n.start_soon(fetcher.fill, v, 0, 10)          # chunk 0: delivered by the bulk
+            n.start_soon(fetcher.fill, v, CS, 10)         # chunk 1: the bulk gives it up
+            await trio.sleep(0.05)
+            assert source.fetches == 0                    # both wait, nothing fetched twice
+            assert await fetcher.deliver(v.chunks[0], data[:CS], [(v, 0)]) == 1
+            fetcher.settle([v.chunks[0]])
+            fetcher.settle([v.chunks[1]])                 # not served: the read fetches it
+        assert source.fetches == 1 and not v.missing
+
+    trio.run(main)
+    assert os.pread(fds.get(v), len(data), 0) == data
+    consistent(host, fds, budget, fetcher)

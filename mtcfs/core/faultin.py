@@ -164,6 +164,14 @@ class LocalChunks:
         """
         return await self.fetcher.deliver(digest, data, where)
 
+    def expect(self, digests: list[str]) -> None:
+        """Chunks being fetched in bulk: reads of them wait (:meth:`FaultIn.expect`)."""
+        self.fetcher.expect(digests)
+
+    def settle(self, digests: list[str]) -> None:
+        """The bulk fetches of ``digests`` ended (:meth:`FaultIn.settle`)."""
+        self.fetcher.settle(digests)
+
     def pending(self) -> list[tuple[Version, int]]:
         """(version, chunk index) pairs still missing in current versions, in path order
         (other ranks' files in scope=job are faulted in when read, and not listed)."""

@@ -120,6 +120,24 @@ class FaultIn:
         #: Bytes of the store's filesystem that chunk writes under way will take (checked
         #: with each new one: ``Host.check_data_room``).
         self._claimed = 0
+        #: digest -> set when a delivery under way elsewhere (the bulk restore's streams)
+        #: has ended, stored or not: a read of that chunk waits for it instead of fetching
+        #: the same bytes a second time over the same link (:meth:`expect`).
+        self._arriving: dict[str, trio.Event] = {}
+
+    def expect(self, digests: list[str]) -> None:
+        """Chunks ``digests`` are being fetched by someone else (the bulk restore), who
+        calls :meth:`settle` for each when it is stored or given up. Call on the loop."""
+        for h in digests:
+            self._arriving.setdefault(h, trio.Event())
+
+    def settle(self, digests: list[str]) -> None:
+        """The deliveries of ``digests`` announced by :meth:`expect` ended (each chunk is
+        stored, or a read must fetch it itself). Call on the loop."""
+        for h in digests:
+            ev = self._arriving.pop(h, None)
+            if ev is not None:
+                ev.set()
 
     def fetching(self) -> int:
         """Fetches under way now."""
@@ -215,6 +233,12 @@ class FaultIn:
         """
         digest = v.chunks[idx]
         _off, length = chunk_span(idx, v.size, v.chunk_size)
+        arriving = self._arriving.get(digest)
+        if arriving is not None:  # on its way already (the bulk restore): wait for it
+            with trio.move_on_at(deadline):
+                await arriving.wait()
+            if idx not in v.missing:
+                return
         tried: list[str] = []  # what each source said in this pass
         last: list[str] = []  # ... and in the last whole pass
         passes = 0

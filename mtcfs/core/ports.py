@@ -204,6 +204,16 @@ class RestorePort(FaultInPort, Protocol):
         (version, chunk index) pairs ``where`` still miss it; returns how many were filled."""
         ...
 
+    def expect_chunks(self, digests: list[str]) -> None:
+        """``digests`` are being fetched in bulk: a read of one waits for that delivery
+        instead of fetching it again, until :meth:`settle_chunks`. Call on the loop."""
+        ...
+
+    def settle_chunks(self, digests: list[str]) -> None:
+        """The bulk deliveries of ``digests`` ended (stored, or given up). Call on the
+        loop."""
+        ...
+
 
 class OwnFilesPort(Protocol):
     """Files the daemon itself writes in the mount (Orbax's protocol files); ``name`` is

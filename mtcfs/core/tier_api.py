@@ -191,6 +191,15 @@ class TierApi:
         """Store a verified chunk fetched in bulk wherever it is missing; places filled."""
         return await self._chunks.deliver(digest, data, where)
 
+    def expect_chunks(self, digests: list[str]) -> None:
+        """``digests`` are being fetched in bulk: a read of one waits for that delivery
+        instead of fetching it again; :meth:`settle_chunks` ends the wait."""
+        self._chunks.expect(digests)
+
+    def settle_chunks(self, digests: list[str]) -> None:
+        """The bulk deliveries of ``digests`` ended (stored, or given up)."""
+        self._chunks.settle(digests)
+
     def import_step(self, m: StepManifest, *, backed_up: bool = True) -> StepRecord:
         """Create the namespace of a restored step with no data yet; raises FsError(EEXIST)
         if its directory exists (:meth:`Checkpoints.import_step`)."""

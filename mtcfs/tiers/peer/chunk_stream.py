@@ -113,7 +113,8 @@ class ChunkStreamServer:
     Args:
         store: where the chunks are (``open_chunk(h)``, a context manager yielding the
             verified bytes; the replica store).
-        host: the address to listen on (the peer port's host); port 0 picks a free one.
+        host: the address to listen on (the peer port's host).
+        port: the TCP port; 0 picks a free one.
         job: the job served (the TLS identities name it).
         tls: the peer port's certificates; None: plaintext (mount option ``insecure``).
         counters: the Peer service's counters (``chunks_sent``, ``bytes_sent``,
@@ -125,7 +126,7 @@ class ChunkStreamServer:
     """
 
     def __init__(self, store: ChunkFiles, host: str, job: str, *, tls: TlsFiles | None = None,
-                 counters: Counters | None = None,
+                 counters: Counters | None = None, port: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._job = job
@@ -140,7 +141,11 @@ class ChunkStreamServer:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host.strip("[]"), 0))
+        try:
+            self._sock.bind((host.strip("[]"), port))
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.listen(64)
         self.port: int = self._sock.getsockname()[1]
         self._stopped = threading.Event()

@@ -410,7 +410,8 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
           workers: int = DEFAULT_WORKERS,
           max_message_bytes: int = MAX_MESSAGE_BYTES,
           extra: Sequence[Callable[[grpc.Server], None]] = (),
-          tls: TlsFiles | None = None, chunk_stream: bool = True) -> PeerServer:
+          tls: TlsFiles | None = None, chunk_stream: bool = True,
+          stream_port: int = 0) -> PeerServer:
     """Start the Peer service on ``listen`` and return at once.
 
     Args:
@@ -430,6 +431,9 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
             no authentication (mount option ``insecure``; unit tests).
         chunk_stream: also listen for chunk streams (chunk_stream.py) on another port of the
             same host; False: OpenChunkStream is UNIMPLEMENTED and clients use GetChunks.
+        stream_port: the chunk stream's TCP port (mount option ``stream_port=``, for a
+            firewall between the nodes); 0: one the kernel picks (clients learn it from
+            OpenChunkStream either way).
 
     Returns:
         The running server; call ``stop()`` to end it.
@@ -465,7 +469,8 @@ def serve(store: ReplicaStore, listen: str, job: str, nodes: int, *,
     if chunk_stream:
         try:
             service.chunk_stream = ChunkStreamServer(store, host, job, tls=tls,
-                                                     counters=service._counters)
+                                                     counters=service._counters,
+                                                     port=stream_port)
         except OSError as exc:
             server.stop(None)
             raise OSError(f"cannot listen for chunk streams on {host}: {exc}") from exc

@@ -86,6 +86,8 @@ class TierConfig:
     tls: TlsFiles | None = None
     #: bytes one other rank may hold here (``replica_quota=``); None: a fair share
     replica_quota: int | None = None
+    #: the chunk stream's TCP port (``stream_port=``); 0: one the kernel picks
+    stream_port: int = 0
 
 
 class PeerTier(MembershipRounds, Replication):
@@ -171,7 +173,8 @@ class PeerTier(MembershipRounds, Replication):
         """Start the Peer service (threads). Call from the trio loop the core runs on."""
         self.replica_store._local = FsLocalChunks(self.fs, token)
         self.server = serve(self.replica_store, self.cfg.listen, self.cfg.job, self.cfg.nodes,
-                            workers=32, extra=self.extra_services, tls=self.cfg.tls)
+                            workers=32, extra=self.extra_services, tls=self.cfg.tls,
+                            stream_port=self.cfg.stream_port)
         self.server.service.partitioned = self.partitioned
         if self.cfg.listen.endswith(":0"):  # tests: the port was picked by the kernel
             self.advertise = self._advertised(self.server.address)
@@ -350,6 +353,9 @@ class PeerTier(MembershipRounds, Replication):
         lc = self.latest_complete
         return {
             "rank": self.rank, "nodes": self.cfg.nodes, "listen": self.advertise,
+            "stream_port": (self.server.service.chunk_stream.port
+                            if self.server is not None
+                            and self.server.service.chunk_stream is not None else None),
             "membership": {"etcd": f"{self.coord_prefix}members/",
                            "registered": self.member is not None and not self.membership_error,
                            "error": self.membership_error or None,

@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 #: Concurrent streams per holder: one is being served while the other's chunks are
 #: verified and stored here.
 STREAMS_PER_HOLDER = 2
-#: Chunks a holder's share must still have for another holder's stream to take a batch of
-#: it (from its end).
-STEAL_AFTER = STREAMS_PER_HOLDER * GET_BATCH + GET_BATCH
+#: Chunks a holder's share must still have for another holder's stream to take some of it
+#: (at most half, from its end): a small restore still asks every holder for its share.
+STEAL_AFTER = GET_BATCH
 #: Chunks of one stream being written into the store while the next ones arrive.
 STORE_AHEAD = 2
 #: Seconds a stream waits for the store to take a chunk before the restore gives up (the
@@ -47,12 +47,16 @@ STORE_WAIT_S = 60.0
 
 class _Shares:
     """The chunks of one round, a share per holder (spread by digest). A stream takes its
-    next batch from the front of its holder's share, then from the end of the largest share
-    left while that has more than :data:`STEAL_AFTER` (a fast holder takes over from a slow
-    one); a failed holder's share is left to the next round. Thread-safe."""
+    next batch from the front of its holder's share, then half of what is left at the end of
+    the largest share while that has :data:`STEAL_AFTER` or more (a fast holder takes over
+    from a slow one); a failed holder's share is left to the next round. Thread-safe."""
 
-    def __init__(self, holders: list[int], todo: list[str], round_: int) -> None:
+    def __init__(self, holders: list[int], todo: list[str], round_: int,
+                 needed: Callable[[str], bool] = lambda h: True) -> None:
         self._lock = threading.Lock()
+        self._needed = needed
+        #: chunks left out of every batch: a read brought them meanwhile
+        self.skipped: set[str] = set()
         self._shares: dict[int, collections.deque[str]] = {
             r: collections.deque() for r in holders}
         for h in todo:
@@ -66,15 +70,23 @@ class _Shares:
             if rank in self._failed:
                 return []
             q = self._shares[rank]
-            if not q:
+            steal = not q
+            if steal:
                 # Take over from the holder with the most left, but only past what its own
                 # streams are about to take: a small restore asks every holder for its
                 # share (a holder's damaged copies are found and deleted on the way).
                 q = max(self._shares.values(), key=len)
                 if len(q) < STEAL_AFTER:
                     return []
-                return [q.pop() for _ in range(GET_BATCH)][::-1]
-            return [q.popleft() for _ in range(min(GET_BATCH, len(q)))]
+            want = min(GET_BATCH, len(q) // 2) if steal else GET_BATCH
+            batch: list[str] = []
+            while q and len(batch) < want:
+                h = q.pop() if steal else q.popleft()
+                if self._needed(h):
+                    batch.append(h)
+                else:
+                    self.skipped.add(h)
+            return batch[::-1] if steal else batch
 
     def drop(self, rank: int) -> None:
         """``rank`` failed: its streams take no more batches."""
@@ -93,8 +105,9 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
         on_chunk: called on the loop for each chunk stored (status counters).
 
     Returns:
-        ``{"chunks": stored, "bytes": ..., "seconds": ..., "left": chunks no holder served,
-        "by_rank": {rank: chunks}}``.
+        ``{"chunks": stored, "bytes": ..., "seconds": ..., "gbps": bytes/s / 1e9, "left":
+        chunks no holder served, "by_rank": {rank: chunks}, "bytes_by_rank": {rank: bytes}}``
+        (``mtcfs status``: restore.bulk_from_peers).
     """
     t0 = time.monotonic()
     where: dict[str, list[tuple[Version, int]]] = {}
@@ -103,7 +116,12 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
     todo = list(where)
     holders = [r for r in (tier.restore_holders or tier.peer_ranks()) if r != tier.rank]
     token = trio.lowlevel.current_trio_token()
-    stats: dict[str, Any] = {"chunks": 0, "bytes": 0, "by_rank": {}}
+    stats: dict[str, Any] = {"chunks": 0, "bytes": 0, "by_rank": {}, "bytes_by_rank": {}}
+
+    def needed(h: str) -> bool:
+        """Whether chunk ``h`` is still missing somewhere (read from a stream thread: a
+        read that fills it at the same moment costs one chunk fetched twice, no more)."""
+        return any(idx in v.missing for v, idx in where.get(h, ()))
 
     async def store(h: str, data: bytes | memoryview, rank: int,
                     done: threading.Event) -> None:
@@ -112,9 +130,11 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
                 stats["chunks"] += 1
                 stats["bytes"] += len(data)
                 stats["by_rank"][rank] = stats["by_rank"].get(rank, 0) + 1
+                stats["bytes_by_rank"][rank] = stats["bytes_by_rank"].get(rank, 0) + len(data)
                 if on_chunk is not None:
                     on_chunk()
         finally:
+            fs.settle_chunks([h])
             done.set()
 
     def submit(nursery: trio.Nursery, h: str, data: bytes | memoryview, rank: int,
@@ -123,7 +143,15 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
         try:
             nursery.start_soon(store, h, data, rank, done)
         except RuntimeError:  # the restore was cancelled: nothing to write into
+            fs.settle_chunks([h])
             done.set()
+
+    def soon(fn: Callable[..., object], *args: object) -> None:
+        """Queue ``fn(*args)`` on the loop without waiting for it (nothing once it ended)."""
+        try:
+            token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass
 
     def stream(rank: int, work: _Shares, got: set[str],
                nursery: trio.Nursery) -> None:
@@ -143,16 +171,28 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
 
         try:
             while batch := work.take(rank):
-                for h, data in client.stream_chunks(batch, buffers=STORE_AHEAD + 1):
-                    if data is None:
-                        continue
-                    got.add(h)
-                    done = threading.Event()
-                    # queued without waiting for the loop: the next chunk is received meanwhile
-                    token.run_sync_soon(submit, nursery, h, data, rank, done)
-                    writing.append(done)
-                    while len(writing) >= STORE_AHEAD:
-                        wait_oldest()
+                # A read of one of these chunks now waits for this stream instead of
+                # fetching the same bytes again over the same link (each is settled when
+                # stored, or when this stream gives it up).
+                soon(fs.expect_chunks, batch)
+                unsettled = set(batch)
+                try:
+                    for h, data in client.stream_chunks(batch, buffers=STORE_AHEAD + 1):
+                        unsettled.discard(h)
+                        if data is None:
+                            soon(fs.settle_chunks, [h])
+                            continue
+                        got.add(h)
+                        done = threading.Event()
+                        # queued without waiting for the loop: the next chunk is received
+                        # meanwhile
+                        soon(submit, nursery, h, data, rank, done)
+                        writing.append(done)
+                        while len(writing) >= STORE_AHEAD:
+                            wait_oldest()
+                finally:
+                    if unsettled:
+                        soon(fs.settle_chunks, sorted(unsettled))
         finally:
             while writing:  # no write may outlive the buffers it reads
                 wait_oldest()
@@ -161,7 +201,7 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
     while todo and holders:
         got: set[str] = set()
         bad: set[int] = set()
-        work = _Shares(holders, todo, round_)
+        work = _Shares(holders, todo, round_, needed)
 
         async def one(rank: int, work: _Shares, got: set[str], bad: set[int]) -> None:
             async with trio.open_nursery() as stores:  # the writes of received chunks
@@ -181,13 +221,15 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
             for rank in holders:
                 for _k in range(STREAMS_PER_HOLDER):
                     n.start_soon(one, rank, work, got, bad)
-        todo = [h for h in todo if h not in got]
+        todo = [h for h in todo if h not in got and h not in work.skipped]
         holders = [r for r in holders if r not in bad] if bad else holders
         round_ += 1
         if round_ >= 3:
             break
     stats["left"] = len(todo)
     stats["seconds"] = round(time.monotonic() - t0, 3)
+    stats["gbps"] = round(stats["bytes"] / stats["seconds"] / 1e9, 3) if stats["seconds"] \
+        else None
     log.info("bulk restore from peers: %d chunks (%d bytes) in %.2f s, %d left for the other"
              " tiers", stats["chunks"], stats["bytes"], stats["seconds"], len(todo))
     return stats
