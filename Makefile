@@ -11,6 +11,13 @@ bench:
 bench-quick:
 	$(PYTHON) -m benchmarks.run --quick
 
+# Recovery at the speed of the wire (benchmarks/bench_recovery.py, issue 41): 3 nodes,
+# replicas=2, 1 GiB, against a plain TCP copy; ARGS="--tls", or ARGS="--shaped 1,2,3
+# --size 512M" for the restore over tc-shaped links (1 Gbit/s per holder, needs root).
+.PHONY: bench-recovery
+bench-recovery:
+	$(PYTHON) -m benchmarks.bench_recovery $(ARGS)
+
 # The peer tier (benchmarks/bench_peer.py): bare grpc stream, PeerClient, two daemons.
 # make bench-peer ARGS="--size 256M --only baseline,client"
 .PHONY: bench-peer
