@@ -186,8 +186,10 @@ class PeerClient:
             stop=self._stop, rng=self._rng,
             on_retry=lambda *_: self._counters.add("retries"), quiet=True)
 
-    def _call(self, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn`` (one RPC) with retries; translate its errors."""
+    def _call(self, fn: Callable[[], T], what: str,
+              answers: tuple[grpc.StatusCode, ...] = ()) -> T:
+        """Run ``fn`` (one RPC) with retries; translate its errors. A status in ``answers``
+        is an answer (raised as PeerError all the same), not counted as a failure."""
         def attempt() -> T:
             self._counters.add("calls")
             return fn()
@@ -197,7 +199,7 @@ class PeerClient:
                 stop=self._stop, rng=self._rng,
                 on_retry=lambda *_: self._counters.add("retries"), quiet=True)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an answer, not a failure
+            if exc.code() not in answers:
                 self._counters.add("failures")
             raise self._error(exc, what) from None
 
@@ -209,7 +211,8 @@ class PeerClient:
                                         put=put)
         try:
             reply: pb.OpenChunkStreamReply = self._call(lambda: self._stub.OpenChunkStream(
-                req, timeout=self._timeout), "OpenChunkStream")
+                req, timeout=self._timeout), "OpenChunkStream",
+                answers=(grpc.StatusCode.UNIMPLEMENTED,))  # an older peer: not a failure
         except PeerError as exc:
             if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
