@@ -322,3 +322,17 @@ def test_a_server_without_the_stream_takes_puts_by_putchunks(peer, client):
     assert list(r.accepted) == [chunk_hash(d)]
     assert list(r.rejected.values())[0].startswith("DATA_LOSS")
     assert c.stats()["streams"] == 0 and server.service.stats()["chunks_received"] == 1
+
+
+def test_a_truncated_replica_is_corrupt_not_a_crash(peer, client):
+    """A chunk file cut short on disk (damage from outside mtcfs) is found by its size
+    before it is mapped: never sent, deleted, and the server serves on."""
+    server, store = peer()
+    chunks = _stored(store, 2)
+    bad, _ = chunks[0]
+    os.truncate(os.path.join(store.root, "chunks", bad[:2], bad), SIZE // 3)
+    c = client(server.address)
+    got = dict((h, None if v is None else bytes(v))
+               for h, v in c.stream_chunks([h for h, _ in chunks]))
+    assert got == {bad: None, chunks[1][0]: chunks[1][1]}
+    assert not store.has(bad) and store.stats()["corrupt_deleted"] == 1

@@ -233,6 +233,8 @@ class ChunkStreamServer:
                 self._send_chunks(sock, ticket.digests)
         except (OSError, ssl.SSLError, EOFError) as exc:
             log.info("chunk stream to %s ended: %s", addr, exc)
+        except Exception:  # a bug: the stream ends (the client asks elsewhere), logged
+            log.exception("chunk stream to %s failed", addr)
         finally:
             with contextlib.suppress(OSError):
                 sock.close()

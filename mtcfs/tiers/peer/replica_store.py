@@ -518,16 +518,19 @@ class ReplicaStore:
     def open_chunk(self, h: str) -> Iterator[OpenedChunk]:
         """Chunk ``h``, verified, open while the context lasts: what :meth:`get_chunk`
         returns, without copying a replica chunk into this process (its file is mapped and
-        hashed in place; the chunk stream sends it with ``sendfile(2)``).
+        hashed in place; the chunk stream sends it with ``sendfile(2)``). A file whose size
+        is not the one stored is corrupt before it is mapped (a mapping past a truncated
+        file's end would fault); replica files are only ever replaced whole, never changed
+        in place, so nothing of mtcfs shrinks one while it is mapped.
 
         Raises:
             as :meth:`get_chunk`.
         """
         check_hash(h)
         with self._lock:
-            held = h in self._chunks
+            size = self._chunks.get(h)
         f = None
-        if held:
+        if size is not None:
             path = self._chunk_path(h)
             with contextlib.suppress(FileNotFoundError):
                 f = open(path, "rb")  # noqa: SIM115 (closed below)
@@ -536,6 +539,9 @@ class ReplicaStore:
             return
         with f:
             st = os.fstat(f.fileno())
+            if st.st_size != size:  # damaged (truncated or grown): never mapped
+                self._drop_corrupt(h, path, st.st_ino,
+                                   f"{st.st_size} bytes on disk, {size} stored")
             if st.st_size == 0:
                 mapped: mmap.mmap | bytes = b""
             else:
