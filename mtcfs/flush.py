@@ -161,13 +161,20 @@ def save_report(store_dir: str, report: FlushReport) -> None:
 
 
 def load_report(store_dir: str) -> dict[str, Any] | None:
-    """The last stop's report, as written by :func:`save_report`; None if none or
+    """The last stop's report, as written by :func:`save_report`, taken out of the store
+    (it is about the stop right before this start, not an older one); None if none or
     unreadable (a damaged file is not trusted: it is only shown, and only if it parses)."""
+    path = os.path.join(store_dir, "last-stop.json")
     try:
-        with open(os.path.join(store_dir, "last-stop.json")) as f:
+        with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     if not isinstance(data, dict) or not isinstance(data.get("step"), str):
         return None
     return {k: data.get(k) for k in ("step", "seconds", "replicated", "backed_up",
