@@ -49,6 +49,9 @@ FETCH_DEADLINE_S = 60.0
 #: the same error. The kernel sends a READ again right after one failed (a readahead, then
 #: the read itself); without this, one read(2) could wait the deadline twice.
 REFETCH_AFTER_S = 2.0
+#: Seconds a read waits for a chunk a bulk restore's stream is bringing before it fetches
+#: the chunk itself (the sources' own per-attempt deadline, tiers/peer/sources.py).
+ARRIVAL_WAIT_S = 10.0
 #: Fetches from sources at a time (the fetch limiter).
 FETCHES = pools.POOLS["fetch"].size
 
@@ -234,8 +237,9 @@ class FaultIn:
         digest = v.chunks[idx]
         _off, length = chunk_span(idx, v.size, v.chunk_size)
         arriving = self._arriving.get(digest)
-        if arriving is not None:  # on its way already (the bulk restore): wait for it
-            with trio.move_on_at(deadline):
+        if arriving is not None:  # on its way already (the bulk restore): wait for it, for
+            # a while: a stream stuck on a hung holder gives it up only after its timeout
+            with trio.move_on_at(min(deadline, trio.current_time() + ARRIVAL_WAIT_S)):
                 await arriving.wait()
             if idx not in v.missing:
                 return

@@ -146,12 +146,13 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
             fs.settle_chunks([h])
             done.set()
 
-    def soon(fn: Callable[..., object], *args: object) -> None:
-        """Queue ``fn(*args)`` on the loop without waiting for it (nothing once it ended)."""
+    def soon(fn: Callable[..., object], *args: object) -> bool:
+        """Queue ``fn(*args)`` on the loop without waiting for it; False once it ended."""
         try:
             token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:
-            pass
+            return False
+        return True
 
     def stream(rank: int, work: _Shares, got: set[str],
                nursery: trio.Nursery) -> None:
@@ -186,7 +187,8 @@ async def restore_from_peers(fs: RestorePort, tier: PeerTier, *,
                         done = threading.Event()
                         # queued without waiting for the loop: the next chunk is received
                         # meanwhile
-                        soon(submit, nursery, h, data, rank, done)
+                        if not soon(submit, nursery, h, data, rank, done):
+                            done.set()  # the daemon is ending: nothing to write into
                         writing.append(done)
                         while len(writing) >= STORE_AHEAD:
                             wait_oldest()
