@@ -75,6 +75,8 @@ TICKET_S = 60
 MAX_TICKETS = 4096
 #: Seconds one send or receive on a stream may stall before the connection is given up.
 IO_TIMEOUT_S = 30.0
+#: Longest reason a refusal or a put's verdict carries, bytes.
+MAX_REASON = 512
 #: Chunks the server opens and verifies ahead of the one it sends.
 AHEAD = 2
 #: Largest payload a client accepts for one chunk (the largest chunk mtcfs allows).
@@ -242,7 +244,7 @@ class ChunkStreamServer:
     def _refuse(self, sock: socket.socket, addr: Any, why: str) -> None:
         self._counters.add("streams_refused")
         log.warning("refused a chunk stream from %s: %s", addr, why)
-        reason = why.encode()
+        reason = why.encode()[:MAX_REASON]
         sock.sendall(HEADER.pack(REFUSED, bytes(32), len(reason)) + reason)
 
     def _receive_chunks(self, sock: socket.socket, ticket: Ticket, addr: Any) -> None:
@@ -296,7 +298,7 @@ class ChunkStreamServer:
             verdicts.append((OK, h, ""))
         out = bytearray()
         for status, h, why in verdicts:
-            reason = why.encode()[:512]
+            reason = why.encode()[:MAX_REASON]
             out += HEADER.pack(status, bytes.fromhex(h), len(reason)) + reason
         sock.sendall(out)
 
@@ -451,8 +453,7 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
             except (OSError, EOFError) as exc:
                 raise PeerUnavailable(address, f"chunk stream: {exc}") from None
             if status == REFUSED:
-                reason = _recv_exact(sock, min(length, 512)).decode(errors="replace")
-                raise PeerError(address, f"chunk stream refused: {reason}")
+                raise PeerError(address, f"chunk stream refused: {_reason(sock, length)}")
             h = digest.hex()
             if h != want:
                 raise PeerError(address, f"chunk stream: got {h} where {want} was due")
@@ -486,6 +487,14 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
     finally:
         with contextlib.suppress(OSError):
             sock.close()
+
+
+def _reason(sock: socket.socket, length: int) -> str:
+    """The reason of a refusal (at most :data:`MAX_REASON` bytes of it are read)."""
+    try:
+        return _recv_exact(sock, min(length, MAX_REASON)).decode(errors="replace")
+    except (OSError, EOFError):
+        return "(no reason given)"
 
 
 def _connect(address: str, host: str, port: int, ticket: bytes, job: str,
@@ -576,6 +585,8 @@ def write_stream(address: str, host: str, port: int, ticket: bytes,
         for h, _data in chunks:
             try:
                 status, raw, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                if length > MAX_REASON:
+                    raise PeerError(address, f"chunk stream: a {length}-byte reason")
                 reason = _recv_exact(sock, length).decode(errors="replace") if length else ""
             except (OSError, EOFError) as exc:
                 raise PeerUnavailable(address, f"chunk stream: {exc}") from None
