@@ -372,10 +372,10 @@ class PeerClient:
         Yields ``(digest, data)`` in request order for every digest asked for (each at most
         once): ``data`` is the chunk's verified bytes, **valid only until the next item is
         asked for** by default (copy it to keep it), or None when the peer does not hold the
-        chunk or found its copy corrupt; with ``buffers=k`` a view stays valid until k more items
-        have been asked for (k receive buffers in turn). One OpenChunkStream call (with the client's retries) per
-        :data:`GET_BATCH` chunks; the stream itself is not retried: a caller asks the next
-        holder for what is left.
+        chunk or found its copy corrupt; with ``buffers=k`` a view stays valid until k more
+        items have been asked for (k receive buffers in turn). One OpenChunkStream call
+        (with the client's retries) per :data:`GET_BATCH` chunks; the stream itself is not
+        retried: a caller asks the next holder for what is left.
 
         Raises:
             ValueError: if a digest is malformed.
