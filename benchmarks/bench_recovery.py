@@ -380,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                   Check("mount + read back, ratio to TCP", tcp / res_s, 0.5)]
     res.samples = {"runs": runs, "size": a.size, "machine": machine_info(),
                    "git": git_state()}
+    return report(res, Path(a.out), "recovery")
+
+
+def report(res: BenchResult, out: Path, stem: str) -> int:
+    """Print ``res`` as a table with its checks; write it to ``out/<stem>-<time>.json``."""
     print(f"\n{res.title}\n")
     print("| " + " | ".join(res.columns) + " |")
     print("| --- " * len(res.columns) + "|")
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{chk.name}: {fmt(chk.value)} {chk.op} {chk.threshold}"
               f" {'PASS' if chk.ok else 'MISS'}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    write_json(Path(a.out) / f"recovery-{stamp}.json", res.to_json())
+    write_json(out / f"{stem}-{stamp}.json", res.to_json())
     return 0
 
 
@@ -422,17 +427,7 @@ def main_shaped(a: argparse.Namespace) -> int:
                   for r in rows if r[3] != "-"]
     res.samples = {"runs": runs, "size": a.size, "machine": machine_info(),
                    "git": git_state()}
-    print(f"\n{res.title}\n")
-    print("| " + " | ".join(res.columns) + " |")
-    print("| --- " * len(res.columns) + "|")
-    for row in res.rows:
-        print("| " + " | ".join(row) + " |")
-    for chk in res.checks:
-        print(f"{chk.name}: {fmt(chk.value)} {chk.op} {chk.threshold}"
-              f" {'PASS' if chk.ok else 'MISS'}")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    write_json(Path(a.out) / f"recovery-shaped-{stamp}.json", res.to_json())
-    return 0
+    return report(res, Path(a.out), "recovery-shaped")
 
 
 if __name__ == "__main__":

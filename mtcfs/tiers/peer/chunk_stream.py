@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import secrets
 import socket
 import ssl
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mtcfs.base import pools
+from mtcfs.base.ahead import ahead
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.counters import Counters
 from mtcfs.base.failpoints import failpoint
@@ -305,67 +305,29 @@ class ChunkStreamServer:
     def _send_chunks(self, sock: socket.socket, digests: Sequence[str]) -> None:
         """Send each chunk (or why not) in order. A second thread opens and verifies up to
         :data:`AHEAD` chunks ahead of the one being sent, so hashing and sending overlap."""
-        q: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
-        stop = threading.Event()
+        def opened(h: str) -> tuple[str, int, OpenedChunk | None, contextlib.ExitStack]:
+            stack = contextlib.ExitStack()
+            try:
+                return h, OK, stack.enter_context(self._store.open_chunk(h)), stack
+            except ChunkNotFound:
+                return h, NOT_FOUND, None, stack
+            except ReplicaChunkCorrupt:
+                return h, CORRUPT, None, stack
 
-        def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
+        for h, status, chunk, stack in ahead(digests, opened, depth=AHEAD,
+                                             name="mtcfs-chunk-stream-read",
+                                             discard=lambda item: item[3].close()):
+            with stack:
+                raw = bytes.fromhex(h)
+                if chunk is None:
+                    self._counters.add("chunks_unavailable")
+                    sock.sendall(HEADER.pack(status, raw, 0))
                     continue
-            return False
-
-        def produce() -> None:
-            for h in digests:
-                stack = contextlib.ExitStack()
-                try:
-                    item: Any = (h, OK, stack.enter_context(self._store.open_chunk(h)), stack)
-                except ChunkNotFound:
-                    item = (h, NOT_FOUND, None, stack)
-                except ReplicaChunkCorrupt:
-                    item = (h, CORRUPT, None, stack)
-                except BaseException as exc:  # noqa: BLE001 (re-raised in the sending thread)
-                    item = (h, -1, exc, stack)
-                if not put(item):
-                    stack.close()
-                    return
-                if item[1] == -1:
-                    return
-
-        worker = threading.Thread(target=produce, name="mtcfs-chunk-stream-read", daemon=True)
-        worker.start()
-        try:
-            for _ in digests:
-                while True:
-                    try:
-                        h, status, chunk, stack = q.get(timeout=IO_TIMEOUT_S)
-                        break
-                    except queue.Empty:
-                        if not worker.is_alive():
-                            raise OSError("the chunk reader ended early") from None
-                with stack:
-                    if status == -1:
-                        raise chunk
-                    raw = bytes.fromhex(h)
-                    if status != OK:
-                        self._counters.add("chunks_unavailable")
-                        sock.sendall(HEADER.pack(status, raw, 0))
-                        continue
-                    n = len(chunk.view)
-                    sock.sendall(HEADER.pack(OK, raw, n))
-                    _send_all(sock, chunk)
-                    self._counters.add("chunks_sent")
-                    self._counters.add("bytes_sent", n)
-        finally:
-            stop.set()
-            worker.join(timeout=5)
-            while True:  # close what was opened ahead and not sent
-                try:
-                    q.get_nowait()[3].close()
-                except queue.Empty:
-                    break
+                n = len(chunk.view)
+                sock.sendall(HEADER.pack(OK, raw, n))
+                _send_all(sock, chunk)
+                self._counters.add("chunks_sent")
+                self._counters.add("bytes_sent", n)
 
 
 def _names(sock: Any, uri: str) -> bool:
@@ -612,35 +574,15 @@ def _read_ahead(chunks: Sequence[PutItem], refused: dict[str, str],
     """``(digest, bytes)`` for each chunk, its reader called up to :data:`READ_AHEAD`
     chunks ahead in a thread of its own; None (and the reason in ``refused``) when the
     reader raised."""
-    q: queue.Queue[Any] = queue.Queue(maxsize=READ_AHEAD)
-    stop = threading.Event()
+    def read(c: PutItem) -> tuple[str, bytes | memoryview | None]:
+        h, item = c
+        if not callable(item):
+            return h, item
+        try:
+            return h, item()
+        except Exception as exc:  # noqa: BLE001 (a local read failed: skip the chunk)
+            log.warning("put to %s: cannot read chunk %s: %s", address, h, exc)
+            refused[h] = f"LOCAL_READ_ERROR: {exc}"
+            return h, None
 
-    def produce() -> None:
-        for h, item in chunks:
-            data: bytes | memoryview | None
-            if callable(item):
-                try:
-                    data = item()
-                except Exception as exc:  # noqa: BLE001 (a local read failed: skip the chunk)
-                    log.warning("put to %s: cannot read chunk %s: %s", address, h, exc)
-                    refused[h] = f"LOCAL_READ_ERROR: {exc}"
-                    data = None
-            else:
-                data = item
-            while not stop.is_set():
-                try:
-                    q.put((h, data), timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            else:
-                return
-
-    worker = threading.Thread(target=produce, name="mtcfs-chunk-stream-read", daemon=True)
-    worker.start()
-    try:
-        for _ in chunks:
-            yield q.get()
-    finally:
-        stop.set()
-        worker.join(timeout=5)
+    return ahead(chunks, read, depth=READ_AHEAD, name="mtcfs-chunk-stream-read")

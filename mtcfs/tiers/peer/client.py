@@ -386,13 +386,8 @@ class PeerClient:
         todo = list(dict.fromkeys(check_hash(h) for h in digests))
         for i in range(0, len(todo), GET_BATCH):
             batch = todo[i:i + GET_BATCH]
-            if not self._has_stream:
-                got = dict(self.get_chunks(batch))
-                for h in batch:
-                    yield h, got.get(h)
-                continue
-            reply = self._open_stream(batch, put=False)
-            if reply is None:
+            reply = self._open_stream(batch, put=False) if self._has_stream else None
+            if reply is None:  # the peer has no chunk stream
                 got = dict(self.get_chunks(batch))
                 for h in batch:
                     yield h, got.get(h)

@@ -14,13 +14,12 @@ response serializer that passes them through (the service registers it for GetCh
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
+from mtcfs.base.ahead import ahead
 from mtcfs.tiers.peer._pb import mtcfs_peer_pb2 as pb
 from mtcfs.tiers.peer.errors import ChunkNotFound, ReplicaChunkCorrupt
 from mtcfs.tiers.peer.replica_store import ReplicaStore
@@ -28,8 +27,6 @@ from mtcfs.tiers.peer.wire import get_replies, status
 
 #: Chunks read, verified and encoded ahead of the one being sent.
 AHEAD = 2
-
-_END = object()
 
 
 def encode_reply(msg: bytes | pb.GetChunksReply) -> bytes:
@@ -44,58 +41,23 @@ def stream_chunks(store: ReplicaStore, digests: list[str], context: grpc.Service
     A chunk not held (NOT_FOUND) or found corrupt (DATA_LOSS; the store deleted it) becomes
     an ``unavailable`` reply. Raises what the store raised otherwise (OSError).
     """
-    q: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
-    stop = threading.Event()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
+    def encoded(h: str) -> tuple[str, list[bytes], int]:
         try:
-            for h in digests:
-                try:
-                    data = store.get_chunk(h)
-                except ChunkNotFound as exc:
-                    msg = pb.GetChunksReply(unavailable=status(h, grpc.StatusCode.NOT_FOUND,
-                                                               str(exc)))
-                    item: Any = ("unavailable", [msg.SerializeToString()], 0)
-                except ReplicaChunkCorrupt as exc:
-                    msg = pb.GetChunksReply(unavailable=status(h, grpc.StatusCode.DATA_LOSS,
-                                                               str(exc)))
-                    item = ("unavailable", [msg.SerializeToString()], 0)
-                else:
-                    item = ("chunk", [r.SerializeToString() for r, _n in get_replies(h, data)],
-                            len(data))
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the call's thread)
-            put(("error", exc, 0))
+            data = store.get_chunk(h)
+        except ChunkNotFound as exc:
+            msg = pb.GetChunksReply(unavailable=status(h, grpc.StatusCode.NOT_FOUND, str(exc)))
+            return ("unavailable", [msg.SerializeToString()], 0)
+        except ReplicaChunkCorrupt as exc:
+            msg = pb.GetChunksReply(unavailable=status(h, grpc.StatusCode.DATA_LOSS, str(exc)))
+            return ("unavailable", [msg.SerializeToString()], 0)
+        return ("chunk", [r.SerializeToString() for r, _n in get_replies(h, data)], len(data))
 
-    worker = threading.Thread(target=produce, name="mtcfs-peer-get", daemon=True)
-    worker.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            kind, payload, size = item
-            if kind == "error":
-                raise payload
-            if not context.is_active():
-                return
-            yield from payload
-            if kind == "chunk":
-                counters.add("chunks_sent")
-                counters.add("bytes_sent", size)
-            else:
-                counters.add("chunks_unavailable")
-    finally:
-        stop.set()
-        worker.join(timeout=5)
+    for kind, payload, size in ahead(digests, encoded, depth=AHEAD, name="mtcfs-peer-get"):
+        if not context.is_active():
+            return
+        yield from payload
+        if kind == "chunk":
+            counters.add("chunks_sent")
+            counters.add("bytes_sent", size)
+        else:
+            counters.add("chunks_unavailable")
