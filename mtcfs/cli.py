@@ -802,6 +802,31 @@ def format_scrub_status(sc: dict) -> str:
             f"found since start; {sc['unverified_chunks']} chunks not yet verified since start")
 
 
+def format_budget_status(bu: dict[str, Any]) -> str:
+    """The ``budget:`` line of ``mtcfs status``: how background work runs and what the
+    budget held back (base/background.py, base/token_bucket.py)."""
+    cpu = bu.get("cpu") or {}
+    how = cpu.get("sched", "-")
+    if cpu.get("nice"):
+        how += f" nice {cpu['nice']}"
+    where = "all CPUs" if cpu.get("cpus") == "all" else f"CPUs {cpu.get('cpus', '-')}"
+    parts = [f"background work {how} on {where} ({cpu.get('cpu_s', 0):g} CPU s, "
+             f"{cpu.get('runqueue_wait_s', 0):g} s waiting for a CPU)",
+             f"{bu.get('hash_threads', '-')} hashing threads"]
+    if bu.get("backup_threads"):
+        parts.append(f"{bu['backup_threads']} backup threads")
+    for tier, name in (("peers", "replication"), ("backup", "backup")):
+        t = bu.get(tier)
+        if isinstance(t, dict):
+            rate = f"at most {_human(t['rate'])}/s" if t.get("rate") else "unbounded"
+            parts.append(f"{name} {rate} ({_human(t.get('bytes'))} sent, "
+                         f"{t.get('waited_s', 0):g} s waited)")
+    line = "  budget:   " + "; ".join(parts)
+    if cpu.get("error"):
+        line += f"; NOT APPLIED: {cpu['error']}"
+    return line
+
+
 def status_lines(st: dict[str, Any]) -> list[str]:
     """The lines of ``mtcfs status`` from the daemon's status dict.
 
@@ -844,6 +869,8 @@ def status_lines(st: dict[str, Any]) -> list[str]:
                    f"{', '.join(b['pending']) or '-'}; failures {b['failures']}")
         if b.get("last_error"):
             out.append(f"            last error: {b['last_error']}")
+        if b.get("behind"):
+            out.append(f"            BEHIND its interval: {b['behind']}")
     else:
         out.append("  backup:   none configured")
     reads = st.get("reads") or {}
@@ -855,6 +882,8 @@ def status_lines(st: dict[str, Any]) -> list[str]:
                    f"{', '.join(map(str, reads['suspect_peers']))}")
     if st.get("scrub"):
         out.append(format_scrub_status(st["scrub"]))
+    if st.get("budget"):
+        out.append(format_budget_status(st["budget"]))
     sf = st.get("stop_flush") or {}
     now, last = sf.get("now"), sf.get("last_stop")
     if now and now.get("running"):

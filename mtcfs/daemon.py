@@ -21,7 +21,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from mtcfs.base import pools, untrusted
+from mtcfs.base import background, pools, untrusted
 from mtcfs import control
 from mtcfs.base.errors import FsError
 from mtcfs.core.core import Filesystem
@@ -31,6 +31,7 @@ from mtcfs.flush import FlushReport, load_report, save_report
 from mtcfs.flush import flush as flush_at_stop
 from mtcfs.fuse_ops import Operations, libfuse_version
 from mtcfs.base.mountinfo import device_of
+from mtcfs.base.token_bucket import TokenBucket
 from mtcfs.options import MountOptions, plaintext_parts
 from mtcfs.sdnotify import Notifier
 from mtcfs.core.store import Store, check_size, datafs, filesystem_warning
@@ -87,6 +88,8 @@ class Daemon:
         self.passthrough = Passthrough(False)
         self.backup_store: Any = None
         self.backup: Any = None
+        #: ``backup_rate=``: the bytes per second of the backup tier's uploads.
+        self.backup_budget = TokenBucket(0)
         self.prefetcher: Any = None
         self.peer: Any = None
         self.restorer: Restorer | None = None
@@ -119,6 +122,13 @@ class Daemon:
             StoreError, ValueError: the store or backup URL cannot be used.
         """
         o = self.opts
+        # Before any background thread starts (base/background.py).
+        background.configure(o.cpu_policy)
+        log.info("background work: %s, %d hashing thread(s)%s%s", o.cpu_policy.describe(),
+                 o.hash_threads, f", replication at most {o.replicate_rate} B/s"
+                 if o.replicate_rate else "", f", backup at most {o.backup_rate} B/s"
+                 if o.backup_rate and o.backup else "")
+        self.backup_budget = TokenBucket(o.backup_rate)
         check_size(o.store, o.size)  # also checked by the CLI, with the option as given
         # Before the store: its data directory's own tmpfs is sized from it (datafs.py).
         capacity = o.size or default_capacity(o.store)
@@ -299,7 +309,8 @@ class Daemon:
                          addresses=addresses, replicas=o.replicas, placement=o.placement,
                          labels=dict(o.topology), data_parallelism=o.assume_data_parallelism or 1,
                          huge_model=o.huge_model, keep=o.keep, tls=self._peer_tls(),
-                         replica_quota=o.replica_quota, stream_port=o.stream_port)
+                         replica_quota=o.replica_quota, stream_port=o.stream_port,
+                         replicate_rate=o.replicate_rate)
         peer = self.peer = PeerTier(self.fs.tier_api, cfg, self.store.path, etcd=self.etcd,
                                     prefix=self._coord_prefix())
         # The replicas share the RAM budget with this node's own files, and they count on
@@ -336,9 +347,11 @@ class Daemon:
             gate = EtcdSweepGate(self.etcd, self._coord_prefix() + "backup/",
                                  owner=f"rank {o.rank}")
             self.backup_store = BackupStore(backend, rank=o.rank, world_size=o.nodes,
-                                            gate=gate)
+                                            gate=gate, workers=o.backup_threads,
+                                            budget=self.backup_budget)
         else:
-            self.backup_store = BackupStore(backend)
+            self.backup_store = BackupStore(backend, workers=o.backup_threads,
+                                            budget=self.backup_budget)
         source = BackupChunkSource(self.backup_store)
         share, twins = None, None
         if self.peer is not None:
@@ -350,7 +363,7 @@ class Daemon:
         self.backup = BackupService(self.fs.tier_api, self.backup_store, interval_s=iv.seconds,
                                     every_ckpts=iv.checkpoints, keep_backups=o.backup_keep,
                                     url=o.backup, interval_text=str(iv), share=share,
-                                    twins=twins)
+                                    twins=twins, budget=self.backup_budget)
         return source
 
     # ------------------------------------------------------------------ running
@@ -633,6 +646,7 @@ class Daemon:
             "scrub": {**fs.verifier.state, "interval_s": fs.verifier.interval_s,
                       "rate": fs.verifier.rate, "corrupt_chunks": fs.counters.corrupt_chunks,
                       "unverified_chunks": fs.verifier.unverified_chunks()},
+            "budget": self._budget(),
         }
         if self.backup is not None:
             b = self.backup.status.to_json()
@@ -657,6 +671,17 @@ class Daemon:
         if self.mtc is not None:
             out["mtc"] = self.mtc.status()
         return out
+
+    def _budget(self) -> dict[str, Any]:
+        """What the background budget is and what it held back (docs/usage.md,
+        "Background work"): ``cpu`` (base/background.py ``stats``), ``hash_threads``,
+        ``backup_threads``, and per tier (``peers``, ``backup``; None without the tier)
+        ``rate`` (bytes/s, 0: unbounded), ``bytes`` sent under it, ``waited_s``."""
+        o = self.opts
+        return {"cpu": background.stats(), "hash_threads": o.hash_threads,
+                "backup_threads": o.backup_threads if o.backup else None,
+                "peers": self.peer.send_budget.figures() if self.peer is not None else None,
+                "backup": self.backup_budget.figures() if o.backup else None}
 
     def _data_tmpfs(self) -> dict[str, Any] | None:
         """The data directory's own tmpfs: {"path", "size", "used"} (bytes, statfs), or

@@ -259,8 +259,29 @@ def status_families(status: Mapping[str, Any]) -> "_Out":
     out.add("mtcfs_start_verify_seconds", "gauge", "Seconds the verification at start took"
             " (every chunk in RAM at the daemon's start hashed in the background; absent"
             " while it runs).", scrub.get("start_seconds"))
+    budget = status.get("budget") or {}
+    cpu = budget.get("cpu") or {}
+    out.add("mtcfs_background_cpu_seconds_total", "counter", "CPU seconds of the threads"
+            " doing background work (seal hashing, replication, backup, scrub).",
+            cpu.get("cpu_s"))
+    out.add("mtcfs_background_runqueue_wait_seconds_total", "counter", "Seconds background"
+            " threads were ready to run and waited for a CPU (bg_sched=, bg_cpus= hold them"
+            " back while the job uses the CPUs).", cpu.get("runqueue_wait_s"))
+    for tier in ("peers", "backup"):
+        row = budget.get(tier)
+        if isinstance(row, dict):
+            out.add("mtcfs_budget_bytes_total", "counter", "Bytes background transfers sent"
+                    " under their rate budget, by tier.", row.get("bytes"), {"tier": tier})
+            out.add("mtcfs_budget_wait_seconds_total", "counter", "Seconds background"
+                    " transfers waited for their rate budget (replicate_rate=, backup_rate=),"
+                    " by tier.", row.get("waited_s"), {"tier": tier})
+            out.add("mtcfs_budget_rate_bytes_per_second", "gauge", "The rate budget of a"
+                    " tier's background transfers (0: unbounded).", row.get("rate"),
+                    {"tier": tier})
     backup = status.get("backup")
     if backup:
+        out.add("mtcfs_backup_behind", "gauge", "1 when backups fall behind their interval"
+                " (why: mtcfs status).", backup.get("behind") is not None)
         out.add("mtcfs_backup_backups_total", "counter", "Checkpoints backed up.",
                 backup.get("backups"))
         out.add("mtcfs_backup_failures_total", "counter", "Failed backup attempts.",

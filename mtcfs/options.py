@@ -12,9 +12,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mtcfs.base.background import CpuPolicy, format_cpus, parse_cpus
 from mtcfs.base.chunking import (DEFAULT_CHUNK_SIZE, DEFAULT_HASH_THREADS, MAX_CHUNK_SIZE,
                                  MAX_HASH_THREADS, MIN_CHUNK_SIZE)
 from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_LABELS_BYTES, MAX_NODES, MAX_STEP
+from mtcfs.base.token_bucket import MAX_CHUNK_WAIT_S
 
 
 class OptionError(ValueError):
@@ -298,6 +300,17 @@ class MountOptions:
     #: bytes per second a pass may read (docs/reliability.md, mtcfs/core/verifier.py).
     scrub_interval: float = 24 * 3600.0
     scrub_rate: int = 100 * 1024 * 1024
+    #: The CPU budget of background work (base/background.py, docs/usage.md "Background
+    #: work"): the scheduling class, nice value and CPUs of its threads.
+    bg_sched: str = "idle"
+    bg_nice: int = 0
+    bg_cpus: frozenset[int] = field(default_factory=frozenset)
+    #: Threads that compress and upload one backup's chunks at once (1..4).
+    backup_threads: int = 4
+    #: Bytes per second of replication to peers and of uploads to the backup tier
+    #: (0: unbounded; base/token_bucket.py).
+    replicate_rate: int = 0
+    backup_rate: int = 0
     #: Orbax multi-tier checkpointing: this mount is the node's replicator (docs/orbax-mtc.md).
     mtc: bool = False
     #: ``host:port`` written to jax-init-info.txt (mtc); None: rank 0's peer host (peers=, or
@@ -317,6 +330,12 @@ class MountOptions:
     def __post_init__(self) -> None:
         if self.backup_interval is None:
             self.backup_interval = BackupInterval()
+
+    @property
+    def cpu_policy(self) -> CpuPolicy:
+        """The background CPU policy these options give (base/background.py)."""
+        return CpuPolicy(sched=self.bg_sched, nice=self.bg_nice,  # type: ignore[arg-type]
+                         cpus=self.bg_cpus)
 
     @property
     def multi_node(self) -> bool:
@@ -535,6 +554,27 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.scrub_rate = parse_size(value.removesuffix("/s"))
                     if not 1 << 20 <= o.scrub_rate <= 100 << 30:
                         raise ValueError("must be between 1M and 100G (bytes per second)")
+                elif name == "bg_sched" and value:
+                    if value not in ("idle", "batch", "normal"):
+                        raise ValueError("must be idle, batch or normal")
+                    o.bg_sched = value
+                elif name == "bg_nice" and value:
+                    o.bg_nice = _int(name, value, 0, 19)
+                elif name == "bg_cpus" and value:
+                    o.bg_cpus = parse_cpus(value)
+                    allowed = os.sched_getaffinity(0)
+                    if not o.bg_cpus <= allowed:
+                        raise ValueError(
+                            "names CPUs this process may not run on (it may use "
+                            f"{format_cpus(frozenset(allowed))})")
+                elif name == "backup_threads" and value:
+                    o.backup_threads = _int(name, value, 1, 4)
+                elif name in ("replicate_rate", "backup_rate") and value:
+                    rate = 0 if value in ("0", "off") else parse_size(value.removesuffix("/s"))
+                    if rate and not 1 << 20 <= rate <= 1 << 40:
+                        raise ValueError("must be off (0) or between 1M and 1T (bytes per "
+                                         "second)")
+                    setattr(o, name, rate)
                 elif name == "ns_quorum" and value:
                     o.ns_quorum = value
                 else:
@@ -556,10 +596,36 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                               " (file:///path)")
     _check_peer_tier(o, given)
     _check_security(o)
+    _check_budget(o, given)
     if o.multi_node and o.listen is None:  # last: every other mistake is named first
         o.listen = default_listen()
     o.given = given
     return o
+
+
+def _check_budget(o: MountOptions, given: dict[str, str]) -> None:
+    """Cross-option checks of the background budget, once every option is read; fills the
+    default of ``hash_threads`` from ``bg_cpus``.
+
+    Raises:
+        OptionError: ``bg_nice`` with ``bg_sched=idle`` (an idle-class thread has no nice
+            value); a rate under which one chunk would wait longer than
+            :data:`~mtcfs.base.token_bucket.MAX_CHUNK_WAIT_S` (a peer ends a stream idle
+            for 30 s).
+    """
+    if "bg_nice" in given and o.bg_nice and o.bg_sched == "idle":
+        raise OptionError(f"bad option bg_nice={given['bg_nice']}: bg_sched=idle runs below "
+                          "every nice value; give bg_sched=batch or bg_sched=normal with it")
+    if o.bg_cpus and "hash_threads" not in given:
+        o.hash_threads = max(1, min(o.hash_threads, len(o.bg_cpus)))
+    for name in ("replicate_rate", "backup_rate"):
+        rate = getattr(o, name)
+        least = -(-o.chunk_size // int(MAX_CHUNK_WAIT_S))
+        if rate and rate < least:
+            raise OptionError(f"bad option {name}={given[name]}: one {o.chunk_size >> 20} MiB "
+                              f"chunk would wait more than {MAX_CHUNK_WAIT_S:g} s; at least "
+                              f"{-(-least // (1 << 20))}M with chunk_size="
+                              f"{given.get('chunk_size', o.chunk_size)}")
 
 
 def _continues(list_name: str, name: str, has_value: bool) -> bool:
@@ -765,6 +831,8 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate", "stop_flush",
+          "bg_sched", "bg_nice", "bg_cpus", "backup_threads", "replicate_rate",
+          "backup_rate",
           "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota",
           "metrics"}
 #: The list options: a token that is no option continues them, and a later ``peers=`` or

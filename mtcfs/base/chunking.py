@@ -99,7 +99,7 @@ class HashStopped(Exception):
 
 def hash_fd(fd: int, size: int, chunk_size: int,
             stop: Callable[[], bool] | None = None, *, threads: int = 1,
-            whole: bool = False) -> HashResult:
+            whole: bool = False, pool: str = "hash") -> HashResult:
     """Hash the first ``size`` bytes of the open file ``fd`` chunk by chunk.
 
     Blocking and CPU-bound; call it from a worker thread. Each byte is read once, with
@@ -108,8 +108,9 @@ def hash_fd(fd: int, size: int, chunk_size: int,
     daemon (a mapping would count them in its RSS, which the OOM killer weighs).
 
     ``threads``: chunks hashed at once, the calling thread and ``threads - 1`` helpers of
-    the ``hash`` pool (base/pools.py; blake3 and ``preadv`` release the GIL). The digests
-    do not depend on it.
+    the executor pool ``pool`` (base/pools.py: ``hash``, background threads, or
+    ``hash-now`` for a hash a request waits for; blake3 and ``preadv`` release the GIL).
+    The digests do not depend on it.
 
     ``file_hash`` is the whole-file digest when it costs nothing: an empty file, or one of
     a single chunk (its digest is the chunk's). For more chunks it is "" (computed when
@@ -132,7 +133,7 @@ def hash_fd(fd: int, size: int, chunk_size: int,
     if whole and n > 1:
         return _hash_whole(fd, size, chunk_size, stop, threads)
     job = ChunkHasher(fd, size, chunk_size, range(n), stop)
-    run_workers(job.work, min(threads, n))
+    run_workers(job.work, min(threads, n), pool)
     digests = job.result()
     return HashResult(size, digests, digests[0] if n == 1 else "", size)
 
@@ -230,13 +231,13 @@ class ChunkHasher:
         return tuple(self.digests[i] for i in self._todo)
 
 
-def run_workers(work: Callable[[], None], threads: int) -> None:
-    """Run ``work`` in the calling thread and in ``threads - 1`` helpers of the ``hash``
-    pool at once; return when all returned (their exceptions are raised)."""
+def run_workers(work: Callable[[], None], threads: int, pool: str = "hash") -> None:
+    """Run ``work`` in the calling thread and in ``threads - 1`` helpers of the executor
+    pool ``pool`` at once; return when all returned (their exceptions are raised)."""
     if threads <= 1:
         work()
         return
-    ex = pools.pool("hash")
+    ex = pools.pool(pool)
     futs = [ex.submit(work) for _ in range(threads - 1)]
     try:
         work()
@@ -297,14 +298,14 @@ def zero_chunk_hash(length: int) -> str:
 
 
 def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
-              dirty: set[int], *, threads: int = 1) -> HashResult:
+              dirty: set[int], *, threads: int = 1, pool: str = "hash") -> HashResult:
     """The chunk digests of the first ``size`` bytes of ``fd``, hashing only what changed.
 
     ``base``: the digests of the content the file started from (same ``chunk_size``);
     ``dirty``: indices of the chunks written or resized since. A chunk in ``dirty`` or
     past the end of ``base`` is read and hashed (one that is all hole gets the digest of
     zeros without being read); the others keep their ``base`` digest. ``threads``: as for
-    :func:`hash_fd`. The whole-file hash is not computed (``file_hash`` is ""; computed
+    :func:`hash_fd`, ``pool`` too. The whole-file hash is not computed (``file_hash`` is ""; computed
     when asked: core/files.py, ``file_hash``).
     Blocking; call it from a worker thread for large changes.
 
@@ -316,7 +317,7 @@ def rehash_fd(fd: int, size: int, chunk_size: int, base: tuple[str, ...],
     todo = sorted({i for i in dirty if i < n} | set(range(len(digests), n)))
     digests.extend([""] * (n - len(digests)))
     job = ChunkHasher(fd, size, chunk_size, todo, holes=True)
-    run_workers(job.work, min(threads, len(todo)))
+    run_workers(job.work, min(threads, len(todo)), pool)
     for i, d in zip(todo, job.result()):
         digests[i] = d
     return HashResult(size, tuple(digests), "", job.hashed)

@@ -16,7 +16,11 @@ docs/architecture.md, "Concurrency protocol" lists those). Each entry of :data:`
   :func:`limiter` makes a new one of the named size for its owner (the filesystem core, a
   chunk source), created once per daemon.
 * **Owned executors** (``kind="server"``): a pool handed to a server that owns it
-  (:func:`new_executor`): the Peer gRPC server's.
+  (:func:`new_executor`): the Peer gRPC server's, the chunk stream's.
+
+A pool marked ``background`` runs only background work: each of its threads takes the
+daemon's background CPU policy when it starts (base/background.py: ``bg_sched``,
+``bg_nice``, ``bg_cpus``) and keeps it. Foreground work never goes to such a pool.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import trio
+
+from mtcfs.base import background
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -43,20 +49,31 @@ class PoolSpec:
         kind: ``"executor"`` (shared, :func:`pool`), ``"limiter"`` (:func:`limiter`) or
             ``"server"`` (:func:`new_executor`).
         purpose: what runs there, one line.
+        background: its threads run background work only, under the background CPU
+            policy (executor and server pools).
     """
 
     name: str
     size: int
     kind: Literal["executor", "limiter", "server"]
     purpose: str
+    background: bool = False
 
 
 #: Every named pool. Sizes are the values the code had before they were gathered here.
 POOLS: dict[str, PoolSpec] = {s.name: s for s in (
+    PoolSpec("background", 16, "executor",
+             "background work called from the trio loop (background.run_sync): the seal of "
+             "a closed file in scope=node, a step's push to a peer, a step's upload to the "
+             "backup tier, the scrub's hashing, the replica store's gc; each bounded by its "
+             "caller's limiter", background=True),
+    PoolSpec("backup-upload", 16, "executor",
+             "a backup's fan-out: chunk uploads (zstd and the request) and the checks "
+             "whether other nodes stored a chunk; each call at most its store's workers "
+             "(backup_threads, MAX_WORKERS = 4) at once", background=True),
     PoolSpec("backup-io", 16, "executor",
-             "backup tier fan-out: chunk uploads and remote-existence checks, marker and "
-             "manifest reads, deletes of retention; each call at most its store's workers "
-             "(MAX_WORKERS = 4) at once"),
+             "backup tier reads and deletes: marker and manifest reads (a restore's too), "
+             "retention's deletes; each call at most its store's workers at once"),
     PoolSpec("peer-list", 16, "executor",
              "a restoring rank's ListManifests calls to the ranks that may hold its "
              "replicas, asked at once (restore/from_peers.py list_holders); each call "
@@ -64,7 +81,9 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
     PoolSpec("hash", 64, "executor",
              "the helper threads of one seal's hashing: hash_threads - 1 per seal, each "
              "hashing whole chunks into a buffer of its own (base/chunking.py run_workers; "
-             "the seal's own thread holds a cpu token)"),
+             "the seal's own thread holds a cpu token)", background=True),
+    PoolSpec("hash-now", 64, "executor",
+             "the same for a seal that a close(2) waits for (scope=job)"),
     PoolSpec("verify", 4, "limiter",
              "first-read verification: chunks hashed at once after a start (hash_threads "
              "tokens; Verifier.hash_limiter, core/verifier.py)"),
@@ -90,6 +109,10 @@ POOLS: dict[str, PoolSpec] = {s.name: s for s in (
              "the chunk stream server's connection threads (tiers/peer/chunk_stream.py), one "
              "per stream being sent; each send stalls at most IO_TIMEOUT_S; more streams "
              "wait for a thread"),
+    PoolSpec("chunk-stream-put", 16, "server",
+             "the chunk stream server's threads receiving a peer's pushes (replication to "
+             "this node), one per stream; each receive stalls at most IO_TIMEOUT_S",
+             background=True),
     PoolSpec("peer-server", 32, "server",
              "the Peer gRPC server's call threads (8 by default, 32 in the daemon); they "
              "reach the core only through trio.from_thread.run"),
@@ -125,6 +148,8 @@ def pool(name: str) -> ThreadPoolExecutor:
 
 def _mark(name: str) -> None:
     _local.pool = name
+    if POOLS[name].background:
+        background.enter()
 
 
 def limiter(name: str, size: int | None = None) -> trio.CapacityLimiter:
@@ -160,7 +185,8 @@ def new_executor(name: str, size: int | None = None) -> ThreadPoolExecutor:
     size = spec.size if size is None else size
     if size < 1:
         raise ValueError(f"pool {name!r} needs at least one thread, got {size}")
-    return ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"mtcfs-{name}")
+    return ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"mtcfs-{name}",
+                              initializer=background.enter if spec.background else None)
 
 
 def run_unordered(name: str, fn: Callable[[T], R], items: Iterable[T], width: int
@@ -213,6 +239,52 @@ def run_map(name: str, fn: Callable[[T], R], items: Iterable[T], width: int) -> 
     for i, r in run_unordered(name, lambda i: fn(todo[i]), range(len(todo)), width):
         got[i] = r
     return [got[i] for i in range(len(todo))]
+
+
+async def run_background(fn: Callable[..., T], *args: Any,
+                   limiter: trio.CapacityLimiter | None = None,
+                   abandon_on_cancel: bool = False) -> T:
+    """``trio.to_thread.run_sync`` on a background thread (the ``background`` pool of
+    :data:`POOLS`) instead of one of trio's shared workers: the call runs under the
+    daemon's background CPU policy (base/background.py).
+
+    ``limiter``: a token held from before the call until ``fn`` returns in its thread
+    (also when the caller was cancelled and abandoned it). ``abandon_on_cancel``: as in
+    trio, a cancelled caller returns at once (raising :class:`trio.Cancelled`) and ``fn``
+    runs to its end unobserved; without it the call cannot be cancelled.
+
+    Raises:
+        Exception: whatever ``fn`` raised.
+    """
+    token = trio.lowlevel.current_trio_token()
+    borrower = object()
+    if limiter is not None:
+        await limiter.acquire_on_behalf_of(borrower)
+    done = trio.Event()
+
+    def finished(_f: object) -> None:
+        def on_loop() -> None:
+            if limiter is not None:
+                limiter.release_on_behalf_of(borrower)
+            done.set()
+        try:
+            token.run_sync_soon(on_loop)
+        except trio.RunFinishedError:
+            pass  # the daemon's loop ended first
+
+    try:
+        fut = pool("background").submit(fn, *args)
+    except BaseException:
+        if limiter is not None:
+            limiter.release_on_behalf_of(borrower)
+        raise
+    fut.add_done_callback(finished)
+    if abandon_on_cancel:
+        await done.wait()
+    else:
+        with trio.CancelScope(shield=True):
+            await done.wait()
+    return fut.result()
 
 
 def stats() -> dict[str, dict[str, int | str]]:

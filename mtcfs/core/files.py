@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.chunking import (DEFAULT_HASH_THREADS, HashResult, HashStopped, hash_fd,
                                  rehash_fd)
 from mtcfs.base.errors import FsError
@@ -1013,21 +1014,26 @@ class OpenFiles:
                 # computed when asked (file_hash).
                 # Up to hash_threads chunks at once, each byte read and hashed once; the
                 # whole-file hash of more than one chunk is computed when asked too.
+                # Background work (base/background.py) unless a close(2) waits for it.
+                pool = "hash-now" if allow_writers else "hash"
                 fn: Callable[..., HashResult] = functools.partial(
-                    hash_fd, threads=self.hash_threads)
+                    hash_fd, threads=self.hash_threads, pool=pool)
                 args: tuple[Any, ...] = (size, v.chunk_size,
                                            self._seal_stopper(v) if size > INLINE_SEAL_BYTES
                                            else None)
                 if v.base_chunks is not None:
-                    fn = functools.partial(rehash_fd, threads=self.hash_threads)
+                    fn = functools.partial(rehash_fd, threads=self.hash_threads, pool=pool)
                     args = (size, v.chunk_size, v.base_chunks, set(v.dirty))
                 try:
                     fd = self.fds.lease(v)  # open until hashed, whatever the loop opens
                     try:
                         if size <= INLINE_SEAL_BYTES:  # cheaper than the hop to a thread
                             res = fn(fd, *args)
-                        else:
+                        elif allow_writers:
                             res = await trio.to_thread.run_sync(
+                                fn, fd, *args, limiter=self.cpu_limiter)
+                        else:
+                            res = await pools.run_background(
                                 fn, fd, *args, limiter=self.cpu_limiter)
                     finally:
                         self.fds.unlease(v, fd)

@@ -215,9 +215,11 @@ class Verifier:
                 # round trip that would dominate (many small files read after a restart).
                 ok = _hash_matches(self._fds, v, off, length, v.chunks[idx])
             else:  # (the read leases a descriptor: store/fdcache.py)
-                ok = await trio.to_thread.run_sync(_hash_matches, self._fds, v, off, length,
-                                                   v.chunks[idx],
-                                                   limiter=limiter or self._cpu)
+                # The scrub is background work (base/background.py); a read waits for a
+                # first-read verification.
+                run = pools.run_background if scrub else trio.to_thread.run_sync
+                ok = await run(_hash_matches, self._fds, v, off, length, v.chunks[idx],
+                               limiter=limiter or self._cpu)
             if idx in v.missing:
                 return False
             if self._host.versions.get(v.vid) is not v:

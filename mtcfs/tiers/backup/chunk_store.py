@@ -64,6 +64,7 @@ from mtcfs.base.steps import step_number
 from mtcfs.base.chunking import chunk_hash, chunk_span
 from mtcfs.base.failpoints import failpoint
 from mtcfs.base.manifest import StepManifest
+from mtcfs.base.token_bucket import TokenBucket
 from mtcfs.tiers.backup.backend import Backend
 from mtcfs.tiers.backup.chunk_index import ChunkIndex
 from mtcfs.tiers.backup.codec import DEFAULT_LEVEL, decode_chunk, encode_chunk
@@ -131,7 +132,10 @@ class BackupStore:
         backend: where objects go; wrap it in
             :class:`~mtcfs.tiers.backup.retry.RetryingBackend` to survive transient faults.
         level: zstd compression level for chunks.
-        workers: threads for chunk uploads, marker reads and deletes (1..4).
+        workers: threads for chunk uploads (zstd and the request), marker reads and
+            deletes (1..4; mount option ``backup_threads``).
+        budget: the bytes per second uploads may send (``backup_rate=``): each chunk
+            takes its compressed size before its request; None: unbounded.
         check_remote: before uploading a chunk this store does not know, ask the backend
             whether another node uploaded it meanwhile (one extra metadata request per new
             chunk; saves the upload when nodes share data).
@@ -154,7 +158,8 @@ class BackupStore:
     def __init__(self, backend: Backend, *, level: int = DEFAULT_LEVEL,
                  workers: int = MAX_WORKERS, check_remote: bool = False,
                  clock_ns: Callable[[], int] = time.time_ns, rank: int | None = None,
-                 world_size: int | None = None, gate: SweepGate | None = None) -> None:
+                 world_size: int | None = None, gate: SweepGate | None = None,
+                 budget: TokenBucket | None = None) -> None:
         check_rank(rank)
         if gate is not None and rank is None:
             raise ValueError("a sweep gate is for a multi-node store: it needs a rank")
@@ -175,6 +180,7 @@ class BackupStore:
         self._index = ChunkIndex(backend)
         self._steps = StepCatalog(backend, self._workers, rank)
         self._gate = gate
+        self._budget = budget
         #: The sweep generation the index is true at (None: not compared yet).
         self._synced: int | None = None
         self._sync_lock = threading.Lock()
@@ -279,6 +285,8 @@ class BackupStore:
                     self._counters.add("chunks_deduped")
                     return 0
                 blob = encode_chunk(data, self._level)
+                if self._budget is not None:
+                    self._budget.take(len(blob))  # backup_rate=: may sleep
                 failpoint("backup.put_chunk")  # tests: a kill during an upload
                 self._backend.put(key, blob)
                 stored = True
@@ -461,7 +469,7 @@ class BackupStore:
                     batch = pending[i:i + self._workers]
                     i += len(batch)
                     for h, there in zip(batch, pools.run_map(
-                            "backup-io", lambda x: self._backend.exists(chunk_key(x)), batch,
+                            "backup-upload", lambda x: self._backend.exists(chunk_key(x)), batch,
                             self._workers)):
                         if there:
                             hits.add(h)
@@ -592,7 +600,7 @@ class BackupStore:
             return self._put_chunk(h, read_chunk(h))
 
         try:
-            yield from pools.run_unordered("backup-io", one, missing, self._workers)
+            yield from pools.run_unordered("backup-upload", one, missing, self._workers)
         finally:
             abort.set()
 

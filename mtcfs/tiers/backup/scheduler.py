@@ -25,6 +25,8 @@ from typing import Any
 
 import trio
 
+from mtcfs.base import pools
+from mtcfs.base.token_bucket import TokenBucket
 from mtcfs.core.ports import BackupPort, StepRecord, oldest_first
 from mtcfs.tiers.backup import BackupError, BackupStore
 from mtcfs.tiers.backup.chunk_store import DEFAULT_SHARE_WAIT_S
@@ -53,6 +55,11 @@ class BackupStatus:
     failures: int = 0
     last_error: str | None = None
     pending: list[str] = field(default_factory=list)
+    #: Seconds the last backup's uploads waited for ``backup_rate=`` (the budget).
+    last_budget_wait_s: float = 0.0
+    #: Why backups fall behind their interval (the last one took longer than the
+    #: interval, or the next was due before it ended), or None: they keep up.
+    behind: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +80,8 @@ class BackupService:
             :meth:`BackupStore.put_step`.
         share_wait_s: seconds to wait for the other nodes' shares before uploading them
             here (>= 0).
+        budget: ``backup_rate=``'s bucket, the one the store's uploads take from (for
+            status: how long each backup waited for it), or None.
         twins: with ``share``, ``twins() -> ranks`` of this node's data-parallel twins (the
             nodes whose shares it waits for). Twins converge on common steps: a step a twin
             has begun in the bucket (intent or complete), that this node holds committed and
@@ -86,7 +95,8 @@ class BackupService:
                  every_ckpts: int | None, keep_backups: int, url: str, interval_text: str,
                  share: Callable[[str], bool] | None = None,
                  share_wait_s: float = DEFAULT_SHARE_WAIT_S,
-                 twins: Callable[[], Collection[int]] | None = None) -> None:
+                 twins: Callable[[], Collection[int]] | None = None,
+                 budget: TokenBucket | None = None) -> None:
         if not share_wait_s >= 0:
             raise ValueError(f"share_wait_s must be >= 0, got {share_wait_s}")
         self.fs = fs
@@ -94,6 +104,7 @@ class BackupService:
         self.share = share
         self.share_wait_s = share_wait_s
         self.twins = twins if share is not None else None
+        self.budget = budget
         self.interval_s = interval_s
         self.every_ckpts = every_ckpts
         #: Back up when the newest step's number is at least this far past the last one
@@ -247,6 +258,26 @@ class BackupService:
                 self._force = None
                 self._done.set()
 
+    def _keeping_up(self, name: str) -> None:
+        """After the backup of ``name``: set or clear :attr:`BackupStatus.behind` (logged
+        when it is set): a time interval shorter than the backup took, or as many
+        checkpoints committed during it as the interval counts."""
+        st = self.status
+        took = st.last_seconds or 0.0
+        why = None
+        if self.every_ckpts is None and self.every_steps is None and self.interval_s \
+                and took > self.interval_s:
+            why = f"the backup of {name} took {took:.1f} s, longer than the interval"
+        elif self.every_ckpts is not None and self._commits_since >= self.every_ckpts:
+            why = (f"{self._commits_since} checkpoint(s) were committed during the "
+                   f"{took:.1f} s backup of {name}")
+        if why is not None:
+            if st.last_budget_wait_s:
+                why += f" ({st.last_budget_wait_s:.1f} s of it waiting for backup_rate=)"
+            if st.behind is None:
+                log.warning("backups fall behind backup_interval=%s: %s", st.interval, why)
+        st.behind = why
+
     async def _joinable(self) -> StepRecord | None:
         """The step to join: the newest one a twin has begun in the bucket that this node
         holds committed, not backed up (nor being backed up) and numbered above its last
@@ -302,8 +333,11 @@ class BackupService:
         # The backup to resume after a kill: the interrupted one, until it completes.
         self.fs.set_backup_pending(self._resume or rec.name)
         t0 = time.monotonic()
+        waited0 = self.budget.waited_s if self.budget is not None else 0.0
         try:
-            stats = await trio.to_thread.run_sync(
+            # On a background thread (base/background.py): zstd and the requests are
+            # background work; the threads it fans out to inherit the policy.
+            stats = await pools.run_background(
                 partial(self.store.put_step, manifest, self.fs.chunk_reader(pinned),
                         share=self.share, share_wait_s=self.share_wait_s,
                         twins=tuple(sorted(self.twins())) if self.twins is not None else ()),
@@ -347,6 +381,9 @@ class BackupService:
         st.total_bytes_uploaded += stats.bytes_uploaded
         st.backups += 1
         st.last_error = None
+        st.last_budget_wait_s = round(
+            (self.budget.waited_s if self.budget is not None else 0.0) - waited0, 3)
+        self._keeping_up(rec.name)
         log.info("backed up %s: %d bytes, %d uploaded (%d of %d chunks uploaded here, %d by "
                  "other nodes) in %.2fs", rec.name, stats.bytes_logical, stats.bytes_uploaded,
                  stats.chunks_uploaded, stats.chunks_total, stats.chunks_by_others,

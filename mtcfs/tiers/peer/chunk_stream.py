@@ -152,6 +152,7 @@ class ChunkStreamServer:
         self.port: int = self._sock.getsockname()[1]
         self._stopped = threading.Event()
         self._pool = pools.new_executor("chunk-stream")
+        self._put_pool = pools.new_executor("chunk-stream-put")
         self._thread = threading.Thread(target=self._accept, name="mtcfs-chunk-stream-accept",
                                         daemon=True)
         self._thread.start()
@@ -182,6 +183,7 @@ class ChunkStreamServer:
         self._sock.close()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._put_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -211,12 +213,18 @@ class ChunkStreamServer:
         return self._ctx[1]
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
-        sock: socket.socket = conn
+        """One connection, in a thread of the ``chunk-stream`` pool: check its hello, then
+        send the chunks of a get ticket here (a restore may be waiting for them), or hand
+        a put ticket's to a thread of the ``chunk-stream-put`` pool (a peer's replication:
+        background work, base/background.py)."""
+        socks = [conn]
         try:
             conn.settimeout(IO_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock: socket.socket = conn
             if self._tls is not None:
                 sock = self._context().wrap_socket(conn, server_side=True)
+                socks.append(sock)
             hello = _recv_exact(sock, len(MAGIC) + TICKET_BYTES)
             if hello[:len(MAGIC)] != MAGIC:
                 return self._refuse(sock, addr, "not an mtcfs chunk stream")
@@ -230,16 +238,33 @@ class ChunkStreamServer:
                                                 f" of job {self._job}")
             self._counters.add("streams")
             if ticket.put:
-                self._receive_chunks(sock, ticket, addr)
+                self._put_pool.submit(self._receive, socks, ticket, addr)
+                socks = []  # closed by _receive
             else:
                 self._send_chunks(sock, ticket.digests)
         except (OSError, ssl.SSLError, EOFError) as exc:
             log.info("chunk stream to %s ended: %s", addr, exc)
+        except RuntimeError:  # the put pool was shut down: the server stops
+            pass
         except Exception:  # a bug: the stream ends (the client asks elsewhere), logged
             log.exception("chunk stream to %s failed", addr)
         finally:
-            with contextlib.suppress(OSError):
-                sock.close()
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _receive(self, socks: list[socket.socket], ticket: Ticket, addr: Any) -> None:
+        """:meth:`_receive_chunks` on a background thread; closes the connection."""
+        try:
+            self._receive_chunks(socks[-1], ticket, addr)
+        except (OSError, ssl.SSLError, EOFError) as exc:
+            log.info("chunk stream from %s ended: %s", addr, exc)
+        except Exception:  # a bug: the stream ends (the sender tries again), logged
+            log.exception("chunk stream from %s failed", addr)
+        finally:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.close()
 
     def _refuse(self, sock: socket.socket, addr: Any, why: str) -> None:
         self._counters.add("streams_refused")

@@ -41,6 +41,7 @@ import trio
 
 from mtcfs.base import pools
 from mtcfs.base.retry import RetryPolicy
+from mtcfs.base.token_bucket import TokenBucket
 from mtcfs.core.ports import PeerPort
 from mtcfs.tiers.peer import placement
 from mtcfs.tiers.peer.client import PeerClient
@@ -88,6 +89,8 @@ class TierConfig:
     replica_quota: int | None = None
     #: the chunk stream's TCP port (``stream_port=``); 0: one the kernel picks
     stream_port: int = 0
+    #: bytes per second this node's replication may send (``replicate_rate=``); 0: unbounded
+    replicate_rate: int = 0
 
 
 class PeerTier(MembershipRounds, Replication):
@@ -119,6 +122,9 @@ class PeerTier(MembershipRounds, Replication):
         self.replica_store = ReplicaStore(f"{store_dir}/replicas",
                                           capacity=lambda: fs.capacity - fs.used,
                                           quota=self.replica_quota)
+        #: What this node's replication sends takes from it (``replicate_rate=``); a
+        #: restore's reads, served or asked, never do.
+        self.send_budget = TokenBucket(cfg.replicate_rate)
         self.server: PeerServer | None = None
         self.clients: dict[str, PeerClient] = {}
         self.links: dict[int, PeerLink] = {}

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mtcfs.base import pools
 from mtcfs.base.manifest import StepManifest
+from mtcfs.base.token_bucket import TokenBucket
 from mtcfs.core.ports import PeerPort, StepRecord, oldest_first
 from mtcfs.tiers.peer.errors import PeerError, PeerUnavailable
 from mtcfs.tiers.peer.records import ManifestInfo, StepRef
@@ -78,6 +80,7 @@ class Replication:
     cfg: TierConfig
     rank: int
     links: dict[int, PeerLink]
+    send_budget: TokenBucket
     latest_complete: StepRef | None
     replica_store: ReplicaStore
     _wake: dict[int, trio.Event]
@@ -183,8 +186,8 @@ class Replication:
             reader = self._yielding(fs.chunk_reader(pinned, verify=False))
             twin = link.peer in self.twins()
             hashes_only = twin and time.time_ns() - committed < self.cfg.twin_wait_s * 1e9
-            async with self._bulk:
-                stats = await trio.to_thread.run_sync(
+            async with self._bulk:  # background work (base/background.py)
+                stats = await pools.run_background(
                     self._push, link.peer, manifest, reader, hashes_only,
                     abandon_on_cancel=True)
         finally:
@@ -239,7 +242,8 @@ class Replication:
         return self.client(peer).list_manifests(self.rank, with_manifest=False)
 
     def _yielding(self, read: Callable[[str], bytes]) -> Callable[[str], bytes]:
-        """Wrap a chunk reader so that sending pauses while the application writes.
+        """Wrap a chunk reader so that sending pauses while the application writes, and
+        keeps to ``replicate_rate=`` (:attr:`send_budget`: each chunk read takes its size).
 
         On a node the replication's reads and sends compete with the application's writes
         for CPU and memory bandwidth; checkpoint writes are the training job's critical
@@ -253,7 +257,9 @@ class Replication:
             while budget[0] > 0 and time.monotonic() - self.fs.last_write < QUIET_S:
                 time.sleep(0.02)
                 budget[0] -= 0.02
-            return read(digest)
+            data = read(digest)
+            self.send_budget.take(len(data))
+            return data
         return read_chunk
 
     def _push(self, peer: int, manifest: StepManifest, reader: Callable[[str], bytes],
@@ -295,7 +301,7 @@ class Replication:
             await trio.sleep(10.0)
             protect = [self.latest_complete.step_number] if self.latest_complete else []
             try:
-                stats = await trio.to_thread.run_sync(
+                stats = await pools.run_background(
                     partial(self.replica_store.gc, self.cfg.keep + _REPLICA_SLACK,
                             protect_steps=protect, orphan_grace_s=600.0))
                 if stats.manifests_deleted or stats.chunks_deleted:
