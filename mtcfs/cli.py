@@ -821,6 +821,8 @@ def format_budget_status(bu: dict[str, Any]) -> str:
             rate = f"at most {_human(t['rate'])}/s" if t.get("rate") else "unbounded"
             parts.append(f"{name} {rate} ({_human(t.get('bytes'))} sent, "
                          f"{t.get('waited_s', 0):g} s waited)")
+    if bu.get("daemon_group"):
+        parts.append(f"the daemon: {bu['daemon_group']}")
     line = "  budget:   " + "; ".join(parts)
     if cpu.get("error"):
         line += f"; NOT APPLIED: {cpu['error']}"

@@ -88,6 +88,8 @@ class Daemon:
         self.passthrough = Passthrough(False)
         self.backup_store: Any = None
         self.backup: Any = None
+        #: ``daemon_nice=``: the daemon's autogroup as status shows it.
+        self.group_nice = ""
         #: ``backup_rate=``: the bytes per second of the backup tier's uploads.
         self.backup_budget = TokenBucket(0)
         self.prefetcher: Any = None
@@ -124,10 +126,11 @@ class Daemon:
         o = self.opts
         # Before any background thread starts (base/background.py).
         background.configure(o.cpu_policy)
-        log.info("background work: %s, %d hashing thread(s)%s%s", o.cpu_policy.describe(),
-                 o.hash_threads, f", replication at most {o.replicate_rate} B/s"
+        self.group_nice = background.set_group_nice(o.daemon_nice)
+        log.info("background work: %s, %d hashing thread(s)%s%s; the daemon: %s",
+                 o.cpu_policy.describe(), o.hash_threads, f", replication at most {o.replicate_rate} B/s"
                  if o.replicate_rate else "", f", backup at most {o.backup_rate} B/s"
-                 if o.backup_rate and o.backup else "")
+                 if o.backup_rate and o.backup else "", self.group_nice)
         self.backup_budget = TokenBucket(o.backup_rate)
         check_size(o.store, o.size)  # also checked by the CLI, with the option as given
         # Before the store: its data directory's own tmpfs is sized from it (datafs.py).
@@ -678,7 +681,8 @@ class Daemon:
         ``backup_threads``, and per tier (``peers``, ``backup``; None without the tier)
         ``rate`` (bytes/s, 0: unbounded), ``bytes`` sent under it, ``waited_s``."""
         o = self.opts
-        return {"cpu": background.stats(), "hash_threads": o.hash_threads,
+        return {"cpu": background.stats(), "daemon_group": self.group_nice,
+                "hash_threads": o.hash_threads,
                 "backup_threads": o.backup_threads if o.backup else None,
                 "peers": self.peer.send_budget.figures() if self.peer is not None else None,
                 "backup": self.backup_budget.figures() if o.backup else None}

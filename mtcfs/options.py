@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mtcfs.base.background import CpuPolicy, format_cpus, parse_cpus
+from mtcfs.base.background import DEFAULT_DAEMON_NICE, CpuPolicy, format_cpus, parse_cpus
 from mtcfs.base.chunking import (DEFAULT_CHUNK_SIZE, DEFAULT_HASH_THREADS, MAX_CHUNK_SIZE,
                                  MAX_HASH_THREADS, MIN_CHUNK_SIZE)
 from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_LABELS_BYTES, MAX_NODES, MAX_STEP
@@ -305,6 +305,8 @@ class MountOptions:
     bg_sched: str = "idle"
     bg_nice: int = 0
     bg_cpus: frozenset[int] = field(default_factory=frozenset)
+    #: The nice value of the daemon as a whole against other processes (its autogroup's).
+    daemon_nice: int = DEFAULT_DAEMON_NICE
     #: Threads that compress and upload one backup's chunks at once (1..4).
     backup_threads: int = 4
     #: Bytes per second of replication to peers and of uploads to the backup tier
@@ -560,6 +562,8 @@ def parse_mount_options(job: str, mountpoint: str, opts: list[str],
                     o.bg_sched = value
                 elif name == "bg_nice" and value:
                     o.bg_nice = _int(name, value, 0, 19)
+                elif name == "daemon_nice" and value:
+                    o.daemon_nice = _int(name, value, 0, 19)
                 elif name == "bg_cpus" and value:
                     o.bg_cpus = parse_cpus(value)
                     allowed = os.sched_getaffinity(0)
@@ -831,7 +835,7 @@ _KNOWN = {"store", "size", "backup", "backup_interval", "backup_keep", "keep", "
           "assume_data_parallelism", "huge_model",
           "scope", "ns_quorum", "mtc", "jax_coordinator",
           "read_timeout", "mount_timeout", "scrub_interval", "scrub_rate", "stop_flush",
-          "bg_sched", "bg_nice", "bg_cpus", "backup_threads", "replicate_rate",
+          "bg_sched", "bg_nice", "bg_cpus", "daemon_nice", "backup_threads", "replicate_rate",
           "backup_rate",
           "tls_ca", "tls_cert", "tls_key", "insecure", "test_faults", "replica_quota",
           "metrics"}

@@ -40,6 +40,8 @@ def test_a_seal_hashes_on_background_threads_and_fuse_keeps_its_class(make_mount
     opts = {"bg_sched": sched, "bg_cpus": str(cpu), "chunk_size": "1M", "hash_threads": 2}
     if sched == "batch":
         opts["bg_nice"] = 5
+    if sched == "idle":
+        opts["daemon_nice"] = 7  # the daemon's own autogroup (it leads its session)
     m = make_mount("n", **opts)
     data = random.Random(1).randbytes(24 * MiB + 5)
     m.path("model.bin").write_bytes(data)
@@ -56,6 +58,10 @@ def test_a_seal_hashes_on_background_threads_and_fuse_keeps_its_class(make_mount
     assert {threads[t][0] for t in bg} == {sched}
     if sched == "batch":
         assert all(os.getpriority(os.PRIO_PROCESS, t) == 5 for t in bg)
+    with open(f"/proc/{m.pid}/autogroup") as f:
+        group = f.read().split()
+    assert group[-1] == ("7" if sched == "idle" else "0")
+    assert group[-1] in m.status()["budget"]["daemon_group"]
     line = [ln for ln in m.cli("status", str(m.mnt)).stdout.splitlines()
             if ln.strip().startswith("budget:")]
     assert line and f"background work {sched}" in line[0] and f"CPUs {cpu}" in line[0]

@@ -28,6 +28,14 @@ microseconds between calls that release it (``preadv``, blake3, zstd, ``sendfile
 socket I/O), and Linux's CFS/EEVDF gives an idle-class thread a small share of a busy CPU
 all the same, so the wait is bounded; docs/benchmarks.md ("Background work") measures it.
 
+Against the job's processes the daemon competes as a whole, not thread by thread: Linux
+schedules groups first (sched(7), "The autogroup feature"; cgroups), and a thread's class
+and nice value only order it among the threads of its own group. A daemon started from a
+shell, fstab or ``mount`` is in an autogroup of its own (it calls ``setsid``), so
+:func:`set_group_nice` (``daemon_nice=``) lowers that group's weight; under systemd or
+Kubernetes the unit's ``CPUWeight=`` or the pod's CPU request decide instead
+(docs/usage.md, "Background work").
+
 State: the process-wide :class:`CpuPolicy` (:func:`configure`, once per daemon at start,
 before the first background thread) and the native ids of the threads it was applied to
 (:func:`stats` reads their CPU and run-queue times from ``/proc``).
@@ -42,6 +50,9 @@ from typing import Any, Literal
 
 #: Scheduling classes of ``bg_sched=``.
 SCHEDS = ("idle", "batch", "normal")
+#: ``daemon_nice=``'s default: the daemon's autogroup at nice 0 (set by measurement,
+#: docs/benchmarks.md "Background work").
+DEFAULT_DAEMON_NICE = 0
 #: The most CPUs ``bg_cpus=`` may name (a CPU number is below this).
 MAX_CPU = 4096
 
@@ -154,6 +165,42 @@ def enter() -> None:
                 _error = f"background thread policy not applied ({pol.describe()}): {exc}"
     with _lock:
         _threads[tid] = threading.current_thread().name
+
+
+def set_group_nice(nice: int, path: str = "/proc/self/autogroup") -> str:
+    """Set the nice value of the daemon's autogroup (``daemon_nice=``, 0..19) and return
+    what ``mtcfs status`` shows: ``"autogroup-N nice 10"``, or why it is not in effect.
+
+    The autogroup counts only for processes in the root cgroup of the cpu controller (a
+    bare host, a shell, ``mount``); under systemd or Kubernetes the value is set but the
+    cgroup's weight decides. Only a daemon that leads its own session (it daemonized)
+    changes it: in the foreground (``-f``) the autogroup is the caller's, maybe the job's.
+    Never raises."""
+    if nice and os.getsid(0) != os.getpid():
+        return "not set (the daemon runs in the foreground, in its caller's session)"
+    try:
+        if nice:
+            with open(path, "w") as f:
+                f.write(str(nice))
+        with open(path) as f:
+            got = f.read().strip().lstrip("/")
+    except OSError as exc:
+        return f"not set ({exc.strerror or exc})"
+    return got if _in_root_cpu_cgroup() else f"{got} (not in effect: the daemon is in a cgroup)"
+
+
+def _in_root_cpu_cgroup() -> bool:
+    """Whether this process is in the root cgroup of the cpu controller (v1) or of the
+    unified hierarchy (v2): where Linux schedules by autogroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.strip()]
+    except OSError:
+        return False
+    for _id, ctrls, path in lines:
+        if "cpu" in ctrls.split(","):
+            return path == "/"
+    return all(path == "/" for _id, ctrls, path in lines if ctrls == "")
 
 
 def _task_times(tid: int) -> tuple[float, float] | None:
