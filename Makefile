@@ -146,3 +146,13 @@ bench-ab:
 .PHONY: bench-free
 bench-free:
 	$(PYTHON) -m benchmarks.bench_free $(ARGS)
+
+# Background work against training on the same host (benchmarks/bench_interference.py): a
+# 1-thread torch trainer beside 2 daemons on loopback (replicas=1, rank 0 backed up to
+# file:// at every checkpoint); its step times idle and while one 1.5 GiB torch.save is
+# sealed, replicated and backed up, per setting (none, default, nice, pinned, rate;
+# plain, and the controls tmpfs and hog), 2 repeats interleaved (about 6 minutes).
+# make bench-interference ARGS="--size 512M --reps 1 --settings plain,none --png /tmp/i.png"
+.PHONY: bench-interference
+bench-interference:
+	$(PYTHON) -m benchmarks.bench_interference $(ARGS)

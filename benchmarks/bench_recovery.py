@@ -167,7 +167,7 @@ def _stop(spies: list[Any]) -> None:
 
 
 def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: int,
-            touch: bool) -> dict[str, Any]:
+            touch: bool, extra: dict[str, str] | None = None) -> dict[str, Any]:
     from tests.support.cluster import Cluster
     import blake3
     src = root / "tcp-src.bin"
@@ -180,7 +180,8 @@ def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: i
     dst.unlink()
     src.unlink()
     c = Cluster(root / "cluster", nodes, job=JOB, tls=tls,
-                options={"size": f"{max(4, 3 * size // GiB + 2)}G", "replicas": replicas})
+                options={"size": f"{max(4, 3 * size // GiB + 2)}G", "replicas": replicas,
+                         **(extra or {})})
     try:
         c.start()
         for r in range(1, nodes):  # the step is complete in the job
@@ -347,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shaped", help="holder counts, e.g. 1,2,3: restore over shaped links")
     p.add_argument("--holder-rate", default="1gbit", help="each holder's line rate (tc)")
     p.add_argument("--link-rate", default="4gbit", help="the replacement's line rate (tc)")
+    p.add_argument("--options", default="",
+                   help="more mount options for every node, k=v,... (e.g. bg_sched=normal)")
     p.add_argument("--out", default=str(REPO / "bench-results"))
     a = p.parse_args(argv)
+    extra = dict(kv.split("=", 1) for kv in a.options.split(",") if kv)
     if a.replicas >= a.nodes:
         p.error(f"--replicas must be below --nodes ({a.nodes})")
     if a.shaped:
@@ -358,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.reps):
             d = root / f"rep{rep}"
             d.mkdir()
-            r = one_rep(d, a.size, a.nodes, a.replicas, a.tls, 4100 + rep, not a.no_prefault)
+            r = one_rep(d, a.size, a.nodes, a.replicas, a.tls, 4100 + rep, not a.no_prefault,
+                        extra)
             log(f"rep {rep}: tcp {r['tcp']:.2f} s, close->replicated {r['replicate']:.2f} s,"
                 f" mount+read back {r['restore']:.2f} s (mount {r['mount']:.2f}, read"
                 f" {r['read']:.2f}); cpu restore {r['cpu_restore']}, machine busy"
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     res = BenchResult(
         "recovery", f"{a.nodes} nodes on loopback, replicas={a.replicas}, "
                     f"{'mutual TLS' if a.tls else 'plaintext'}, {a.size // MiB} MiB shard, "
-                    f"median of {a.reps}", ["", "seconds", "ratio to TCP"])
+                    f"median of {a.reps}{', ' + a.options if a.options else ''}", ["", "seconds", "ratio to TCP"])
     res.rows = [
         ["plain TCP copy (sendfile), s", fmt(tcp), "1.00"],
         [f"close -> replicated {a.replicas}/{a.replicas}, s", fmt(rep_s), fmt(tcp / rep_s)],
