@@ -156,3 +156,9 @@ bench-free:
 .PHONY: bench-interference
 bench-interference:
 	$(PYTHON) -m benchmarks.bench_interference $(ARGS)
+
+# FUSE request latency on a host whose CPUs are all busy, while a file is sealed, per
+# budget setting (benchmarks/bench_busy_latency.py; docs/benchmarks.md, issue 45).
+.PHONY: bench-busy-latency
+bench-busy-latency:
+	$(PYTHON) -m benchmarks.bench_busy_latency $(ARGS)

@@ -367,6 +367,9 @@ class Result:
     #: mtcfs: seconds after the last step until ``last_sealed`` was complete on every rank in
     #: the backup tier (waited for up to :func:`catch_up_s`), None if it was not
     backup_caught_up_s: float | None = None
+    #: mtcfs: CPU seconds of the nodes' background work (seal hashing, replication, backup,
+    #: scrub) over the run, at the default budget (bg_sched=idle); None: not mtcfs
+    background_cpu_s: float | None = None
 
     @property
     def steps_lost(self) -> int:
@@ -408,6 +411,10 @@ class Nodes:
                 opts["assume_data_parallelism"] = str(data_parallel)
             self.mounts.append(MtcfsMount(job, work / f"n{r}" / "mnt", opts))
         self.uploaded_dead = [0] * NODES
+        #: CPU seconds of each node's background work (seal, replication, backup, scrub:
+        #: mtcfs status budget.cpu), of its lost daemons and of the live one
+        self.bg_cpu_dead = [0.0] * NODES
+        self.bg_cpu_live = [0.0] * NODES
         self.dead_logs: dict[int, list[str]] = {}  # rank -> end of its lost daemon's log
         self.uploaded_live = [0] * NODES
 
@@ -420,11 +427,18 @@ class Nodes:
             st = self.mounts[r].status()
             self.uploaded_live[r] = int(((st.get("backup") or {}).get("store") or {})
                                         .get("bytes_uploaded", 0))
+            self.bg_cpu_live[r] = float(((st.get("budget") or {}).get("cpu") or {})
+                                        .get("cpu_s", 0.0))
         except Exception:  # noqa: BLE001 (a daemon that does not answer keeps its last figure)
             pass
 
     def uploaded(self) -> int:
         return sum(self.uploaded_dead) + sum(self.uploaded_live)
+
+    def background_cpu(self) -> float:
+        """CPU seconds the nodes' background work used (the real budget, docs/usage.md
+        "Background work"), lost daemons included up to their last sample."""
+        return sum(self.bg_cpu_dead) + sum(self.bg_cpu_live)
 
     def replace(self, ranks: list[int]) -> None:
         """Lose these nodes (daemon SIGKILLed, dead mount cleared, store wiped) and mount a
@@ -435,6 +449,8 @@ class Nodes:
             self.sample(r)
             self.uploaded_dead[r] += self.uploaded_live[r]
             self.uploaded_live[r] = 0
+            self.bg_cpu_dead[r] += self.bg_cpu_live[r]
+            self.bg_cpu_live[r] = 0.0
 
         def lose(r: int) -> None:
             kill9(self.mounts[r])
@@ -711,6 +727,9 @@ def run_strategy(ctx: Any, s: Setup, name: str, label: str, mode: str, every: in
                         break
                     time.sleep(0.2)
             res.backup_bytes = nodes.uploaded() if nodes.mounts[0].pid else res.backup_bytes
+            for r in range(NODES):
+                nodes.sample(r)
+            res.background_cpu_s = nodes.background_cpu()
             nodes.unmount()
             res.backup_bytes = max(res.backup_bytes, nodes.uploaded())
     res.goodput = s.steps * s.step_s / res.wall_s
@@ -817,11 +836,22 @@ def _mean(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.2f}" if xs else "-"
 
 
+def _background(r: Result) -> str:
+    """What the background work cost the job: its CPU seconds, and that against the CPU
+    the run's wall time gives the job's ranks (one core each)."""
+    if r.background_cpu_s is None:
+        return "-"
+    job = r.wall_s * NODES
+    return f"{r.background_cpu_s:.1f} ({100 * r.background_cpu_s / job:.1f} %)" if job \
+        else f"{r.background_cpu_s:.1f}"
+
+
 def table(results: list[Result], s: Setup) -> str:
     head = ("| strategy | interval | goodput | Young/Daly: MTBF / seen | failures p/n/j "
             "| steps lost "
-            "| recovery s p/n/j | save stall s (median) | backup MB | weights equal |")
-    rows = [head, "|" + " --- |" * 10]
+            "| recovery s p/n/j | save stall s (median) | backup MB "
+            "| background CPU s (% of the job's) | weights equal |")
+    rows = [head, "|" + " --- |" * 11]
     for r in results:
         n = [len(r.recovery(k)) for k in KINDS]
         stall = statistics.median(r.stalls) if r.stalls else 0.0
@@ -832,7 +862,8 @@ def table(results: list[Result], s: Setup) -> str:
             f"| {n[0]}/{n[1]}/{n[2]} | {r.steps_lost} "
             f"| {' / '.join(_mean(r.recovery(k)) for k in KINDS)} "
             f"| {stall:.3f} ({len(r.stalls) // NODES} ckpts) "
-            f"| {r.backup_bytes / 1e6:.0f} | {'yes' if r.equal else 'NO'} |")
+            f"| {r.backup_bytes / 1e6:.0f} "
+            f"| {_background(r)} | {'yes' if r.equal else 'NO'} |")
     return "\n".join(rows)
 
 

@@ -44,6 +44,10 @@ def test_goodput_short(tmp_path: Path) -> None:
     assert res["mtcfs-yd"]["goodput"] > res["backup"]["goodput"], out
     # the same job, the same failures: only the checkpoint path and interval differ
     assert res["mtcfs-yd"]["every"] < res["backup"]["every"] == res["mtcfs-base"]["every"], out
+    # what the background work cost the job, from the daemons' budget (mtcfs status)
+    assert res["backup"]["background_cpu_s"] is None, out
+    assert all(res[n]["background_cpu_s"] > 0 for n in ("mtcfs-yd", "mtcfs-base")), out
+    assert "background CPU s" in r.stdout, out
     assert png.stat().st_size > 10_000
     assert_cleaned_up(r.stdout, 2)
     assert time.monotonic() - t0 < 240, out
