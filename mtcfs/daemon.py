@@ -127,10 +127,11 @@ class Daemon:
         # Before any background thread starts (base/background.py).
         background.configure(o.cpu_policy)
         self.group_nice = background.set_group_nice(o.daemon_nice)
-        log.info("background work: %s, %d hashing thread(s)%s%s; the daemon: %s",
-                 o.cpu_policy.describe(), o.hash_threads, f", replication at most {o.replicate_rate} B/s"
-                 if o.replicate_rate else "", f", backup at most {o.backup_rate} B/s"
-                 if o.backup_rate and o.backup else "", self.group_nice)
+        rates = "".join(f", {what} at most {rate} B/s" for what, rate in (
+            ("replication", o.replicate_rate), ("backup", o.backup_rate if o.backup else 0))
+            if rate)
+        log.info("background work: %s, %d hashing thread(s)%s; the daemon: %s",
+                 o.cpu_policy.describe(), o.hash_threads, rates, self.group_nice)
         self.backup_budget = TokenBucket(o.backup_rate)
         check_size(o.store, o.size)  # also checked by the CLI, with the option as given
         # Before the store: its data directory's own tmpfs is sized from it (datafs.py).
