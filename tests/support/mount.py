@@ -103,6 +103,8 @@ class Mount:
         opts = {"store": str(self.store), "size": "2G", **self.options}
         if os.environ.get("MTCFS_TEST_FUSE_PATH") == "daemon":
             opts.setdefault("passthrough", "no")  # (conftest.py: fuse_path)
+        if os.environ.get("MTCFS_TEST_BG_SCHED"):
+            opts.setdefault("bg_sched", os.environ["MTCFS_TEST_BG_SCHED"])
         return ",".join(k if v is None else f"{k}={v}" for k, v in opts.items())
 
     def start(self, timeout: float = 60.0) -> "Mount":
