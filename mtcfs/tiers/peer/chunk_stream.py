@@ -218,53 +218,52 @@ class ChunkStreamServer:
         a put ticket's to a thread of the ``chunk-stream-put`` pool (a peer's replication:
         background work, base/background.py)."""
         socks = [conn]
+        self._closing(socks, addr, self._open, conn, addr, socks)
+
+    def _closing(self, socks: list[socket.socket], addr: Any,
+                 fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)``, its errors logged (the stream ends; the other side asks again or
+        elsewhere), then every socket left in ``socks`` closed (``fn`` empties the list
+        when it hands the connection on)."""
         try:
-            conn.settimeout(IO_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock: socket.socket = conn
-            if self._tls is not None:
-                sock = self._context().wrap_socket(conn, server_side=True)
-                socks.append(sock)
-            hello = _recv_exact(sock, len(MAGIC) + TICKET_BYTES)
-            if hello[:len(MAGIC)] != MAGIC:
-                return self._refuse(sock, addr, "not an mtcfs chunk stream")
-            with self._lock:
-                ticket = self._tickets.pop(hello[len(MAGIC):], None)
-            if ticket is None or ticket.expires <= self._clock():
-                return self._refuse(sock, addr, "unknown, used or expired ticket")
-            if self._tls is not None and not _names(sock, identity_uri(self._job,
-                                                                       ticket.rank)):
-                return self._refuse(sock, addr, f"the certificate is not rank {ticket.rank}'s"
-                                                f" of job {self._job}")
-            self._counters.add("streams")
-            if ticket.put:
-                self._put_pool.submit(self._receive, socks, ticket, addr)
-                socks = []  # closed by _receive
-            else:
-                self._send_chunks(sock, ticket.digests)
+            fn(*args)
         except (OSError, ssl.SSLError, EOFError) as exc:
-            log.info("chunk stream to %s ended: %s", addr, exc)
-        except RuntimeError:  # the put pool was shut down: the server stops
-            pass
-        except Exception:  # a bug: the stream ends (the client asks elsewhere), logged
-            log.exception("chunk stream to %s failed", addr)
+            log.info("chunk stream with %s ended: %s", addr, exc)
+        except Exception:  # a bug: the stream ends, logged
+            log.exception("chunk stream with %s failed", addr)
         finally:
             for s in socks:
                 with contextlib.suppress(OSError):
                     s.close()
 
-    def _receive(self, socks: list[socket.socket], ticket: Ticket, addr: Any) -> None:
-        """:meth:`_receive_chunks` on a background thread; closes the connection."""
+    def _open(self, conn: socket.socket, addr: Any, socks: list[socket.socket]) -> None:
+        """:meth:`_serve`'s work: the hello, the ticket, then the chunks (``socks``: the
+        connection's sockets, the TLS one added; emptied when a put is handed on)."""
+        conn.settimeout(IO_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock: socket.socket = conn
+        if self._tls is not None:
+            sock = self._context().wrap_socket(conn, server_side=True)
+            socks.append(sock)
+        hello = _recv_exact(sock, len(MAGIC) + TICKET_BYTES)
+        if hello[:len(MAGIC)] != MAGIC:
+            return self._refuse(sock, addr, "not an mtcfs chunk stream")
+        with self._lock:
+            ticket = self._tickets.pop(hello[len(MAGIC):], None)
+        if ticket is None or ticket.expires <= self._clock():
+            return self._refuse(sock, addr, "unknown, used or expired ticket")
+        if self._tls is not None and not _names(sock, identity_uri(self._job, ticket.rank)):
+            return self._refuse(sock, addr, f"the certificate is not rank {ticket.rank}'s"
+                                            f" of job {self._job}")
+        self._counters.add("streams")
+        if not ticket.put:
+            return self._send_chunks(sock, ticket.digests)
         try:
-            self._receive_chunks(socks[-1], ticket, addr)
-        except (OSError, ssl.SSLError, EOFError) as exc:
-            log.info("chunk stream from %s ended: %s", addr, exc)
-        except Exception:  # a bug: the stream ends (the sender tries again), logged
-            log.exception("chunk stream from %s failed", addr)
-        finally:
-            for s in socks:
-                with contextlib.suppress(OSError):
-                    s.close()
+            self._put_pool.submit(self._closing, list(socks), addr, self._receive_chunks,
+                                  sock, ticket, addr)
+        except RuntimeError:  # the put pool was shut down: the server stops
+            return
+        socks.clear()  # closed by the put thread
 
     def _refuse(self, sock: socket.socket, addr: Any, why: str) -> None:
         self._counters.add("streams_refused")
