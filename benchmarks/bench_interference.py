@@ -100,6 +100,7 @@ import textwrap
 import threading
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -755,24 +756,29 @@ COLUMNS = ["setting", "idle median ms", "bg median ms", "ratio", "idle p99", "bg
            "ratio p99", "steps", "sealed s", "replicated s", "backed up s", "daemon CPU s"]
 
 
-def table_rows(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> list[list[str]]:
+def _rows(runs: dict[str, list[dict[str, Any]]], names: list[str],
+          cells: Callable[[Callable[..., str], list[dict[str, Any]]], list[str]]
+          ) -> list[list[str]]:
+    """One row per setting that ran: its name, then ``cells(col, runs)``, where
+    ``col(get, digits=2)`` is the median of ``get(run)`` over its runs with its noise."""
     rows = []
     for name in names:
         rs = runs.get(name) or []
-        if not rs:
-            continue
+        if rs:
+            rows.append([name, *cells(
+                lambda get, digits=2: fmt_noise([get(r) for r in rs], digits), rs)])
+    return rows
 
-        def col(get: Any, digits: int = 2) -> str:
-            return fmt_noise([get(r) for r in rs], digits)
-        rows.append([
-            name, col(lambda r: r["idle"]["median_ms"], 1), col(lambda r: r["bg"]["median_ms"], 1),
+
+def table_rows(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> list[list[str]]:
+    return _rows(runs, names, lambda col, rs: [
+            col(lambda r: r["idle"]["median_ms"], 1), col(lambda r: r["bg"]["median_ms"], 1),
             col(lambda r: r["ratio_median"]), col(lambda r: r["idle"]["p99_ms"], 1),
             col(lambda r: r["bg"]["p99_ms"], 1), col(lambda r: r["ratio_p99"]),
             fmt(median([r["bg"]["n"] for r in rs]), 0),
             col(lambda r: r["tiers_s"]["sealed"]), col(lambda r: r["tiers_s"]["replicated"]),
             col(lambda r: r["tiers_s"]["backed_up"]),
             col(lambda r: r["daemon_cpu_s"]["window_total"])])
-    return rows
 
 
 NOISE_COLUMNS = ["setting", "idle median ms", "tail median ms", "tail/idle", "idle p99",
@@ -784,19 +790,10 @@ NOISE_COLUMNS = ["setting", "idle median ms", "tail median ms", "tail/idle", "id
 def noise_rows(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> list[list[str]]:
     """The trainer on its own: the idle phase against the tail after the window (no
     background work in either), and what the machine did meanwhile."""
-    rows = []
-    for name in names:
-        rs = runs.get(name) or []
-        if not rs:
-            continue
-
-        def col(get: Any, digits: int = 2) -> str:
-            return fmt_noise([get(r) for r in rs], digits)
-
-        def div(a: float | None, b: float | None) -> float | None:
-            return a / b if a and b else None
-        rows.append([
-            name, col(lambda r: r["idle"]["median_ms"], 1),
+    def div(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+    return _rows(runs, names, lambda col, rs: [
+            col(lambda r: r["idle"]["median_ms"], 1),
             col(lambda r: r["tail"]["median_ms"], 1),
             col(lambda r: div(r["tail"]["median_ms"], r["idle"]["median_ms"])),
             col(lambda r: r["idle"]["p99_ms"], 1), col(lambda r: r["tail"]["p99_ms"], 1),
@@ -806,7 +803,6 @@ def noise_rows(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> list[
             col(lambda r: div(sum(r["daemon_cpu_s"]["idle"].values()) or None,
                               r["idle"]["seconds"]), 3),
             col(lambda r: r["other_cores"]["idle"]), col(lambda r: r["other_cores"]["window"])])
-    return rows
 
 
 def render(title: str, rows: list[list[str]], columns: list[str] = COLUMNS) -> str:
