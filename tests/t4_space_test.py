@@ -6,6 +6,7 @@ data files) never exceeds size=, and an unlinked file's space is back when unlin
 
 import errno
 import os
+import threading
 
 import pytest
 
@@ -121,13 +122,9 @@ def test_unlink_after_enospc_gives_space_back_at_once(make_mount):
         os.unlink(q)
 
 
-def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path):
-    """Reading back a checkpoint that left RAM brings its chunks in, which counts against
-    size= like a write (room is made by eviction first). When nothing can be evicted the
-    read is still served, bit-exact, never refused: the overflow is logged and counted, and
-    the next write that needs room takes it back."""
-    m = make_mount(size="32M", chunk_size="1M", keep="1",
-                   backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+def _two_backed_up_steps_and_scratch(m):
+    """step_1 and step_2 (12 MiB each) backed up, step_1 evicted from RAM by ``gc``, then
+    16 MiB of scratch (no checkpoint: stays): 28 of the 32 MiB of size= used."""
     data = {n: os.urandom(n_mib * MiB) for n, n_mib in (("step_1", 12), ("step_2", 12))}
     for step in data:
         d = m.path(step)
@@ -138,7 +135,18 @@ def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path)
                                for c in m.checkpoints()), 60, f"{step} backed up")
     m.cli("gc", str(m.mnt))  # step_1 leaves RAM (it is in the backup; step_2 is the newest)
     m.wait_for(lambda: m.status()["ram"]["used"] < 14 * MiB, 30, "step_1 out of RAM")
-    m.path("scratch.bin").write_bytes(os.urandom(16 * MiB))  # no checkpoint: stays
+    m.path("scratch.bin").write_bytes(os.urandom(16 * MiB))
+    return data
+
+
+def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path):
+    """Reading back a checkpoint that left RAM brings its chunks in, which counts against
+    size= like a write (room is made by eviction first). When nothing can be evicted the
+    read is still served, bit-exact, never refused: the overflow is logged and counted, and
+    the next write that needs room takes it back."""
+    m = make_mount(size="32M", chunk_size="1M", keep="1",
+                   backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+    data = _two_backed_up_steps_and_scratch(m)
     p = m.path("step_1", "model.bin")
     drop_page_cache(p)  # the kernel's page cache still has it from the write
     assert p.read_bytes() == data["step_1"]  # 12 + 16 + 12 MiB > 32 MiB: served anyway
@@ -156,3 +164,47 @@ def test_a_read_into_a_full_ram_tier_is_served_and_counted(make_mount, tmp_path)
     if data_tmpfs is not None:  # ... and is back to its size once it holds no more
         m.wait_for(lambda: m.status()["store_fs"]["data_tmpfs"]["size"] == base, 30,
                    "the data tmpfs back to its size")
+
+
+def test_a_create_while_chunks_are_read_in_past_size_keeps_their_bytes(make_mount, tmp_path,
+                                                                        monkeypatch):
+    """A file created (or sealed) while a read brings chunks in past size= must not set the
+    data tmpfs back to its size under the chunk writes still under way: that made one of
+    them short by a page, and a page of zeros was served (a fresh-clone suite run,
+    2026-12-01: 4 KiB of zeros at 4,190,208 of a 12 MiB file). And a writer the kernel
+    passes through to the store may take the room grown for those chunks: they are written
+    all the same (the tmpfs grown again), never served short. The failpoint holds each
+    chunk write long enough for the create and the writer to land among them."""
+    monkeypatch.setenv("MTCFS_FAILPOINTS", "fetch.write_chunk=sleep(0.5)")
+    m = make_mount(size="32M", chunk_size="1M", keep="1",
+                   backup=f"file://{tmp_path}/backup", backup_interval="1ckpt")
+    data = _two_backed_up_steps_and_scratch(m)
+    p = m.path("step_1", "model.bin")
+    drop_page_cache(p)
+    got: dict[str, bytes | BaseException] = {}
+
+    def read() -> None:
+        try:
+            got["bytes"] = p.read_bytes()
+        except OSError as exc:
+            got["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    m.wait_for(lambda: "grown past size=" in m.log(), 30,
+               "the data tmpfs grown for chunks read in")
+    open(m.path("created.bin"), "wb").close()  # its open makes room; its seal checks it
+    assert "back to" not in m.log()  # (the data tmpfs kept for the chunks in flight)
+    fd = os.open(m.path("filler.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:  # passthrough: the kernel writes it, and only the tmpfs says no
+        for _ in range(16):
+            os.write(fd, os.urandom(MiB))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    reader.join(60)
+    assert not reader.is_alive(), "the read did not end"
+    assert "error" not in got, got.get("error")
+    assert got["bytes"] == data["step_1"]
+    assert m.status()["counters"]["fault_errors"] == 0

@@ -87,11 +87,12 @@ class RamBudget:
         #: (``Store.data_usage``), None when it has none; wired by the core.
         self.data_usage: Callable[[], tuple[int, int] | None] = lambda: None
         #: ``(nbytes)``: let that many bytes past the data tmpfs's size (a read past
-        #: ``size=``, :meth:`reserve` with ``best_effort``), and ``()``: take that back
-        #: once there is room (``Store.grow_data``, ``Store.shrink_data``); wired by the
-        #: core, no-ops without a data tmpfs.
+        #: ``size=``, :meth:`reserve` with ``best_effort``), and ``(in_flight)``: take that
+        #: back once there is room for what it holds and the bytes in flight
+        #: (``Store.grow_data``, ``Store.shrink_data``); wired by the core, no-ops without
+        #: a data tmpfs.
         self.grow_data: Callable[[int], None] = lambda nbytes: None
-        self.shrink_data: Callable[[], None] = lambda: None
+        self.shrink_data: Callable[[int], None] = lambda in_flight: None
         #: Whether :meth:`after_seal` keeps the headroom: set by the first
         #: :meth:`make_room` (writes the daemon does not see are then under way).
         self.headroom_active = False
@@ -233,7 +234,7 @@ class RamBudget:
         count as free at once (``Store.data_usage``).
         """
         self.headroom_active = True
-        self.shrink_data()
+        self.shrink_data(self._in_flight)
         want = self.headroom if headroom is None else headroom
         if self.room() < want:
             await self._settle()
@@ -245,7 +246,7 @@ class RamBudget:
     def after_seal(self) -> None:
         """The watermark check after a seal: once :attr:`headroom_active`, evict until
         :attr:`headroom` is free again (as :meth:`make_room`, without awaiting)."""
-        self.shrink_data()
+        self.shrink_data(self._in_flight)
         if not self.headroom_active:
             return
         room = self.room()
@@ -267,7 +268,7 @@ class RamBudget:
                 ``best_effort``).
         """
         if self.fits(nbytes):
-            self.shrink_data()
+            self.shrink_data(self._in_flight)
             return True
         await self._settle()
         shared = self.shared_used() + self._in_flight

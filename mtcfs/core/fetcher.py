@@ -29,6 +29,8 @@ import trio
 from mtcfs.base import pools
 from mtcfs.base.chunking import chunk_span
 from mtcfs.base.errors import FsError
+from mtcfs.base.failpoints import failpoint
+from mtcfs.base.fileio import ShortWrite, pwrite_all
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.model import Inode, Version
 from mtcfs.core.records import ChunkSource, Counters
@@ -54,6 +56,11 @@ REFETCH_AFTER_S = 2.0
 ARRIVAL_WAIT_S = 10.0
 #: Fetches from sources at a time (the fetch limiter).
 FETCHES = pools.POOLS["fetch"].size
+
+
+def _write_chunk(fd: int, data: bytes | memoryview, off: int) -> None:
+    failpoint("fetch.write_chunk")  # tests: chunk writes under way while the tmpfs changes
+    pwrite_all(fd, data, off)
 
 
 class Paths(Protocol):
@@ -293,10 +300,10 @@ class FaultIn:
         nothing else: it is no longer the store's to count or index.
 
         Raises:
-            FsError: EIO when ``v`` was replaced and has no descriptor left to write to.
-            OSError: ENOSPC from the store's filesystem; StoreFull (an OSError, ENOSPC)
-                before anything is written when the bytes would take the metadata's reserve
-                (``Host.check_data_room``).
+            FsError: EIO when ``v`` was replaced and has no descriptor left to write to,
+                or when the bytes cannot be written (:meth:`_write`).
+            StoreFull: (an OSError, ENOSPC) before anything is written when the bytes
+                would take the metadata's reserve (``Host.check_data_room``).
         """
         if idx not in v.missing:
             return
@@ -352,7 +359,7 @@ class FaultIn:
             with self._budget.hold(need):  # set aside until counted
                 fd = self._fds.lease(v)  # stays open while the thread writes
                 try:
-                    await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self._cpu)
+                    await self._write(v, idx, fd, data, off)
                 finally:
                     self._fds.unlease(v, fd)
             if idx in v.missing:
@@ -368,6 +375,35 @@ class FaultIn:
             if not v.filling and v.fill_done is not None:
                 v.fill_done.set()
                 v.fill_done = None
+
+    async def _write(self, v: Version, idx: int, fd: int, data: bytes | memoryview,
+                     off: int) -> None:
+        """Write chunk ``idx`` (``data``, at byte ``off``) into ``v``'s data file ``fd`` in
+        a worker thread, all of it.
+
+        A read is never refused for room (docs/usage.md, "Capacity and eviction"): when the
+        data tmpfs is full all the same (a passthrough writer took the room the budget saw,
+        which it learns of only at that file's seal), it is grown for this chunk and the
+        write is made once more.
+
+        Raises:
+            FsError: EIO, reported, when the chunk cannot be written (the error said).
+        """
+        for attempt in (1, 2):
+            try:
+                await trio.to_thread.run_sync(_write_chunk, fd, data, off, limiter=self._cpu)
+                return
+            except ShortWrite as exc:
+                if exc.errno == errno.ENOSPC and attempt == 1 \
+                        and self._host.versions.get(v.vid) is v:
+                    self._counters.fault_in_over_size += 1
+                    log.warning("the store's data tmpfs was full under a chunk read in (%s):"
+                                " grown for it", self._what(v, idx))
+                    self._budget.grow_data(len(data) - exc.written + self._budget.in_flight)
+                    continue
+                why = f"{self._what(v, idx)}: writing it into the store: {exc.strerror}"
+                self._host.report_error(why)
+                raise FsError(errno.EIO, why) from None
 
     async def deliver(self, digest: str, data: bytes | memoryview,
                       where: list[tuple[Version, int]]) -> int:

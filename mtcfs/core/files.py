@@ -50,6 +50,7 @@ from mtcfs.base.chunking import (DEFAULT_HASH_THREADS, HashResult, HashStopped, 
                                  rehash_fd)
 from mtcfs.base.errors import FsError
 from mtcfs.base.failpoints import failpoint
+from mtcfs.base.fileio import ShortWrite, pwrite_all
 from mtcfs.base.ns_ops import Create
 from mtcfs.base.space import FALLOC_FL_KEEP_SIZE, allocate
 from mtcfs.core.budget import RamBudget
@@ -675,17 +676,10 @@ class OpenFiles:
             await self.budget.reserve(need)
         self.vstore.preserve(v, off, end)  # for older versions that read its data file
         self.vstore.note_dirty(v, off, end)  # committed before the bytes change
-        n = 0
         try:
-            fd = self.vstore.fd(v)
-            while n < len(buf):
-                # tmpfs writes what it has pages for and returns short when it runs out:
-                # go on until the rest fails, so a short count is never taken for the whole
-                k = os.pwrite(fd, memoryview(buf)[n:], off + n)
-                if not k:  # (never seen; a loop that cannot end otherwise)
-                    raise OSError(errno.ENOSPC, "the store's data file took no bytes")
-                n += k
+            pwrite_all(self.vstore.fd(v), buf, off)  # (a short count is never the whole)
         except OSError as exc:
+            n = exc.written if isinstance(exc, ShortWrite) else 0
             if n:
                 # Part of it was written: the version is as long as the bytes it holds
                 # (its seal hashes v.size bytes of the data file), never the request's end.
@@ -707,9 +701,9 @@ class OpenFiles:
             ino = self.inodes.get(v.ino)
             if ino is not None:
                 ino.mtime_ns = ino.ctime_ns = _now_ns()
-        self.counters.bytes_written += n
+        self.counters.bytes_written += len(buf)
         self.last_write = time.monotonic()
-        return n
+        return len(buf)
 
     def _forget_kernel_copy(self, v: Version) -> None:
         """A write into current ``v`` failed: the kernel's writeback cache holds the bytes

@@ -66,6 +66,7 @@ import blake3
 
 from mtcfs.base.chunking import chunk_count, chunk_hash, chunk_span, zero_chunk_hash
 from mtcfs.base.failpoints import failpoint
+from mtcfs.base.fileio import pwrite_all
 from mtcfs.core.budget import RamBudget
 from mtcfs.core.chunkmap import ChunkIndex
 from mtcfs.core.model import Inode, SharedData, Version
@@ -523,7 +524,7 @@ class VersionStore:
                         copy_extents(sfd, dfd, copy_from.size)
                         for i, piece in (copy_from.preserved or {}).items():
                             # a reader of a shared file: its own bytes of the chunks changed
-                            os.pwrite(dfd, piece, i * copy_from.chunk_size)
+                            pwrite_all(dfd, piece, i * copy_from.chunk_size)
                     finally:
                         fds.unlease(v, dfd)
                         fds.unlease(copy_from, sfd)
@@ -739,7 +740,7 @@ class VersionStore:
                 off, length = chunk_span(i, v.size, v.chunk_size)
                 piece = data[off:off + length]
                 if blake3.blake3(piece).hexdigest() == d:
-                    os.pwrite(fd, piece, off)
+                    pwrite_all(fd, piece, off)
                     v.missing.discard(i)
         self._host.budget.account(v)
         self.versions[v.vid] = v

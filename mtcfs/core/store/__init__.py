@@ -655,10 +655,12 @@ class Store:
         except OSError as exc:
             log.warning("cannot grow the data tmpfs %s while freeing: %s", self.data_dir, exc)
 
-    def shrink_data(self) -> None:
+    def shrink_data(self, in_flight: int = 0) -> None:
         """Set a data tmpfs :meth:`grow_data` grew back to :attr:`data_limit` (plus the
-        bytes the reaper has still to free) if it holds no more than that now (cheap when
-        it was not grown)."""
+        bytes the reaper has still to free) if it holds no more than that now, with
+        ``in_flight`` more bytes (chunk writes under way that the budget let in: set back
+        under them, a write made short by a page and a read served that page as zeros).
+        Cheap when it was not grown."""
         if not self._data_grown or self.data_limit is None:
             return
         try:
@@ -666,7 +668,7 @@ class Store:
             # (less the bytes the reaper has still to free: :meth:`_room_while_reaping`)
             pending = self.reaper.pending_bytes
             target = -(-(self.data_limit + pending) // datafs.PAGE) * datafs.PAGE
-            if used <= target:
+            if used + in_flight <= target:
                 if size != target:
                     datafs.resize(self.data_dir, target)
                     if not pending:

@@ -42,6 +42,7 @@ import stat
 
 from mtcfs.base import mountinfo
 from mtcfs.base.failpoints import failpoint
+from mtcfs.base.fileio import pwrite_all
 
 __all__ = ["SOURCE", "DataMountError", "check_resize", "mount_of_data", "prepare", "resize",
            "unmount_data",
@@ -329,7 +330,8 @@ def _copy_sparse(src: str, dst: str) -> None:
                     buf = os.pread(fi, min(end - pos, 1 << 20), pos)
                     if not buf:
                         break
-                    pos += os.pwrite(fo, buf, pos)
+                    pwrite_all(fo, buf, pos)
+                    pos += len(buf)
                 off = end
             os.ftruncate(fo, st.st_size)
             os.fchmod(fo, stat.S_IMODE(st.st_mode))
