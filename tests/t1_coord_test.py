@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mtcfs.tiers.coord.etcd import Etcd, put_op
+from mtcfs.tiers.coord.etcd import Etcd, prefix_end, put_op
 from mtcfs.tiers.coord.lock import EtcdLock, LockTimeout
 from mtcfs.tiers.coord.membership import Membership, RankTaken
 from mtcfs.tiers.coord.rounds import RestoreRounds, RoundTimeout
@@ -296,6 +296,78 @@ def test_a_retried_join_is_not_taken_for_a_restart(client, etcd_prefix):  # noqa
                        lambda: r1.agree_sync([5], wait_s=20)])
     assert out == [5, 5] and r0.last_round == r1.last_round == 1
     assert r0.etcd.replayed
+
+
+class _CountingReads:
+    """An etcd client that counts the round entries its ranges returned."""
+
+    def __init__(self, real: Etcd) -> None:
+        self.real, self.entries_read, self.lock = real, 0, threading.Lock()
+
+    def range(self, key, range_end, **kw):
+        out = self.real.range(key, range_end, **kw)
+        if b"/round-" in key:
+            with self.lock:
+                self.entries_read += len(out[0])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_round_is_read_whole_about_once_not_once_per_rank(client, etcd_prefix):  # noqa: F811
+    """16 ranks ask at once: the rank whose join completes the round reads the entries and
+    writes the decision, the others read the decision. When every rank read every entry
+    once its poll found the round complete (N x N records), a round of 1,000 ranks took
+    45 s (docs/benchmarks.md, "Coordination at scale")."""
+    n = 16
+    counting = _CountingReads(client)
+    rounds = [RestoreRounds(counting, etcd_prefix, r, n) for r in range(n)]
+    got = _in_threads([lambda r=r: rounds[r].agree_sync([1, 2] if r else [2, 3], wait_s=30)
+                       for r in range(n)])
+    assert got == [2] * n
+    assert counting.entries_read <= 2 * n, counting.entries_read
+
+
+def test_rounds_leave_the_entries_of_two_rounds_at_most(client, etcd_prefix):  # noqa: F811
+    """Each restart of the job opens a round; the entries of the rounds before the last two
+    are deleted (they were kept for ever: N keys per restart)."""
+    rounds = [RestoreRounds(client, etcd_prefix, r, 3) for r in range(3)]
+    for step in range(1, 5):  # four restarts of the job, four rounds
+        assert _in_threads([lambda r=r: rounds[r].agree_sync([step], wait_s=20)
+                            for r in range(3)]) == [step] * 3
+    area = f"{etcd_prefix}mtc/".encode()
+    kvs, _rev, _more, _n = client.range(area, prefix_end(area))
+    names = sorted(kv.key[len(area):].decode() for kv in kvs)
+    assert [k for k in names if not k.startswith("round-3/") and not k.startswith("round-4/")
+            ] == ["decision-3", "decision-4", "round"], names
+    assert len(names) == 3 + 2 * 3
+
+
+class _DiesDeciding(RestoreRounds):
+    """A rank whose trainer dies after its join completed the round, before the decision."""
+
+    def _decide(self, *args, **kw):
+        raise RuntimeError("the trainer died")
+
+
+def test_a_round_whose_completing_rank_dies_is_decided_by_another(client, etcd_prefix):  # noqa: F811
+    r0, r1 = (RestoreRounds(client, etcd_prefix, r, 3) for r in range(2))
+    out: list = [None, None]
+    ts = [threading.Thread(target=lambda i=i, r=r: out.__setitem__(i, r.agree_sync([7, 8], wait_s=30)))
+          for i, r in enumerate((r0, r1))]
+    for t in ts:
+        t.start()
+    area = f"{etcd_prefix}mtc/round-1/".encode()
+    deadline = time.monotonic() + 10
+    while len(client.range(area, prefix_end(area))[0]) < 2:
+        assert time.monotonic() < deadline, "ranks 0 and 1 did not join"
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError):
+        _DiesDeciding(client, etcd_prefix, 2, 3).agree_sync([8], wait_s=30)
+    for t in ts:
+        t.join(timeout=30)
+    assert out == [8, 8]
 
 
 def test_a_round_without_every_rank_fails_in_one_line(client, etcd_prefix):  # noqa: F811

@@ -14,7 +14,9 @@ orders it, with no protocol of our own beyond three kinds of keys under the job'
 
 A rank that asks for a restore joins the current round, unless its entry is already there
 (its trainer restarted since): then it opens round ``k + 1`` with a compare-and-set on
-``<area>/round`` and joins that; the others, asking later, find it current. A rank that
+``<area>/round`` and joins that; the others, asking later, find it current. The same
+transaction deletes round ``k - 1``'s entries and decision: etcd holds the entries of two
+rounds at most, never one set per restart. A rank that
 asks after the decision of the round it joins takes that decision. The round waits for
 every rank's entry up to ``wait_s``; past it, the caller gets :class:`RoundTimeout` naming
 the ranks that never asked (a decision without them could name a step they lack).
@@ -25,10 +27,11 @@ refused (``untrusted.REJECTED``): a round number is replaced (compare-and-set) b
 mod revision, above every round opened before, and the ranks follow that round; an entry
 counts as not joined (a rank puts its own back); a decision is taken again.
 
-Load: per restore, per rank, about four small transactions and a poll every 0.1–0.5 s while
-waiting; a poll counts the round's entries (one number), and reads them only to name the
-missing ranks once, and when the count is complete (docs/benchmarks.md, "Coordination at
-scale").
+Load: per restore, per rank, about three small transactions (the join's also counts the
+round's entries: the rank that completes the round knows it and decides at once), then
+polls of two keys (the decision, the round) capped near ``POLLS_PER_S`` in all, a count of
+the entries every ``COUNT_EVERY_S`` s or so, and a read of them to name the missing ranks
+every ``NAME_EVERY_S`` s or so (docs/benchmarks.md, "Coordination at scale").
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from mtcfs.base.limits import MAX_NODES, MAX_STEP
 from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord._pb import etcd_v3_subset_pb2 as pb
 from mtcfs.tiers.coord.etcd import (
-    Etcd, EtcdError, EtcdUnavailable, absent, get_op, mod_is, prefix_end, put_op,
+    Etcd, EtcdError, EtcdUnavailable, absent, delete_op, get_op, mod_is, prefix_end, put_op,
 )
 from mtcfs.tiers.coord.keys import rank_key, rank_of_key
 
@@ -58,8 +61,13 @@ WAIT_S = 600.0
 #: 0.5 s, etcd on 2 shared cores fell behind and leases expired (docs/benchmarks.md).
 POLLS_PER_S = 250.0
 #: Seconds between two reads of a round's entries while it fills (to name the missing
-#: ranks; at least ``nodes / 10``); the polls between only count them.
+#: ranks; at least ``nodes / 10``); the polls between read the decision and the round.
 NAME_EVERY_S = 5.0
+#: Seconds between two counts of a round's entries by a waiting rank (at least
+#: ``nodes / COUNTS_PER_S``): how long a round whose completing rank died before it
+#: wrote the decision waits for another rank to write it.
+COUNT_EVERY_S = 2.0
+COUNTS_PER_S = 100.0
 
 
 #: Largest round entry or decision accepted, bytes (an entry lists the steps a rank can
@@ -156,6 +164,8 @@ class RestoreRounds:
         self.base = f"{prefix}{area}/"
         self.round_key = f"{self.base}round".encode()
         self.last_round = 0
+        #: Entries round :attr:`last_round` had when this rank joined it (0: not known).
+        self.joined_count = 0
         self.waiting_for: list[int] = []
 
     def _entries(self, k: int) -> bytes:
@@ -185,9 +195,17 @@ class RestoreRounds:
     def _decision(self, k: int) -> bytes:
         return f"{self.base}decision-{k}".encode()
 
+    def _count_op(self, k: int) -> pb.RequestOp:
+        """A count-only range of round ``k``'s entries (one number, not N records)."""
+        entries = self._entries(k)
+        return pb.RequestOp(request_range=pb.RangeRequest(
+            key=entries, range_end=prefix_end(entries), count_only=True))
+
     def join(self, steps: Iterable[int], *, timeout: float = 30.0, nonce: str = "") -> int:
         """Join the current round (or open the next, see the module docstring) with the
-        steps this rank can restore; returns the round number.
+        steps this rank can restore; returns the round number. :attr:`joined_count` is
+        then the number of entries the round had with this one (0: not known, a join
+        etcd had applied before its answer was lost).
 
         Raises:
             EtcdError: etcd did not answer within ``timeout``.
@@ -209,17 +227,25 @@ class RestoreRounds:
             if k is None:
                 continue
             r = self.etcd.txn([mod_is(self.round_key, kv.mod_revision),
-                               absent(self._entry(k))], [put_op(self._entry(k), body)],
+                               absent(self._entry(k))],
+                              [put_op(self._entry(k), body), self._count_op(k)],
                               [get_op(self._entry(k))], retry=True)
             got = [] if r.succeeded else r.responses[0].response_range.kvs
             if r.succeeded or (got and _nonce_of(got[0].value) == nonce):
                 self.last_round = k
+                self.joined_count = (int(r.responses[1].response_range.count)
+                                     if r.succeeded else 0)
                 return k
             if got:
                 # This rank is in round k already: its trainer restarted, so the job
-                # restarts again: open round k + 1 (unless the round moved meanwhile).
+                # restarts again: open round k + 1 (unless the round moved meanwhile),
+                # and delete what round k - 1 left (its entries, its decision): no rank
+                # reads them once round k is open, so etcd keeps one round's entries.
+                older = self._entries(k - 1)
                 self.etcd.txn([mod_is(self.round_key, kv.mod_revision)],
-                              [put_op(self.round_key, str(k + 1).encode())], retry=True)
+                              [put_op(self.round_key, str(k + 1).encode()),
+                               delete_op(older, prefix_end(older)),
+                               delete_op(self._decision(k - 1))], retry=True)
             if time.monotonic() > deadline:
                 raise EtcdError(f"could not join a restore round within {timeout:g} s")
 
@@ -247,81 +273,113 @@ class RestoreRounds:
 
     def _agree(self, steps: list[int], nonce: str, deadline: float,
                wait_s: float) -> int | None:
+        """The wait of :meth:`agree_sync` for round ``k``'s decision.
+
+        The rank whose join completes the round (its join's count is ``nodes``) reads the
+        entries once and writes the decision at once; the others poll the decision and the
+        round number only (two keys), at most ``POLLS_PER_S`` polls per second in all, and
+        count the entries every ``COUNT_EVERY_S`` s or so (the decision of a round whose
+        completing rank died before it wrote one), reading them when the count is complete
+        and every ``NAME_EVERY_S`` s or so to name the missing ranks. A round is then
+        read whole about once (by the rank that completes it), O(N) records, where every
+        rank reading every entry when its poll found the round complete was O(N^2)
+        (45 s for a round of 1,000: docs/benchmarks.md, "Coordination at scale").
+        """
         k = self.join(steps, nonce=nonce)
+        complete = self.joined_count >= self.nodes
         pause = 0.1
         # N ranks poll while a round fills: their rate is capped near POLLS_PER_S in all
         most = max(0.5, self.nodes / POLLS_PER_S)
+        count_every = max(COUNT_EVERY_S, self.nodes / COUNTS_PER_S)
         # and the reads of every entry (N records each) at most ~10 per second in all
         name_every = max(NAME_EVERY_S, self.nodes / 10.0)
-        named = -1e9  # when the missing ranks were last read
+        # when the entries were last counted, and read (the first read, to name the
+        # missing ranks, NAME_EVERY_S after the join)
+        counted = time.monotonic()
+        named = counted - name_every + NAME_EVERY_S
+        self.waiting_for = []
+        bad = 0  # mod revision of a decision that does not decode (replaced when decided)
         while True:
-            dkey, entries = self._decision(k), self._entries(k)
-            # while waiting, count the entries (one number, not N records per poll)
-            r = self.etcd.txn([], [get_op(dkey), pb.RequestOp(request_range=pb.RangeRequest(
-                key=entries, range_end=prefix_end(entries), count_only=True)),
-                get_op(self.round_key)], retry=True)
-            got = r.responses[0].response_range.kvs
-            bad = 0  # mod revision of a decision that does not decode (replaced below)
-            if got:
-                try:
-                    step = decode_round_decision(got[0].value)
-                    self.waiting_for = []
-                    return step
-                except BadRecord as exc:
-                    untrusted.REJECTED.reject("round_decision", got[0].key, str(exc))
-                    bad = int(got[0].mod_revision)
-            current = r.responses[2].response_range.kvs
-            if current:
-                now = self._round_of(current[0])
-                if now is None or now > k:
-                    # undecided, left behind (or the round number was replaced): follow
-                    k = self.join(steps, nonce=nonce)
+            dkey = self._decision(k)
+            if not complete:
+                r = self.etcd.txn([], [get_op(dkey), get_op(self.round_key)], retry=True)
+                got = r.responses[0].response_range.kvs
+                if got:
+                    try:
+                        step = decode_round_decision(got[0].value)
+                        self.waiting_for = []
+                        return step
+                    except BadRecord as exc:
+                        untrusted.REJECTED.reject("round_decision", got[0].key, str(exc))
+                        bad = int(got[0].mod_revision)
+                current = r.responses[1].response_range.kvs
+                if current:
+                    now = self._round_of(current[0])
+                    if now is None or now > k:
+                        # undecided, left behind (or the round number was replaced): follow
+                        k = self.join(steps, nonce=nonce)
+                        complete = self.joined_count >= self.nodes
+                        continue
+                t = time.monotonic()
+                if bad or t >= counted + count_every or t >= min(deadline, named + name_every):
+                    counted = t
+                    n = self.etcd.txn([], [self._count_op(k)], retry=True)
+                    complete = int(n.responses[0].response_range.count) >= self.nodes
+                if not (complete or t >= min(deadline, named + name_every)):
+                    time.sleep(pause * random.uniform(0.8, 1.2))
+                    pause = min(pause * 1.5, most)
                     continue
-            if int(r.responses[1].response_range.count) < self.nodes and \
-                    time.monotonic() < min(deadline, named + name_every):
-                time.sleep(pause * random.uniform(0.8, 1.2))
-                pause = min(pause * 1.5, most)
-                continue
             # complete, or time to say again who is missing: read the entries
             named = time.monotonic()
-            kvs, _rev, _more, _n = self.etcd.range(entries, prefix_end(entries))
-            joined: dict[int, set[int]] = {}
-            mine_bad = 0  # mod revision of this rank's own entry when it does not decode
-            for kv in kvs:
-                try:
-                    rank = rank_of_key(kv.key, entries)
-                    got_steps, _nonce = decode_round_entry(kv.value, rank)
-                except BadRecord as exc:
-                    untrusted.REJECTED.reject("round_entry", kv.key, str(exc))
-                    if kv.key == self._entry(k):
-                        mine_bad = int(kv.mod_revision)
-                    continue
-                if rank < self.nodes:
-                    joined[rank] = set(got_steps)
-            if mine_bad:
-                # this rank's entry was overwritten: put it back (the others wait for it)
-                self.etcd.txn([mod_is(self._entry(k), mine_bad)],
-                              [put_op(self._entry(k), self._entry_body(steps, nonce))],
-                              retry=True)
-            self.waiting_for = [x for x in range(self.nodes) if x not in joined]
-            if not self.waiting_for:
-                common = set.intersection(*joined.values()) if joined else set()
-                step = max(common) if common else None
-                body = json.dumps({"round": k, "step": step,
-                                   "decided_by": self.rank, "at": round(time.time(), 3)},
-                                  separators=(",", ":")).encode()
-                guard = mod_is(dkey, bad) if bad else absent(dkey)
-                w = self.etcd.txn([guard], [put_op(dkey, body)], [get_op(dkey)],
-                                  retry=True)
-                if w.succeeded:
-                    self.waiting_for = []
-                    return step
-                continue
-            if time.monotonic() >= deadline:
+            decided, step = self._decide(k, steps, nonce, bad)
+            if decided:
+                self.waiting_for = []
+                return step
+            complete = False  # (not every rank's entry decodes, or another rank decided)
+            if self.waiting_for and time.monotonic() >= deadline:
                 raise RoundTimeout(f"restore round {k}: rank(s) {self.waiting_for[:10]} did "
                                    f"not ask for a restore within {wait_s:g} s")
-            time.sleep(pause * random.uniform(0.8, 1.2))
-            pause = min(pause * 1.5, most)
+            if self.waiting_for:
+                time.sleep(pause * random.uniform(0.8, 1.2))
+                pause = min(pause * 1.5, most)
+
+    def _decide(self, k: int, steps: list[int], nonce: str,
+                bad: int) -> tuple[bool, int | None]:
+        """Read round ``k``'s entries; when every rank's is there, write the decision
+        (create-if-absent, or over a decision at mod revision ``bad`` that does not
+        decode). Returns (True, step) when this rank wrote it, else (False, None), with
+        :attr:`waiting_for` the ranks whose entries are missing (empty when the round was
+        complete but another rank's decision came first: the next poll reads it)."""
+        entries, dkey = self._entries(k), self._decision(k)
+        kvs, _rev, _more, _n = self.etcd.range(entries, prefix_end(entries))
+        joined: dict[int, set[int]] = {}
+        mine_bad = 0  # mod revision of this rank's own entry when it does not decode
+        for kv in kvs:
+            try:
+                rank = rank_of_key(kv.key, entries)
+                got_steps, _nonce = decode_round_entry(kv.value, rank)
+            except BadRecord as exc:
+                untrusted.REJECTED.reject("round_entry", kv.key, str(exc))
+                if kv.key == self._entry(k):
+                    mine_bad = int(kv.mod_revision)
+                continue
+            if rank < self.nodes:
+                joined[rank] = set(got_steps)
+        if mine_bad:
+            # this rank's entry was overwritten: put it back (the others wait for it)
+            self.etcd.txn([mod_is(self._entry(k), mine_bad)],
+                          [put_op(self._entry(k), self._entry_body(steps, nonce))],
+                          retry=True)
+        self.waiting_for = [x for x in range(self.nodes) if x not in joined]
+        if self.waiting_for:
+            return False, None
+        common = set.intersection(*joined.values()) if joined else set()
+        step = max(common) if common else None
+        body = json.dumps({"round": k, "step": step, "decided_by": self.rank,
+                           "at": round(time.time(), 3)}, separators=(",", ":")).encode()
+        guard = mod_is(dkey, bad) if bad else absent(dkey)
+        w = self.etcd.txn([guard], [put_op(dkey, body)], [get_op(dkey)], retry=True)
+        return (True, step) if w.succeeded else (False, None)
 
     async def agree(self, steps: Iterable[int], *, wait_s: float = WAIT_S) -> int | None:
         """:meth:`agree_sync` in a worker thread."""
