@@ -387,7 +387,7 @@ class FaultIn:
         write is made once more.
 
         Raises:
-            FsError: EIO, reported, when the chunk cannot be written (the error said).
+            FsError: EIO when the chunk cannot be written (the error said).
         """
         for attempt in (1, 2):
             try:
@@ -401,9 +401,9 @@ class FaultIn:
                                 " grown for it", self._what(v, idx))
                     self._budget.grow_data(len(data) - exc.written + self._budget.in_flight)
                     continue
-                why = f"{self._what(v, idx)}: writing it into the store: {exc.strerror}"
-                self._host.report_error(why)
-                raise FsError(errno.EIO, why) from None
+                # (the fetch that called reports and counts it, with the sources tried)
+                raise FsError(errno.EIO, f"writing it into the store: {exc.strerror}"
+                              ) from None
 
     async def deliver(self, digest: str, data: bytes | memoryview,
                       where: list[tuple[Version, int]]) -> int:
