@@ -226,17 +226,18 @@ def test_the_backup_tier_alone(make_cluster, tmp_path):
 
 def test_no_source_at_all_is_eio_within_the_bound_and_named_in_status(make_cluster):
     """The writer is dead, its replica corrupt, another member hung, no backup: EIO within
-    the bound (not a hang; ``read_timeout=20s`` here, as the dead and the hung node may come
-    back, passes over the sources repeat until then), the status names the file and the
-    sources tried, and a later read asks again (and fails again: nothing came back)."""
-    c, data = _cluster_with_step(make_cluster, {"read_timeout": "20s"})
+    the bound (not a hang; ``read_timeout=12s`` here, past one whole pass over the sources
+    with the hung member's 10 s attempt in it: as the dead and the hung node may come back,
+    passes repeat until then), the status names the file and the sources tried, and a later
+    read asks again (and fails again: nothing came back)."""
+    c, data = _cluster_with_step(make_cluster, {"read_timeout": "12s"})
     c.kill9(WRITER)
     assert _corrupt_data_files(c.node(REPLICA), data) == 3
     pid1 = _stop(c, 1)
     try:
         got, took = _timed_read(c.node(0), "step_5/__2_0.distcp")
         assert isinstance(got, OSError) and got.errno == errno.EIO, got
-        assert took < 20 + 15
+        assert took < 12 + 15
         reads = c.status(0)["reads"]
         assert reads["failed"] >= 1
         last = reads["last_failure"]
