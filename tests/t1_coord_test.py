@@ -331,7 +331,8 @@ def test_a_round_is_read_whole_about_once_not_once_per_rank(client, etcd_prefix)
 
 def test_rounds_leave_the_entries_of_two_rounds_at_most(client, etcd_prefix):  # noqa: F811
     """Each restart of the job opens a round; the entries of the rounds before the last two
-    are deleted (they were kept for ever: N keys per restart)."""
+    and the decisions before the last three are deleted (they were kept for ever: N keys
+    per restart)."""
     rounds = [RestoreRounds(client, etcd_prefix, r, 3) for r in range(3)]
     for step in range(1, 5):  # four restarts of the job, four rounds
         assert _in_threads([lambda r=r: rounds[r].agree_sync([step], wait_s=20)
@@ -340,8 +341,8 @@ def test_rounds_leave_the_entries_of_two_rounds_at_most(client, etcd_prefix):  #
     kvs, _rev, _more, _n = client.range(area, prefix_end(area))
     names = sorted(kv.key[len(area):].decode() for kv in kvs)
     assert [k for k in names if not k.startswith("round-3/") and not k.startswith("round-4/")
-            ] == ["decision-3", "decision-4", "round"], names
-    assert len(names) == 3 + 2 * 3
+            ] == ["decision-2", "decision-3", "decision-4", "round"], names
+    assert len(names) == 4 + 2 * 3
 
 
 class _DiesDeciding(RestoreRounds):

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from mtcfs.base import untrusted
 from mtcfs.base.limits import MAX_NODES, MAX_STEP
-from mtcfs.tiers.coord.etcd import put_op
+from mtcfs.tiers.coord.etcd import prefix_end, put_op
 from mtcfs.tiers.coord.keys import rank_of_key
 from mtcfs.tiers.coord.lock import MAX_HOLDER_LEN, EtcdLock, holder_name
 from mtcfs.tiers.coord.membership import MemberRecord, MemberView, Membership, member_key
@@ -401,6 +401,49 @@ def test_restore_rounds_survive_bad_records(client, etcd_prefix):  # noqa: F811
     assert out == [2]
     assert _refused("round_decision", decision) and _refused("round_entry", entry0)
     assert decode_round_decision(client.get(decision)[0].value) == 2
+
+
+class _Polls:
+    """An etcd client that counts its transactions (a waiting rank's polls)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.txns = real, 0
+
+    def txn(self, *args, **kw):
+        self.txns += 1
+        return self.real.txn(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_spoiled_decision_then_a_newer_round_is_decided(client, etcd_prefix):  # noqa: F811
+    """Ranks 0 and 2 wait in round 1 and read its decision, which does not decode; then a
+    newer round opens and rank 1 joins it. The spoiled decision's revision was kept as the
+    guard of the next round's decision, whose write then never succeeded: the ranks spun on
+    it with no pause and no deadline (found in review)."""
+    polls = {r: _Polls(client) for r in (0, 2)}
+    ranks = {r: RestoreRounds(polls[r], etcd_prefix, r, 3) for r in (0, 2)}
+    out: dict = {}
+    ts = [threading.Thread(target=lambda r=r: out.__setitem__(
+        r, ranks[r].agree_sync([4, 5], wait_s=20)), daemon=True) for r in ranks]
+    for t in ts:
+        t.start()
+    area = f"{etcd_prefix}mtc/".encode()
+    entries = area + b"round-1/"
+    _until(lambda: len(client.range(entries, prefix_end(entries))[0]) == 2, 10,
+           "ranks 0 and 2 in round 1")
+    decision = area + b"decision-1"
+    client.put(decision, b"[1]")
+    seen = {r: polls[r].txns for r in polls}
+    _until(lambda: all(polls[r].txns >= seen[r] + 2 for r in polls), 10,
+           "both ranks polled the spoiled decision")
+    client.put(area + b"round", b"2")  # a newer round (as a restarted rank opens one)
+    assert RestoreRounds(client, etcd_prefix, 1, 3).join([5, 6]) == 2
+    for t in ts:
+        t.join(30)
+    assert out == {0: 5, 2: 5}
+    assert decode_round_decision(client.get(area + b"decision-2")[0].value) == 5
 
 
 def test_lock_holder_name_from_any_bytes(client, etcd_prefix):  # noqa: F811

@@ -15,8 +15,8 @@ orders it, with no protocol of our own beyond three kinds of keys under the job'
 A rank that asks for a restore joins the current round, unless its entry is already there
 (its trainer restarted since): then it opens round ``k + 1`` with a compare-and-set on
 ``<area>/round`` and joins that; the others, asking later, find it current. The same
-transaction deletes round ``k - 1``'s entries and decision: etcd holds the entries of two
-rounds at most, never one set per restart. A rank that
+transaction deletes round ``k - 1``'s entries and round ``k - 2``'s decision: etcd holds
+the entries of two rounds and three decisions at most, never one set per restart. A rank that
 asks after the decision of the round it joins takes that decision. The round waits for
 every rank's entry up to ``wait_s``; past it, the caller gets :class:`RoundTimeout` naming
 the ranks that never asked (a decision without them could name a step they lack).
@@ -239,13 +239,14 @@ class RestoreRounds:
             if got:
                 # This rank is in round k already: its trainer restarted, so the job
                 # restarts again: open round k + 1 (unless the round moved meanwhile),
-                # and delete what round k - 1 left (its entries, its decision): no rank
-                # reads them once round k is open, so etcd keeps one round's entries.
+                # and delete round k - 1's entries (no rank reads them once round k is
+                # open: etcd keeps two rounds' entries) and round k - 2's decision (a
+                # rank still behind in round k - 1 finds that one's).
                 older = self._entries(k - 1)
                 self.etcd.txn([mod_is(self.round_key, kv.mod_revision)],
                               [put_op(self.round_key, str(k + 1).encode()),
                                delete_op(older, prefix_end(older)),
-                               delete_op(self._decision(k - 1))], retry=True)
+                               delete_op(self._decision(k - 2))], retry=True)
             if time.monotonic() > deadline:
                 raise EtcdError(f"could not join a restore round within {timeout:g} s")
 
@@ -319,9 +320,10 @@ class RestoreRounds:
                         # undecided, left behind (or the round number was replaced): follow
                         k = self.join(steps, nonce=nonce)
                         complete = self.joined_count >= self.nodes
+                        bad, self.waiting_for = 0, []  # (the old round's, not this one's)
                         continue
                 t = time.monotonic()
-                if bad or t >= counted + count_every or t >= min(deadline, named + name_every):
+                if t >= counted + count_every or t >= min(deadline, named + name_every):
                     counted = t
                     n = self.etcd.txn([], [self._count_op(k)], retry=True)
                     complete = int(n.responses[0].response_range.count) >= self.nodes
@@ -336,12 +338,14 @@ class RestoreRounds:
                 self.waiting_for = []
                 return step
             complete = False  # (not every rank's entry decodes, or another rank decided)
-            if self.waiting_for and time.monotonic() >= deadline:
-                raise RoundTimeout(f"restore round {k}: rank(s) {self.waiting_for[:10]} did "
-                                   f"not ask for a restore within {wait_s:g} s")
-            if self.waiting_for:
-                time.sleep(pause * random.uniform(0.8, 1.2))
-                pause = min(pause * 1.5, most)
+            if time.monotonic() >= deadline:
+                raise RoundTimeout(
+                    f"restore round {k}: rank(s) {self.waiting_for[:10]} did not ask for a "
+                    f"restore within {wait_s:g} s" if self.waiting_for else
+                    f"restore round {k}: every rank asked, but no decision could be written"
+                    f" or read within {wait_s:g} s")
+            time.sleep(pause * random.uniform(0.8, 1.2))
+            pause = min(pause * 1.5, most)
 
     def _decide(self, k: int, steps: list[int], nonce: str,
                 bad: int) -> tuple[bool, int | None]:
