@@ -355,8 +355,8 @@ class _DiesDeciding(RestoreRounds):
 def test_a_round_whose_completing_rank_dies_is_decided_by_another(client, etcd_prefix):  # noqa: F811
     r0, r1 = (RestoreRounds(client, etcd_prefix, r, 3) for r in range(2))
     out: list = [None, None]
-    ts = [threading.Thread(target=lambda i=i, r=r: out.__setitem__(i, r.agree_sync([7, 8], wait_s=30)))
-          for i, r in enumerate((r0, r1))]
+    ts = [threading.Thread(target=lambda i=i, r=r: out.__setitem__(
+        i, r.agree_sync([7, 8], wait_s=30))) for i, r in enumerate((r0, r1))]
     for t in ts:
         t.start()
     area = f"{etcd_prefix}mtc/round-1/".encode()
