@@ -266,3 +266,38 @@ def test_sealing_a_directory_whose_name_is_not_utf8_is_refused_and_records_nothi
         assert fs.inodes[ROOT_INO].children == {}
 
     run(body, tmp_path)
+
+
+def test_scope_job_a_step_committed_at_close_is_announced_again_when_its_writer_leaves(
+        tmp_path):
+    """scope=job seals and publishes a file at close(2), before its RELEASE: the step its
+    marker commits is not yet sealed for the tiers (a writer still holds the marker), so
+    the replication that woke on 'committed' finds it not ready. The RELEASE of that last
+    writer must wake the tiers again ('closed'); before, replication waited for its next
+    2-second poll, and a step written on the node that wrote the marker reached its peer
+    2 s late in every save (benchmarks/bench_scale.py, "replicated everywhere")."""
+    from support.jobcore import run_job, write_sealed
+
+    async def body(cores, _job):
+        fs = cores[0]
+        seen: list[tuple[str, Any]] = []
+        fs.subscribe(lambda ev, obj: seen.append((ev, obj)))
+        d = await fs.mkdir(ROOT_INO, b"step_1", 0o755, 0, 0)
+        await write_sealed(fs, d.ino, b"shard.bin", os.urandom(3 * CS))
+        fh, attr = await fs.create(d.ino, b"commit_success.txt", 0o644,
+                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0, 0)
+        await fs.write(fh, 0, b"ok")
+        await fs.flush(fh)  # close(2): sealed, published, the step committed
+        with trio.fail_after(10):
+            while "step_1" not in fs.steps:
+                await trio.sleep(0.01)
+        rec = fs.steps["step_1"]
+        assert ("committed", rec) in seen
+        assert not fs.tier_api.step_sealed(rec)  # the marker's writer is still there
+        seen.clear()
+        await fs.release(fh)
+        assert fs.tier_api.step_sealed(rec)
+        closed = [obj for ev, obj in seen if ev == "closed"]
+        assert [v.vid for v in closed] == [fs.inodes[attr.ino].vid], seen
+
+    run_job(tmp_path, body)

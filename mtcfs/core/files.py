@@ -924,6 +924,12 @@ class OpenFiles:
                 self.last_write = time.monotonic()
         if h.writable:
             v.writers -= 1
+            if v.writers == 0 and v.sealed and v.sealing is None and ino is not None \
+                    and ino.vid == v.vid:
+                # scope=job sealed it at close(2), with this writer still holding it: a
+                # step it completes is only now sealed for the tiers, which saw 'sealed'
+                # and 'committed' too early to act on them
+                self._host._emit("closed", v)
         if ino is not None:
             ino.opens -= 1
             self.entries.maybe_free_inode(ino)  # an unlinked file's space comes back here

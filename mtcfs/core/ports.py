@@ -38,7 +38,8 @@ __all__ = [
     "MountRestorePort", "RestorePort", "SnapshotPort", "StepRecord", "oldest_first", "Version",
 ]
 
-#: ``observer(event, obj)``: 'sealed' (Version), 'committed' (StepRecord), 'step_changed'
+#: ``observer(event, obj)``: 'sealed' (Version), 'closed' (Version: the last writer of a
+#: version sealed at close(2), scope=job, left), 'committed' (StepRecord), 'step_changed'
 #: (StepRecord), 'step_removed' (str, the step's name), 'invalidate_entry' ((parent ino,
 #: name, child ino)).
 Observer = Callable[[str, Any], None]

@@ -94,7 +94,7 @@ class Replication:
         async def _record_steps(self) -> None: ...
 
     def _on_event(self, event: str, obj: Any) -> None:
-        if event in ("committed", "sealed", "step_changed"):
+        if event in ("committed", "sealed", "closed", "step_changed"):
             for ev in self._wake.values():
                 ev.set()
         elif event == "step_removed":
