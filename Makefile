@@ -64,6 +64,13 @@ bench-seal:
 chaos:
 	$(PYTHON) examples/chaos.py $(ARGS)
 
+# The scale run (benchmarks/bench_scale.py, issue 42): N real daemons, each in a network
+# namespace of its own on one bridge, one etcd; join, saves, a replacement, a whole-job restart.
+# make bench-scale ARGS="--nodes 8,32,64 --scopes node,job"
+.PHONY: bench-scale
+bench-scale:
+	$(PYTHON) -m benchmarks.bench_scale $(ARGS)
+
 # Coordination at scale (benchmarks/bench_coord_scale.py, issue 13): many light members in one
 # process against one local etcd (no FUSE): join, rest, save, restart-and-decide at 64 and
 # 1,000 members (about 4 minutes).

@@ -42,10 +42,13 @@ from typing import Self
 from mtcfs import control
 from mtcfs.tiers.peer.tls import TlsFiles
 
+from .fabric import Fabric
 from .mount import Mount, force_unmount, unmount_below
 from .pki import Issued, TestCa
 from .ports import free_ports  # noqa: F401 (re-exported: tests import it from here)
 
+#: the Peer port of every rank of a cluster on a :class:`Fabric` (each has its own address)
+FABRIC_PORT = 7400
 _REPLICATED = re.compile(r"^replicated (\d+)/(\d+)$")
 
 
@@ -76,6 +79,9 @@ class Cluster:
         own_prefix: give ``coord_prefix=`` a prefix of this cluster's own (a shared etcd);
             False: none unless ``options`` says, so the daemons use their default,
             ``/mtcfs/<job>/`` (an etcd of the test's own, as a user's job would).
+        fabric: run rank r in network namespace r of this :class:`Fabric` (its own
+            address, :data:`FABRIC_PORT`); ``coord=`` must then name an etcd the fabric's
+            nodes reach (on :attr:`Fabric.gateway`).
 
     Nothing runs until :meth:`start`. Always call :meth:`cleanup` (it never raises).
     """
@@ -86,15 +92,23 @@ class Cluster:
                  learn_addresses: bool = False,
                  coord_for_rank: Callable[[int], str] | None = None,
                  tls: bool = True, test_faults: bool = True,
-                 own_prefix: bool = True) -> None:
+                 own_prefix: bool = True, fabric: Fabric | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root)
         self.nodes = nodes
         self.job = job
-        self.host = "127.0.0.1"
-        self.ports = free_ports(nodes, self.host)
-        self.addresses = [f"{self.host}:{p}" for p in self.ports]
+        self.fabric = fabric
+        if fabric is None:
+            self.host = "127.0.0.1"
+            self.ports = free_ports(nodes, self.host)
+            self.addresses = [f"{self.host}:{p}" for p in self.ports]
+        else:  # each rank in a network of its own: every port is free there
+            if fabric.nodes < nodes:
+                raise ValueError(f"the fabric has {fabric.nodes} nodes, not {nodes}")
+            self.host = fabric.gateway
+            self.ports = [FABRIC_PORT] * nodes
+            self.addresses = [f"{fabric.addr(r)}:{FABRIC_PORT}" for r in range(nodes)]
         self._options = {k: _opt(v) for k, v in (options or {}).items()}
         self._per_rank = {r: {k: _opt(v) for k, v in o.items()}
                           for r, o in (per_rank_options or {}).items()}
@@ -167,7 +181,8 @@ class Cluster:
         self._per_rank[self._ranks([rank])[0]] = {k: _opt(v) for k, v in options.items()}
 
     def _new_mount(self, rank: int) -> Mount:
-        return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank))
+        return Mount(self.root / f"n{rank}", job=self.job, options=self.options(rank),
+                     prefix=None if self.fabric is None else self.fabric.prefix(rank))
 
     def _ranks(self, ranks: Iterable[int] | None) -> list[int]:
         out = list(range(self.nodes)) if ranks is None else list(ranks)

@@ -109,6 +109,8 @@ class EtcdCluster:
         tls: serve clients over TLS only, each with a certificate of ``tls.server.ca``
             (``--client-cert-auth``); None: plaintext (members talk to each other in
             plaintext either way).
+        host: the address the client ports listen on (without ``netns_clients``): a
+            :class:`~support.fabric.Fabric`'s gateway for a cluster of namespaces.
 
     Attributes:
         endpoints: client ``host:port`` of each member, in member order (in a namespace:
@@ -118,7 +120,8 @@ class EtcdCluster:
     """
 
     def __init__(self, root: Path, members: int = 1, extra_args: list[str] | None = None,
-                 netns_clients: int | None = None, tls: EtcdServerTls | None = None) -> None:
+                 netns_clients: int | None = None, tls: EtcdServerTls | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.root = Path(root)
         self.tls = tls
         self.extra_args = list(extra_args or [])
@@ -127,10 +130,10 @@ class EtcdCluster:
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.netns: NetNs | None = None
         if netns_clients is None:
-            ports = free_ports(2 * members)
+            ports = free_ports(2 * members, host)
             self.client_ports = ports[:members]
             self.peer_ports = ports[members:]
-            host = peer_host = "127.0.0.1"
+            peer_host = "127.0.0.1"
         else:  # a namespace of their own: every port is free there
             self.client_ports = [23790 + i for i in range(members)]
             self.peer_ports = [23800 + i for i in range(members)]

@@ -90,8 +90,11 @@ class Mount:
     """
 
     def __init__(self, root: Path, job: str = "testjob", options: dict[str, str] | None = None,
-                 store: Path | None = None, mnt: Path | None = None) -> None:
+                 store: Path | None = None, mnt: Path | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.root = Path(root)
+        #: prepended to the mount command (``nsenter --net=...``: a node of a Fabric)
+        self.prefix = list(prefix or [])
         self.job = job
         self.store = Path(store or self.root / "store")
         self.mnt = Path(mnt or self.root / "mnt")
@@ -110,7 +113,8 @@ class Mount:
     def start(self, timeout: float = 60.0) -> "Mount":
         self.mnt.mkdir(parents=True, exist_ok=True)
         WATCHDOG.register(self)  # until cleanup(); refused once the test's watchdog fired
-        r = subprocess.run(MTCFS + [self.job, str(self.mnt), "-o", self.option_string()],
+        r = subprocess.run([*self.prefix, *MTCFS, self.job, str(self.mnt),
+                            "-o", self.option_string()],
                            capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
             raise RuntimeError(f"mount failed ({r.returncode}): {r.stderr.strip()}\n{self.log()}")
