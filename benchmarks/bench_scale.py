@@ -34,8 +34,9 @@ the peers (``--insecure``: none), peers learned from etcd (no ``peers=``):
 
 Measured per phase: wall seconds (on this machine N daemons share its cores: a phase whose
 work is per node, such as a daemon's start, takes N times one node's CPU here and about one
-node's CPU on a cluster); the CPU of the ``mount`` commands the harness ran (what a
-daemon's start costs before it forks off: imports, option checks); etcd's requests (by method), mvcc events and watch
+node's CPU on a cluster); the CPU of the commands the harness ran for each node (its
+``mount``, whose imports and option checks come before the daemon forks off, and one
+``mtcfs status``: two Python starts); etcd's requests (by method), mvcc events and watch
 responses sent (its /metrics before and after); the daemons' CPU seconds (sum, and per
 node); each daemon's RSS after the saves. Per-save figures are divided by the saves
 counted. The table fits each figure to ``a * N**k`` (least squares of the logarithms over
@@ -80,8 +81,12 @@ class Run:
         from support.fabric import Fabric
         self.n, self.scope, self.args = n, scope, args
         self.fabric = Fabric(n).create()
-        self.etcd = EtcdCluster(root / "etcd", 1, host=self.fabric.gateway,
-                                extra_args=["--quota-backend-bytes", str(4 << 30)]).start()
+        try:
+            self.etcd = EtcdCluster(root / "etcd", 1, host=self.fabric.gateway,
+                                    extra_args=["--quota-backend-bytes", str(4 << 30)]).start()
+        except BaseException:
+            self.fabric.destroy()
+            raise
         self.metrics_url = f"http://{self.etcd.endpoints[0]}/metrics"
         self.kv = Etcd(list(self.etcd.endpoints), timeout_s=10.0)
         opts: dict[str, Any] = {"coord": self.etcd.url, "size": "64M", "replicas": 1,
@@ -284,7 +289,7 @@ ROWS = [
     ("join, etcd requests", lambda o: o["join"]["etcd_requests"]),
     ("join, watch responses", lambda o: o["join"]["watch_responses"]),
     ("join, daemon CPU s per node", lambda o: o["join"]["cpu_s_per_node"]),
-    ("join, mount command CPU s per node", lambda o: o["join"]["commands_cpu_s"] / o["n"]),
+    ("join, mount + status command CPU s per node", lambda o: o["join"]["commands_cpu_s"] / o["n"]),
     ("save: commit job-wide, s", lambda o: o["save"]["commit_s"]),
     ("save: replicated everywhere, s", lambda o: o["save"]["s"]),
     ("save: etcd requests", lambda o: o["save"]["etcd_requests"]),

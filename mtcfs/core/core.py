@@ -402,8 +402,9 @@ class Filesystem(NamespaceOps):
     def subscribe(self, observer: Callable[[str, Any], None]) -> None:
         """Register ``observer(event, obj)``; events: 'sealed' (Version), 'closed'
         (Version: the last writer of a version sealed at close(2) left, scope=job),
-        'committed' (StepRecord), 'step_changed' (StepRecord), 'step_removed' (str), 'invalidate_entry' ((parent ino, name, child
-        ino): a name the core removed on its own, which the kernel may still cache).
+        'committed' (StepRecord), 'step_changed' (StepRecord), 'step_removed' (str),
+        'invalidate_entry' ((parent ino, name, child ino): a name the core removed on its
+        own, which the kernel may still cache).
         Observers must not block."""
         self._observers.append(observer)
 

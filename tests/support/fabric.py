@@ -111,6 +111,11 @@ class Fabric:
         return self
 
     def _set_up(self) -> None:
+        # the namespaces first: their names carry this process's pid, so another process's
+        # sweep_stale keeps the bridge made next (a bridge with no live owner is swept)
+        for r in range(self.nodes):
+            _ip("netns", "add", self.name(r))
+            self._made.append(self.name(r))
         _ip("link", "add", self.bridge, "type", "bridge")
         self._bridge_made = True
         for _ in range(20):
@@ -125,8 +130,6 @@ class Fabric:
         _ip("link", "set", self.bridge, "up")
         for r in range(self.nodes):
             ns = self.name(r)
-            _ip("netns", "add", ns)
-            self._made.append(ns)
             outer, inner = f"mf{self.tag}{r}a", f"mf{self.tag}{r}b"  # <= 15 characters
             _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
             _ip("link", "set", inner, "netns", ns)
