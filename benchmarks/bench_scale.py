@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import (
-    REPO, SCRATCH_SHM, git_state, log, machine_info, scratch_dir, write_json,
+    REPO, SCRATCH_SHM, git_state, log, machine_info, scratch_dir, wait_until, write_json,
 )
 from mtcfs.options import parse_size
 
@@ -80,6 +80,8 @@ class Run:
         from support.etcd import EtcdCluster
         from support.fabric import Fabric
         self.n, self.scope, self.args = n, scope, args
+        #: every wait of a phase (a mount, a step recorded, a replica) ends by then
+        self.timeout_s = float(args.timeout)
         self.fabric = Fabric(n).create()
         try:
             self.etcd = EtcdCluster(root / "etcd", 1, host=self.fabric.gateway,
@@ -104,8 +106,8 @@ class Run:
     # -- observing ----------------------------------------------------------------------
 
     def pids(self) -> dict[int, int]:
-        return {r: self.cluster.node(r).pid for r in range(self.n)
-                if self.cluster.node(r).pid is not None}  # type: ignore[misc]
+        pids = {r: self.cluster.node(r).pid for r in range(self.n)}
+        return {r: pid for r, pid in pids.items() if pid is not None}
 
     def sample(self) -> dict[str, Any]:
         cpu: dict[int, float] = {}
@@ -120,23 +122,24 @@ class Run:
                 "rss": rss, "own": self.own_calls, "children": ru.ru_utime + ru.ru_stime}
 
     @staticmethod
-    def delta(a: dict[str, Any], b: dict[str, Any], per: int = 1) -> dict[str, Any]:
-        m = {k: (b["m"].get(k, 0) - a["m"].get(k, 0)) / per
+    def delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        """What happened between samples ``a`` and ``b``."""
+        m = {k: b["m"].get(k, 0) - a["m"].get(k, 0)
              for k in b["m"] if k.startswith("req.") or k in (
                  "watch_responses", "etcd_debugging_mvcc_events_total")}
         m = {k: round(v, 1) for k, v in m.items() if v}
         cpu = [b["cpu"][r] - a["cpu"].get(r, 0.0) for r in b["cpu"]]
-        own = (b["own"] - a["own"]) / per
+        own = b["own"] - a["own"]
         if own:
             m["req.Range"] = round(m.get("req.Range", 0) - own, 1)
         requests = sum(v for k, v in m.items() if k.startswith("req."))
-        return {"s": round((b["t"] - a["t"]) / per, 3), "etcd_requests": round(requests, 1),
-                "commands_cpu_s": round((b["children"] - a["children"]) / per, 3),
+        return {"s": round(b["t"] - a["t"], 3), "etcd_requests": round(requests, 1),
+                "commands_cpu_s": round(b["children"] - a["children"], 3),
                 "etcd_events": m.get("etcd_debugging_mvcc_events_total", 0),
                 "watch_responses": m.get("watch_responses", 0), "etcd": m,
-                "cpu_s": round(sum(cpu) / per, 3),
-                "cpu_s_per_node": round(sum(cpu) / per / max(1, len(cpu)), 4),
-                "cpu_s_max_node": round(max(cpu, default=0.0) / per, 4)}
+                "cpu_s": round(sum(cpu), 3),
+                "cpu_s_per_node": round(sum(cpu) / max(1, len(cpu)), 4),
+                "cpu_s_max_node": round(max(cpu, default=0.0), 4)}
 
     def recorded(self, step: int) -> int:
         """How many ranks' step records in etcd list ``step``."""
@@ -155,15 +158,17 @@ class Run:
 
     # -- phases -------------------------------------------------------------------------
 
-    def each(self, fn: Callable[[int], Any], ranks: list[int] | None = None) -> list[Any]:
-        todo = list(range(self.n)) if ranks is None else ranks
-        with ThreadPoolExecutor(max_workers=min(64, len(todo))) as ex:
-            return list(ex.map(fn, todo))
+    def each(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``fn(rank)`` for every rank at once (one thread each, 64 at most)."""
+        with ThreadPoolExecutor(max_workers=min(64, self.n)) as ex:
+            return list(ex.map(fn, range(self.n)))
 
     def join(self) -> dict[str, Any]:
         a = self.sample()
-        self.cluster.start(timeout=900)
-        return self.delta(a, self.sample())
+        self.cluster.start(timeout=self.timeout_s)
+        out = self.delta(a, self.sample())
+        out["commands_cpu_s_per_node"] = round(out["commands_cpu_s"] / self.n, 3)
+        return out
 
     def _dir(self, rank: int, step: int) -> Path:
         return self.cluster.node(rank).mnt / f"step_{step}"
@@ -186,22 +191,18 @@ class Run:
         if self.scope == "job":
             (self._dir(0, step) / "commit_success.txt").write_bytes(b"ok")
         self.written.update({(r, step): data[r] for r in range(self.n)})
-        deadline = time.monotonic() + 900
-        t0 = time.perf_counter()
-        while self.recorded(step) < self.n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"step {step}: {self.recorded(step)} of {self.n} ranks "
-                                   "recorded it after 900 s")
-            time.sleep(0.05)
-        t_commit = time.perf_counter() - t0 + (t0 - a["t"])
-        self.each(lambda r: self.cluster.wait_replicated(r, f"step_{step}", timeout=900))
+        wait_until(lambda: self.recorded(step) >= self.n, self.timeout_s,
+                   f"every rank's step record to list step {step}", interval=0.05)
+        t_commit = time.perf_counter() - a["t"]
+        self.each(lambda r: self.cluster.wait_replicated(r, f"step_{step}",
+                                                         timeout=self.timeout_s))
         out = self.delta(a, self.sample())
         out["commit_s"] = round(t_commit, 3)
         return out
 
     def files(self) -> dict[str, Any]:
         count = self.args.files
-        self._dir(0, 0).parent.joinpath("many").mkdir()
+        (self.cluster.node(0).mnt / "many").mkdir()
         a = self.sample()
         per: dict[int, float] = {}
 
@@ -231,14 +232,14 @@ class Run:
         self.cluster.kill9(r)
         self.cluster.wipe(r)
         a = self.sample()
-        self.cluster.restart(r, timeout=900)
+        self.cluster.restart(r, timeout=self.timeout_s)
         self._read_back(r, step)
         return self.delta(a, self.sample())
 
     def restart(self, step: int) -> dict[str, Any]:
-        self.each(lambda r: self.cluster.stop(r, timeout=300))
+        self.each(lambda r: self.cluster.stop(r, timeout=self.timeout_s))
         a = self.sample()
-        self.cluster.restart_many(range(self.n), timeout=900)
+        self.cluster.restart_many(range(self.n), timeout=self.timeout_s)
         t_up = time.perf_counter() - a["t"]
         self.each(lambda r: self._read_back(r, step))
         out = self.delta(a, self.sample())
@@ -284,29 +285,30 @@ def one_n(root: Path, n: int, scope: str, args: argparse.Namespace) -> dict[str,
     return out
 
 
+#: (row, phase, figure): the table's rows, each one figure of one phase
 ROWS = [
-    ("join, s", lambda o: o["join"]["s"]),
-    ("join, etcd requests", lambda o: o["join"]["etcd_requests"]),
-    ("join, watch responses", lambda o: o["join"]["watch_responses"]),
-    ("join, daemon CPU s per node", lambda o: o["join"]["cpu_s_per_node"]),
-    ("join, mount + status command CPU s per node", lambda o: o["join"]["commands_cpu_s"] / o["n"]),
-    ("save: commit job-wide, s", lambda o: o["save"]["commit_s"]),
-    ("save: replicated everywhere, s", lambda o: o["save"]["s"]),
-    ("save: etcd requests", lambda o: o["save"]["etcd_requests"]),
-    ("save: etcd events", lambda o: o["save"]["etcd_events"]),
-    ("save: watch responses", lambda o: o["save"]["watch_responses"]),
-    ("save: daemon CPU s per node", lambda o: o["save"]["cpu_s_per_node"]),
-    ("save: daemon CPU s, busiest node", lambda o: o["save"]["cpu_s_max_node"]),
-    ("RSS per daemon, MiB (median)", lambda o: o["rss_mib"]["median"]),
-    ("files: create+close/s per writer", lambda o: o.get("files", {}).get("per_writer_ops_s")),
-    ("files: create+close/s summed", lambda o: o.get("files", {}).get("summed_ops_s")),
-    ("files: daemon CPU s per node", lambda o: o.get("files", {}).get("cpu_s_per_node")),
-    ("replace: replacement holds its shard, s", lambda o: o["replace"]["s"]),
-    ("replace: etcd requests", lambda o: o["replace"]["etcd_requests"]),
-    ("restart: every mount up, s", lambda o: o["restart"]["up_s"]),
-    ("restart: every shard read back, s", lambda o: o["restart"]["s"]),
-    ("restart: etcd requests", lambda o: o["restart"]["etcd_requests"]),
-    ("restart: watch responses", lambda o: o["restart"]["watch_responses"]),
+    ("join, s", "join", "s"),
+    ("join, etcd requests", "join", "etcd_requests"),
+    ("join, watch responses", "join", "watch_responses"),
+    ("join, daemon CPU s per node", "join", "cpu_s_per_node"),
+    ("join, mount + status command CPU s per node", "join", "commands_cpu_s_per_node"),
+    ("save: commit job-wide, s", "save", "commit_s"),
+    ("save: replicated everywhere, s", "save", "s"),
+    ("save: etcd requests", "save", "etcd_requests"),
+    ("save: etcd events", "save", "etcd_events"),
+    ("save: watch responses", "save", "watch_responses"),
+    ("save: daemon CPU s per node", "save", "cpu_s_per_node"),
+    ("save: daemon CPU s, busiest node", "save", "cpu_s_max_node"),
+    ("RSS per daemon, MiB (median)", "rss_mib", "median"),
+    ("files: create+close/s per writer", "files", "per_writer_ops_s"),
+    ("files: create+close/s summed", "files", "summed_ops_s"),
+    ("files: daemon CPU s per node", "files", "cpu_s_per_node"),
+    ("replace: replacement holds its shard, s", "replace", "s"),
+    ("replace: etcd requests", "replace", "etcd_requests"),
+    ("restart: every mount up, s", "restart", "up_s"),
+    ("restart: every shard read back, s", "restart", "s"),
+    ("restart: etcd requests", "restart", "etcd_requests"),
+    ("restart: watch responses", "restart", "watch_responses"),
 ]
 
 
@@ -333,13 +335,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 "exponent k (a*N^k)", "at 1,000", "at 10,000"]
         lines.append(" | ".join(head))
         lines.append(" | ".join(["---"] + ["---:"] * (len(head) - 1)))
-        for name, get in ROWS:
-            vals: list[float | None] = []
-            for o in rs:
-                try:
-                    vals.append(get(o))
-                except (KeyError, TypeError):
-                    vals.append(None)
+        for name, phase, key in ROWS:
+            vals: list[float | None] = [o.get(phase, {}).get(key) for o in rs]
             if all(v is None for v in vals):
                 continue
             pts = [(o["n"], v) for o, v in zip(rs, vals) if v is not None]
@@ -359,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--shard", default="256K")
     p.add_argument("--files", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds each wait of a phase may take")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None, help="print the table of this JSON and exit")

@@ -20,17 +20,17 @@ pytestmark = pytest.mark.skipif(netns.available() is not None,
                                 reason=f"network namespaces: {netns.available()}")
 
 
-def test_scale_run_short_form_each_daemon_in_its_own_network(shm_dir: Path) -> None:
+def test_scale_run_short_form_each_daemon_in_its_own_network(shm_dir: Path,
+                                                           monkeypatch) -> None:
     from benchmarks import bench_scale
-    args = argparse.Namespace(saves=2, shard="64K", files=5, insecure=False)
+    args = argparse.Namespace(saves=2, shard="64K", files=5, insecure=False, timeout=120.0)
     seen: dict[str, object] = {}
     real_join = bench_scale.Run.join
 
     def join(run: bench_scale.Run) -> dict:
         out = real_join(run)
-        root_ns = os.readlink("/proc/self/ns/net")
         seen["ns"] = {r: os.readlink(f"/proc/{pid}/ns/net") for r, pid in run.pids().items()}
-        seen["root"] = root_ns
+        seen["root"] = os.readlink("/proc/self/ns/net")
         st = {r: run.cluster.status(r)["peers"] for r in range(run.n)}
         seen["listen"] = {r: st[r].get("listen") for r in range(run.n)}
         seen["learned"] = {r: {m["rank"]: m["address"] for m in st[r].get("members", [])}
@@ -38,11 +38,8 @@ def test_scale_run_short_form_each_daemon_in_its_own_network(shm_dir: Path) -> N
         seen["addrs"] = {r: f"{run.fabric.addr(r)}:7400" for r in range(run.n)}
         return out
 
-    bench_scale.Run.join = join  # type: ignore[method-assign]
-    try:
-        out = bench_scale.one_n(shm_dir, 3, "job", args)
-    finally:
-        bench_scale.Run.join = real_join  # type: ignore[method-assign]
+    monkeypatch.setattr(bench_scale.Run, "join", join)
+    out = bench_scale.one_n(shm_dir, 3, "job", args)
     # three daemons, three network namespaces, none of them the test's own
     nss = seen["ns"]
     assert isinstance(nss, dict) and len(set(nss.values())) == 3, seen
