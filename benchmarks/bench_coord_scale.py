@@ -213,40 +213,53 @@ class Probe:
         }
 
 
-def _members_main(conn: Any, endpoints: list[str], n: int, prefix: str, ttl: int,
-                  per_client: int, view_mode: str) -> None:
-    """The members process: N memberships (leases, records, keepalive threads, views),
-    driven over ``conn``: ``join``, ``health``, ``leave``, ``stop``. Apart from the
-    process that decides, so the decision's CPU load does not starve the keepalives (a
-    daemon's keepalive runs on its own host)."""
+def _members_main(conn: Any, endpoints: list[str], lo: int, hi: int, n: int, prefix: str,
+                  ttl: int, per_client: int, view_mode: str, gather: bool) -> None:
+    """A members process: the memberships of ranks ``lo..hi-1`` of ``n`` (leases,
+    records, keepalive threads, views), driven over ``conn``: ``join``, ``health``,
+    ``leave``, ``stop``. Apart from the process that decides, so the decision's CPU load
+    does not starve the keepalives (a daemon's keepalive runs on its own host).
+    ``view_mode`` ``per-member`` is a daemon's shape: each member its own view, told the
+    job's size when ``gather`` (as the daemon tells it ``nodes=``)."""
     threading.stack_size(512 * 1024)
-    clients = [Etcd(endpoints, timeout_s=30.0) for _ in range((n + per_client - 1) // per_client)]
+    ranks = range(lo, hi)
+    clients = [Etcd(endpoints, timeout_s=30.0)
+               for _ in range((len(ranks) + per_client - 1) // per_client)]
+
+    def client(r: int) -> Etcd:
+        return clients[(r - lo) // per_client]
+
+    views: list[MemberView] = []
     if view_mode == "per-client":
         views = [MemberView(c, prefix, progress_s=30.0) for c in clients]
-    else:
-        views = [MemberView(clients[r // per_client], prefix, progress_s=30.0)
-                 for r in range(n)]
-    members = [Membership(clients[r // per_client], prefix, r,
+    members = [Membership(client(r), prefix, r,
                           f"10.{r // 65536}.{r // 256 % 256}.{r % 256}:7070",
                           {"zone": f"z{r % 4}", "rack": f"r{r // 32}"}, ttl_s=ttl,
                           progress_s=30.0,
-                          view=views[r // per_client if view_mode == "per-client" else r])
-               for r in range(n)]
+                          view=views[(r - lo) // per_client] if views else None,
+                          expect=n if gather else None)
+               for r in ranks]
+    if not views:
+        views = [m.members_view for m in members if m.members_view is not None]
     while True:
         cmd = conn.recv()
         if cmd == "join":
             t0 = time.monotonic()
-            for v in views:
-                v.start()
+            if view_mode == "per-client":
+                for v in views:
+                    v.start()
             with ThreadPoolExecutor(32) as pool:
                 retries = sum(pool.map(join, members))
-            registered = time.monotonic() - t0
+            conn.send({"join_retries": retries, "registered_s": time.monotonic() - t0,
+                       "boots": [m.record.boot for m in members]})
+        elif cmd == "complete":
             for v in views:
                 v.wait_for(n, timeout=300)
-            conn.send({"join_retries": retries, "registered_s": round(registered, 3),
-                       "views": len(views), "boots": [m.record.boot for m in members]})
+            conn.send({"views": len(views)})
         elif cmd == "health":
             conn.send({"delivered": sum(v.counters["watch_events"] for v in views),
+                       "gather_polls": sum(v.counters.get("gather_polls", 0) for v in views),
+                       "gathered_s_max": max((v.gathered_s or 0.0) for v in views),
                        "members_in_error": sum(1 for m in members if m.error),
                        "reregistrations": sum(m.counters["reregistrations"] for m in members),
                        "keepalive_errors": sum(m.counters.get("etcd_errors", 0)
@@ -269,31 +282,63 @@ def _members_main(conn: Any, endpoints: list[str], n: int, prefix: str, ttl: int
 
 
 class MembersProc:
-    """The parent's handle on :func:`_members_main`."""
+    """The parent's handle on ``--procs`` processes of :func:`_members_main`, each with an
+    equal share of the ranks; a command goes to all of them at once, and their answers
+    are merged (counts summed, the boots in rank order, a time the largest)."""
 
     def __init__(self, endpoints: list[str], n: int, prefix: str,
                  args: argparse.Namespace) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_members_main, daemon=True, args=(
-            child, endpoints, n, prefix, args.ttl, args.per_client, args.view))
-        self.proc.start()
+        k = max(1, min(args.procs, n))
+        cuts = [n * i // k for i in range(k + 1)]
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_members_main, daemon=True, args=(
+                child, endpoints, lo, hi, n, prefix, args.ttl, args.per_client, args.view,
+                args.gather == "on"))
+            proc.start()
+            self.conns.append(conn)
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def ask(self, cmd: str, timeout: float = 600.0) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"the members process did not answer {cmd!r}")
-        return self.conn.recv()
+        for conn in self.conns:
+            conn.send(cmd)
+        answers = []
+        deadline = time.monotonic() + timeout
+        for conn in self.conns:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"a members process did not answer {cmd!r}")
+            answers.append(conn.recv())
+        if not isinstance(answers[0], dict):
+            return answers[0]
+        out: dict[str, Any] = {}
+        for a in answers:
+            for key, v in a.items():
+                if key == "boots":
+                    out[key] = out.get(key, []) + v
+                elif key.endswith("_s") or key.endswith("_max") or key == "view_sizes_min":
+                    pick = min if key == "view_sizes_min" else max
+                    out[key] = pick(out[key], v) if key in out else v
+                else:
+                    out[key] = out.get(key, 0) + v
+        return out
 
     def stop(self) -> None:
         try:
-            if self.proc.is_alive():
+            if any(p.is_alive() for p in self.procs):
                 self.ask("stop", 30)
         except (OSError, EOFError, TimeoutError):
             pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
 def join(m: Membership, tries: int = 5) -> int:
@@ -419,13 +464,16 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         # join: one membership view per client (per --per-client members), or per member;
         # the members live in their own process (MembersProc)
         mp = MembersProc(cluster.endpoints, n, prefix, args)
-        probe.pids.append(mp.proc.pid)
+        probe.pids.extend(mp.pids)
         a = probe.snap()
         joined = mp.ask("join")
-        res["views"] = joined["views"]
+        res["views"] = mp.ask("complete")["views"]
+        joined["registered_s"] = round(joined["registered_s"], 3)
         res["join"] = probe.delta(a, probe.snap(), delivered())
         res["join"]["registered_s"] = joined["registered_s"]
         res["join"]["join_retries"] = joined["join_retries"]
+        res["join"]["gather_polls"] = h0.get("gather_polls", 0)
+        res["join"]["gathered_s_max"] = h0.get("gathered_s_max", 0.0)
         print(f"[{n}] join {res['join']['wall_s']} s", flush=True)
 
         # rest
@@ -621,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="RestoreRounds wait (the replicator's ROUND_WAIT_S)")
     ap.add_argument("--view", choices=("per-client", "per-member"), default="per-client",
                     help="one membership watch per client (default) or per member")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="processes the members are spread over (each its share)")
+    ap.add_argument("--gather", choices=("on", "off"), default="on",
+                    help="per-member views told the job's size (the daemon's: on) or not")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     threading.stack_size(512 * 1024)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from mtcfs.tiers.coord import membership
 from mtcfs.tiers.coord.etcd import Etcd, prefix_end, put_op
 from mtcfs.tiers.coord.lock import EtcdLock, LockTimeout
 from mtcfs.tiers.coord.membership import Membership, RankTaken
@@ -435,3 +436,56 @@ def test_dead_holder_lease_expires(client, etcd_prefix):  # noqa: F811
     b.acquire(timeout=3 * TTL)
     assert TTL - 1 <= time.monotonic() - t0 <= TTL + 1.5
     b.release()
+
+
+# ---------------------------------------------------------------------- a whole-job start
+
+def test_a_whole_job_start_costs_each_view_no_event_per_other_join(client, etcd_prefix):  # noqa: F811
+    """N members that each keep their own view (a daemon's shape) start at once, each told
+    the job's size: every view ends with all N members, yet the joins are not delivered to
+    every view (N^2 / 2 watch events at a whole-job start, docs/benchmarks.md "The scale
+    run"); the views gather by counting and read the members once. A change afterwards is
+    one event per view, and it is seen by all."""
+    n = 8
+    ms = [Membership(client, etcd_prefix, r, f"10.0.0.{r}:7000", ttl_s=TTL, expect=n)
+          for r in range(n)]
+    try:
+        for m in ms:  # one after the other: each earlier view sees every later join
+            m.join()
+        for m in ms:
+            assert sorted(m.wait_for(n, timeout=10)) == list(range(n))
+        events = sum(m.members_view.counters["watch_events"] for m in ms)
+        assert events < n, f"{events} membership watch events for a start of {n} members"
+        ms[3].leave()
+        for m in ms[:3] + ms[4:]:
+            deadline = time.monotonic() + 5
+            while m.alive(3) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not m.alive(3)
+        events_after = sum(m.members_view.counters["watch_events"] for m in ms)
+        assert 0 < events_after - events <= n
+    finally:
+        for m in ms:
+            m.leave()
+
+
+def test_a_member_still_gathering_its_view_defends_its_rank(client, etcd_prefix,  # noqa: F811
+                                                            monkeypatch):
+    """A member whose view is still gathering the job's joins (2 of 4 here) answers a
+    takeover of its rank: the second daemon started as the same rank is refused."""
+    monkeypatch.setattr(membership, "GATHER_SETTLE_S", 60.0)  # gathering all the while
+    first = Membership(client, etcd_prefix, 7, "a:1", ttl_s=TTL, expect=4)
+    other = Membership(client, etcd_prefix, 1, "b:1", ttl_s=TTL, expect=4)
+    try:
+        first.join()
+        other.join()
+        second = Membership(client, etcd_prefix, 7, "c:1", ttl_s=TTL, watch=False)
+        with pytest.raises(RankTaken):
+            second.join(wait_s=1.5 * TTL)
+        assert first.members_view.gathered_s is None
+        kv, _rev = client.get(first.key)
+        assert b"a:1" in kv.value and not first.error
+        assert first.alive(7)
+    finally:
+        other.leave()
+        first.leave()

@@ -126,6 +126,12 @@ def get_op(key: bytes, range_end: bytes = b"") -> pb.RequestOp:
     return pb.RequestOp(request_range=pb.RangeRequest(key=key, range_end=range_end))
 
 
+def count_op(key: bytes, range_end: bytes) -> pb.RequestOp:
+    """A range that returns only how many keys ``[key, range_end)`` holds (``count``)."""
+    return pb.RequestOp(request_range=pb.RangeRequest(key=key, range_end=range_end,
+                                                      count_only=True))
+
+
 def absent(key: bytes) -> pb.Compare:
     """Holds when ``key`` does not exist (its create revision is 0)."""
     return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.CREATE, key=key,

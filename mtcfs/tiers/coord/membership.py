@@ -63,8 +63,8 @@ from mtcfs.base import untrusted
 from mtcfs.base.limits import MAX_LABEL_LEN, MAX_LABELS, MAX_NODES
 from mtcfs.base.untrusted import BadRecord
 from mtcfs.tiers.coord.etcd import (
-    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, get_op, mod_is, prefix_end,
-    put_op,
+    Etcd, EtcdCompacted, EtcdError, EtcdPermissionDenied, absent, count_op, get_op, mod_is,
+    prefix_end, put_op,
 )
 from mtcfs.tiers.coord.keys import rank_key, rank_of_key
 
@@ -75,6 +75,15 @@ log = logging.getLogger(__name__)
 TTL_S = 10
 #: Seconds between watch progress requests (membership needs events, not progress).
 PROGRESS_S = 30.0
+#: A gathering view (:class:`MemberView`, ``expect``) counts the members at most this
+#: often and at least this often (seconds; :func:`gather_poll_s`) ...
+GATHER_POLL_MIN_S = 0.25
+GATHER_POLL_MAX_S = 2.0
+#: ... and stops gathering when the count has not changed for this long (seconds: a member
+#: is not coming, the view watches the prefix and gets that member's join when it comes)
+GATHER_SETTLE_S = 5.0
+#: or after this long, whatever the count (seconds).
+GATHER_MAX_S = 120.0
 #: Seconds the member view waits before it watches again after etcd's auth refused it.
 DENIED_PAUSE_S = 10.0
 #: Largest member record accepted, bytes (one is ~200 bytes; labels are at most 64 x 256).
@@ -188,13 +197,16 @@ class Membership:
         watch: keep a watch-fed view of the members (False: register and renew only).
         view: a :class:`MemberView` shared with other members of this process (not
             stopped by this member); None: its own when ``watch``.
+        expect: the job's size (``nodes=``): its own view gathers the joins of a
+            whole-job start instead of watching each (:class:`MemberView`); None: it
+            watches from its start.
     """
 
     def __init__(self, etcd: Etcd, prefix: str, rank: int, address: str = "",
                  labels: dict[str, str] | None = None, *, ttl_s: int = TTL_S,
                  boot_id: str | None = None, incarnation: int = 0, watch: bool = True,
                  progress_s: float = PROGRESS_S, view: "MemberView | None" = None,
-                 address_is_mine: bool = False) -> None:
+                 address_is_mine: bool = False, expect: int | None = None) -> None:
         self.etcd = etcd
         self.prefix = prefix
         self.rank = rank
@@ -217,8 +229,8 @@ class Membership:
                                          "etcd_errors": 0}
         self._own_view = view is None and watch
         self.members_view: MemberView | None = (
-            view if view is not None else MemberView(etcd, prefix, progress_s) if watch
-            else None)
+            view if view is not None else MemberView(etcd, prefix, progress_s, expect)
+            if watch else None)
         # only a member that sees its own key change can answer a takeover
         self.record.defends = self.members_view is not None
         self._stop = threading.Event()
@@ -581,18 +593,46 @@ class Membership:
         await trio.to_thread.run_sync(self.leave, abandon_on_cancel=True)
 
 
+def gather_poll_s(expect: int) -> float:
+    """Seconds between a gathering view's counts of the members: ``expect / 500``, at
+    least 0.25 s and at most 2 s, so about 500 polls (one small transaction each) per
+    second for the whole job from 125 to 1,000 members, ``expect / 2`` above
+    (docs/coordination.md)."""
+    return min(GATHER_POLL_MAX_S, max(GATHER_POLL_MIN_S, expect / 500))
+
+
 class MemberView:
     """A watch-fed view of the job's live members (rank -> record).
 
     One per member by default; members in one process may share one (``Membership(...,
     view=shared)``): etcd then sends each membership change once per view instead of once
     per member (the benchmark's harness does this; a daemon has one member anyway).
+
+    **Gathering** (``expect``, the job's size): a view started while fewer than ``expect``
+    members are registered does not watch the members' prefix yet; that would deliver
+    every later join of a whole-job start to every view, N^2 / 2 events in all
+    (docs/benchmarks.md, "The scale run"). Instead, every :func:`gather_poll_s`, one
+    transaction reads its listeners' records (its own member's, so a takeover is answered
+    within a poll, well inside :func:`defend_s`) and counts the members (a count-only
+    range, no records); when the count reaches ``expect``, or has not changed for
+    :data:`GATHER_SETTLE_S` (a member is not coming), or after :data:`GATHER_MAX_S`, it
+    reads every record once and watches the prefix from that read's revision, as a view
+    without ``expect`` does from its start. Meanwhile :meth:`view` holds what the first
+    read found plus the listeners' records. A whole-job start then costs etcd about
+    ``expect`` x (join window / poll) small transactions and one read of N records per
+    view, and no watch event or watch response per join.
     """
 
-    def __init__(self, etcd: Etcd, prefix: str, progress_s: float = PROGRESS_S) -> None:
+    def __init__(self, etcd: Etcd, prefix: str, progress_s: float = PROGRESS_S,
+                 expect: int | None = None) -> None:
         self.etcd = etcd
         self.members_prefix = f"{prefix}members/".encode()
-        self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0}
+        self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0,
+                                         "gather_polls": 0}
+        self.expect = expect
+        #: seconds from :meth:`start` until the view watched the whole prefix (None: not
+        #: yet; 0.0: it did not gather)
+        self.gathered_s: float | None = None
         self._progress_s = progress_s
         self._view: dict[int, MemberRecord] = {}
         self._cond = threading.Condition()
@@ -636,8 +676,13 @@ class MemberView:
             if rec is not None:
                 view[rec.rank] = rec
         with self._cond:
+            # a listener's record that changed unseen (between two watches) is told too
+            fns = [fn for r, rfns in self._listeners.items()
+                   if self._view.get(r) != view.get(r) for fn in rfns]
             self._view, self._view_rev = view, rev
             self._cond.notify_all()
+        for fn in fns:
+            fn()
 
     def _watch_run(self) -> None:
         """:meth:`_watch_loop` under :func:`untrusted.supervise`: after a failure (events
@@ -649,7 +694,72 @@ class MemberView:
                 self.counters["etcd_errors"] += 1
                 log.warning("membership reload: %s", exc)
         self._runs += 1
+        if self.gathered_s is None:
+            self._gather()
         self._watch_loop()
+
+    def _gather(self) -> None:
+        """While fewer than ``expect`` members are registered: every :func:`gather_poll_s`,
+        one transaction reads the listeners' records and counts the members; then read
+        them all (the class's docstring). No watch meanwhile: a watch's progress answers
+        are watch responses too, and etcd sends each to one view at a time. An etcd error
+        ends the gathering early (the watch loop reads the view again and watches the
+        prefix)."""
+        t0 = time.monotonic()
+        if not self.expect or len(self._view) >= self.expect:
+            self.gathered_s = 0.0
+            return
+        poll = gather_poll_s(self.expect)
+        count, changed_at = len(self._view), t0
+        try:
+            while not self._stop.wait(poll):
+                with self._cond:
+                    ranks = sorted(self._listeners)
+                ops = [count_op(self.members_prefix, prefix_end(self.members_prefix))]
+                if ranks:  # the listeners' keys: the lowest to just after the highest
+                    ops.append(get_op(self.members_prefix + rank_key(ranks[0]),
+                                      self.members_prefix + rank_key(ranks[-1]) + b"\0"))
+                r = self.etcd.txn([], ops)
+                self.counters["gather_polls"] += 1
+                got = int(r.responses[0].response_range.count)
+                if len(r.responses) > 1:
+                    self._apply_listened(ranks, r.responses[1].response_range.kvs)
+                now = time.monotonic()
+                if got != count:
+                    count, changed_at = got, now
+                if (got >= self.expect or now - changed_at >= GATHER_SETTLE_S
+                        or now - t0 >= GATHER_MAX_S):
+                    break
+        except EtcdError as exc:
+            self.counters["etcd_errors"] += 1
+            log.warning("membership gathering: %s", exc)
+        if self._stop.is_set():
+            return
+        self._load_view()
+        self.gathered_s = round(time.monotonic() - t0, 3)
+
+    def _apply_listened(self, ranks: list[int], kvs: Any) -> None:
+        """Put the listeners' records as one read found them (``kvs``: keys from the
+        lowest listened rank's to the highest's) into the view; tell the listeners whose
+        record changed."""
+        found: dict[int, MemberRecord | None] = {r: None for r in ranks}
+        for kv in kvs:
+            rec = self._decode(kv)
+            if rec is not None and rec.rank in found:
+                found[rec.rank] = rec
+        with self._cond:
+            changed = [r for r, rec in found.items() if self._view.get(r) != rec]
+            for r in changed:
+                rec = found[r]
+                if rec is None:
+                    self._view.pop(r, None)
+                else:
+                    self._view[r] = rec
+            fns = [fn for r in changed for fn in self._listeners.get(r, ())]
+            if changed:
+                self._cond.notify_all()
+        for fn in fns:
+            fn()
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():

@@ -100,7 +100,8 @@ class MembershipRounds:
             self.member = Membership(self.etcd, self.coord_prefix, self.rank, self.advertise,
                                      dict(self.cfg.labels), ttl_s=ttl, progress_s=30.0,
                                      boot_id=self._member_id(),
-                                     address_is_mine=self.server is not None)
+                                     address_is_mine=self.server is not None,
+                                     expect=self.cfg.nodes)
         if self._joined:
             return
         try:
