@@ -482,10 +482,45 @@ def test_a_member_still_gathering_its_view_defends_its_rank(client, etcd_prefix,
         second = Membership(client, etcd_prefix, 7, "c:1", ttl_s=TTL, watch=False)
         with pytest.raises(RankTaken):
             second.join(wait_s=1.5 * TTL)
-        assert first.members_view.gathered_s is None
+        view = first.members_view
+        assert view.gathered_s is None
+        assert view.counters["gather_polls"] > 0 and view.counters["watch_events"] == 0
         kv, _rev = client.get(first.key)
         assert b"a:1" in kv.value and not first.error
         assert first.alive(7)
     finally:
         other.leave()
+        first.leave()
+
+
+def test_a_rank_wanted_from_a_gathering_view_is_read_within_a_poll(client, etcd_prefix,  # noqa: F811
+                                                                   monkeypatch):
+    """A view gathering a whole-job start knows a member that joined after its first read
+    only at the end of the gathering, unless someone needs it: a restore that needs a
+    holder's address, JAX's coordinator (rank 0). Wanted, it is in the view within a poll
+    while the view still gathers; a rank not registered yet stays wanted."""
+    monkeypatch.setattr(membership, "GATHER_SETTLE_S", 60.0)  # gathering all the while
+    first = Membership(client, etcd_prefix, 5, "a:1", ttl_s=TTL, expect=4)
+    late = Membership(client, etcd_prefix, 0, "b:1", ttl_s=TTL, watch=False)
+    later = Membership(client, etcd_prefix, 2, "c:1", ttl_s=TTL, watch=False)
+    try:
+        first.join()
+        late.join()
+        time.sleep(1.0)  # polls go by: counting is not reading
+        assert not first.alive(0)
+        first.want([0, 2])
+        deadline = time.monotonic() + 3
+        while not first.alive(0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first.members_view.address(0) == "b:1"
+        later.join()
+        deadline = time.monotonic() + 3
+        while not first.alive(2) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first.members_view.address(2) == "c:1"
+        assert first.members_view.gathered_s is None
+        assert sorted(first.view()) == [0, 2, 5]
+    finally:
+        later.leave()
+        late.leave()
         first.leave()

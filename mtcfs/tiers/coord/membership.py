@@ -54,7 +54,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -84,6 +84,9 @@ GATHER_POLL_MAX_S = 2.0
 GATHER_SETTLE_S = 5.0
 #: or after this long, whatever the count (seconds).
 GATHER_MAX_S = 120.0
+#: At most this many wanted ranks (:meth:`MemberView.want`) are read by one poll (etcd
+#: refuses transactions of more than 128 operations by default).
+WANTED_PER_POLL = 64
 #: Seconds the member view waits before it watches again after etcd's auth refused it.
 DENIED_PAUSE_S = 10.0
 #: Largest member record accepted, bytes (one is ~200 bytes; labels are at most 64 x 256).
@@ -229,8 +232,9 @@ class Membership:
                                          "etcd_errors": 0}
         self._own_view = view is None and watch
         self.members_view: MemberView | None = (
-            view if view is not None else MemberView(etcd, prefix, progress_s, expect)
-            if watch else None)
+            view if view is not None else MemberView(
+                etcd, prefix, progress_s, expect,
+                poll_max_s=min(GATHER_POLL_MAX_S, defend_s(ttl_s) / 3)) if watch else None)
         # only a member that sees its own key change can answer a takeover
         self.record.defends = self.members_view is not None
         self._stop = threading.Event()
@@ -575,6 +579,12 @@ class Membership:
         """
         return self._need_view().wait_for(n, timeout)
 
+    def want(self, ranks: Iterable[int]) -> None:
+        """These ranks' records are needed now (:meth:`MemberView.want`); no-op without
+        a view."""
+        if self.members_view is not None:
+            self.members_view.want(ranks)
+
     def _need_view(self) -> "MemberView":
         if self.members_view is None:
             raise RuntimeError(f"rank {self.rank} keeps no membership view (watch=False)")
@@ -593,12 +603,12 @@ class Membership:
         await trio.to_thread.run_sync(self.leave, abandon_on_cancel=True)
 
 
-def gather_poll_s(expect: int) -> float:
-    """Seconds between a gathering view's counts of the members: ``expect / 500``, at
-    least 0.25 s and at most 2 s, so about 500 polls (one small transaction each) per
-    second for the whole job from 125 to 1,000 members, ``expect / 2`` above
-    (docs/coordination.md)."""
-    return min(GATHER_POLL_MAX_S, max(GATHER_POLL_MIN_S, expect / 500))
+def gather_poll_s(expect: int, max_s: float = GATHER_POLL_MAX_S) -> float:
+    """Seconds between a gathering view's polls: ``expect / 500``, at least 0.25 s and at
+    most ``max_s`` (2 s; a member's own view: a third of :func:`defend_s`, so a takeover is
+    answered in time), so about 500 polls (one small transaction each) per second for the
+    whole job from 125 to 1,000 members, ``expect / 2`` above (docs/coordination.md)."""
+    return min(max_s, max(GATHER_POLL_MIN_S, expect / 500))
 
 
 class MemberView:
@@ -620,11 +630,13 @@ class MemberView:
     without ``expect`` does from its start. Meanwhile :meth:`view` holds what the first
     read found plus the listeners' records. A whole-job start then costs etcd about
     ``expect`` x (join window / poll) small transactions and one read of N records per
-    view, and no watch event or watch response per join.
+    view, and no watch event or watch response per join. A caller that needs a rank the
+    gathering view lacks (an address to fetch from, rank 0 as JAX's coordinator) says so
+    with :meth:`want`: the next poll, at once, reads that rank's record too.
     """
 
     def __init__(self, etcd: Etcd, prefix: str, progress_s: float = PROGRESS_S,
-                 expect: int | None = None) -> None:
+                 expect: int | None = None, *, poll_max_s: float = GATHER_POLL_MAX_S) -> None:
         self.etcd = etcd
         self.members_prefix = f"{prefix}members/".encode()
         self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0,
@@ -633,6 +645,10 @@ class MemberView:
         #: seconds from :meth:`start` until the view watched the whole prefix (None: not
         #: yet; 0.0: it did not gather)
         self.gathered_s: float | None = None
+        self._poll_max_s = poll_max_s
+        #: ranks a caller needs that the gathering view lacks (:meth:`want`)
+        self._wanted: set[int] = set()
+        self._poke = threading.Event()  # wakes a gathering poll (a want, a stop)
         self._progress_s = progress_s
         self._view: dict[int, MemberRecord] = {}
         self._cond = threading.Condition()
@@ -654,6 +670,7 @@ class MemberView:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._progress_s + 2)
         self._thread = None
@@ -699,31 +716,26 @@ class MemberView:
         self._watch_loop()
 
     def _gather(self) -> None:
-        """While fewer than ``expect`` members are registered: every :func:`gather_poll_s`,
-        one transaction reads the listeners' records and counts the members; then read
-        them all (the class's docstring). No watch meanwhile: a watch's progress answers
-        are watch responses too, and etcd sends each to one view at a time. An etcd error
-        ends the gathering early (the watch loop reads the view again and watches the
-        prefix)."""
+        """While fewer than ``expect`` members are registered: every :func:`gather_poll_s`
+        (or at once after a :meth:`want`), one transaction reads the listeners' records and
+        the wanted ranks' and counts the members; then read them all (the class's
+        docstring). No watch meanwhile: a watch's progress answers are watch responses too,
+        and etcd sends each to one view at a time. It gathers once in the view's life: an
+        error ends it early (etcd's is logged; the watch loop then watches the prefix from
+        the last read's revision, replaying what it missed)."""
         t0 = time.monotonic()
         if not self.expect or len(self._view) >= self.expect:
             self.gathered_s = 0.0
             return
-        poll = gather_poll_s(self.expect)
+        poll = gather_poll_s(self.expect, self._poll_max_s)
         count, changed_at = len(self._view), t0
         try:
-            while not self._stop.wait(poll):
-                with self._cond:
-                    ranks = sorted(self._listeners)
-                ops = [count_op(self.members_prefix, prefix_end(self.members_prefix))]
-                if ranks:  # the listeners' keys: the lowest to just after the highest
-                    ops.append(get_op(self.members_prefix + rank_key(ranks[0]),
-                                      self.members_prefix + rank_key(ranks[-1]) + b"\0"))
-                r = self.etcd.txn([], ops)
-                self.counters["gather_polls"] += 1
-                got = int(r.responses[0].response_range.count)
-                if len(r.responses) > 1:
-                    self._apply_listened(ranks, r.responses[1].response_range.kvs)
+            while True:
+                self._poke.wait(poll)
+                self._poke.clear()
+                if self._stop.is_set():
+                    return
+                got = self._gather_poll()
                 now = time.monotonic()
                 if got != count:
                     count, changed_at = got, now
@@ -733,28 +745,71 @@ class MemberView:
         except EtcdError as exc:
             self.counters["etcd_errors"] += 1
             log.warning("membership gathering: %s", exc)
+        finally:
+            self.gathered_s = round(time.monotonic() - t0, 3)
         if self._stop.is_set():
             return
-        self._load_view()
-        self.gathered_s = round(time.monotonic() - t0, 3)
+        try:
+            self._load_view()
+        except EtcdError as exc:
+            self.counters["etcd_errors"] += 1
+            log.warning("membership read after gathering: %s", exc)
 
-    def _apply_listened(self, ranks: list[int], kvs: Any) -> None:
-        """Put the listeners' records as one read found them (``kvs``: keys from the
-        lowest listened rank's to the highest's) into the view; tell the listeners whose
-        record changed."""
+    def _gather_poll(self) -> int:
+        """One gathering poll: the listeners' records (one range, from the lowest listened
+        rank's key to the highest's), the wanted ranks' (one get each, at most
+        :data:`WANTED_PER_POLL`) and the count of members, in one transaction; the records
+        go into the view. Returns the count (keys under ``members/``)."""
+        with self._cond:
+            ranks = sorted(r for r, fns in self._listeners.items() if fns)
+            wanted = sorted(self._wanted - set(ranks))[:WANTED_PER_POLL]
+        ops = [count_op(self.members_prefix, prefix_end(self.members_prefix))]
+        if ranks:
+            ops.append(get_op(self.members_prefix + rank_key(ranks[0]),
+                              self.members_prefix + rank_key(ranks[-1]) + b"\0"))
+        ops += [get_op(self.members_prefix + rank_key(r)) for r in wanted]
+        r = self.etcd.txn([], ops, retry=True)  # reads only: safe to repeat
+        self.counters["gather_polls"] += 1
+        if ranks:
+            self._apply_read(ranks, r.responses[1].response_range.kvs)
+        if wanted:
+            kvs = [kv for resp in r.responses[2 if ranks else 1:]
+                   for kv in resp.response_range.kvs]
+            self._apply_read(wanted, kvs, absent_stays=True)
+        return int(r.responses[0].response_range.count)
+
+    def want(self, ranks: Iterable[int]) -> None:
+        """Ask a gathering view to read these ranks' records at its next poll, at once
+        (a rank already in the view, or a view that watches the prefix, needs nothing).
+        Quick and thread-safe; the records arrive in :meth:`view` within a poll."""
+        with self._cond:
+            if self.gathered_s is not None:
+                return
+            new = {r for r in ranks if r not in self._view} - self._wanted
+            self._wanted |= new
+        if new:
+            self._poke.set()
+
+    def _apply_read(self, ranks: list[int], kvs: Any, absent_stays: bool = False) -> None:
+        """Put the records of ``ranks`` as one read found them (``kvs``, possibly with
+        other ranks' keys among them) into the view, and tell the listeners whose record
+        changed. A rank the read did not find leaves the view, unless ``absent_stays``
+        (a wanted rank not registered yet: still wanted)."""
         found: dict[int, MemberRecord | None] = {r: None for r in ranks}
         for kv in kvs:
             rec = self._decode(kv)
             if rec is not None and rec.rank in found:
                 found[rec.rank] = rec
         with self._cond:
-            changed = [r for r, rec in found.items() if self._view.get(r) != rec]
+            changed = [r for r, rec in found.items() if self._view.get(r) != rec
+                       and not (rec is None and absent_stays)]
             for r in changed:
                 rec = found[r]
                 if rec is None:
                     self._view.pop(r, None)
                 else:
                     self._view[r] = rec
+                    self._wanted.discard(r)
             fns = [fn for r in changed for fn in self._listeners.get(r, ())]
             if changed:
                 self._cond.notify_all()

@@ -243,6 +243,8 @@ class PeerTier(MembershipRounds, Replication):
     def _client(self, rank: int, kind: str) -> PeerClient:
         addr = self.addresses.get(rank)
         if addr is None:
+            if self.member is not None:  # a membership view still gathering reads it now
+                self.member.want([rank])
             raise PeerUnavailable(f"rank {rank}", "no address known yet")
         if rank in self.partitioned:
             raise PeerUnavailable(addr, f"rank {rank} is cut off from this node (injected fault)")

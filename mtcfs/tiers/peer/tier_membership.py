@@ -260,6 +260,8 @@ class MembershipRounds:
             missing = [r for r in ranks if r not in self.addresses]
             if not missing or time.monotonic() >= deadline:
                 return missing
+            if self.member is not None:  # a view still gathering reads them at once
+                self.member.want(missing)
             await trio.sleep(0.1)
 
     def backup_latest(self) -> StepRef | None:
