@@ -202,7 +202,8 @@ class Membership:
             stopped by this member); None: its own when ``watch``.
         expect: the job's size (``nodes=``): its own view gathers the joins of a
             whole-job start instead of watching each (:class:`MemberView`); None: it
-            watches from its start.
+            watches from its start. Not used with ``view`` (that view's own ``expect``
+            holds).
     """
 
     def __init__(self, etcd: Etcd, prefix: str, rank: int, address: str = "",
@@ -642,8 +643,8 @@ class MemberView:
         self.counters: dict[str, int] = {"watch_events": 0, "etcd_errors": 0,
                                          "gather_polls": 0}
         self.expect = expect
-        #: seconds from :meth:`start` until the view watched the whole prefix (None: not
-        #: yet; 0.0: it did not gather)
+        #: seconds the view gathered before it read every record (None: not done yet;
+        #: 0.0: it did not gather)
         self.gathered_s: float | None = None
         self._poll_max_s = poll_max_s
         #: ranks a caller needs that the gathering view lacks (:meth:`want`)
