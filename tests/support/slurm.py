@@ -102,7 +102,10 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: also how long a requeued job waits before it may start again
+            # (default 120 s); it must outlast a Prolog (the batch launch carries the
+            # credential), 30 s on a loaded 2-core machine
+            f"AuthInfo=socket={self.munge_socket},cred_expire=45",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool/%n",
             f"SlurmctldPidFile={r}/run/slurmctld.pid",
@@ -130,6 +133,9 @@ class SlurmCluster:
             "MinJobAge=300",
             "JobRequeue=1",
             "PrologEpilogTimeout=150",
+            # a batch job whose Prolog (a mount) takes longer than the default 10 s is not
+            # taken for lost and requeued again
+            "BatchStartTimeout=150",
             "SlurmdParameters=config_overrides",
         ]
         if self.prolog:
@@ -229,6 +235,12 @@ class SlurmCluster:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
 
+    def lose_node(self, rank: int) -> None:
+        """Node ``rank``'s host is lost: SIGKILL its slurmd and every process in its network
+        (slurmstepd, the job's tasks, the mtcfs daemon its Prolog started)."""
+        self.kill_slurmd(rank)
+        self._kill_in_node_networks(ranks=[rank])
+
     def node_state(self, rank: int) -> str:
         r = self.cmd("sinfo", "-h", "-n", node_name(rank), "-o", "%T", check=False)
         return r.stdout.strip()
@@ -309,12 +321,12 @@ class SlurmCluster:
 
     # -- teardown ---------------------------------------------------------------------------
 
-    def _node_network_pids(self) -> list[int]:
-        """Every process in one of the nodes' network namespaces."""
+    def _node_network_pids(self, ranks: list[int] | None = None) -> list[int]:
+        """Every process in one of the nodes' (or ``ranks``') network namespaces."""
         if self.fabric is None:
             return []
         inodes = set()
-        for r in range(self.nodes):
+        for r in (range(self.nodes) if ranks is None else ranks):
             try:
                 inodes.add(os.stat(f"/run/netns/{self.fabric.name(r)}").st_ino)
             except OSError:
@@ -329,10 +341,11 @@ class SlurmCluster:
                     pass
         return pids
 
-    def _kill_in_node_networks(self, timeout: float = 10.0) -> None:
+    def _kill_in_node_networks(self, timeout: float = 10.0,
+                               ranks: list[int] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pids = self._node_network_pids()
+            pids = self._node_network_pids(ranks)
             if not pids:
                 return
             for pid in pids:
