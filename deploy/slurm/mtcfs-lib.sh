@@ -23,8 +23,8 @@ say() {
   if [ -n "$LOG" ]; then echo "$line" >> "${LOG//%n/$node}"; fi
 }
 
-# The job's name (the Prolog's environment has none in Slurm 22.05): from slurmctld, and
-# kept in the spool-independent state dir so the Epilog finds it even if slurmctld is away.
+# The job's name (the Prolog's environment has none in Slurm 22.05): from slurmctld. The
+# Epilog does not ask again: it reads the mount point the Prolog recorded in state_dir.
 job_name() {
   local name
   name=${SLURM_JOB_NAME:-}
