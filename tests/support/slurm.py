@@ -32,7 +32,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Self
@@ -42,8 +44,16 @@ from .mount import unmount_below
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo", "squeue")
 CTL_HOST = "mtcfs-ctl"
-CTL_PORT = 6817
 SLURMD_PORT = 6818
+
+
+def _free_port() -> int:
+    """A TCP port no socket of the root network namespace holds now, picked by the kernel
+    (another process may take it before slurmctld binds it: slurmctld then exits and
+    :meth:`SlurmCluster.start` says so)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def missing_binaries() -> list[str]:
@@ -82,6 +92,12 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
         self._procs: dict[str, subprocess.Popen] = {}
+        # slurmctld listens on every address of the root network namespace: clusters of
+        # tests running at once (pytest-xdist workers) each take a free port
+        self.ctl_port = _free_port()
+        # slurmd's spool holds Unix sockets, whose paths the kernel caps at 108 bytes: a
+        # short directory of its own, not one below a pytest-xdist worker's tmp_path
+        self.spool = Path(tempfile.mkdtemp(prefix="mtslurm-", dir="/tmp"))
 
     # -- files ------------------------------------------------------------------------------
 
@@ -91,12 +107,12 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         assert self.fabric is not None
         r = self.root
-        for d in ("state", "spool", "log", "run"):
+        for d in ("state", "log", "run"):
             (r / d).mkdir(parents=True, exist_ok=True)
         lines = [
             "ClusterName=mtcfs",
             f"SlurmctldHost={CTL_HOST}({self.fabric.gateway})",
-            f"SlurmctldPort={CTL_PORT}",
+            f"SlurmctldPort={self.ctl_port}",
             f"SlurmdPort={SLURMD_PORT}",
             "SlurmUser=root",
             "SlurmdUser=root",
@@ -107,7 +123,7 @@ class SlurmCluster:
             # credential), 30 s on a loaded 2-core machine
             f"AuthInfo=socket={self.munge_socket},cred_expire=45",
             f"StateSaveLocation={r}/state",
-            f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmdSpoolDir={self.spool}/%n",
             f"SlurmctldPidFile={r}/run/slurmctld.pid",
             f"SlurmdPidFile={r}/run/slurmd-%n.pid",
             f"SlurmctldLogFile={self.log_path('slurmctld')}",
@@ -223,7 +239,7 @@ class SlurmCluster:
         """Start node ``rank``'s slurmd (again, after :meth:`kill_slurmd`)."""
         assert self.fabric is not None
         name = node_name(rank)
-        (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
+        (self.spool / name).mkdir(parents=True, exist_ok=True)
         self._spawn(f"slurmd-{name}", [*self.fabric.prefix(rank), "unshare", "--uts", "sh",
                                        "-c", f'hostname {name} && exec slurmd -D -N {name} '
                                        f'-f "$1"', "sh", str(self.conf)])
@@ -383,3 +399,4 @@ class SlurmCluster:
                 pass
         if self._own_fabric and self.fabric is not None:
             self.fabric.destroy()
+        shutil.rmtree(self.spool, ignore_errors=True)
