@@ -143,8 +143,15 @@ def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, mo
     with _job_with_small_store(make_cluster) as (c, store1):
         n0, n1 = c.node(0), c.node(1)
         filler = seed_then_fill(c, store1, {"a": b"first"})
-        # (read before the folds: rank 1 retries its catch-up while it waits, and may
-        # install a base that fits in the room it has before the last fold is seen here)
+        # Rank 1 may apply some ops after the fill (its database's write-ahead log reuses
+        # pages it already holds): ops until it waits, so that it waits before every fold
+        # (it applied the ops past the last fold under load, and installed nothing: 1 > 1)
+        deadline = time.monotonic() + 60
+        for k in range(1000):
+            if _ns(c, 1).get("waiting_for_room"):
+                break
+            assert time.monotonic() < deadline, "rank 1 never waited for room"
+            n0.path(f"pre_{k}").mkdir()
         installed = _ns(c, 1).get("snapshots_installed", 0)
         for r in range(3):
             trims = _ns(c, 0).get("log_trims", 0)
