@@ -41,6 +41,7 @@ from typing import Self
 
 from .fabric import Fabric
 from .mount import unmount_below
+from .poll import wait_for
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo", "squeue")
 CTL_HOST = "mtcfs-ctl"
@@ -188,17 +189,15 @@ class SlurmCluster:
             out.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-n:]}")
         return "\n".join(out)
 
-    def wait(self, pred, timeout: float, what: str, interval: float = 0.2):
-        deadline = time.monotonic() + timeout
-        while True:
-            v = pred()
-            if v:
-                return v
-            if time.monotonic() > deadline:
-                what = what() if callable(what) else what
-                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n"
-                                   f"{self.logs()}")
-            time.sleep(interval)
+    def wait(self, pred, timeout: float, what, interval: float = 0.2):
+        """:func:`support.poll.wait_for`, its error naming ``what`` (a string, or a callable
+        asked at the end: the last state seen) and ending with the daemons' logs."""
+        try:
+            return wait_for(pred, timeout, "the condition", interval)
+        except TimeoutError:
+            what = what() if callable(what) else what
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n"
+                               f"{self.logs()}") from None
 
     # -- daemons ----------------------------------------------------------------------------
 
