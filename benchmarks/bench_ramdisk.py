@@ -28,6 +28,12 @@ Row groups (``--only``, comma-separated):
   the same bytes in a tmpfs file: ``blake3.blake3(max_threads=N)`` fed 16 MiB ``preadv``
   pieces, N the mount's ``hash_threads`` (4 where this tree has no such option: said in the
   notes). Target: seal time <= 1.3x blake3's.
+- ``reopen``: what a checkpoint library does right after it closes a file (DCP stats and
+  renames, a loader opens): a ``--reopen-size`` file (32 MiB) written and closed, then at
+  once ``stat(2)`` + ``open(2)`` + ``close(2)`` of it, timed, ``REOPENS`` files per repeat.
+  Milliseconds, median and worst of a repeat; shown beside tmpfs, no target (the mounts
+  answer each call in a FUSE round trip or two, which tmpfs does not have; what this row
+  watches is the seal started by the close delaying those round trips).
 - ``torch`` (``torch.save`` of ``--torch-size`` of fp32 tensors), ``st`` (safetensors
   ``save_file`` of ``--st-size``), ``dcp`` (``dcp.save`` of the model and Adam state of
   examples/demo.py, ``--dcp-width``, a few saves per sample as it is small), ``orbax``
@@ -73,8 +79,9 @@ from tests.support.mount import Mount
 
 TARGETS = ("tmpfs", "mtcfs", "mtcfs-daemon")
 MOUNTED = ("mtcfs", "mtcfs-daemon")
-GROUPS = ("seq", "first", "seal", "torch", "st", "dcp", "orbax", "fio")
+GROUPS = ("seq", "first", "seal", "reopen", "torch", "st", "dcp", "orbax", "fio")
 SEALED = ("local", "backed-up")
+REOPENS = 8  # files per repeat of the reopen group
 DCP_SAVES = 5  # dcp.save calls per sample: the demo model is ~13 MiB
 ORBAX_LEAF = 32 * MiB
 
@@ -322,6 +329,29 @@ class Run:
                 f.unlink()
                 time.sleep(0.3)
 
+    def reopen(self) -> None:
+        size = self.a.reopen_size
+        row = f"stat+open right after a close {human(size)}"
+        for rep in range(self.a.reps):
+            for t in self.order(rep):
+                times: list[float | None] = []
+                for i in range(REOPENS):
+                    f = t.dir / f"reopen-{i}.bin"
+                    write_file(f, size, UniqueData(seed=7000 + rep * REOPENS + i))
+                    t0 = time.perf_counter()
+                    os.stat(f)
+                    os.close(os.open(f, os.O_RDONLY))
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    if t.mount is not None:
+                        settle(t, f)
+                    time.sleep(0.1)
+                self.add(f"{row}, median", t.name, median(times))
+                self.add(f"{row}, worst of {REOPENS}", t.name, max(x or 0 for x in times))
+                log(f"reopen {human(size)} rep {rep + 1} {t.name:12s}: median "
+                    f"{median(times) or 0:.2f} worst {max(x or 0 for x in times):.2f} ms")
+                for i in range(REOPENS):
+                    (t.dir / f"reopen-{i}.bin").unlink()
+
     def saves(self, key: str) -> None:
         warnings.filterwarnings("ignore")
         if key == "torch":
@@ -422,6 +452,8 @@ def table(r: Run, res: BenchResult) -> None:
             line(row, "s", "tmpfs", "", None, 3)
         elif row.startswith("close->sealed") and "blake3" in r.samples[row]:
             line(row, "s", "blake3", "<=", 1.3, 3)
+        elif row.startswith("stat+open right after"):
+            line(row, "ms", "tmpfs", "", None, 2)
         elif row.split(" ")[0] in ("torch.save", "save_file", "dcp.save", "orbax"):
             line(row, "s", "tmpfs", "<=", 1.1, 3)
         elif row.startswith("fio "):
@@ -519,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out sizes of 4 GiB and more (the seal file becomes 1 GiB)")
     p.add_argument("--first-size", type=parse_size, default=GiB)
     p.add_argument("--seal-size", type=parse_size, help="default: the largest of --sizes")
+    p.add_argument("--reopen-size", type=parse_size, default=32 * MiB)
     p.add_argument("--torch-size", type=parse_size, default=500 * MiB)
     p.add_argument("--st-size", type=parse_size, default=332 * MiB)
     p.add_argument("--orbax-size", type=parse_size, default=256 * MiB)

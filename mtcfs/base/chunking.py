@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import blake3
 
 from mtcfs.base import pools
+from mtcfs.base.scratch import scratch
 
 #: Default chunk size in bytes (4 MiB): large enough to keep per-chunk overhead (an RPC,
 #: an object-store request, an index row) small, small enough that an unchanged tensor of
@@ -179,42 +181,46 @@ class ChunkHasher:
     def work(self) -> None:
         """Hash chunks until none is left, ``stop`` said so or a read failed (a thread's
         whole life; errors are kept for :meth:`result`)."""
-        buf: bytearray | None = None
-        while True:
-            with self._lock:
-                pos = self._next
-                if self._halted is not None or pos >= len(self._todo):
-                    return
-                if self._stop is not None and self._stop():
-                    self._halted = pos
-                    return
-                self._next = pos + 1
-            i = self._todo[pos]
-            off = i * self._cs
-            want = min(self._cs, self._size - off)
-            try:
-                if self._holes and _is_hole(self._fd, off, want):
-                    digest, read = zero_chunk_hash(want), 0
-                else:
-                    if buf is None:
-                        buf = bytearray(min(self._cs, self._size))
-                    view = memoryview(buf)
-                    try:
-                        _read_into(self._fd, view, off, want, self._size)
-                        digest = blake3.blake3(view[:want]).hexdigest()
-                    finally:
-                        view.release()
-                    read = want
-            except OSError as exc:
+        buf: mmap.mmap | None = None  # made at the first chunk read (scratch: no GIL)
+        try:
+            while True:
                 with self._lock:
-                    if self._error is None:
-                        self._error = exc
-                    if self._halted is None or self._halted > pos:
+                    pos = self._next
+                    if self._halted is not None or pos >= len(self._todo):
+                        return
+                    if self._stop is not None and self._stop():
                         self._halted = pos
-                return
-            with self._lock:
-                self.digests[i] = digest
-                self.hashed += read
+                        return
+                    self._next = pos + 1
+                i = self._todo[pos]
+                off = i * self._cs
+                want = min(self._cs, self._size - off)
+                try:
+                    if self._holes and _is_hole(self._fd, off, want):
+                        digest, read = zero_chunk_hash(want), 0
+                    else:
+                        if buf is None:
+                            buf = scratch(min(self._cs, self._size))
+                        view = memoryview(buf)
+                        try:
+                            _read_into(self._fd, view, off, want, self._size)
+                            digest = blake3.blake3(view[:want]).hexdigest()
+                        finally:
+                            view.release()
+                        read = want
+                except OSError as exc:
+                    with self._lock:
+                        if self._error is None:
+                            self._error = exc
+                        if self._halted is None or self._halted > pos:
+                            self._halted = pos
+                    return
+                with self._lock:
+                    self.digests[i] = digest
+                    self.hashed += read
+        finally:
+            if buf is not None:
+                buf.close()
 
     def result(self) -> tuple[str, ...]:
         """The digests in the order of ``indices``, once every :meth:`work` returned.
@@ -255,7 +261,7 @@ def _pieces(fd: int, size: int, chunk_size: int) -> Iterator[memoryview]:
     Raises:
         OSError: if the file cannot be read or is shorter than ``size``.
     """
-    buf = bytearray(min(chunk_size, size))
+    buf = scratch(min(chunk_size, size))
     view = memoryview(buf)
     try:
         for off in range(0, size, chunk_size):
@@ -268,6 +274,7 @@ def _pieces(fd: int, size: int, chunk_size: int) -> Iterator[memoryview]:
                 piece.release()
     finally:
         view.release()
+        buf.close()
 
 
 def _read_into(fd: int, view: memoryview, off: int, want: int, size: int) -> None:

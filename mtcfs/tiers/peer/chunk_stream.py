@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -51,6 +52,7 @@ from mtcfs.base.ahead import ahead
 from mtcfs.base.chunking import chunk_hash
 from mtcfs.base.counters import Counters
 from mtcfs.base.failpoints import failpoint
+from mtcfs.base.scratch import scratch
 from mtcfs.tiers.peer.errors import (
     ChunkMismatch, ChunkNotFound, PeerChunkCorrupt, PeerError, PeerUnavailable,
     ReplicaChunkCorrupt, ReplicaError, ReplicaFull,
@@ -275,8 +277,7 @@ class ChunkStreamServer:
         """Take each chunk of a put ticket into the store, verified, then answer one
         verdict per chunk. Each chunk is received in :data:`PIECE` pieces, each hashed and
         written as it comes (the kernel receives the next meanwhile)."""
-        buf = bytearray(PIECE)
-        view = memoryview(buf)
+        view = memoryview(scratch(PIECE))
         verdicts: list[tuple[int, str, str]] = []
         for want in ticket.digests:
             status, raw, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -430,7 +431,7 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
             protocol.
     """
     sock = _connect(address, host, port, ticket, job, tls, timeout)
-    bufs = [bytearray() for _ in range(max(1, buffers))]
+    bufs: list[mmap.mmap | bytearray] = [bytearray() for _ in range(max(1, buffers))]
     turn = 0
     try:
         for want in digests:
@@ -454,7 +455,7 @@ def read_stream(address: str, host: str, port: int, ticket: bytes, digests: Sequ
             slot = turn % len(bufs)
             turn += 1
             if len(bufs[slot]) < length:
-                bufs[slot] = bytearray(length)
+                bufs[slot] = scratch(length)  # (its views may outlive it here)
             view = memoryview(bufs[slot])[:length]
             try:
                 _recv_into(sock, view)
