@@ -60,6 +60,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import statistics
 import sys
 import time
 import traceback
@@ -334,7 +335,7 @@ class Run:
         row = f"stat+open right after a close {human(size)}"
         for rep in range(self.a.reps):
             for t in self.order(rep):
-                times: list[float | None] = []
+                times: list[float] = []
                 for i in range(REOPENS):
                     f = t.dir / f"reopen-{i}.bin"
                     write_file(f, size, UniqueData(seed=7000 + rep * REOPENS + i))
@@ -345,10 +346,11 @@ class Run:
                     if t.mount is not None:
                         settle(t, f)
                     time.sleep(0.1)
-                self.add(f"{row}, median", t.name, median(times))
-                self.add(f"{row}, worst of {REOPENS}", t.name, max(x or 0 for x in times))
-                log(f"reopen {human(size)} rep {rep + 1} {t.name:12s}: median "
-                    f"{median(times) or 0:.2f} worst {max(x or 0 for x in times):.2f} ms")
+                mid, worst = statistics.median(times), max(times)
+                self.add(f"{row}, median", t.name, mid)
+                self.add(f"{row}, worst of {REOPENS}", t.name, worst)
+                log(f"reopen {human(size)} rep {rep + 1} {t.name:12s}: median {mid:.2f} worst "
+                    f"{worst:.2f} ms")
                 for i in range(REOPENS):
                     (t.dir / f"reopen-{i}.bin").unlink()
 

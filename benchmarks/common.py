@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9
 
 
-def median(xs: list[float | None]) -> float | None:
+def median(xs: Sequence[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 

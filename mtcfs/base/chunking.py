@@ -181,46 +181,42 @@ class ChunkHasher:
     def work(self) -> None:
         """Hash chunks until none is left, ``stop`` said so or a read failed (a thread's
         whole life; errors are kept for :meth:`result`)."""
-        buf: mmap.mmap | None = None  # made at the first chunk read (scratch: no GIL)
-        try:
-            while True:
-                with self._lock:
-                    pos = self._next
-                    if self._halted is not None or pos >= len(self._todo):
-                        return
-                    if self._stop is not None and self._stop():
-                        self._halted = pos
-                        return
-                    self._next = pos + 1
-                i = self._todo[pos]
-                off = i * self._cs
-                want = min(self._cs, self._size - off)
-                try:
-                    if self._holes and _is_hole(self._fd, off, want):
-                        digest, read = zero_chunk_hash(want), 0
-                    else:
-                        if buf is None:
-                            buf = scratch(min(self._cs, self._size))
-                        view = memoryview(buf)
-                        try:
-                            _read_into(self._fd, view, off, want, self._size)
-                            digest = blake3.blake3(view[:want]).hexdigest()
-                        finally:
-                            view.release()
-                        read = want
-                except OSError as exc:
-                    with self._lock:
-                        if self._error is None:
-                            self._error = exc
-                        if self._halted is None or self._halted > pos:
-                            self._halted = pos
+        buf: mmap.mmap | None = None  # (unmapped when this returns)
+        while True:
+            with self._lock:
+                pos = self._next
+                if self._halted is not None or pos >= len(self._todo):
                     return
+                if self._stop is not None and self._stop():
+                    self._halted = pos
+                    return
+                self._next = pos + 1
+            i = self._todo[pos]
+            off = i * self._cs
+            want = min(self._cs, self._size - off)
+            try:
+                if self._holes and _is_hole(self._fd, off, want):
+                    digest, read = zero_chunk_hash(want), 0
+                else:
+                    if buf is None:
+                        buf = scratch(min(self._cs, self._size))
+                    view = memoryview(buf)
+                    try:
+                        _read_into(self._fd, view, off, want, self._size)
+                        digest = blake3.blake3(view[:want]).hexdigest()
+                    finally:
+                        view.release()
+                    read = want
+            except OSError as exc:
                 with self._lock:
-                    self.digests[i] = digest
-                    self.hashed += read
-        finally:
-            if buf is not None:
-                buf.close()
+                    if self._error is None:
+                        self._error = exc
+                    if self._halted is None or self._halted > pos:
+                        self._halted = pos
+                return
+            with self._lock:
+                self.digests[i] = digest
+                self.hashed += read
 
     def result(self) -> tuple[str, ...]:
         """The digests in the order of ``indices``, once every :meth:`work` returned.
@@ -261,8 +257,7 @@ def _pieces(fd: int, size: int, chunk_size: int) -> Iterator[memoryview]:
     Raises:
         OSError: if the file cannot be read or is shorter than ``size``.
     """
-    buf = scratch(min(chunk_size, size))
-    view = memoryview(buf)
+    view = memoryview(scratch(min(chunk_size, size)))
     try:
         for off in range(0, size, chunk_size):
             want = min(chunk_size, size - off)
@@ -274,7 +269,6 @@ def _pieces(fd: int, size: int, chunk_size: int) -> Iterator[memoryview]:
                 piece.release()
     finally:
         view.release()
-        buf.close()
 
 
 def _read_into(fd: int, view: memoryview, off: int, want: int, size: int) -> None:

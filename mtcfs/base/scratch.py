@@ -2,8 +2,7 @@
 
 ``bytearray(n)`` fills its ``n`` bytes with zeros while holding the GIL. For a 4 MiB chunk
 buffer on pages the process has not touched yet that is 1,024 page faults: 1.7-2.6 ms on
-this project's VMs (``benchmarks/bench_ramdisk.py --only reopen`` measures what it did to
-the FUSE loop). A hashing thread that made its buffer right after a close(2) kept the FUSE
+this project's VMs. A hashing thread that made its buffer right after a close(2) kept the FUSE
 loop, which needs the GIL for every request, from answering the stat(2) or open(2) that
 followed (docs/benchmarks.md, "RAM-disk speed": the stall after a close).
 
@@ -21,6 +20,6 @@ __all__ = ["scratch"]
 
 def scratch(n: int) -> mmap.mmap:
     """A writable buffer of ``n`` (> 0) bytes, all zero, whose pages are allocated when
-    first written. Use it through a ``memoryview``; ``close()`` it when done (after every
-    view of it is released: ``BufferError`` otherwise), or let it be collected."""
+    first written. Use it through a ``memoryview``; it is unmapped when the last reference
+    to it (a view included) goes, or at ``close()`` (``BufferError`` while a view is held)."""
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
