@@ -3,8 +3,9 @@ whole job restarts on empty stores, each unique chunk read from the bucket once.
 
 Two nodes with ``assume_data_parallelism=2`` write identical bytes (the data-parallel
 replicas of one model shard). Their backups split the upload of the shared chunks, and
-after both lose their RAM tier at once the lower twin reads each chunk from the bucket while
-the other takes it from that twin over the peer network.
+after both lose their RAM tier at once one twin reads each chunk from the bucket (the lower
+one, unless the higher comes up first) while the other takes it from that twin over the
+peer network.
 """
 
 from __future__ import annotations
@@ -50,5 +51,10 @@ def test_twins_upload_and_restore_each_chunk_once(make_cluster, tmp_path):
     from_backup = [s["backup"]["store"]["chunks_downloaded"] for s in sts]
     assert sum(from_backup) == unique, from_backup  # the bucket served each chunk once
     served = [s["restore"]["chunks_from"] for s in sts]
-    assert served[0]["backup"] > 0 and served[1]["backup"] < unique, served
-    assert served[1]["peers"] + served[1]["twins"] > 0, served  # the rest came from rank 0
+    # Which twin reads a chunk from the bucket depends on which comes up first: the lower
+    # twin when both are up (the higher waits for it), the higher one when the lower has
+    # not registered yet (CI, stop 55: rank 1 read all 34, rank 0 took them from it).
+    # Either way each chunk crossed from the bucket once, and the other twin's came over
+    # the peer network.
+    assert sum(s["backup"] for s in served) == unique, served
+    assert sum(s["peers"] + s["twins"] for s in served) >= unique, served

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import netns
+from support.poll import wait_for
 
 pytestmark = pytest.mark.skipif(netns.available() is not None,
                                 reason=f"network namespaces: {netns.available()}")
@@ -31,10 +32,22 @@ def test_scale_run_short_form_each_daemon_in_its_own_network(shm_dir: Path,
         out = real_join(run)
         seen["ns"] = {r: os.readlink(f"/proc/{pid}/ns/net") for r, pid in run.pids().items()}
         seen["root"] = os.readlink("/proc/self/ns/net")
-        st = {r: run.cluster.status(r)["peers"] for r in range(run.n)}
-        seen["listen"] = {r: st[r].get("listen") for r in range(run.n)}
-        seen["learned"] = {r: {m["rank"]: m["address"] for m in st[r].get("members", [])}
-                           for r in range(run.n)}
+
+        def peers() -> dict | None:
+            # a daemon learns the others through its etcd watch, after its own mount is up:
+            # the last to join may not be known to the first yet (CI, stop 55)
+            st = {r: run.cluster.status(r)["peers"] for r in range(run.n)}
+            seen["listen"] = {r: st[r].get("listen") for r in range(run.n)}
+            seen["learned"] = {r: {m["rank"]: m["address"] for m in st[r].get("members", [])}
+                               for r in range(run.n)}
+            known = all(len(seen["learned"][r]) >= run.n - 1  # type: ignore[index]
+                        for r in range(run.n))
+            return st if known else None
+
+        try:
+            wait_for(peers, 30, "every daemon to learn the other two from etcd")
+        except TimeoutError:
+            pass  # the assertions below say which address is missing
         seen["addrs"] = {r: f"{run.fabric.addr(r)}:7400" for r in range(run.n)}
         return out
 
