@@ -169,3 +169,13 @@ bench-interference:
 .PHONY: bench-busy-latency
 bench-busy-latency:
 	$(PYTHON) -m benchmarks.bench_busy_latency $(ARGS)
+
+# The node image built here from Debian's archive (scripts/build-image.sh), and the
+# DaemonSet's pod run from it by podman as the kubelet would (tests/t9_container_test.py,
+# docs/kubernetes.md "The image and the pod, run here"; about 10 minutes, most of it the build).
+.PHONY: image test-container
+image:
+	bash scripts/build-image.sh
+
+test-container:
+	$(PYTHON) -m pytest -k container -n 0 -p no:randomly tests/t9_container_test.py

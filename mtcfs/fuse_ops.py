@@ -106,6 +106,22 @@ def libfuse_version() -> str | None:
     return None
 
 
+
+def file_info(fh: int, *, keep_cache: bool, direct_io: bool, backing_id: int) -> Any:
+    """The reply to an open or create: a ``pyfuse3.FileInfo``.
+
+    ``backing_id`` (FUSE passthrough, docs/passthrough.md) is passed only when it is not 0:
+    PyPI's pyfuse3, which runs where mtcfs's patched one could not be built
+    (scripts/build_fuse.sh falls back to it), has no such argument, and passthrough is
+    then refused at mount, so the id is always 0 there. Passed always, every open and
+    create failed EIO with a TypeError under that pyfuse3 (found building the container
+    image, issue 44).
+    """
+    if backing_id:
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io,
+                                backing_id=backing_id)
+    return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+
 class Operations(pyfuse3.Operations):
     """pyfuse3 Operations over a :class:`~mtcfs.core.core.Filesystem`.
 
@@ -257,8 +273,8 @@ class Operations(pyfuse3.Operations):
         self._opened(fh, flags, ctx, choice)
         # (a passthrough reply carries no other flag than direct I/O and noflush: the
         # kernel refuses the open with EIO otherwise)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep and not backing,
-                                direct_io=choice == DIRECT, backing_id=backing)
+        return file_info(fh, keep_cache=keep and not backing, direct_io=choice == DIRECT,
+                         backing_id=backing)
 
     @_errno_out
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -270,8 +286,8 @@ class Operations(pyfuse3.Operations):
         # the core then opened that file, which may have content)
         choice = CACHED if backing else self.direct.choose(flags, a.size == 0, ctx.pid)
         self._opened(fh, flags, ctx, choice)
-        return (pyfuse3.FileInfo(fh=fh, keep_cache=not backing, direct_io=choice == DIRECT,
-                                 backing_id=backing),
+        return (file_info(fh, keep_cache=not backing, direct_io=choice == DIRECT,
+                          backing_id=backing),
                 self._entry(a))
 
     def _opened(self, fh: int, flags: int, ctx: Any, choice: str) -> None:

@@ -16,7 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-venv=$root/.venv
+# MTCFS_VENV: another virtual environment (the image's /opt/mtcfs, deploy/kubernetes/Containerfile)
+venv=${MTCFS_VENV:-$root/.venv}
 prefix=$venv/libfuse
 
 libfuse_version=3.17.2
@@ -41,6 +42,7 @@ log=$work/build.log
 : > "$log"
 fail() {
   cp "$log" /tmp/mtcfs-fuse-build.log 2>/dev/null || true
+  tail -n 12 "$log" | sed 's/^/  | /' >&2  # (a container build keeps no /tmp)
   echo "setup: WARNING: $1; mtcfs goes on with the stock pyfuse3, which cannot stop the GETXATTR before every write (docs/fuse-build.md; log: /tmp/mtcfs-fuse-build.log)" >&2
   exit 1
 }

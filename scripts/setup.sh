@@ -7,7 +7,9 @@
 # benchmarks/bench_random.py; curl, patch, meson and ninja build libfuse 3.17 and mtcfs's
 # pyfuse3 into .venv (scripts/build_fuse.sh, docs/fuse-build.md); slurmd, slurmctld,
 # slurm-client and munge are the Slurm cluster tests/t7_slurm_test.py starts on this machine
-# (tests/support/slurm.py, docs/slurm.md; it runs its own munged, never the system one).
+# (tests/support/slurm.py, docs/slurm.md; it runs its own munged, never the system one);
+# podman, runc and mmdebstrap build the node image from Debian's archive and run the
+# DaemonSet's pod (scripts/build-image.sh, tests/t9_container_test.py, docs/kubernetes.md).
 # Idempotent: a second run does nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ root=$(pwd)
 
 need_apt=()
 for pkg in fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc iproute2 make etcd-server etcd-client fio \
-    curl patch meson ninja-build slurmd slurmctld slurm-client munge; do
+    curl patch meson ninja-build slurmd slurmctld slurm-client munge podman runc mmdebstrap; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -49,7 +49,22 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+#: Modules left out of a run unless asked for by name (``-k container``, or the file on the
+#: command line): the container tests build the image (minutes) and are ``make
+#: test-container`` (docs/kubernetes.md), not part of the README's test command.
+ON_REQUEST = {"t9_container_test.py": "container"}
+
+
+def _asked_for(config, module: str, word: str) -> bool:
+    picked = f"{config.option.keyword} {config.option.markexpr}"
+    return word in picked or any(module in str(a) for a in config.args)
+
+
 def pytest_collection_modifyitems(config, items):
+    left_out = {m for m, word in ON_REQUEST.items() if not _asked_for(config, m, word)}
+    if left_out:
+        config.hook.pytest_deselected(items=[i for i in items if i.path.name in left_out])
+        items[:] = [i for i in items if i.path.name not in left_out]
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as found
     if not os.path.exists("/dev/fuse"):
