@@ -56,7 +56,7 @@ if pkg-config --atleast-version=3.17 fuse3 2>/dev/null; then
   echo "setup: system libfuse $(pkg-config --modversion fuse3) is new enough; building pyfuse3 only"
   ldflags=
 else
-  echo "setup: building libfuse $libfuse_version into .venv/libfuse (Debian 12 has $(pkg-config --modversion fuse3 2>/dev/null || echo none))"
+  echo "setup: building libfuse $libfuse_version into $prefix (Debian 12 has $(pkg-config --modversion fuse3 2>/dev/null || echo none))"
   curl -fsSL --retry 3 --max-time 120 -o "$work/libfuse.tar.gz" "$libfuse_url" >>"$log" 2>&1 \
     || fail "could not download $libfuse_url"
   check_sum "$work/libfuse.tar.gz" "$libfuse_sha256"
@@ -73,7 +73,11 @@ else
       $libfuse_config \
     && ninja -C "$src/build" install) >>"$log" 2>&1 || fail "libfuse $libfuse_version did not build"
   pkg_config_path=$prefix/lib/pkgconfig
-  ldflags="-Wl,-rpath,$prefix/lib"
+  # -L first: a Python built with --enable-shared (Debian's own python3) links extensions
+  # with -L its LIBDIR (/usr/lib/x86_64-linux-gnu) ahead of pkg-config's -L, where Debian's
+  # libfuse3.so (3.14) was found first; the module then did not import
+  # (fuse_session_new_versioned). LDFLAGS come before both.
+  ldflags="-L$prefix/lib -Wl,-rpath,$prefix/lib"
 fi
 
 "$venv/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary :all: \
