@@ -106,8 +106,8 @@ def libfuse_version() -> str | None:
     return None
 
 
-
-def file_info(fh: int, *, keep_cache: bool, direct_io: bool, backing_id: int) -> Any:
+def file_info(fh: int, *, keep_cache: bool, direct_io: bool,
+              backing_id: int) -> pyfuse3.FileInfo:
     """The reply to an open or create: a ``pyfuse3.FileInfo``.
 
     ``backing_id`` (FUSE passthrough, docs/passthrough.md) is passed only when it is not 0:
@@ -121,6 +121,7 @@ def file_info(fh: int, *, keep_cache: bool, direct_io: bool, backing_id: int) ->
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io,
                                 backing_id=backing_id)
     return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+
 
 class Operations(pyfuse3.Operations):
     """pyfuse3 Operations over a :class:`~mtcfs.core.core.Filesystem`.

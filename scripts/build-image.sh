@@ -10,7 +10,7 @@
 # build, so a host whose cgroup layout crun refuses (this one: cgroup v1 beside a v2
 # mount) builds too. Behind an egress proxy that re-signs TLS, MTCFS_BUILD_CA names the CA
 # bundle pip must trust (default: the system's); it is given to the build stage only and
-# is not in the image. docs/kubernetes.md, "The image, built here".
+# is not in the image. docs/kubernetes.md, "The image and the pod, run here".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-localhost/mtcfs:0.1.0}
