@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from .kube import CONFIG, CONTAINER, DS, ROOT
 
@@ -108,7 +107,6 @@ class NodePod:
                  pod_ip: str = "127.0.0.1", image: str = IMAGE) -> None:
         self.name, self.host, self.network, self.image = name, host, network, image
         self.env = self._env(env, pod_ip)
-        self.spec: dict[str, Any] = CONTAINER
         self.grace_s = float(DS["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
 
     def _env(self, override: dict[str, str], pod_ip: str) -> dict[str, str]:
