@@ -46,7 +46,7 @@ import yaml
 
 from mtcfs.base.mountinfo import force_unmount, is_mounted
 from support.kube import (BASE, CONFIG, CONTAINER, DEV, DS, EXAMPLE, JOBSET, K8S, ROOT, _key,
-                          one, render)
+                          container_env, one, render)
 from support.mount import VENV_BIN
 
 SCRIPT = K8S / "mtcfs_node.py"
@@ -196,16 +196,7 @@ def daemonset_env(**override: str) -> dict[str, str]:
     """The container's environment as the kubelet would make it from the DaemonSet: the
     ConfigMap's values, the downward API's (node ``testnode``, pod IP 127.0.0.1), the
     literal values; then ``override``; PATH holds this venv's mtcfs."""
-    out: dict[str, str] = {}
-    for e in CONTAINER["env"]:
-        if "value" in e:
-            out[e["name"]] = e["value"]
-        elif "configMapKeyRef" in e["valueFrom"]:
-            out[e["name"]] = CONFIG[e["valueFrom"]["configMapKeyRef"]["key"]]
-        else:
-            path = e["valueFrom"]["fieldRef"]["fieldPath"]
-            out[e["name"]] = {"spec.nodeName": "testnode", "status.podIP": "127.0.0.1"}[path]
-    out.update(override)
+    out = {**container_env("testnode", "127.0.0.1"), **override}
     return {**{k: v for k, v in os.environ.items() if not k.startswith("MTCFS_")},
             "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), **out}
 

@@ -138,8 +138,9 @@ def test_a_change_on_a_waiting_node_is_refused_before_etcd_has_it(make_cluster):
 
 def test_a_node_that_waited_through_two_folds_installs_the_base(make_cluster, monkeypatch):
     """While rank 1 waits for room, rank 0 folds the log (at least twice) and deletes the
-    ops rank 1 waits at, and etcd compacts its history. Once there is room rank 1 installs the base (it checks room too)
-    and applies what came after it: the same namespace as rank 0, also after a restart.
+    ops rank 1 waits at, and etcd compacts its history. Once there is room rank 1 installs
+    the base (it checks room too) and applies what came after it: the same namespace as
+    rank 0, also after a restart.
     (Passes on bc35589: a check of docs/reliability.md's claim.)"""
     monkeypatch.setenv("MTCFS_NS_TRIM_OPS", "4")
     with _job_with_small_store(make_cluster) as (c, store1):

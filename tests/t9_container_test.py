@@ -29,6 +29,7 @@ import pytest
 
 from support import podman as pm
 from support.poll import wait_for
+from support.ports import free_port
 
 pytestmark = [pytest.mark.skipif(pm.available() is not None, reason=f"{pm.available()}"),
               pytest.mark.timeout(1800), pytest.mark.watchdog(1700)]
@@ -149,8 +150,8 @@ def test_container_pods_replicate_and_a_lost_node_restores_from_its_peer(image, 
         p = pm.NodePod(f"node-{rank}", root / f"node-{rank}", {
             "MTCFS_JOB": job, "MTCFS_SIZE": "256M", "MTCFS_RANK": str(rank),
             "MTCFS_NODES": "2", "MTCFS_REPLICAS": "1", "MTCFS_COORD": coord,
-            "MTCFS_INSECURE": "yes", "MTCFS_PEER_PORT": str(_free_port()),
-            "MTCFS_METRICS_PORT": str(_free_port())}, network="host", image=image)
+            "MTCFS_INSECURE": "yes", "MTCFS_PEER_PORT": str(free_port()),
+            "MTCFS_METRICS_PORT": str(free_port())}, network="host", image=image)
         made.append(p)
         p.start()
         return p
@@ -176,10 +177,3 @@ def test_container_pods_replicate_and_a_lost_node_restores_from_its_peer(image, 
     pods[0].wait_started()
     mnt0 = pods[0].host_path("mnt") / job
     assert (mnt0 / "step_1" / "shard-0.bin").read_bytes() == data, pods[0].logs()[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

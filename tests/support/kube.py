@@ -78,3 +78,19 @@ JOBSET = _docs(K8S / "example" / "jobset.yaml")
 DS = one(BASE, "DaemonSet", "mtcfs")
 CONTAINER = DS["spec"]["template"]["spec"]["containers"][0]
 CONFIG = one(BASE, "ConfigMap", "mtcfs-config")["data"]
+
+
+def container_env(node: str, pod_ip: str) -> dict[str, str]:
+    """The DaemonSet container's environment as the kubelet makes it: the literal values,
+    the ConfigMap's, and the downward API's (``spec.nodeName`` is ``node``,
+    ``status.podIP`` is ``pod_ip``)."""
+    out: dict[str, str] = {}
+    for e in CONTAINER["env"]:
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif "configMapKeyRef" in e["valueFrom"]:
+            out[e["name"]] = CONFIG[e["valueFrom"]["configMapKeyRef"]["key"]]
+        else:
+            field = e["valueFrom"]["fieldRef"]["fieldPath"]
+            out[e["name"]] = {"spec.nodeName": node, "status.podIP": pod_ip}[field]
+    return out

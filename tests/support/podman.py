@@ -28,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .kube import CONFIG, CONTAINER, DS, ROOT
+from .kube import CONTAINER, DS, ROOT, container_env
 
 IMAGE = "localhost/mtcfs:0.1.0"
 PROPAGATION = {"Bidirectional": "rshared", "HostToContainer": "rslave", None: "rprivate"}
@@ -106,21 +106,8 @@ class NodePod:
     def __init__(self, name: str, host: Path, env: dict[str, str], network: str = "none",
                  pod_ip: str = "127.0.0.1", image: str = IMAGE) -> None:
         self.name, self.host, self.network, self.image = name, host, network, image
-        self.env = self._env(env, pod_ip)
+        self.env = {**container_env(name, pod_ip), **env}
         self.grace_s = float(DS["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
-
-    def _env(self, override: dict[str, str], pod_ip: str) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for e in CONTAINER["env"]:
-            if "value" in e:
-                out[e["name"]] = e["value"]
-            elif "configMapKeyRef" in e["valueFrom"]:
-                out[e["name"]] = CONFIG[e["valueFrom"]["configMapKeyRef"]["key"]]
-            else:
-                field = e["valueFrom"]["fieldRef"]["fieldPath"]
-                out[e["name"]] = {"spec.nodeName": self.name, "status.podIP": pod_ip}[field]
-        out.update(override)
-        return out
 
     def host_path(self, volume: str) -> Path:
         """This node's directory standing for the DaemonSet's volume ``volume``."""
