@@ -13,7 +13,8 @@ bench-quick:
 
 # Recovery at the speed of the wire (benchmarks/bench_recovery.py, issue 41): 3 nodes,
 # replicas=2, 1 GiB, against a plain TCP copy; ARGS="--tls", or ARGS="--shaped 1,2,3
-# --size 512M" for the restore over tc-shaped links (1 Gbit/s per holder, needs root).
+# --size 512M" for the restore over tc-shaped links (1 Gbit/s per holder, needs root), or
+# ARGS="--job-restore" for the whole job restored from a file:// bucket (4 nodes, D=2).
 .PHONY: bench-recovery
 bench-recovery:
 	$(PYTHON) -m benchmarks.bench_recovery $(ARGS)

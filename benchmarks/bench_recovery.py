@@ -30,6 +30,17 @@ stream) send at most ``--holder-rate`` (1 Gbit/s) and all of them together at mo
 one class per holder (``tc``, matched by source port; removed at the end). The figure is
 the bulk restore's own rate (``mtcfs status``: restore.bulk_from_peers) against the sum of
 the holders' line rates; target >= 0.8.
+
+``--job-restore`` instead measures the bucket read once per job: ``--nodes`` (4) daemons
+with ``assume_data_parallelism=--twins`` (2) and a ``file://`` backup tier; ranks r and
+r + N/D write the same ``--size`` bytes (data-parallel replicas of one shard), commit the
+step and wait until it is backed up. Then the whole job is lost at once (every daemon
+SIGKILLed, every store wiped) and restarted on empty stores, all at once; each rank reads
+its shard back through its mount, bit-exact. The figure is the bytes the bucket served
+(``bytes_downloaded`` summed over the job's daemons) over the unique bytes of the step (the
+compressed size of its distinct chunks, as stored in the bucket); target <= 1.05. The same
+job and bytes mounted without ``assume_data_parallelism`` are the contrast: the bucket
+still stores each chunk once, but each rank reads its own shard from it.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -331,6 +343,120 @@ def shaped_rep(root: Path, size: int, holders: int, holder_rate: str, link_rate:
         c.cleanup()
 
 
+def _bucket_bytes(bucket: Path) -> int:
+    """Bytes of the chunk objects under a ``file://`` bucket (compressed, as stored)."""
+    return sum(p.stat().st_size for p in bucket.rglob("*")
+               if p.is_file() and "chunks" in p.relative_to(bucket).parts)
+
+
+def job_restore_rep(root: Path, size: int, nodes: int, twins: int, seed: int,
+                    tls: bool, option: bool = True) -> dict[str, Any]:
+    """One whole-job restore from the bucket: ranks r and r + N/twins write the same bytes;
+    ``option=False``: the job does not say so (no ``assume_data_parallelism``)."""
+    from tests.support.cluster import Cluster
+    import blake3
+    bucket = root / "bucket"
+    shards = nodes // twins
+    opts: dict[str, Any] = {"size": f"{max(4, 3 * size // GiB + 2)}G",
+                            "backup": f"file://{bucket}", "backup_interval": "1ckpt"}
+    if option:
+        opts["assume_data_parallelism"] = twins
+    c = Cluster(root / "cluster", nodes, job=JOB, tls=tls, options=opts)
+    want: dict[int, str] = {}
+    try:
+        c.start()
+        for r in range(nodes):
+            d = c.node(r).mnt / "step_1"
+            d.mkdir()
+            write_file(d / "shard.bin", size, UniqueData(seed + r % shards))
+            _commit(d)
+        for r in range(nodes):
+            c.node(r).wait_state("step_1", "backed-up", timeout=900)
+            want[r] = os.getxattr(c.node(r).mnt / "step_1" / "shard.bin",
+                                  "user.mtcfs.blake3").decode()
+        unique = _bucket_bytes(bucket)
+        for r in range(nodes):
+            c.kill9(r)
+        busy0 = machine_busy()
+        t0 = time.perf_counter()
+        mounts = c.restart_many(range(nodes), wipe=True, timeout=120)
+        t_mount = time.perf_counter() - t0
+        reads: dict[int, float] = {}
+        errors: list[BaseException] = []
+
+        def read(r: int) -> None:
+            try:
+                dt, got = _read_back(mounts[r].mnt / "step_1" / "shard.bin")
+                if got != want[r]:
+                    raise RuntimeError(f"rank {r}'s restored shard hashes to {got}")
+                reads[r] = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+        threads = [threading.Thread(target=read, args=(r,)) for r in range(nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+        if errors or len(reads) < nodes:
+            raise RuntimeError(f"whole-job read back failed: {errors or 'a reader hung'}")
+        t_all = time.perf_counter() - t0
+        busy = busy_since(busy0)
+        sts = [m.wait_for(lambda m=m: (lambda s: s if (s.get("restore") or {}).get(
+            "pending_chunks") == 0 else None)(m.status()), 300, "the restore")
+            for m in mounts]
+        down = [s["backup"]["store"]["bytes_downloaded"] for s in sts]
+        served = [s["restore"]["chunks_from"] for s in sts]
+        return {"twins": twins, "option": option, "unique_bytes": unique, "bucket_bytes_read": down,
+                "ratio": sum(down) / unique, "mount": t_mount, "read_back": t_all,
+                "per_rank_read_back": reads, "chunks_from": served,
+                "machine_busy": busy}
+    except BaseException:
+        for r in range(nodes):
+            tail = c.node(r).log()[-3000:]
+            if tail:
+                print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        c.cleanup()
+
+
+def main_job_restore(a: argparse.Namespace) -> int:
+    if a.nodes % a.twins:
+        raise SystemExit(f"bench_recovery: --twins {a.twins} must divide --nodes {a.nodes}")
+    rows, runs = [], []
+    with scratch_dir(SCRATCH_SHM, "mtcfs-bench-recovery-") as root:
+        for option in (True, False):
+            reps = []
+            for rep in range(a.reps):
+                d = root / f"opt{int(option)}-rep{rep}"
+                d.mkdir()
+                try:
+                    r = job_restore_rep(d, a.size, a.nodes, a.twins, 6100 + rep, a.tls,
+                                        option)
+                finally:  # the bucket and the stores are in RAM: 4-6x --size per repeat
+                    shutil.rmtree(d, ignore_errors=True)
+                log(f"option {option}, rep {rep}: bucket read {sum(r['bucket_bytes_read'])} B"
+                    f" of {r['unique_bytes']} unique ({r['ratio']:.3f}) per rank"
+                    f" {r['bucket_bytes_read']}; all read back in {r['read_back']:.2f} s")
+                reps.append(r)
+            runs.extend(reps)
+            label = (f"assume_data_parallelism={a.twins}" if option
+                     else "no assume_data_parallelism")
+            rows.append([label, fmt(median([r["unique_bytes"] / MiB for r in reps])),
+                         fmt(median([sum(r["bucket_bytes_read"]) / MiB for r in reps])),
+                         fmt(median([r["ratio"] for r in reps]), 3),
+                         fmt(median([r["read_back"] for r in reps]))])
+    res = BenchResult("recovery-job", f"whole-job restore from a file:// bucket: {a.nodes} "
+                      f"nodes on empty stores, {a.size // MiB} MiB per rank, "
+                      f"{'mutual TLS' if a.tls else 'plaintext'}, median of {a.reps}",
+                      ["", "unique bytes in the bucket, MiB", "bucket bytes read, MiB",
+                       "ratio", "restart + all ranks read back, s"], rows=rows)
+    res.checks = [Check("bucket bytes read / unique bytes", float(rows[0][3]), 1.05, "<=")]
+    res.samples = {"runs": runs, "size": a.size, "machine": machine_info(),
+                   "git": git_state()}
+    return report(res, Path(a.out), "recovery-job")
+
+
 def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": MiB, "G": GiB}
     t = text.strip().upper().rstrip("IB")
@@ -341,22 +467,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_recovery", description=__doc__.split("\n")[0])
     p.add_argument("--size", type=parse_size, default=GiB, help="shard size (default 1G)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="daemons (default 3; 4 with --job-restore)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--tls", action="store_true", help="peers speak mutual TLS")
     p.add_argument("--no-prefault", action="store_true")
     p.add_argument("--shaped", help="holder counts, e.g. 1,2,3: restore over shaped links")
     p.add_argument("--holder-rate", default="1gbit", help="each holder's line rate (tc)")
     p.add_argument("--link-rate", default="4gbit", help="the replacement's line rate (tc)")
+    p.add_argument("--job-restore", action="store_true",
+                   help="the whole job restored from a file:// bucket (--nodes 4, --twins 2)")
+    p.add_argument("--twins", type=int, default=2,
+                   help="--job-restore: assume_data_parallelism (default 2)")
     p.add_argument("--options", default="",
                    help="more mount options for every node, k=v,... (e.g. bg_sched=normal)")
     p.add_argument("--out", default=str(REPO / "bench-results"))
     a = p.parse_args(argv)
     extra = dict(kv.split("=", 1) for kv in a.options.split(",") if kv)
+    if a.nodes is None:
+        a.nodes = 4 if a.job_restore else 3
     if a.replicas >= a.nodes:
         p.error(f"--replicas must be below --nodes ({a.nodes})")
     if a.shaped:
         return main_shaped(a)
+    if a.job_restore:
+        return main_job_restore(a)
     runs: list[dict[str, Any]] = []
     with scratch_dir(SCRATCH_SHM, "mtcfs-bench-recovery-") as root:
         for rep in range(a.reps):
