@@ -206,6 +206,31 @@ def node_cmd(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess
                           text=True, timeout=timeout)
 
 
+def _only_child(pid: int, timeout: float = 10) -> int:
+    """The one child process of ``pid`` (from /proc), waited for up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if len(kids) == 1:
+            return int(kids[0])
+        assert time.monotonic() < deadline, f"process {pid} has children {kids}"
+        time.sleep(0.05)
+
+
+def _gone(pid: int, timeout: float) -> None:
+    """Assert process ``pid`` has ended (or is a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs ({state})"
+        time.sleep(0.05)
+
+
 def _wait_probe(env: dict[str, str], p: subprocess.Popen[str], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -227,10 +252,12 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
 
     log = shm_dir / "container.log"  # the container's output, as `kubectl logs` shows it
 
+    run_dir = str(shm_dir / "container-run")  # the container's own /run/mtcfs-node
+
     def start() -> subprocess.Popen[str]:
         with open(log, "a") as out:
-            p = subprocess.Popen([sys.executable, str(SCRIPT), "run"], env=env, text=True,
-                                 stdout=out, stderr=subprocess.STDOUT)
+            p = subprocess.Popen([sys.executable, str(SCRIPT), "run", "--run-dir", run_dir],
+                                 env=env, text=True, stdout=out, stderr=subprocess.STDOUT)
         procs.append(p)
         # reap it the moment it exits, as tini (PID 1 of the image) does: `mtcfs umount`
         # waits for the daemon's pid to be gone, and a zombie would still be there
@@ -240,27 +267,29 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
     try:
         p = start()
         _wait_probe(env, p)
-        # the entrypoint exec'd the daemon: the kubelet's signals reach mtcfs itself
         assert is_mounted(str(mnt))
+        daemon = _only_child(p.pid)  # the entrypoint runs the daemon as its child
         (mnt / "step_1").mkdir()
         (mnt / "step_1" / "w.bin").write_bytes(b"x" * 100_000)
         r = node_cmd(env, "probe")
         assert r.returncode == 0 and "is served" in r.stdout, r
 
         # a stuck daemon: the probe fails within its bound instead of hanging
-        os.kill(p.pid, signal.SIGSTOP)
+        os.kill(daemon, signal.SIGSTOP)
         t0 = time.monotonic()
         r = node_cmd(env, "probe", "--timeout", "2", timeout=30)
         took = time.monotonic() - t0
         assert r.returncode == 1 and "did not answer within 2s" in r.stderr, r
         assert took < 10, took
-        os.kill(p.pid, signal.SIGCONT)
+        os.kill(daemon, signal.SIGCONT)
         _wait_probe(env, p, timeout=30)
 
-        # a crashed container (SIGKILL): the probe says so at once; the next container's
-        # entrypoint clears the dead mount and serves the sealed files from the host tmpfs
+        # a crashed container (SIGKILL of its main process): the daemon dies with it; the
+        # probe says so at once; the next container's entrypoint clears the dead mount and
+        # serves the sealed files from the host tmpfs
         p.kill()
         p.wait(timeout=30)
+        _gone(daemon, timeout=30)
         r = node_cmd(env, "probe", "--timeout", "2", timeout=30)
         assert r.returncode == 1, r
         assert is_mounted(str(mnt))  # the dead mount is still there, as on a real node
@@ -276,7 +305,8 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
         # the forced one detaches the mount, the daemon ends; the sealed files stay
         held = open(mnt / "step_1" / "w.bin", "rb")
         try:
-            r = node_cmd(env, "prestop", "--timeout", "20", timeout=120)
+            r = node_cmd(env, "prestop", "--timeout", "20", "--run-dir", run_dir,
+                         timeout=120)
             assert r.returncode == 0 and "by force" in r.stdout, (r, log.read_text()[-3000:])
             assert not is_mounted(str(mnt))
             p.wait(timeout=30)
@@ -289,11 +319,24 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
         _wait_probe(env, p)
         assert (mnt / "step_1" / "w.bin").read_bytes() == b"x" * 100_000
 
-        # preStop: a clean unmount, the daemon exits by itself
-        r = node_cmd(env, "prestop", "--timeout", "60", timeout=120)
+        # preStop: a clean unmount, the daemon exits by itself; the entrypoint (a
+        # container's main process) outlives it until the hook has ended, so a runtime
+        # does not kill the hook with the container (exit 137, FailedPreStopHook)
+        daemon = _only_child(p.pid)
+        r = node_cmd(env, "prestop", "--timeout", "60", "--run-dir", run_dir, timeout=120)
         assert r.returncode == 0 and "cleanly" in r.stdout, (r, log.read_text()[-3000:])
         assert not is_mounted(str(mnt))
         assert p.wait(timeout=30) == 0
+        assert "waiting for preStop to finish" in log.read_text()
+        _gone(daemon, timeout=5)
+
+        # SIGTERM (the kubelet's, after preStop or without one) reaches the daemon, which
+        # unmounts cleanly; the entrypoint ends with its status
+        p = start()
+        _wait_probe(env, p)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert not is_mounted(str(mnt))
         r = node_cmd(env, "probe", "--timeout", "2")
         assert r.returncode == 1 and "not an mtcfs mount" in r.stderr, r
         r = node_cmd(env, "prestop")  # a second preStop has nothing to do

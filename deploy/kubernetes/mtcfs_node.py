@@ -7,8 +7,15 @@ One script, four subcommands, each run by a field of the manifests in this direc
     The DaemonSet container's command. Builds the mount options from the environment
     (the names in :data:`ENV`, set by ``daemonset.yaml`` from the ``mtcfs-config``
     ConfigMap and the downward API), clears a dead mount a crashed container left at the
-    mount point, and ``exec``\\ s ``mtcfs JOB MNT -f -o ...`` so the daemon is the process
-    the kubelet signals. ``run --dry-run`` prints the command instead.
+    mount point, and runs ``mtcfs JOB MNT -f -o ...`` as its child: every signal the
+    container gets (the kubelet's SIGTERM) is passed on to the daemon, the daemon dies with
+    it (``PR_SET_PDEATHSIG``), and it exits with the daemon's status. It does not ``exec``
+    the daemon, so that the container outlives the daemon while a ``prestop`` is still
+    running: when the container's main process ends, the runtime kills every process in
+    it, the hook's too, which a kubelet records as a failed hook (exit 137) for a stop that
+    went well. After the daemon's exit ``run`` waits, at most :data:`PRESTOP_WAIT_S`, for a
+    live ``prestop`` (its pid file in ``--run-dir``) to end. ``run --dry-run`` prints the
+    command instead.
 ``probe``
     Readiness and liveness. Passes when (1) /proc/self/mountinfo holds a ``fuse.mtcfs``
     mount at the mount point, (2) a ``stat`` through FUSE of the root and of a name that
@@ -36,6 +43,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -78,6 +86,19 @@ KUBELET_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 
 #: How long ``run`` keeps asking the API server for the node's label.
 API_DEADLINE_S = 60.0
+
+#: Where ``prestop`` says it is running (``prestop.pid``): a directory of the container's
+#: own (a new container starts with a new one), never a host path.
+RUN_DIR = "/run/mtcfs-node"
+
+#: After the daemon's exit, how long ``run`` waits for a running ``prestop`` to finish: it
+#: has only its last line to print by then.
+PRESTOP_WAIT_S = 30.0
+
+#: The signals ``run`` passes on to the daemon (SIGKILL and SIGSTOP cannot be caught: the
+#: first ends ``run`` and so, by PR_SET_PDEATHSIG, the daemon).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
 
 
 class ConfigError(Exception):
@@ -215,8 +236,58 @@ def mount_options() -> str:
     return ",".join(opts)
 
 
+def _die_with(parent: int) -> None:
+    """In the daemon's child process before exec: SIGKILL it when ``run`` (pid ``parent``)
+    dies, as an exec'd daemon would die with the container; prctl(2) PR_SET_PDEATHSIG."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        os._exit(127)
+    if os.getppid() != parent:  # run died before the prctl
+        os._exit(127)
+
+
+def _prestop_running(run_dir: Path) -> bool:
+    """True while a ``prestop`` of this container has its pid file and is alive."""
+    try:
+        pid = int((run_dir / "prestop.pid").read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def supervise(argv: list[str], run_dir: Path, wait_s: float = PRESTOP_WAIT_S) -> int:
+    """Run the daemon ``argv`` as a child until it exits; the exit status to end with.
+
+    Signals in :data:`FORWARDED` are passed on to the daemon. After its exit, waits at most
+    ``wait_s`` seconds for a running ``prestop`` (see :func:`_prestop_running`) to end.
+    Returns the daemon's exit status, or 128 + N when a signal N ended it (as a shell
+    reports it).
+    """
+    parent = os.getpid()
+    child = subprocess.Popen(argv, preexec_fn=lambda: _die_with(parent))  # noqa: PLW1509 (one thread)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except OSError:  # already gone
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    rc = child.wait()
+    end = time.monotonic() + wait_s
+    if _prestop_running(run_dir):
+        print("mtcfs-node: the daemon exited; waiting for preStop to finish", file=sys.stderr,
+              flush=True)
+        while _prestop_running(run_dir) and time.monotonic() < end:
+            time.sleep(0.1)
+    return rc if rc >= 0 else 128 - rc
+
+
 def cmd_run(a: argparse.Namespace) -> None:
-    """Build the options, clear a dead mount, exec the daemon in the foreground."""
+    """Build the options, clear a dead mount, run the daemon in the foreground."""
     job, store, mnt = paths()
     argv = ["mtcfs", job, str(mnt), "-f", "-o", mount_options()]
     if a.dry_run:
@@ -232,7 +303,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
     store.parent.mkdir(parents=True, exist_ok=True)
     print(f"mtcfs-node: {' '.join(argv)}", file=sys.stderr, flush=True)
-    os.execvp(argv[0], argv)
+    sys.exit(supervise(argv, Path(a.run_dir)))
 
 
 _STAT = """\
@@ -315,12 +386,27 @@ def cmd_prestop(a: argparse.Namespace) -> None:
     if not mountinfo.is_mounted(mnt):
         print(f"mtcfs-node: {mnt} is not mounted")
         return
+    # While this file names a live process, the entrypoint (run) outlives the daemon it
+    # supervises, so this hook is not killed with the container before it ends.
+    mark = Path(a.run_dir) / "prestop.pid"
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(f"{os.getpid()}\n")
+    try:
+        _prestop(mnt, a.timeout)
+    finally:
+        try:
+            mark.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _prestop(mnt: Path, timeout: float) -> None:
     tool = shutil.which("mtcfs")
     argv = [tool] if tool else [sys.executable, "-m", "mtcfs"]
     # --flush: the newest step to the peers and the bucket first (stop_flush=, 25 s by
     # default), then the unmount: the pod's grace period (180 s) covers both.
-    rc, out = _bounded(argv + ["umount", str(mnt), "--flush", "--timeout", str(a.timeout)],
-                       a.timeout + 45)
+    rc, out = _bounded(argv + ["umount", str(mnt), "--flush", "--timeout", str(timeout)],
+                       timeout + 45)
     if rc == 0:
         print(f"mtcfs-node: unmounted {mnt} cleanly")
         return
@@ -335,8 +421,9 @@ def cmd_prestop(a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mtcfs-node", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="the DaemonSet's entrypoint: exec the daemon")
+    r = sub.add_parser("run", help="the DaemonSet's entrypoint: run the daemon")
     r.add_argument("--dry-run", action="store_true", help="print the mtcfs command")
+    r.add_argument("--run-dir", default=RUN_DIR, help=f"where prestop says it runs ({RUN_DIR})")
     r.set_defaults(fn=cmd_run)
     pr = sub.add_parser("probe", help="readiness/liveness: is the mount served?")
     pr.add_argument("--timeout", type=float, default=5.0, help="seconds per check")
@@ -348,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     w.set_defaults(fn=cmd_wait)
     s = sub.add_parser("prestop", help="unmount cleanly (forced if that fails)")
     s.add_argument("--timeout", type=float, default=120.0)
+    s.add_argument("--run-dir", default=RUN_DIR, help=f"as run's --run-dir ({RUN_DIR})")
     s.set_defaults(fn=cmd_prestop)
     a = p.parse_args(argv)
     try:
