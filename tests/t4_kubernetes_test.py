@@ -319,24 +319,33 @@ def test_entrypoint_probes_and_prestop_run_for_real(shm_dir):
         _wait_probe(env, p)
         assert (mnt / "step_1" / "w.bin").read_bytes() == b"x" * 100_000
 
-        # preStop: a clean unmount, the daemon exits by itself; the entrypoint (a
-        # container's main process) outlives it until the hook has ended, so a runtime
-        # does not kill the hook with the container (exit 137, FailedPreStopHook)
+        # SIGTERM (the kubelet's, after preStop or without one) reaches the daemon, which
+        # unmounts cleanly. A preStop still running then (its pid in run-dir; here a
+        # stand-in that the test ends) keeps the entrypoint, a container's main process,
+        # alive after the daemon's exit: a runtime kills every process of a container whose
+        # main process ended, and the hook would exit 137 (FailedPreStopHook).
         daemon = _only_child(p.pid)
+        hook = subprocess.Popen(["sleep", "60"])
+        procs.append(hook)
+        (Path(run_dir) / "prestop.pid").write_text(f"{hook.pid}\n")
+        p.send_signal(signal.SIGTERM)
+        _gone(daemon, timeout=60)
+        assert not is_mounted(str(mnt))
+        time.sleep(0.5)
+        assert p.poll() is None, log.read_text()[-3000:]  # waits for the hook
+        hook.kill()
+        hook.wait(timeout=10)
+        assert p.wait(timeout=10) == 0, log.read_text()[-3000:]  # the daemon's status
+        assert "waiting for preStop to finish" in log.read_text()
+
+        # preStop: a clean unmount, the daemon exits by itself, the entrypoint with it
+        p = start()
+        _wait_probe(env, p)
         r = node_cmd(env, "prestop", "--timeout", "60", "--run-dir", run_dir, timeout=120)
         assert r.returncode == 0 and "cleanly" in r.stdout, (r, log.read_text()[-3000:])
         assert not is_mounted(str(mnt))
         assert p.wait(timeout=30) == 0
-        assert "waiting for preStop to finish" in log.read_text()
-        _gone(daemon, timeout=5)
-
-        # SIGTERM (the kubelet's, after preStop or without one) reaches the daemon, which
-        # unmounts cleanly; the entrypoint ends with its status
-        p = start()
-        _wait_probe(env, p)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
-        assert not is_mounted(str(mnt))
+        assert not (Path(run_dir) / "prestop.pid").exists()
         r = node_cmd(env, "probe", "--timeout", "2")
         assert r.returncode == 1 and "not an mtcfs mount" in r.stderr, r
         r = node_cmd(env, "prestop")  # a second preStop has nothing to do
