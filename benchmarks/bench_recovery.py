@@ -386,7 +386,7 @@ def job_restore_rep(root: Path, size: int, nodes: int, twins: int, seed: int,
 
         def read(r: int) -> None:
             try:
-                dt, got = _read_back(mounts[r].mnt / "step_1" / "shard.bin")
+                _, got = _read_back(mounts[r].mnt / "step_1" / "shard.bin")
                 if got != want[r]:
                     raise RuntimeError(f"rank {r}'s restored shard hashes to {got}")
                 reads[r] = time.perf_counter() - t0
@@ -406,8 +406,8 @@ def job_restore_rep(root: Path, size: int, nodes: int, twins: int, seed: int,
             for m in mounts]
         down = [s["backup"]["store"]["bytes_downloaded"] for s in sts]
         served = [s["restore"]["chunks_from"] for s in sts]
-        return {"twins": twins, "option": option, "unique_bytes": unique, "bucket_bytes_read": down,
-                "ratio": sum(down) / unique, "mount": t_mount, "read_back": t_all,
+        return {"twins": twins, "option": option, "unique_bytes": unique,
+                "bucket_bytes_read": down, "ratio": sum(down) / unique, "mount": t_mount, "read_back": t_all,
                 "per_rank_read_back": reads, "chunks_from": served,
                 "machine_busy": busy}
     except BaseException:
