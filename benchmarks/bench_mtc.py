@@ -88,6 +88,7 @@ from benchmarks.common import (
     MiB,
     UniqueData,
     drop_caches,
+    dump_logs,
     fmt,
     fmt_noise,
     gbps,
@@ -636,7 +637,7 @@ def run_twins(shm: Path, size: int, rep: int, touch: bool, store_size: str,
         trainer_restart(s, 2)
         return dedup_block(s, 30, "mount 2 + yaml 2", same_change=True, backup=False)
     except BaseException:
-        _dump_logs(c)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()
@@ -671,13 +672,6 @@ def cp_baseline(root: Path, size: int, rep: int, touch: bool) -> dict[str, Any]:
         shutil.rmtree(dst, ignore_errors=True)
 
 
-def _dump_logs(c: Any) -> None:
-    for r in range(c.nodes):
-        tail = c.node(r).log()[-3000:]
-        if tail:
-            print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
-
-
 def run_rep(shm: Path, disk: Path, size: int, rep: int, touch: bool, dedup: bool,
             store_size: str, logs: Path | None = None) -> dict[str, Any]:
     from tests.support.cluster import Cluster
@@ -707,7 +701,7 @@ def run_rep(shm: Path, disk: Path, size: int, rep: int, touch: bool, dedup: bool
             out.setdefault("phase_seconds", {})[name] = round(time.perf_counter() - t, 2)
             log(f"rep {rep + 1}: {name} done in {time.perf_counter() - t:.1f} s")
     except BaseException:
-        _dump_logs(c)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()

@@ -72,6 +72,7 @@ from benchmarks.common import (
     KiB,
     MiB,
     UniqueData,
+    dump_logs,
     fmt,
     fmt_noise,
     gbps,
@@ -493,13 +494,6 @@ def _peer_cluster(root: Path, options: dict | None = None) -> Any:
     return Cluster(root, 2, job=JOB, options={"size": "12G", "replicas": 1, **(options or {})})
 
 
-def _dump_logs(c: Any) -> None:
-    for r in range(c.nodes):
-        tail = c.node(r).log()[-3000:]
-        if tail:
-            print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
-
-
 def mtcfs_replicate_restore(root: Path, size: int, seed: int, touch: bool) -> dict[str, Any]:
     """Close -> ``replicated 1/1`` of rank 0's step_1; then SIGKILL + wipe + restore."""
     c = _peer_cluster(root)
@@ -535,7 +529,7 @@ def mtcfs_replicate_restore(root: Path, size: int, seed: int, touch: bool) -> di
                 "restore": t_restore, "peers_after_replication": peers_after,
                 "restore_status": st.get("restore"), "peers_after_restore": st.get("peers")}
     except BaseException:
-        _dump_logs(c)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()
@@ -580,7 +574,7 @@ def mtcfs_restore_backup(root: Path, target: Path, size: int, seed: int,
         return {"mount": t_mount, "restore": t_restore, "restore_status": st.get("restore"),
                 "peers": st.get("peers")}
     except BaseException:
-        _dump_logs(c)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()
@@ -616,7 +610,7 @@ def mtcfs_write_while_replicating(root: Path, size: int, seed: int, touch: bool,
         c.start()
         return _write_during(c.node(0).mnt, size, seed, touch, _replicated)
     except BaseException:
-        _dump_logs(c)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()

@@ -58,6 +58,7 @@ from typing import Any
 
 from benchmarks.common import (
     REPO, SCRATCH_SHM, BenchResult, Check, GiB, MiB, UniqueData, cpu_seconds, daemon_pid,
+    dump_logs,
     fmt, git_state, log, machine_info, median, mtcfs_state, prefault, scratch_dir,
     wait_until, write_file, write_json,
 )
@@ -249,10 +250,7 @@ def one_rep(root: Path, size: int, nodes: int, replicas: int, tls: bool, seed: i
                 "cpu_replicate": {r: round(cpu1[r] - cpu0.get(r, 0), 3) for r in cpu1},
                 "cpu_restore": {r: round(cpu3[r] - cpu2.get(r, 0), 3) for r in cpu3}}
     except BaseException:
-        for r in range(nodes):
-            tail = c.node(r).log()[-3000:]
-            if tail:
-                print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()
@@ -407,14 +405,11 @@ def job_restore_rep(root: Path, size: int, nodes: int, twins: int, seed: int,
         down = [s["backup"]["store"]["bytes_downloaded"] for s in sts]
         served = [s["restore"]["chunks_from"] for s in sts]
         return {"twins": twins, "option": option, "unique_bytes": unique,
-                "bucket_bytes_read": down, "ratio": sum(down) / unique, "mount": t_mount, "read_back": t_all,
-                "per_rank_read_back": reads, "chunks_from": served,
+                "bucket_bytes_read": down, "ratio": sum(down) / unique, "mount": t_mount,
+                "read_back": t_all, "per_rank_read_back": reads, "chunks_from": served,
                 "machine_busy": busy}
     except BaseException:
-        for r in range(nodes):
-            tail = c.node(r).log()[-3000:]
-            if tail:
-                print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
+        dump_logs(c)
         raise
     finally:
         c.cleanup()

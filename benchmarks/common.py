@@ -245,6 +245,15 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str,
     return time.perf_counter() - t0
 
 
+def dump_logs(c: Any) -> None:
+    """Print the tail (3,000 characters) of every rank's mtcfs log of the cluster ``c``
+    (tests.support.cluster.Cluster) to stderr: what a failed benchmark repeat shows."""
+    for r in range(c.nodes):
+        tail = c.node(r).log()[-3000:]
+        if tail:
+            print(f"--- mtcfs log of rank {r} ---\n{tail}", file=sys.stderr)
+
+
 def mtcfs_state(path: str | os.PathLike[str]) -> str:
     return os.getxattr(path, "user.mtcfs.state").decode()
 
