@@ -48,6 +48,7 @@ from mtcfs.base.mountinfo import force_unmount, is_mounted
 from support.kube import (BASE, CONFIG, CONTAINER, DEV, DS, EXAMPLE, JOBSET, K8S, ROOT, _key,
                           container_env, one, render)
 from support.mount import VENV_BIN
+from support.poll import alive, wait_for
 
 SCRIPT = K8S / "mtcfs_node.py"
 #: The newest Kubernetes release whose schema the installed kubernetes-validate carries.
@@ -208,27 +209,16 @@ def node_cmd(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess
 
 def _only_child(pid: int, timeout: float = 10) -> int:
     """The one child process of ``pid`` (from /proc), waited for up to ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def one() -> int | None:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        if len(kids) == 1:
-            return int(kids[0])
-        assert time.monotonic() < deadline, f"process {pid} has children {kids}"
-        time.sleep(0.05)
+        return int(kids[0]) if len(kids) == 1 else None
+    return wait_for(one, timeout, f"process {pid} to have one child")
 
 
 def _gone(pid: int, timeout: float) -> None:
-    """Assert process ``pid`` has ended (or is a zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state in ("Z", "X"):
-            return
-        assert time.monotonic() < deadline, f"process {pid} still runs ({state})"
-        time.sleep(0.05)
+    """Wait until process ``pid`` has ended (or is a zombie); TimeoutError after
+    ``timeout`` seconds."""
+    wait_for(lambda: not alive(pid), timeout, f"process {pid} to end")
 
 
 def _wait_probe(env: dict[str, str], p: subprocess.Popen[str], timeout: float = 60) -> None:

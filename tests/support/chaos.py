@@ -83,6 +83,7 @@ from mtcfs.base.mountinfo import force_unmount
 
 from .cluster import Cluster
 from .mount import remove_tree
+from .poll import alive
 
 #: Seconds past the documented bound a call into a mount may take on a loaded 2-core
 #: machine before it counts as a violation.
@@ -1831,14 +1832,7 @@ def leftover_processes(root: Path, pids: Iterable[int] = ()) -> list[int]:
     ``root`` on its command line."""
     me = os.getpid()
     base = os.fsencode(os.path.abspath(root))
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().split(")")[-1].split()[0] != "Z":
-                    out.add(pid)
-        except OSError:
-            pass
+    out = {pid for pid in pids if alive(pid)}
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == me:
             continue

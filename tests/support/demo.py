@@ -12,6 +12,7 @@ import time
 import pytest
 
 from .mount import force_unmount, is_mounted
+from .poll import alive
 
 
 def interrupt_after(argv: list[str], marker: str, timeout: float = 60.0) -> tuple[int, str]:
@@ -43,14 +44,6 @@ def scratch_of(out: str) -> str:
     return m.group(1)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def assert_cleaned_up(out: str, nodes: int, min_pids: int = 0) -> None:
     """What a demo must leave behind: no mount under its scratch directory (``n<r>/mnt``
     for each of ``nodes``), no scratch directory, and none of the processes it named
@@ -71,9 +64,9 @@ def assert_cleaned_up(out: str, nodes: int, min_pids: int = 0) -> None:
     pids = [int(p) for p in re.findall(r"\bpid (\d+)", out)]
     assert len(pids) >= min_pids, out
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (any(_alive(p) for p in pids) or _using(scratch)):
+    while time.monotonic() < deadline and (any(alive(p) for p in pids) or _using(scratch)):
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], f"processes left running: {pids}"
+    assert not [p for p in pids if alive(p)], f"processes left running: {pids}"
     assert not _using(scratch), f"processes left running: {_using(scratch)}"
 
 
@@ -86,7 +79,7 @@ def _using(scratch: str) -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if scratch + "/" in cmd and _alive(int(pid)):
+        if scratch + "/" in cmd and alive(int(pid)):
             out.append(cmd)
     return out
 

@@ -9,6 +9,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists and has not exited (a zombie, state Z or X in
+    /proc/PID/stat, is not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str,
              interval: float = 0.05) -> T:
     """Call ``pred`` until it returns something true and return that.
